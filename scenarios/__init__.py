@@ -1,0 +1,1 @@
+"""Bundled scenario files (TOML) and the real request traces they use (`traces/`)."""

@@ -1,0 +1,18 @@
+"""servesim's simulation core: requests, workloads, KV blocks, policies, the service-time model,
+the engine, metrics and session logs. Nothing here imports Textual or CuPy."""
+
+from sim.engine import Engine, EngineSnapshot, RequestView
+from sim.errors import (EngineError, LogError, ScenarioError, ServesimError, TraceError,
+                        UnknownRequestError)
+from sim.metrics import rolling, summarize
+from sim.policies import POLICIES
+from sim.request import Request, RequestState
+from sim.scenario import Scenario, bundled_scenarios, load_scenario
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Engine", "EngineSnapshot", "RequestView", "EngineError", "LogError", "ScenarioError",
+    "ServesimError", "TraceError", "UnknownRequestError", "rolling", "summarize", "POLICIES",
+    "Request", "RequestState", "Scenario", "bundled_scenarios", "load_scenario", "__version__",
+]

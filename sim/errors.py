@@ -1,0 +1,35 @@
+"""The failure families of servesim, one exception type each.
+
+Every message names the offending file, field or value, so that the CLI can print it as one line
+on stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+
+class ServesimError(Exception):
+    """Base of every error the CLI reports as one line with exit code 2."""
+
+
+class ScenarioError(ServesimError):
+    """A scenario file or override is malformed, mistyped, or describes an impossible setup."""
+
+
+class TraceError(ServesimError):
+    """A trace or length file is missing or has a malformed row."""
+
+
+class EngineError(ServesimError):
+    """A request to the live engine that cannot be honoured (unknown id, bad injection)."""
+
+
+class UnknownRequestError(EngineError):
+    """A request id that the engine has never seen."""
+
+
+class InvalidTransition(ServesimError):
+    """A request state change that the state machine forbids: always a bug in the engine."""
+
+
+class LogError(ServesimError):
+    """A session log that is truncated, corrupt, foreign or of a newer format."""

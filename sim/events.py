@@ -1,0 +1,116 @@
+"""The engine's stream of typed events, in simulated-time order.
+
+Every state transition of a request is one event; the tokens of engine steps are grouped into one
+`Steps` event per run of identical steps (a decode-only stretch can be thousands of steps long),
+and user actions (inject, cancel, policy switch) are events too, with the engine step at which
+they took effect, so that a session can be replayed exactly. Times are simulated seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class Event:
+    t: float
+
+    kind = "event"
+
+    def to_dict(self) -> dict:
+        out = {"kind": self.kind}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.ndarray):
+                v = v.tolist()
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+
+@dataclass(slots=True)
+class Arrival(Event):
+    req_id: int
+    prompt_len: int
+    max_output_tokens: int
+    priority: int = 0
+    injected: bool = False
+    kind = "arrival"
+
+
+@dataclass(slots=True)
+class Reject(Event):
+    req_id: int
+    reason: str
+    kind = "reject"
+
+
+@dataclass(slots=True)
+class Admit(Event):
+    """The request was scheduled: for the first time, or again after a preemption."""
+
+    req_id: int
+    resumed: bool = False
+    kind = "admit"
+
+
+@dataclass(slots=True)
+class Steps(Event):
+    """`len(ends)` consecutive engine steps starting at time `t`, index `step`.
+
+    `prefill` holds (req_id, start_pos, num_tokens) chunks (only in single-step runs); `decode`
+    the requests that got one token in every step of the run. `tokens`, with real compute, maps
+    req_id to the token ids it sampled in these steps, in order.
+    """
+
+    step: int
+    ends: np.ndarray
+    prefill: tuple = ()
+    decode: tuple = ()
+    tokens: dict | None = None
+    kv_used: int = 0
+    kind = "steps"
+
+
+@dataclass(slots=True)
+class FirstToken(Event):
+    req_id: int
+    kind = "first_token"
+
+
+@dataclass(slots=True)
+class Preempt(Event):
+    req_id: int
+    mode: str = "recompute"
+    kind = "preempt"
+
+
+@dataclass(slots=True)
+class Finish(Event):
+    req_id: int
+    kind = "finish"
+
+
+@dataclass(slots=True)
+class Cancel(Event):
+    req_id: int
+    state: str  # the state the request was cancelled in
+    by: str = "client"
+    kind = "cancel"
+
+
+@dataclass(slots=True)
+class UserAction(Event):
+    """An action taken through the live API, applied before engine step `step`."""
+
+    step: int
+    action: str
+    args: dict = field(default_factory=dict)
+    kind = "action"
+
+
+EVENT_TYPES = {cls.kind: cls for cls in
+               (Arrival, Reject, Admit, Steps, FirstToken, Preempt, Finish, Cancel, UserAction)}

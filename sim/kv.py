@@ -1,0 +1,211 @@
+"""KV cache memory: a pool of fixed-size blocks and the per-request block tables over it.
+
+`BlockPool` speaks only in blocks: reference counts, an LRU free queue, and (for prefix caching)
+the hash of each full block. `KVCacheManager` speaks in requests and tokens: it grows a request's
+append-only block table as its tokens are computed (nothing is reserved up front) and frees it on
+finish, cancel or preemption. Neither knows about kernels or scheduling.
+
+The free queue keeps LRU order (as vLLM V1's `FreeKVCacheBlockQueue` does with an intrusive
+doubly linked list), and a cached free block hit by a new request leaves it in O(1).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat
+from typing import Iterable
+
+from sim.errors import ScenarioError
+
+_consume = deque(maxlen=0).extend  # run an iterator for its side effects, in C
+
+class OutOfBlocks(Exception):
+    """Raised by BlockPool.allocate when fewer blocks are free than asked for."""
+
+
+class BlockPool:
+    """`num_blocks` blocks with reference counts and an LRU queue of free blocks.
+
+    A block is free when its ref count is 0. Free blocks that still hold a cached prefix (a hash)
+    stay reusable until `allocate` pops them from the head of the queue, which evicts the hash.
+
+    The queue is a list of block ids consumed from `_head`. Taking a free block out of the middle
+    (a prefix-cache hit) leaves its entry behind as stale: an entry is live only while its block
+    is free and `_pos` records that entry's position, so the queue keeps exact LRU order with O(1)
+    removal, and while nothing is stale an allocation is one list slice.
+    """
+
+    def __init__(self, num_blocks: int, sharing: bool = False) -> None:
+        if num_blocks <= 0:
+            raise ScenarioError(f"kv.num_blocks: must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        # Without sharing no entry ever goes stale, and blocks move in bulk (C-level map/slice).
+        self.sharing = sharing
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self._queue = list(range(num_blocks))
+        self._pos = list(range(num_blocks))  # absolute queue position of each block's entry
+        self._base = 0  # absolute position of _queue[0]
+        self._head = 0
+        self._stale = 0
+        self.num_free = num_blocks
+        self.num_evictions = 0
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in queue order, head (next to allocate) first. O(queue length)."""
+        ref, pos, base = self.ref_cnt, self._pos, self._base
+        q = self._queue
+        return [b for i, b in enumerate(q[self._head:], self._head)
+                if ref[b] == 0 and pos[b] == base + i]
+
+    def allocate(self, n: int) -> list[int]:
+        """Pop `n` blocks from the head of the free queue, each with ref count 1.
+
+        Raises OutOfBlocks (and allocates nothing) when fewer than `n` are free.
+        """
+        if n > self.num_free:
+            raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
+        q, ref = self._queue, self.ref_cnt
+        h = self._head
+        if not self._stale:
+            out = q[h:h + n]
+            h += n
+            _consume(map(ref.__setitem__, out, repeat(1)))
+        else:
+            out = []
+            pos, base = self._pos, self._base
+            while len(out) < n:
+                b = q[h]
+                if ref[b] == 0 and pos[b] == base + h:
+                    ref[b] = 1
+                    out.append(b)
+                else:
+                    self._stale -= 1
+                h += 1
+        if self.cached:  # evict the cached prefixes these blocks held
+            bh = self.block_hash
+            for b in out:
+                if bh[b] is not None:
+                    del self.cached[bh[b]]
+                    bh[b] = None
+                    self.num_evictions += 1
+        self.num_free -= n
+        if h > 4096 and h * 2 > len(q):
+            del q[:h]
+            self._base += h
+            h = 0
+        self._head = h
+        return out
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each block; blocks that reach 0 join the tail of the queue.
+
+        Callers pass a request's blocks tail-first so that its last blocks, the least likely
+        to be shared, are evicted first. Raises AssertionError on a block already free.
+        """
+        ref, q = self.ref_cnt, self._queue
+        if not self.sharing:
+            blocks = list(blocks)
+            if list(map(ref.__getitem__, blocks)).count(1) != len(blocks):
+                bad = next(b for b in blocks if ref[b] != 1)
+                raise AssertionError(f"block {bad} freed twice")
+            _consume(map(ref.__setitem__, blocks, repeat(0)))
+            q.extend(blocks)
+            self.num_free += len(blocks)
+            return
+        pos = self._pos
+        start = p = self._base + len(q)
+        for b in blocks:
+            rc = ref[b]
+            if rc == 1:
+                ref[b] = 0
+                pos[b] = p
+                p += 1
+                q.append(b)
+            elif rc > 1:
+                ref[b] = rc - 1
+            else:
+                raise AssertionError(f"block {b} freed twice")
+        self.num_free += p - start
+
+    def share(self, b: int) -> None:
+        """Take one more reference to block `b`, pulling it out of the free queue if needed."""
+        if not self.sharing:
+            raise AssertionError("this pool was made without sharing")
+        if self.ref_cnt[b] == 0:
+            self.num_free -= 1
+            self._stale += 1  # its queue entry stays behind
+        self.ref_cnt[b] += 1
+
+    # --- prefix cache ----------------------------------------------------------------------------
+    def lookup(self, h: int) -> int | None:
+        return self.cached.get(h)
+
+    def set_hash(self, b: int, h: int) -> None:
+        """Mark full block `b` as holding the prefix hashed `h` (first writer wins)."""
+        if self.block_hash[b] is None and h not in self.cached:
+            self.block_hash[b] = h
+            self.cached[h] = b
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold `num_tokens` tokens."""
+    return -(-num_tokens // block_size)
+
+
+class KVCacheManager:
+    """Grows and frees requests' block tables over a BlockPool.
+
+    A request's `block_table` always covers its `num_computed_tokens` (plus the tokens of the
+    step being scheduled) and nothing more than one partial block beyond.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, sharing: bool = False) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, sharing)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used
+
+    def blocks_needed(self, req, num_new_tokens: int) -> int:
+        """New blocks `req` needs to compute `num_new_tokens` more tokens."""
+        total = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
+        return max(0, total - len(req.block_table))
+
+    def allocate_slots(self, req, num_new_tokens: int, reserve: int = 0) -> bool:
+        """Grow `req.block_table` to hold `num_new_tokens` more tokens.
+
+        Returns False, allocating nothing, if that would leave fewer than `reserve` blocks free.
+        """
+        need = (-(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
+                - len(req.block_table))
+        if need <= 0:
+            return True
+        if need + reserve > self.pool.num_free:
+            return False
+        req.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def free(self, req) -> None:
+        """Release every block `req` holds (tail first) and empty its table."""
+        if req.block_table:
+            self.pool.free(reversed(req.block_table))
+            req.block_table = []

@@ -1,0 +1,14 @@
+"""Scheduling policies, by name. Each is one module with one `Policy` subclass."""
+
+from __future__ import annotations
+
+from sim.policies.base import Policy, SchedulerOutput
+from sim.policies.chunked import ChunkedPolicy
+from sim.policies.fcfs import FCFSPolicy
+from sim.policies.static import StaticPolicy
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (StaticPolicy, FCFSPolicy, ChunkedPolicy)
+}
+
+__all__ = ["POLICIES", "Policy", "SchedulerOutput"]

@@ -1,0 +1,136 @@
+"""The policy interface: a scheduler owns the waiting queue and the running batch and decides,
+each engine step, which requests compute how many tokens.
+
+A policy speaks in requests and budgets; memory goes through the engine's KVCacheManager
+(`allocate_slots`), and preemption through `engine.preempt`, which frees the victim's blocks and
+records the transition. Adding a policy is one new module with a `Policy` subclass registered in
+`sim.policies.POLICIES`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sim.request import Request, RequestState
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: (request, tokens to compute) in batch order, and who was preempted."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # True when every running request decodes one token and nothing else happens: the engine
+    # may then run identical steps back to back until the next event.
+    decode_only: bool = False
+
+
+class Policy:
+    """Base scheduler: FCFS queue order, most recently admitted request as preemption victim."""
+
+    name = "base"
+    description = ""
+    # Whether a decode-only step stays the policy's choice until the next arrival, finish,
+    # cancel or block shortage (true when admission depends only on those).
+    skip_ahead_safe = True
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.kv = engine.kv
+        self.cfg = engine.scenario.scheduler
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # --- queue management (called by the engine) ------------------------------------------------
+    def add(self, req: Request) -> None:
+        """A new arrival joins the queue."""
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take `req` out of the queue or the batch (cancel, finish)."""
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+
+    def finished(self, req: Request) -> None:
+        self.running.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def adopt(self, other: "Policy") -> None:
+        """Take over another policy's queue and batch (a live policy switch)."""
+        for r in other.running:
+            self.running.append(r)
+        for r in other.waiting:
+            self.add_existing(r)
+
+    def add_existing(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def waiting_in_order(self) -> list[Request]:
+        """The queue in the order the policy would admit it."""
+        return list(self.waiting)
+
+    # --- helpers for subclasses -----------------------------------------------------------------
+    def pick_victim(self) -> Request:
+        """The running request to preempt when blocks run short."""
+        return self.running[-1]
+
+    def preempt_one(self, out: SchedulerOutput) -> Request:
+        victim = self.pick_victim()
+        self.running.remove(victim)
+        self.engine.preempt(victim)
+        self.requeue(victim)
+        out.preempted.append(victim)
+        return victim
+
+    def requeue(self, req: Request) -> None:
+        """A preempted request goes back to the front of the queue."""
+        self.waiting.appendleft(req)
+
+    def schedule_running(self, out: SchedulerOutput, budget: float) -> float:
+        """Advance the running batch in order within `budget` tokens: one decode token each, or
+        the next prefill chunk of a request still prefilling. While blocks run short, preempt a
+        victim (possibly the request itself, which ends the pass). Sets `out.decode_only` when
+        every running request decodes exactly one token. Returns the budget left.
+        """
+        kv = self.kv
+        bs = kv.block_size
+        running = self.running
+        sched = out.scheduled
+        all_decode = True
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            c = req.num_computed_tokens
+            total = req.prompt_len + req.num_output_tokens
+            n = total - c
+            if n > budget:
+                n = budget
+            if -(-(c + n) // bs) > len(req.block_table):
+                while not kv.allocate_slots(req, n):
+                    victim = self.preempt_one(out)
+                    if victim is req:
+                        break
+                    for k, (r, m) in enumerate(sched):  # a victim scheduled earlier this step
+                        if r is victim:
+                            del sched[k]
+                            budget += m
+                            i -= 1
+                            break
+                if req.state is not RequestState.RUNNING:
+                    all_decode = False
+                    break
+            sched.append((req, n))
+            if n != 1 or c + 1 != total or total == req.prompt_len:
+                all_decode = False
+            budget -= n
+            i += 1
+        out.decode_only = all_decode and not out.preempted and len(sched) == len(running)
+        return budget
+
+    def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
+        raise NotImplementedError

@@ -1,0 +1,41 @@
+"""`fcfs`: continuous batching in the style of vLLM's first engine (V0, chunked prefill off).
+
+A step either prefills or decodes. If waiting prompts can be admitted whole (within the token
+budget, `max_num_seqs`, and the free blocks minus a small watermark), the step prefills them and
+decodes nothing; otherwise it decodes the whole running batch, preempting the most recently
+admitted request (by recompute) while blocks run short. A prompt longer than the token budget is
+admitted alone.
+"""
+
+from __future__ import annotations
+
+from sim.policies.base import Policy, SchedulerOutput
+
+
+class FCFSPolicy(Policy):
+    name = "fcfs"
+    description = "vLLM V0: whole-prompt prefill steps, else decode steps; preempt the newest"
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.waiting:
+            self.admit_prompts(out)
+            if out.scheduled:
+                return out
+        self.schedule_running(out, float("inf"))
+        return out
+
+    def admit_prompts(self, out: SchedulerOutput) -> None:
+        budget = self.cfg.max_num_batched_tokens
+        reserve = int(self.cfg.watermark * self.kv.num_blocks) if self.running else 0
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget and out.scheduled:
+                break
+            if not self.kv.allocate_slots(req, n, reserve=reserve):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n

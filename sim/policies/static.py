@@ -1,0 +1,34 @@
+"""`static`: request-level batching, the baseline before continuous batching.
+
+When the batch is empty, take up to `max_num_seqs` waiting requests (whose prompts fit in free
+blocks), prefill them together, then decode until every one of them has finished; only then admit
+more. Finished requests leave the batch, but their seats stay empty until the whole batch is done.
+"""
+
+from __future__ import annotations
+
+from sim.policies.fcfs import FCFSPolicy
+from sim.policies.base import SchedulerOutput
+
+
+class StaticPolicy(FCFSPolicy):
+    name = "static"
+    description = "request-level batching: admit a batch only when the last one has finished"
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.running:
+            self.admit_batch(out)
+            if out.scheduled:
+                return out
+        self.schedule_running(out, float("inf"))
+        return out
+
+    def admit_batch(self, out: SchedulerOutput) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            out.scheduled.append((req, req.num_tokens - req.num_computed_tokens))

@@ -1,0 +1,173 @@
+"""A request and its state machine.
+
+A request moves through separate, timestamped states: it arrives (WAITING), is admitted into the
+running batch (RUNNING: prefilling, then decoding), may be PREEMPTED back to the queue, and ends
+FINISHED, CANCELLED or REJECTED (it could never fit in KV memory). The allowed transitions are
+written once in `TRANSITIONS` and checked on every change.
+
+Progress is one counter, as in vLLM V1: `num_computed_tokens` tokens have K/V in the cache, out of
+`num_tokens = prompt_len + num_output_tokens`. A step schedules `num_tokens - num_computed_tokens`
+(or a chunk of it); when the counter catches up, the step samples the next token. A fresh prompt,
+a chunked prompt and a request re-prefilled after preemption by recompute are the same rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from sim.errors import InvalidTransition
+
+if TYPE_CHECKING:
+    from sim.timeline import Timeline
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    SWAPPED = "swapped"
+    TRANSFERRING = "transferring"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    REJECTED = "rejected"
+
+    @property
+    def is_done(self) -> bool:
+        return self in _DONE
+
+
+_DONE = frozenset({RequestState.FINISHED, RequestState.CANCELLED, RequestState.REJECTED})
+
+S = RequestState
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    S.WAITING: frozenset({S.RUNNING, S.CANCELLED, S.REJECTED}),
+    # Preemption by recompute goes back to the queue (PREEMPTED); by swap, to host memory.
+    S.RUNNING: frozenset({S.FINISHED, S.CANCELLED, S.PREEMPTED, S.SWAPPED, S.TRANSFERRING}),
+    S.PREEMPTED: frozenset({S.RUNNING, S.CANCELLED}),
+    S.SWAPPED: frozenset({S.RUNNING, S.CANCELLED}),
+    # Prefill/decode handoff: the K/V travels to the decode instance, then decoding resumes.
+    S.TRANSFERRING: frozenset({S.RUNNING, S.CANCELLED}),
+    S.FINISHED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.REJECTED: frozenset(),
+}
+
+
+class Request:
+    """One request: its shape, its progress, its block table and its timestamps (seconds)."""
+
+    __slots__ = (
+        "req_id", "arrival_time", "prompt_len", "max_output_tokens", "priority", "hash_ids",
+        "cancel_at", "prompt_text", "state", "num_computed_tokens", "num_output_tokens",
+        "block_table", "admitted_time", "first_token_time", "last_token_time", "finish_time",
+        "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
+        "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
+        "predicted_output", "replica",
+    )
+
+    def __init__(
+        self,
+        req_id: int,
+        arrival_time: float,
+        prompt_len: int,
+        max_output_tokens: int,
+        *,
+        priority: int = 0,
+        hash_ids: tuple[int, ...] | None = None,
+        cancel_at: float | None = None,
+        prompt_text: bytes | None = None,
+        injected: bool = False,
+    ) -> None:
+        self.req_id = req_id
+        self.arrival_time = arrival_time
+        self.prompt_len = prompt_len
+        self.max_output_tokens = max_output_tokens
+        self.priority = priority
+        self.hash_ids = hash_ids
+        self.cancel_at = cancel_at
+        self.prompt_text = prompt_text
+        self.injected = injected
+        self.predicted_output = max_output_tokens
+        self.replica = 0
+
+        self.state = RequestState.WAITING
+        self.num_computed_tokens = 0
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table: list[int] = []
+        self.admitted_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+        # (step end time, first position, number of tokens) of every prefill chunk.
+        self.prefill_chunks: list[tuple[float, int, int]] = []
+        self.num_preemptions = 0
+        self.output_token_ids: list[int] = []
+        # Output tokens as runs of consecutive engine steps: (first step index, count). Each
+        # token's time is the end time of its step on the engine's timeline.
+        self.token_segments: list[list[int]] = []
+        self.reject_reason: str | None = None
+        self.cancelled_in: RequestState | None = None
+        self._timeline: Timeline | None = None
+
+    # --- state machine -------------------------------------------------------------------------
+    def transition(self, new: RequestState) -> None:
+        """Move to `new`. Raises InvalidTransition when the state machine forbids it."""
+        if new not in TRANSITIONS[self.state]:
+            raise InvalidTransition(
+                f"request {self.req_id}: {self.state.value} -> {new.value} is not allowed"
+            )
+        self.state = new
+
+    # --- derived figures -----------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus every output token sampled so far."""
+        return self.prompt_len + self.num_output_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the newest token still needs its K/V computed."""
+        return self.num_tokens - self.num_computed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def queue_wait(self) -> float | None:
+        return None if self.admitted_time is None else self.admitted_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token - first token) / (n - 1); None with fewer than two tokens."""
+        if self.num_output_tokens < 2 or self.first_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def token_times(self):
+        """Every output token's time, in order (a float64 array)."""
+        import numpy as np
+
+        if not self.token_segments or self._timeline is None:
+            return np.zeros(0)
+        ends = self._timeline.end_times()
+        return np.concatenate([ends[s : s + n] for s, n in self.token_segments])
+
+    def itls(self):
+        """The gaps between consecutive output tokens (seconds)."""
+        import numpy as np
+
+        return np.diff(self.token_times())
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id}, {self.state.value}, prompt={self.prompt_len}, "
+            f"out={self.num_output_tokens}/{self.max_output_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

@@ -1,0 +1,436 @@
+"""Scenario files: the schema, loading, `--set` overrides and every check made at load time.
+
+A scenario is a TOML file with top-level `name`, `description`, `seed` and the sections
+`[model]`, `[hardware]`, `[kv]`, `[scheduler]`, `[workload]`, `[slo]`, `[compute]`. Every field is
+declared once below with its type and bounds; an unknown key, a wrong type or an out-of-range
+value raises ScenarioError naming the file, the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim import presets
+from sim.errors import ScenarioError
+
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+DEFAULT_SCENARIO = "chat"
+
+
+def _f(default, *, min=None, max=None, gt=None, choices=None, pow2=False, kind=None, doc=""):
+    """A schema field: default plus the checks made at load time."""
+    meta = dict(min=min, max=max, gt=gt, choices=choices, pow2=pow2, kind=kind, doc=doc)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: default.copy(), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# A length or delay distribution: a bare number means fixed, a table names `dist`.
+DIST_KEYS = {
+    "fixed": {"value"},
+    "uniform": {"min", "max"},
+    "lognormal": {"mean", "cv", "min", "max"},
+    "normal": {"mean", "std", "min", "max"},
+    "exponential": {"mean", "min", "max"},
+    "empirical": {"file", "column"},
+    "choice": {"values", "weights"},
+}
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _f("llama-3.1-8b", choices=[*presets.MODELS, ""],
+                     doc="a modeled model; \"\" to give every size below")
+    num_params: float = _f(0.0, min=0, doc="parameter count (0 = from preset)")
+    num_layers: int = _f(0, min=0)
+    hidden_size: int = _f(0, min=0)
+    num_heads: int = _f(0, min=0)
+    num_kv_heads: int = _f(0, min=0)
+    head_dim: int = _f(0, min=0)
+    vocab_size: int = _f(0, min=0)
+    max_model_len: int = _f(0, min=0, doc="longest prompt+output a request may have")
+    dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per weight and per KV element")
+    tensor_parallel: int = _f(1, min=1, max=64, doc="GPUs the model is sharded over")
+
+
+@dataclass
+class HardwareConfig:
+    preset: str = _f("h100-sxm", choices=[*presets.HARDWARE, ""])
+    memory_gb: float = _f(0.0, min=0)
+    mem_bandwidth_gbps: float = _f(0.0, min=0, doc="HBM bandwidth, GB/s")
+    peak_tflops: float = _f(0.0, min=0, doc="dense bf16 tensor TFLOP/s")
+    tdp_w: float = _f(0.0, min=0, doc="board power at full load, W")
+    idle_w: float = _f(0.0, min=0, doc="board power when idle, W")
+    interconnect_gbps: float = _f(0.0, min=0, doc="GPU-GPU link per direction, GB/s")
+    pcie_gbps: float = _f(0.0, min=0, doc="host link, GB/s (swap)")
+    flops_efficiency: float = _f(0.6, gt=0, max=1, doc="achieved / peak FLOP/s")
+    bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="achieved / peak bandwidth")
+    step_overhead_ms: float = _f(1.0, min=0, doc="fixed cost per engine step (scheduling, launch)")
+
+
+@dataclass
+class KVConfig:
+    block_size: int = _f(16, min=1, max=1024, pow2=True)
+    num_blocks: int = _f(0, min=0, doc="0 = derive from GPU memory")
+    gpu_memory_utilization: float = _f(0.9, gt=0, max=1)
+    reserve_gb: float = _f(1.0, min=0, doc="activations and workspace kept out of the KV pool")
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = _f("chunked", kind="policy")
+    max_num_seqs: int = _f(256, min=1)
+    max_num_batched_tokens: int = _f(2048, min=1)
+    preemption: str = _f("recompute", choices=["recompute"])
+    watermark: float = _f(0.01, min=0, max=0.5, doc="share of blocks kept free at admission")
+
+
+@dataclass
+class WorkloadConfig:
+    arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace"])
+    rate: float = _f(1.0, gt=0, doc="requests per second")
+    cv: float = _f(1.0, gt=0, doc="gamma: coefficient of variation of inter-arrival times")
+    trace: str = _f("", doc="trace file (Azure CSV, Mooncake JSONL, length-pairs CSV)")
+    time_scale: float = _f(1.0, gt=0, doc="trace timestamps are multiplied by this")
+    prompt_tokens: Any = _f(512, kind="dist")
+    output_tokens: Any = _f(128, kind="dist")
+    num_requests: int = _f(0, min=0, doc="stop after this many requests (0 = no bound)")
+    duration_s: float = _f(0.0, min=0, doc="stop arrivals after this time (0 = no bound)")
+    cancel_fraction: float = _f(0.0, min=0, max=1)
+    cancel_after_s: Any = _f(5.0, kind="dist", doc="client cancels this long after arrival")
+    priority: Any = _f(0, kind="dist")
+
+
+@dataclass
+class SLOConfig:
+    ttft_ms: float = _f(0.0, min=0, doc="0 = no bound")
+    tpot_ms: float = _f(0.0, min=0)
+    e2e_ms: float = _f(0.0, min=0)
+
+
+@dataclass
+class ComputeConfig:
+    backend: str = _f("none", choices=["none", "auto", "numpy", "cupy"])
+    clock: str = _f("modeled", choices=["modeled", "measured"])
+    num_layers: int = _f(2, min=1)
+    num_heads: int = _f(4, min=1)
+    num_kv_heads: int = _f(2, min=1)
+    head_dim: int = _f(32, min=8, pow2=True)
+    vocab_size: int = _f(256, min=2)
+    mlp: bool = _f(True)
+    dtype: str = _f("float32", choices=["float32", "float16", "bfloat16"])
+    verify_every: int = _f(0, min=0, doc="recompute one request densely every N steps")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "hardware": HardwareConfig,
+    "kv": KVConfig,
+    "scheduler": SchedulerConfig,
+    "workload": WorkloadConfig,
+    "slo": SLOConfig,
+    "compute": ComputeConfig,
+}
+TOP_LEVEL = {"name": str, "description": str, "seed": int}
+
+
+@dataclass
+class Scenario:
+    name: str = "scenario"
+    description: str = ""
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    # Where relative paths (traces) resolve; not a field of the file.
+    base_dir: Path = field(default=BUNDLED_DIR, repr=False, compare=False)
+    source: str = field(default="<scenario>", repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        """The fully resolved scenario as plain data (what a session log stores)."""
+        out: dict[str, Any] = {"name": self.name, "description": self.description,
+                               "seed": self.seed}
+        for sec in SECTIONS:
+            out[sec] = dataclasses.asdict(getattr(self, sec))
+        return out
+
+    def resolve_path(self, p: str) -> Path:
+        path = Path(p).expanduser()
+        if not path.is_absolute():
+            path = self.base_dir / path
+        return path
+
+
+# --- loading -------------------------------------------------------------------------------------
+def bundled_scenarios() -> list[tuple[str, str]]:
+    """(name, description) of every scenario bundled in `scenarios/`."""
+    out = []
+    for p in sorted(BUNDLED_DIR.glob("*.toml")):
+        try:
+            desc = tomllib.loads(p.read_text()).get("description", "")
+        except (OSError, tomllib.TOMLDecodeError):
+            desc = "(unreadable)"
+        out.append((p.stem, str(desc).strip().splitlines()[0] if desc else ""))
+    return out
+
+
+def find_scenario(spec: str | None) -> Path:
+    """A scenario path from a file path or a bundled name. Raises ScenarioError if neither."""
+    spec = spec or DEFAULT_SCENARIO
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p
+    bundled = BUNDLED_DIR / f"{spec}.toml"
+    if bundled.is_file():
+        return bundled
+    names = [n for n, _ in bundled_scenarios()]
+    hint = difflib.get_close_matches(spec, names, n=1)
+    more = f" (did you mean {hint[0]!r}?)" if hint else f" (bundled: {', '.join(names)})"
+    raise ScenarioError(f"{spec}: no such scenario file or bundled scenario{more}")
+
+
+def load_scenario(spec: str | None = None, overrides: list[str] | None = None) -> Scenario:
+    """Read, override and check a scenario. Raises ScenarioError on any problem."""
+    path = find_scenario(spec)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{path}: not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{path}: cannot read: {e}") from None
+    for o in overrides or []:
+        apply_override(raw, o, str(path))
+    return scenario_from_dict(raw, source=str(path), base_dir=path.resolve().parent)
+
+
+def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
+    """`section.key=value` -> (path, value); the value is read as TOML, else as a string."""
+    if "=" not in text:
+        raise ScenarioError(f"{source}: {text!r}: expected SECTION.KEY=VALUE")
+    key, _, value = text.partition("=")
+    parts = [k.strip() for k in key.strip().split(".") if k.strip()]
+    if not parts:
+        raise ScenarioError(f"{source}: {text!r}: empty key")
+    try:
+        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value.strip()
+    return parts, parsed
+
+
+def apply_override(raw: dict, text: str, source: str = "--set") -> None:
+    """Apply one `--set` override to the raw scenario dict in place."""
+    parts, value = parse_override(text, "--set")
+    d = raw
+    for p in parts[:-1]:
+        nxt = d.get(p)
+        if not isinstance(nxt, dict):
+            # A bare number (a fixed length) becomes a table when a sub-key is set.
+            nxt = {} if nxt is None else ({"dist": "fixed", "value": nxt}
+                                          if isinstance(nxt, (int, float)) else nxt)
+            if not isinstance(nxt, dict):
+                raise ScenarioError(f"--set {text}: {'.'.join(parts[:-1])} is not a table")
+            d[p] = nxt
+        d = nxt
+    d[parts[-1]] = value
+
+
+def _suggest(key: str, names) -> str:
+    hint = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
+def _type_name(t) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        t, str(t))
+
+
+def _check_type(where: str, value, t) -> Any:
+    if t is bool:
+        ok = isinstance(value, bool)
+    elif t is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif t is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            if not math.isfinite(value):
+                raise ScenarioError(f"{where} = {value!r}: must be finite")
+    else:
+        ok = isinstance(value, t)
+    if not ok:
+        raise ScenarioError(f"{where} = {value!r}: expected {_type_name(t)}")
+    return value
+
+
+def _check_dist(where: str, value) -> Any:
+    """A distribution field: a number (fixed) or a table with a known `dist`."""
+    if isinstance(value, bool):
+        raise ScenarioError(f"{where} = {value!r}: expected a number or a {{dist = ...}} table")
+    if isinstance(value, (int, float)):
+        if value < 0 or not math.isfinite(value):
+            raise ScenarioError(f"{where} = {value!r}: must be a non-negative number")
+        return value
+    if not isinstance(value, dict):
+        raise ScenarioError(f"{where} = {value!r}: expected a number or a {{dist = ...}} table")
+    dist = value.get("dist")
+    if dist not in DIST_KEYS:
+        raise ScenarioError(
+            f"{where}.dist = {dist!r}: expected one of {', '.join(DIST_KEYS)}{_suggest(str(dist), DIST_KEYS)}"
+        )
+    allowed = DIST_KEYS[dist] | {"dist"}
+    for k, v in value.items():
+        if k not in allowed:
+            raise ScenarioError(
+                f"{where}.{k}: unknown key for dist = {dist!r} (allowed: "
+                f"{', '.join(sorted(allowed - {'dist'}))}){_suggest(k, allowed)}"
+            )
+        if k in ("file", "column", "dist"):
+            _check_type(f"{where}.{k}", v, str)
+        elif k in ("values", "weights"):
+            if not isinstance(v, list) or not v or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
+            ):
+                raise ScenarioError(f"{where}.{k} = {v!r}: expected a non-empty list of numbers")
+        else:
+            _check_type(f"{where}.{k}", v, float)
+            if v < 0:
+                raise ScenarioError(f"{where}.{k} = {v!r}: must not be negative")
+    need = {
+        "fixed": {"value"}, "uniform": {"min", "max"}, "lognormal": {"mean"},
+        "normal": {"mean", "std"}, "exponential": {"mean"}, "empirical": {"file"},
+        "choice": {"values"},
+    }[dist]
+    missing = need - set(value)
+    if missing:
+        raise ScenarioError(f"{where}: dist = {dist!r} needs {', '.join(sorted(missing))}")
+    if "min" in value and "max" in value and value["min"] > value["max"]:
+        raise ScenarioError(f"{where}: min = {value['min']} is above max = {value['max']}")
+    if dist == "choice" and "weights" in value and len(value["weights"]) != len(value["values"]):
+        raise ScenarioError(f"{where}: weights and values differ in length")
+    return dict(value)
+
+
+def _check_field(where: str, f: dataclasses.Field, value) -> Any:
+    m = f.metadata
+    if m.get("kind") == "dist":
+        return _check_dist(where, value)
+    t = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, None)
+    if t is None:
+        t = type(f.default)
+    value = _check_type(where, value, t)
+    if m.get("kind") == "policy":
+        from sim.policies import POLICIES
+
+        if value not in POLICIES:
+            raise ScenarioError(
+                f"{where} = {value!r}: unknown policy (known: {', '.join(POLICIES)})"
+                f"{_suggest(value, POLICIES)}"
+            )
+    if m.get("choices") is not None and value not in m["choices"]:
+        shown = ", ".join(repr(c) for c in m["choices"])
+        raise ScenarioError(f"{where} = {value!r}: expected one of {shown}"
+                            f"{_suggest(str(value), [str(c) for c in m['choices']])}")
+    if m.get("min") is not None and value < m["min"]:
+        raise ScenarioError(f"{where} = {value!r}: must be at least {m['min']}")
+    if m.get("gt") is not None and value <= m["gt"]:
+        raise ScenarioError(f"{where} = {value!r}: must be greater than {m['gt']}")
+    if m.get("max") is not None and value > m["max"]:
+        raise ScenarioError(f"{where} = {value!r}: must be at most {m['max']}")
+    if m.get("pow2") and (value <= 0 or value & (value - 1)):
+        raise ScenarioError(f"{where} = {value!r}: must be a power of two")
+    return value
+
+
+def _section(source: str, name: str, cls: type, raw: Any):
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{source}: [{name}] must be a table, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ScenarioError(
+                f"{source}: {name}.{key}: unknown key{_suggest(key, fields)}")
+        kwargs[key] = _check_field(f"{source}: {name}.{key}", fields[key], value)
+    return cls(**kwargs)
+
+
+def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
+                       base_dir: Path | None = None) -> Scenario:
+    """Build and check a Scenario from plain data. Raises ScenarioError."""
+    if not isinstance(raw, dict):
+        raise ScenarioError(f"{source}: a scenario must be a table")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in TOP_LEVEL:
+            kwargs[key] = _check_type(f"{source}: {key}", value, TOP_LEVEL[key])
+        elif key in SECTIONS:
+            kwargs[key] = _section(source, key, SECTIONS[key], value)
+        else:
+            raise ScenarioError(
+                f"{source}: {key}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
+    sc = Scenario(**kwargs, base_dir=base_dir or BUNDLED_DIR, source=source)
+    _fill_presets(sc)
+    _check_whole(sc)
+    return sc
+
+
+def _fill_presets(sc: Scenario) -> None:
+    for sec, table in (("model", presets.MODELS), ("hardware", presets.HARDWARE)):
+        cfg = getattr(sc, sec)
+        base = table.get(cfg.preset, {})
+        for k, v in base.items():
+            if getattr(cfg, k) == 0:
+                setattr(cfg, k, type(getattr(cfg, k))(v))
+        missing = [k for k in next(iter(table.values())) if getattr(cfg, k) == 0]
+        if missing:
+            raise ScenarioError(
+                f"{sc.source}: {sec}: preset = \"\" needs every size; missing {', '.join(missing)}"
+            )
+
+
+def _check_whole(sc: Scenario) -> None:
+    """Checks that span fields: shapes that cannot work, and a pool no request could fit."""
+    src, m, w = sc.source, sc.model, sc.workload
+    if m.num_heads % m.num_kv_heads:
+        raise ScenarioError(f"{src}: model.num_kv_heads = {m.num_kv_heads}: must divide "
+                            f"model.num_heads = {m.num_heads}")
+    c = sc.compute
+    if c.num_heads % c.num_kv_heads:
+        raise ScenarioError(f"{src}: compute.num_kv_heads = {c.num_kv_heads}: must divide "
+                            f"compute.num_heads = {c.num_heads}")
+    if w.arrival == "trace" and not w.trace:
+        raise ScenarioError(f"{src}: workload.trace: arrival = \"trace\" needs a trace file")
+    if w.arrival != "trace" and not w.num_requests and not w.duration_s:
+        raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
+                            "or duration_s to bound the run")
+    from sim.costmodel import CostModel  # the model derives the pool size
+
+    cm = CostModel(sc)
+    num_blocks = cm.num_blocks()
+    if num_blocks <= 0:
+        raise ScenarioError(
+            f"{src}: kv.num_blocks: derived {num_blocks} blocks: model.preset = {m.preset!r} "
+            f"({cm.weight_bytes_per_gpu() / 1e9:.1f} GB of weights per GPU) does not fit in "
+            f"hardware.memory_gb = {sc.hardware.memory_gb:g} x kv.gpu_memory_utilization = "
+            f"{sc.kv.gpu_memory_utilization:g} minus kv.reserve_gb = {sc.kv.reserve_gb:g}"
+        )
+    sc.kv.num_blocks = num_blocks
+    from sim.workload import min_length  # smallest request the workload can produce
+
+    smallest = min_length(sc, "prompt_tokens") + max(1, min_length(sc, "output_tokens")) - 1
+    if -(-smallest // sc.kv.block_size) > num_blocks:
+        raise ScenarioError(
+            f"{src}: kv.num_blocks = {num_blocks}: no request could ever fit (the smallest "
+            f"needs {-(-smallest // sc.kv.block_size)} blocks of {sc.kv.block_size} tokens)"
+        )

@@ -1,0 +1,31 @@
+"""Prompt token ids for real compute: deterministic per request, shared where prefixes are shared.
+
+A request's prompt is the bytes typed by a user (byte-level vocabulary), or tokens drawn from the
+scenario seed. Requests from a trace with `hash_ids` (Mooncake) get one block of tokens per hash
+id, so equal ids give equal token prefixes, exactly what prefix caching needs to find.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_PROMPT_STREAM, _HASH_STREAM = 101, 102
+
+
+def prompt_token_ids(seed: int, req, vocab_size: int, hash_block_size: int = 512) -> np.ndarray:
+    """The `req.prompt_len` prompt token ids of `req` (int32)."""
+    n = req.prompt_len
+    if req.prompt_text is not None:
+        ids = np.frombuffer(req.prompt_text, dtype=np.uint8).astype(np.int32) % vocab_size
+        return ids[:n] if len(ids) >= n else np.resize(ids, n)
+    parts, have = [], 0
+    for h in req.hash_ids or ():
+        if have >= n:
+            break
+        rng = np.random.default_rng([seed, _HASH_STREAM, int(h)])
+        parts.append(rng.integers(0, vocab_size, size=hash_block_size, dtype=np.int32))
+        have += hash_block_size
+    if have < n:
+        rng = np.random.default_rng([seed, _PROMPT_STREAM, req.req_id])
+        parts.append(rng.integers(0, vocab_size, size=n - have, dtype=np.int32))
+    return np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int32)

@@ -1,0 +1,329 @@
+"""Workloads: the requests of a run, materialized before it starts so that every policy sees the
+same trace.
+
+Arrivals come from a process (Poisson, gamma, constant) or from a trace's timestamps; prompt and
+output lengths from a fixed number, a distribution, or an empirical length file. Traces are read
+from the Azure 2023 CSV, the Mooncake JSONL (whose `hash_ids` are kept for prefix caching) and
+length-pairs CSVs. Each random draw uses its own seeded stream, so changing one knob (say the
+cancellation fraction) does not reshuffle the others.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sim.errors import ScenarioError, TraceError
+
+# Seed-stream ids: one per kind of draw.
+_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS = range(7)
+
+
+@dataclass
+class Trace:
+    """Columns read from a trace or length file. `timestamps` is None for length-only files."""
+
+    path: str
+    timestamps: np.ndarray | None  # seconds from the first request
+    prompt: np.ndarray
+    output: np.ndarray
+    hash_ids: list[tuple[int, ...]] | None
+    hash_block_size: int = 512
+
+
+@dataclass
+class Workload:
+    """The materialized requests, sorted by arrival time."""
+
+    arrival: np.ndarray      # float64 seconds
+    prompt: np.ndarray       # int64 tokens
+    output: np.ndarray       # int64 tokens
+    priority: np.ndarray     # int64, lower is more urgent
+    cancel_at: np.ndarray    # float64 seconds, NaN = never
+    hash_ids: list[tuple[int, ...]] | None = None
+    hash_block_size: int = 512
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return int(self.output.sum())
+
+
+# --- trace files ---------------------------------------------------------------------------------
+def _parse_clock(ts: str) -> tuple[int, float]:
+    """`2023-11-16 18:15:46.6805900` -> (day ordinal, seconds since midnight)."""
+    date, _, clock = ts.strip().partition(" ")
+    h, m, s = clock.split(":")
+    y, mo, d = date.split("-")
+    return _dt.date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(m) * 60 + float(s)
+
+
+def _int_field(path: Path, line: int, name: str, text: str) -> int:
+    try:
+        v = int(float(text))
+    except ValueError:
+        raise TraceError(f"{path}:{line}: {name} = {text!r} is not a number") from None
+    if v < 0:
+        raise TraceError(f"{path}:{line}: {name} = {v} is negative")
+    return v
+
+
+@functools.lru_cache(maxsize=16)
+def _read_trace_cached(path: str, mtime: float) -> Trace:
+    p = Path(path)
+    if p.suffix == ".jsonl":
+        return _read_mooncake(p)
+    return _read_csv(p)
+
+
+def read_trace(path: Path) -> Trace:
+    """Read a trace or length file, cached by path and modification time.
+
+    Raises TraceError naming the file (and line) on a missing file or malformed row.
+    """
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        raise TraceError(f"{path}: trace file not found") from None
+    return _read_trace_cached(str(path), mtime)
+
+
+def _read_csv(path: Path) -> Trace:
+    with path.open(newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if not header:
+            raise TraceError(f"{path}:1: empty file")
+        cols = [h.strip() for h in header]
+        if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(cols):
+            kind = "azure"
+            it, ip, io = (cols.index(c) for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+        elif {"num_prefill_tokens", "num_decode_tokens"} <= set(cols):
+            kind = "pairs"
+            it, ip, io = -1, cols.index("num_prefill_tokens"), cols.index("num_decode_tokens")
+        else:
+            raise TraceError(
+                f"{path}:1: unknown columns {cols}; expected TIMESTAMP,ContextTokens,"
+                "GeneratedTokens (Azure) or num_prefill_tokens,num_decode_tokens (length pairs)"
+            )
+        ts, pr, out = [], [], []
+        for line, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) < len(cols):
+                raise TraceError(f"{path}:{line}: expected {len(cols)} fields, got {len(row)}")
+            if kind == "azure":
+                try:
+                    ts.append(_parse_clock(row[it]))
+                except (ValueError, IndexError):
+                    raise TraceError(f"{path}:{line}: TIMESTAMP = {row[it]!r} is not a "
+                                     "'YYYY-MM-DD HH:MM:SS.f' time") from None
+            pr.append(_int_field(path, line, cols[ip], row[ip]))
+            out.append(_int_field(path, line, cols[io], row[io]))
+    if not pr:
+        raise TraceError(f"{path}: no rows")
+    stamps = None
+    if ts:
+        days = np.asarray([d for d, _ in ts], dtype=np.int64)
+        secs = np.asarray([x for _, x in ts])
+        # Relative to the first day before going to float, to keep sub-millisecond precision.
+        stamps = (days - days.min()) * 86400.0 + secs
+        stamps = stamps - stamps.min()
+    return Trace(str(path), stamps, np.asarray(pr, dtype=np.int64),
+                 np.asarray(out, dtype=np.int64), None)
+
+
+def _read_mooncake(path: Path) -> Trace:
+    ts, pr, out, hashes = [], [], [], []
+    with path.open() as fh:
+        for line, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                rec = json.loads(text)
+                t, p, o = rec["timestamp"], rec["input_length"], rec["output_length"]
+                h = tuple(int(x) for x in rec.get("hash_ids", ()))
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{line}: not JSON: {e.msg}") from None
+            except KeyError as e:
+                raise TraceError(f"{path}:{line}: missing field {e.args[0]!r}") from None
+            except (TypeError, ValueError):
+                raise TraceError(f"{path}:{line}: hash_ids must be a list of integers") from None
+            for name, v in (("timestamp", t), ("input_length", p), ("output_length", o)):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                    raise TraceError(f"{path}:{line}: {name} = {v!r} is not a non-negative number")
+            ts.append(t / 1000.0)
+            pr.append(int(p))
+            out.append(int(o))
+            hashes.append(h)
+    if not pr:
+        raise TraceError(f"{path}: no rows")
+    stamps = np.asarray(ts)
+    return Trace(str(path), stamps - stamps.min(), np.asarray(pr, dtype=np.int64),
+                 np.asarray(out, dtype=np.int64), hashes)
+
+
+# --- distributions -------------------------------------------------------------------------------
+def _rng(seed: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream])
+
+
+def _empirical_column(scenario, spec: dict, field: str) -> np.ndarray:
+    trace = read_trace(scenario.resolve_path(spec["file"]))
+    col = spec.get("column")
+    if col is None:
+        return trace.prompt if field == "prompt_tokens" else trace.output
+    names = {"num_prefill_tokens": trace.prompt, "ContextTokens": trace.prompt,
+             "input_length": trace.prompt, "num_decode_tokens": trace.output,
+             "GeneratedTokens": trace.output, "output_length": trace.output}
+    if col not in names:
+        raise ScenarioError(f"{scenario.source}: workload.{field}.column = {col!r}: expected one "
+                            f"of {', '.join(names)}")
+    return names[col]
+
+
+def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
+           integer: bool = True, index: np.ndarray | None = None) -> np.ndarray:
+    """Draw `n` values of the distribution in `workload.<field>`.
+
+    `index` picks rows of an empirical file instead of drawing them, so that prompt and output
+    lengths read from the same file stay paired.
+    """
+    spec = getattr(scenario.workload, field)
+    if not isinstance(spec, dict):
+        spec = {"dist": "fixed", "value": spec}
+    d = spec["dist"]
+    if d == "fixed":
+        x = np.full(n, float(spec["value"]))
+    elif d == "uniform":
+        lo, hi = float(spec["min"]), float(spec["max"])
+        x = (rng.integers(int(lo), int(hi) + 1, size=n).astype(float) if integer
+             else rng.uniform(lo, hi, size=n))
+    elif d == "lognormal":
+        mean, cv = float(spec["mean"]), float(spec.get("cv", 1.0))
+        sigma2 = math.log1p(cv * cv)
+        x = rng.lognormal(math.log(max(mean, 1e-12)) - sigma2 / 2, math.sqrt(sigma2), size=n)
+    elif d == "normal":
+        x = rng.normal(float(spec["mean"]), float(spec["std"]), size=n)
+    elif d == "exponential":
+        x = rng.exponential(float(spec["mean"]), size=n)
+    elif d == "empirical":
+        col = _empirical_column(scenario, spec, field)
+        idx = index if index is not None else rng.integers(0, len(col), size=n)
+        x = col[idx].astype(float)
+    elif d == "choice":
+        vals = np.asarray(spec["values"], dtype=float)
+        w = np.asarray(spec.get("weights", [1.0] * len(vals)), dtype=float)
+        if w.sum() <= 0:
+            raise ScenarioError(f"{scenario.source}: workload.{field}.weights must not all be 0")
+        x = rng.choice(vals, size=n, p=w / w.sum())
+    else:  # _check_dist makes this unreachable
+        raise ScenarioError(f"{scenario.source}: workload.{field}.dist = {d!r}")
+    if "min" in spec and d != "uniform":
+        x = np.maximum(x, float(spec["min"]))
+    if "max" in spec and d != "uniform":
+        x = np.minimum(x, float(spec["max"]))
+    if integer:
+        x = np.rint(x).astype(np.int64)
+    return x
+
+
+def min_length(scenario, field: str) -> int:
+    """The smallest length `workload.<field>` can produce (at least 1)."""
+    spec = getattr(scenario.workload, field)
+    w = scenario.workload
+    if w.arrival == "trace":
+        return 1
+    if not isinstance(spec, dict):
+        return max(1, int(round(spec)))
+    d = spec["dist"]
+    if d == "fixed":
+        return max(1, int(round(spec["value"])))
+    if d == "uniform":
+        return max(1, int(spec["min"]))
+    if d == "empirical":
+        col = _empirical_column(scenario, spec, field)
+        return max(1, int(col.min()))
+    if d == "choice":
+        return max(1, int(min(spec["values"])))
+    return max(1, int(spec.get("min", 1)))
+
+
+# --- arrivals ------------------------------------------------------------------------------------
+def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
+    mean_gap = 1.0 / w.rate
+    if w.arrival == "constant":
+        gaps = np.full(n_max, mean_gap)
+    elif w.arrival == "poisson":
+        gaps = rng.exponential(mean_gap, size=n_max)
+    else:  # gamma: shape k = 1/cv^2 keeps the mean gap at 1/rate
+        k = 1.0 / (w.cv * w.cv)
+        gaps = rng.gamma(k, mean_gap / k, size=n_max)
+    return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+
+
+def build_workload(scenario) -> Workload:
+    """Materialize the scenario's requests. Raises ScenarioError / TraceError."""
+    w, seed = scenario.workload, scenario.seed
+    hashes, hash_block = None, 512
+    if w.arrival == "trace":
+        trace = read_trace(scenario.resolve_path(w.trace))
+        if trace.timestamps is None:
+            raise ScenarioError(
+                f"{scenario.source}: workload.trace = {w.trace!r} has no timestamps (a length "
+                "file); use it as prompt_tokens = {dist = \"empirical\", file = ...} with a "
+                "synthetic arrival process")
+        order = np.argsort(trace.timestamps, kind="stable")
+        arrival = trace.timestamps[order] * w.time_scale
+        prompt, output = trace.prompt[order], trace.output[order]
+        if trace.hash_ids is not None:
+            hashes = [trace.hash_ids[i] for i in order]
+            hash_block = trace.hash_block_size
+        keep = np.ones(len(arrival), dtype=bool)
+        if w.duration_s:
+            keep &= arrival < w.duration_s
+        if w.num_requests:
+            keep &= np.arange(len(arrival)) < w.num_requests
+        arrival, prompt, output = arrival[keep], prompt[keep], output[keep]
+        if hashes is not None:
+            hashes = [h for h, k in zip(hashes, keep) if k]
+    else:
+        if w.num_requests:
+            n = w.num_requests
+        else:  # enough draws to cover the duration with a wide margin
+            n = int(w.duration_s * w.rate * 1.5 + 10 * math.sqrt(w.duration_s * w.rate) + 16)
+            n = int(n * max(1.0, w.cv))
+        arrival = _arrivals(w, _rng(seed, _ARRIVAL), n)
+        if w.duration_s:
+            arrival = arrival[arrival < w.duration_s]
+        n = len(arrival)
+        index = None
+        p_spec, o_spec = w.prompt_tokens, w.output_tokens
+        if (isinstance(p_spec, dict) and isinstance(o_spec, dict)
+                and p_spec.get("dist") == o_spec.get("dist") == "empirical"
+                and p_spec.get("file") == o_spec.get("file")):
+            rows = len(_empirical_column(scenario, p_spec, "prompt_tokens"))
+            index = _rng(seed, _PAIRS).integers(0, rows, size=n)
+        prompt = sample(scenario, "prompt_tokens", n, _rng(seed, _PROMPT), index=index)
+        output = sample(scenario, "output_tokens", n, _rng(seed, _OUTPUT), index=index)
+    n = len(arrival)
+    prompt = np.maximum(prompt, 1)
+    output = np.maximum(output, 1)
+    priority = sample(scenario, "priority", n, _rng(seed, _PRIORITY))
+    cancel_at = np.full(n, np.nan)
+    if w.cancel_fraction > 0 and n:
+        chosen = _rng(seed, _CANCEL).random(n) < w.cancel_fraction
+        delay = sample(scenario, "cancel_after_s", n, _rng(seed, _CANCEL_DELAY), integer=False)
+        cancel_at[chosen] = arrival[chosen] + np.maximum(delay[chosen], 0.0)
+    return Workload(arrival=arrival.astype(np.float64), prompt=prompt.astype(np.int64),
+                    output=output.astype(np.int64), priority=priority.astype(np.int64),
+                    cancel_at=cancel_at, hash_ids=hashes, hash_block_size=hash_block)

@@ -1,0 +1,257 @@
+"""The `servesim` command line: wires the simulation core (`sim`), real compute (`gpu`) and the
+dashboard (`tui.app`) together. Textual and the compute backends are imported only by the
+commands that need them, so headless commands start fast.
+
+Every error a user can cause ends as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from sim import Engine, ServesimError, load_scenario, summarize
+from sim.errors import ScenarioError
+from sim.policies import POLICIES
+from sim.scenario import bundled_scenarios
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401
+        self.exit(2, f"servesim: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_scenario_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    if optional:
+        p.add_argument("scenario", nargs="?", default=None,
+                       help="scenario file or bundled name (default: chat)")
+    else:
+        p.add_argument("scenario", help="scenario file or bundled scenario name")
+    p.add_argument("--seed", type=int, default=None, help="override the scenario seed")
+    p.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override any scenario field (repeatable)")
+
+
+def _scenario(args) -> "object":
+    overrides = list(args.overrides)
+    if args.seed is not None:
+        overrides.append(f"seed={args.seed}")
+    if getattr(args, "policy", None):
+        overrides.append(f"scheduler.policy={json.dumps(args.policy)}")
+    if getattr(args, "compute", None):
+        overrides.append(f"compute.backend={json.dumps(args.compute)}")
+    return load_scenario(args.scenario, overrides)
+
+
+def make_executor(scenario):
+    """The executor the scenario's `[compute]` asks for, or None for the pure simulation."""
+    c = scenario.compute
+    if c.backend == "none":
+        return None
+    try:
+        from gpu.executor import ModelExecutor
+    except ImportError as e:  # pragma: no cover - gpu ships with servesim
+        raise ScenarioError(f"compute.backend = {c.backend!r}: cannot import gpu: {e}") from None
+    from gpu import BackendUnavailable
+
+    try:
+        return ModelExecutor(
+            scenario.kv.num_blocks, scenario.kv.block_size, num_layers=c.num_layers,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            vocab_size=c.vocab_size, mlp=c.mlp, dtype=c.dtype, backend=c.backend,
+            seed=scenario.seed, verify_every=c.verify_every,
+        )
+    except BackendUnavailable as e:
+        raise ScenarioError(f"compute.backend = {c.backend!r}: {e}") from None
+    except MemoryError:
+        raise ScenarioError(
+            f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
+            "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
+
+
+def build_engine(scenario, policy: str | None = None, **kw) -> Engine:
+    return Engine(scenario, policy=policy, executor=make_executor(scenario), **kw)
+
+
+# --- formatting ---------------------------------------------------------------------------------
+def _fmt(v, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        if abs(v) >= 1e5:
+            return f"{v:,.0f}"
+        return f"{v:,.{digits}f}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+ROWS = [
+    ("requests finished", lambda s: s["requests"]["finished"]),
+    ("requests cancelled", lambda s: s["requests"]["cancelled"]),
+    ("requests rejected", lambda s: s["requests"]["rejected"]),
+    ("simulated duration (s)", lambda s: s["duration_s"]),
+    ("throughput (req/s)", lambda s: s["throughput"]["requests_per_s"]),
+    ("output tokens/s", lambda s: s["throughput"]["output_tokens_per_s"]),
+    ("total tokens/s", lambda s: s["throughput"]["total_tokens_per_s"]),
+    ("goodput (req/s)", lambda s: s["goodput_requests_per_s"]),
+    ("TTFT p50 (ms)", lambda s: s["ttft_ms"]["p50"]),
+    ("TTFT p99 (ms)", lambda s: s["ttft_ms"]["p99"]),
+    ("ITL p50 (ms)", lambda s: s["itl_ms"]["p50"]),
+    ("ITL p99 (ms)", lambda s: s["itl_ms"]["p99"]),
+    ("TPOT mean (ms)", lambda s: s["tpot_ms"]["mean"]),
+    ("E2E p50 (ms)", lambda s: s["e2e_ms"]["p50"]),
+    ("E2E p99 (ms)", lambda s: s["e2e_ms"]["p99"]),
+    ("queue wait p99 (ms)", lambda s: s["queue_ms"]["p99"]),
+    ("batch size mean", lambda s: s["batch"]["mean"]),
+    ("KV usage mean (%)", lambda s: 100 * s["kv"]["mean_usage"]),
+    ("KV peak blocks", lambda s: s["kv"]["peak_used_blocks"]),
+    ("preemptions", lambda s: s["preemptions"]),
+    ("energy (J/token)", lambda s: s["energy_j_per_output_token"]),
+    ("wall time (s)", lambda s: s["wall_s"]),
+]
+
+
+def format_table(summaries: dict[str, dict]) -> str:
+    """A text table with one column per run (policy)."""
+    names = list(summaries)
+    width = max(len(r[0]) for r in ROWS)
+    cols = [max(10, len(n)) for n in names]
+    head = " " * width + "  " + "  ".join(n.rjust(c) for n, c in zip(names, cols))
+    lines = [head]
+    for label, get in ROWS:
+        cells = []
+        for n, c in zip(names, cols):
+            v = get(summaries[n])
+            cells.append(_fmt(v, 3 if "J/token" in label else 1).rjust(c))
+        lines.append(label.ljust(width) + "  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+# --- commands -----------------------------------------------------------------------------------
+def cmd_sim(args) -> int:
+    sc = _scenario(args)
+    engine = build_engine(sc, record_events=bool(args.log))
+    engine.run()
+    summary = summarize(engine)
+    if args.log:
+        from sim.log import write_log
+
+        write_log(args.log, engine, summary)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"{sc.name}: {sc.description}")
+        print(format_table({engine.policy.name: summary}))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    sc = _scenario(args)
+    names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for n in names:
+        if n not in POLICIES:
+            raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(POLICIES)})")
+    from sim.workload import build_workload
+
+    workload = build_workload(sc)  # one trace, every policy
+    out = {}
+    for n in names:
+        engine = Engine(sc, policy=n, workload=workload, executor=make_executor(sc),
+                        record_events=False)
+        engine.run()
+        out[n] = summarize(engine)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{sc.name}: {len(workload)} requests, the same trace under each policy")
+        print(format_table(out))
+    return 0
+
+
+def cmd_scenarios(args) -> int:
+    rows = bundled_scenarios()
+    width = max(len(n) for n, _ in rows)
+    for name, desc in rows:
+        print(f"{name.ljust(width)}  {desc}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    sc = _scenario(args)
+    try:
+        from tui.app import run_dashboard
+    except ImportError as e:  # pragma: no cover
+        raise ScenarioError(f"the dashboard needs textual: {e}") from None
+    return run_dashboard(sc, speed=args.speed, replay=args.replay, make_executor=make_executor)
+
+
+def cmd_bench(args) -> int:
+    from tui import bench
+
+    return bench.main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="servesim", description="A live simulator of an LLM serving engine.")
+    p.add_argument("--version", action="version", version="servesim 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("run", help="open the live dashboard on a scenario")
+    _add_scenario_args(s, optional=True)
+    s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
+    s.add_argument("--speed", type=float, default=1.0,
+                   help="simulated seconds per wall second (default 1)")
+    s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
+                   help="override compute.backend")
+    s.add_argument("--replay", metavar="LOG", help="play a session log back")
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("sim", help="run a scenario headless and print its metrics")
+    _add_scenario_args(s)
+    s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
+    s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
+                   help="override compute.backend")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--log", metavar="FILE", help="write the session log (msgpack)")
+    s.set_defaults(func=cmd_sim)
+
+    s = sub.add_parser("compare", help="run one trace under several policies, side by side")
+    _add_scenario_args(s)
+    s.add_argument("--policies", required=True, help="comma-separated policy names")
+    s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
+    s.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("scenarios", help="list the bundled scenarios")
+    s.set_defaults(func=cmd_scenarios)
+
+    s = sub.add_parser("bench", help="benchmarks that print figures")
+    from tui import bench
+
+    bench.add_arguments(s)
+    s.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ServesimError as e:
+        print(f"servesim: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
