@@ -56,6 +56,8 @@ class BlockPool:
         """Free blocks in queue order, head (next to allocate) first. O(queue length)."""
         ref, pos, base = self.ref_cnt, self._pos, self._base
         q = self._queue
+        if not self.sharing:  # no entry is ever stale
+            return q[self._head:]
         return [b for i, b in enumerate(q[self._head:], self._head)
                 if ref[b] == 0 and pos[b] == base + i]
 

@@ -236,8 +236,11 @@ def apply_override(raw: dict, text: str, source: str = "--set") -> None:
         nxt = d.get(p)
         if not isinstance(nxt, dict):
             # A bare number (a fixed length) becomes a table when a sub-key is set.
-            nxt = {} if nxt is None else ({"dist": "fixed", "value": nxt}
-                                          if isinstance(nxt, (int, float)) else nxt)
+            # Setting `dist` itself starts a fresh table.
+            if nxt is None or (isinstance(nxt, (int, float)) and parts[-1] == "dist"):
+                nxt = {}
+            elif isinstance(nxt, (int, float)):
+                nxt = {"dist": "fixed", "value": nxt}
             if not isinstance(nxt, dict):
                 raise ScenarioError(f"--set {text}: {'.'.join(parts[:-1])} is not a table")
             d[p] = nxt
@@ -328,27 +331,28 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     t = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, None)
     if t is None:
         t = type(f.default)
+    shown = value  # messages show the value as the user wrote it
     value = _check_type(where, value, t)
     if m.get("kind") == "policy":
         from sim.policies import POLICIES
 
         if value not in POLICIES:
             raise ScenarioError(
-                f"{where} = {value!r}: unknown policy (known: {', '.join(POLICIES)})"
+                f"{where} = {shown!r}: unknown policy (known: {', '.join(POLICIES)})"
                 f"{_suggest(value, POLICIES)}"
             )
     if m.get("choices") is not None and value not in m["choices"]:
-        shown = ", ".join(repr(c) for c in m["choices"])
-        raise ScenarioError(f"{where} = {value!r}: expected one of {shown}"
+        options = ", ".join(repr(c) for c in m["choices"])
+        raise ScenarioError(f"{where} = {shown!r}: expected one of {options}"
                             f"{_suggest(str(value), [str(c) for c in m['choices']])}")
     if m.get("min") is not None and value < m["min"]:
-        raise ScenarioError(f"{where} = {value!r}: must be at least {m['min']}")
+        raise ScenarioError(f"{where} = {shown!r}: must be at least {m['min']}")
     if m.get("gt") is not None and value <= m["gt"]:
-        raise ScenarioError(f"{where} = {value!r}: must be greater than {m['gt']}")
+        raise ScenarioError(f"{where} = {shown!r}: must be greater than {m['gt']}")
     if m.get("max") is not None and value > m["max"]:
-        raise ScenarioError(f"{where} = {value!r}: must be at most {m['max']}")
+        raise ScenarioError(f"{where} = {shown!r}: must be at most {m['max']}")
     if m.get("pow2") and (value <= 0 or value & (value - 1)):
-        raise ScenarioError(f"{where} = {value!r}: must be a power of two")
+        raise ScenarioError(f"{where} = {shown!r}: must be a power of two")
     return value
 
 

@@ -1,0 +1,70 @@
+"""Shared test helpers: small scenarios and the engine invariants checked after every step."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from sim import Engine, load_scenario
+from sim.request import RequestState
+from sim.workload import Workload
+
+
+def small_scenario(*overrides: str, base: str = "chat"):
+    """The default scenario shrunk to a few seconds and a small pool."""
+    return load_scenario(base, ["workload.duration_s=20", "workload.rate=6",
+                                "kv.num_blocks=1500", *overrides])
+
+
+def workload_of(rows, hash_ids=None) -> Workload:
+    """A hand-made workload from (arrival, prompt, output[, priority[, cancel_at]]) rows."""
+    rows = [tuple(r) + (0, np.nan)[len(r) - 3:] if len(r) < 5 else tuple(r) for r in rows]
+    a = np.array([r[0] for r in rows], dtype=float)
+    return Workload(arrival=a, prompt=np.array([r[1] for r in rows], dtype=np.int64),
+                    output=np.array([r[2] for r in rows], dtype=np.int64),
+                    priority=np.array([r[3] for r in rows], dtype=np.int64),
+                    cancel_at=np.array([r[4] for r in rows], dtype=float), hash_ids=hash_ids)
+
+
+def check_invariants(engine: Engine) -> None:
+    """Blocks owned by requests are exactly the used blocks, each owned once (or shared with a
+    matching reference count), and every live request's table covers its computed tokens."""
+    pool = engine.kv.pool
+    owners = Counter()
+    live = list(engine.policy.running) + list(engine.policy.waiting)
+    for r in live:
+        assert not r.state.is_done, r
+        for b in r.block_table:
+            owners[b] += 1
+        need = -(-r.num_computed_tokens // engine.block_size)
+        assert need <= len(r.block_table) <= need + 1, (r, need)
+    for r in engine.requests.values():
+        if r.state.is_done:
+            assert r.block_table == [], r
+    for b in range(pool.num_blocks):
+        assert pool.ref_cnt[b] == owners.get(b, 0), (b, pool.ref_cnt[b], owners.get(b, 0))
+    assert pool.num_used == sum(1 for b in range(pool.num_blocks) if pool.ref_cnt[b] > 0)
+    assert pool.num_free + pool.num_used == pool.num_blocks
+    assert sorted(pool.free_block_ids()) == [b for b in range(pool.num_blocks)
+                                              if pool.ref_cnt[b] == 0]
+    for r in engine.policy.running:
+        assert r.state is RequestState.RUNNING
+    for r in engine.policy.waiting:
+        assert r.state in (RequestState.WAITING, RequestState.PREEMPTED, RequestState.SWAPPED)
+
+
+def expand_steps(engine: Engine) -> list[tuple]:
+    """The step-level event stream with runs of steps split into single steps, for comparing
+    a skip-ahead run with a step-by-step one."""
+    out = []
+    for e in engine.events:
+        if e.kind == "steps":
+            t = e.t
+            for end in e.ends:
+                out.append(("step", t, float(end), e.prefill, e.decode))
+                t = float(end)
+        else:
+            d = e.to_dict()
+            out.append(tuple(sorted((k, str(v)) for k, v in d.items())))
+    return out

@@ -1,0 +1,171 @@
+import numpy as np
+import pytest
+
+from sim import Engine, summarize
+from sim.errors import EngineError, UnknownRequestError
+from sim.request import RequestState as S
+from tests.helpers import check_invariants, expand_steps, small_scenario, workload_of
+
+
+@pytest.mark.parametrize("policy", ["static", "fcfs", "chunked"])
+def test_skip_ahead_equals_step_by_step(policy):
+    sc = small_scenario(f"scheduler.policy=\"{policy}\"", "kv.num_blocks=600",
+                        "workload.cancel_fraction=0.1", "workload.duration_s=15")
+    fast, slow = Engine(sc), Engine(sc, skip_ahead=False)
+    fast.run()
+    slow.run()
+    assert fast.counts == slow.counts and fast.counts["preemptions"] > 0
+    assert expand_steps(fast) == expand_steps(slow)
+    for col in ("end", "kv_used", "itl_count", "energy", "batch"):
+        assert np.array_equal(fast.timeline.column(col), slow.timeline.column(col)), col
+    for rid, r in fast.requests.items():
+        assert np.array_equal(r.token_times(), slow.requests[rid].token_times())
+    a, b = summarize(fast), summarize(slow)
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+    assert len(fast.events) < len(slow.events)  # the fast path really grouped steps
+
+
+def test_invariants_hold_after_every_step_under_memory_pressure():
+    sc = small_scenario("kv.num_blocks=300", "workload.cancel_fraction=0.2",
+                        "workload.cancel_after_s={dist=\"uniform\", min=0, max=3}")
+    e = Engine(sc)
+    n = 0
+    while not e.done:
+        e.step()
+        check_invariants(e)
+        n += 1
+    assert n > 100 and e.counts["preemptions"] > 0 and e.counts["cancelled"] > 0
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+
+
+def test_tokens_are_counted_once_per_request():
+    sc = small_scenario("kv.num_blocks=300")
+    e = Engine(sc)
+    e.run()
+    for r in e.requests.values():
+        if r.state is S.FINISHED:
+            assert r.num_output_tokens == r.max_output_tokens
+            assert len(r.token_times()) == r.max_output_tokens
+            assert r.token_times()[0] == r.first_token_time
+            assert r.token_times()[-1] == r.last_token_time == r.finish_time
+            assert np.all(np.diff(r.token_times()) > 0)
+    assert e.counts["output_tokens"] == sum(r.num_output_tokens for r in e.requests.values())
+
+
+def test_cancel_in_every_state_frees_exactly_its_blocks():
+    sc = small_scenario("kv.num_blocks=40", "kv.block_size=16",
+                        "scheduler.max_num_batched_tokens=64")
+    w = workload_of([(0.0, 200, 100), (0.0, 150, 300), (0.0, 300, 300), (0.0, 30, 500)])
+    e = Engine(sc, workload=w)
+    seen = set()
+    for _ in range(5000):
+        if e.done:
+            break
+        e.step()
+        check_invariants(e)
+        for r in e.requests.values():
+            key = (r.state, r.is_prefill if r.state is S.RUNNING else None)
+            if r.state.is_done or key in seen:
+                continue
+            seen.add(key)
+            held = list(r.block_table)
+            used = e.kv.num_used_blocks
+            e.cancel(r.req_id)
+            assert r.state is S.CANCELLED and r.block_table == []
+            assert e.kv.num_used_blocks == used - len(held)
+            assert all(e.kv.pool.ref_cnt[b] == 0 for b in held)
+            check_invariants(e)
+            break
+    states = {k[0] for k in seen}
+    assert {S.WAITING, S.RUNNING} <= states
+    assert (S.RUNNING, True) in seen  # mid-prefill chunk
+
+
+def test_cancel_errors_are_clear():
+    e = Engine(small_scenario())
+    with pytest.raises(UnknownRequestError, match="no request with id 999999"):
+        e.cancel(999999)
+    e.run_until(1.0)
+    rid = next(iter(e.requests))
+    e.run()
+    with pytest.raises(EngineError, match="already finished"):
+        e.cancel(rid)
+
+
+def test_inject_arrives_now_and_is_recorded():
+    e = Engine(small_scenario())
+    e.run_until(2.0)
+    ids = e.inject(64, 8, priority=1, count=3)
+    assert len(ids) == 3 and all(e.get(i).arrival_time == e.now for i in ids)
+    assert all(e.get(i).state is S.WAITING for i in ids)
+    acts = [x for x in e.events if x.kind == "action"]
+    assert acts[-1].action == "inject" and acts[-1].args["count"] == 3
+    e.run()
+    assert all(e.get(i).state is S.FINISHED for i in ids)
+    with pytest.raises(EngineError, match="prompt_len = 0"):
+        e.inject(0, 5)
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    sc = small_scenario("kv.num_blocks=10", "kv.block_size=16")
+    w = workload_of([(0.0, 100, 10), (0.0, 200, 10)])
+    e = Engine(sc, workload=w)
+    e.run()
+    assert e.get(1).state is S.REJECTED and "needs 14 blocks" in e.get(1).reject_reason
+    assert e.get(0).state is S.FINISHED
+
+
+def test_client_cancellation_after_its_delay():
+    w = workload_of([(0.0, 100, 100000 // 100, 0, 0.5)])
+    e = Engine(small_scenario(), workload=w)
+    e.run()
+    r = e.get(0)
+    assert r.state is S.CANCELLED and r.cancelled_in is S.RUNNING
+    assert 0.5 <= r.finish_time < 0.6
+    assert e.kv.num_used_blocks == 0
+
+
+def test_policy_switch_mid_run_keeps_every_request():
+    sc = small_scenario("kv.num_blocks=500")
+    e = Engine(sc)
+    e.run_until(3.0)
+    e.switch_policy("fcfs")
+    e.run_until(6.0)
+    e.switch_policy("static")
+    e.run()
+    check_invariants(e)
+    assert e.counts["finished"] + e.counts["cancelled"] + e.counts["rejected"] == e.counts["arrived"]
+    with pytest.raises(EngineError, match="unknown policy"):
+        e.switch_policy("nope")
+
+
+def test_snapshot_is_a_copy_of_state():
+    e = Engine(small_scenario("kv.num_blocks=500"))
+    e.run_until(5.0)
+    snap = e.snapshot()
+    assert snap.now == e.now and snap.used_blocks == e.kv.num_used_blocks
+    owned = {int(b) for b in np.flatnonzero(snap.block_owner >= 0)}
+    assert owned == {b for r in e.policy.running for b in r.block_table}
+    assert [v.req_id for v in snap.running] == [r.req_id for r in e.policy.running]
+    e.run_until(6.0)
+    assert snap.now != e.now  # not a live view
+
+
+def test_hand_timeline_through_the_engine():
+    """Arrival 0 ms, admission 30 ms, first token 80 ms, 100 later gaps of 5 ms."""
+    sc = small_scenario("scheduler.max_num_seqs=1")
+    w = workload_of([(0.0, 10, 1), (0.0, 10, 101)])
+    e = Engine(sc, workload=w)
+    e.duration_override = iter([0.030, 0.050] + [0.005] * 100)
+    e.run()
+    r = e.get(1)
+    assert r.queue_wait == pytest.approx(0.030)
+    assert r.ttft == pytest.approx(0.080)
+    assert r.last_token_time == pytest.approx(0.580)
+    assert r.tpot == pytest.approx(0.005)
+    s = summarize(e)
+    assert s["itl_ms"]["count"] == 100 and s["itl_ms"]["p50"] == pytest.approx(5.0)
+    assert s["queue_ms"]["max"] == pytest.approx(30.0)
+    assert s["e2e_ms"]["max"] == pytest.approx(580.0)
+    assert s["ttft_ms"]["max"] == pytest.approx(80.0)

@@ -1,0 +1,118 @@
+import pytest
+
+from sim.errors import ScenarioError, TraceError
+from sim.scenario import bundled_scenarios, load_scenario
+
+
+def write(tmp_path, text, name="s.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+BASE = """
+name = "t"
+seed = 3
+[workload]
+arrival = "poisson"
+rate = 2.0
+num_requests = 10
+prompt_tokens = 100
+output_tokens = 20
+"""
+
+
+def test_defaults_fill_presets_and_derive_blocks(tmp_path):
+    sc = load_scenario(write(tmp_path, BASE))
+    assert sc.model.num_layers == 32 and sc.model.num_kv_heads == 8
+    assert sc.hardware.mem_bandwidth_gbps == 3350.0
+    # (80e9 * 0.9 - 8.03e9 * 2 - 1e9) / (16 tokens * 131072 B) for Llama-3.1-8B on an H100
+    assert sc.kv.num_blocks == int((80e9 * 0.9 - 8.03e9 * 2 - 1e9) // (16 * 131072))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kv.blok_size=16", "kv.blok_size: unknown key (did you mean 'block_size'?)"),
+    ("workload.rate=0", "workload.rate = 0: must be greater than 0"),
+    ("workload.rate=-1.5", "workload.rate = -1.5: must be greater than 0"),
+    ("workload.rate=\"fast\"", "workload.rate = 'fast': expected a number"),
+    ("kv.block_size=24", "kv.block_size = 24: must be a power of two"),
+    ("kv.num_blocks=1.5", "kv.num_blocks = 1.5: expected an integer"),
+    ("scheduler.policy=\"fifo\"", "scheduler.policy = 'fifo': unknown policy"),
+    ("scheduler.max_num_seqs=0", "scheduler.max_num_seqs = 0: must be at least 1"),
+    ("model.preset=\"llama-9\"", "model.preset = 'llama-9': expected one of"),
+    ("workload.arival=\"poisson\"", "did you mean 'arrival'?"),
+    ("workload.prompt_tokens.dist=\"zipf\"", "workload.prompt_tokens.dist = 'zipf'"),
+    ("scheduler.max_num_seqs=true", "expected an integer"),
+    ("bogus=1", "bogus: unknown key"),
+])
+def test_bad_fields_name_file_field_and_value(tmp_path, override, message):
+    path = write(tmp_path, BASE)
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path, [override])
+    assert message in str(e.value)
+    assert path in str(e.value)
+
+
+def test_unparseable_toml_names_the_file(tmp_path):
+    path = write(tmp_path, "name = \n[kv")
+    with pytest.raises(ScenarioError, match="not valid TOML"):
+        load_scenario(path)
+
+
+def test_missing_trace_and_malformed_row(tmp_path):
+    path = write(tmp_path, BASE.replace('arrival = "poisson"', 'arrival = "trace"\ntrace = "nope.csv"'))
+    with pytest.raises(TraceError, match="nope.csv: trace file not found"):
+        from sim.workload import build_workload
+        build_workload(load_scenario(path))
+    (tmp_path / "bad.csv").write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.68,374,44\n"
+        "2023-11-16 18:15:47.00,abc,10\n")
+    path = write(tmp_path, BASE.replace('arrival = "poisson"', 'arrival = "trace"\ntrace = "bad.csv"'))
+    with pytest.raises(TraceError, match=r"bad.csv:3: ContextTokens = 'abc' is not a number"):
+        build_workload(load_scenario(path))
+    (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n'
+                                        '{"timestamp": 1, "input_length": 5}\n')
+    path = write(tmp_path, BASE.replace('arrival = "poisson"', 'arrival = "trace"\ntrace = "bad.jsonl"'))
+    with pytest.raises(TraceError, match=r"bad.jsonl:2: missing field 'output_length'"):
+        build_workload(load_scenario(path))
+
+
+def test_impossible_configurations(tmp_path):
+    with pytest.raises(ScenarioError, match="no request could ever fit"):
+        load_scenario(write(tmp_path, BASE), ["kv.num_blocks=4", "kv.block_size=16"])
+    with pytest.raises(ScenarioError, match="does not fit in hardware.memory_gb"):
+        load_scenario(write(tmp_path, BASE), ["model.preset=\"llama-3.1-70b\"",
+                                              "hardware.preset=\"l40s\""])
+    # sharded over 4 GPUs it fits
+    sc = load_scenario(write(tmp_path, BASE), ["model.preset=\"llama-3.1-70b\"",
+                                               "hardware.preset=\"h100-sxm\"",
+                                               "model.tensor_parallel=4"])
+    assert sc.kv.num_blocks > 0
+    with pytest.raises(ScenarioError, match="needs num_requests or duration_s"):
+        load_scenario(write(tmp_path, BASE.replace("num_requests = 10", "")))
+    with pytest.raises(ScenarioError, match="must divide"):
+        load_scenario(write(tmp_path, BASE), ["compute.num_kv_heads=3"])
+
+
+def test_set_reaches_nested_distribution_fields(tmp_path):
+    path = write(tmp_path, BASE)
+    sc = load_scenario(path, ["workload.prompt_tokens.dist=\"uniform\"",
+                              "workload.prompt_tokens.min=10", "workload.prompt_tokens.max=20"])
+    assert sc.workload.prompt_tokens == {"dist": "uniform", "min": 10, "max": 20}
+    with pytest.raises(ScenarioError, match="unknown key for dist = 'uniform'"):
+        load_scenario(path, ["workload.prompt_tokens.dist=\"uniform\"",
+                             "workload.prompt_tokens.mean=10"])
+
+
+def test_every_bundled_scenario_loads():
+    names = [n for n, _ in bundled_scenarios()]
+    assert "chat" in names and "azure-conv" in names
+    for n in names:
+        sc = load_scenario(n)
+        assert sc.kv.num_blocks > 0
+
+
+def test_unknown_scenario_suggests_a_name():
+    with pytest.raises(ScenarioError, match="did you mean 'chat'"):
+        load_scenario("chta")

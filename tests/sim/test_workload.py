@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+
+from sim.scenario import load_scenario
+from sim.workload import build_workload, read_trace
+from sim.scenario import BUNDLED_DIR
+
+TRACES = BUNDLED_DIR / "traces"
+
+
+def sc(*o):
+    return load_scenario("chat", ["workload.duration_s=0", "workload.num_requests=4000", *o])
+
+
+def test_seeded_and_identical_for_every_policy():
+    a = build_workload(sc())
+    b = build_workload(sc("scheduler.policy=\"fcfs\""))
+    assert np.array_equal(a.arrival, b.arrival) and np.array_equal(a.prompt, b.prompt)
+    c = build_workload(sc("seed=99"))
+    assert not np.array_equal(a.arrival, c.arrival)
+
+
+def test_poisson_rate_and_gamma_burstiness():
+    w = build_workload(sc("workload.rate=10"))
+    gaps = np.diff(w.arrival)
+    assert w.arrival[0] == 0.0 and np.all(gaps >= 0)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.06)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.1)
+    g = build_workload(sc("workload.arrival=\"gamma\"", "workload.rate=10", "workload.cv=3"))
+    gg = np.diff(g.arrival)
+    assert gg.mean() == pytest.approx(0.1, rel=0.25)
+    assert gg.std() / gg.mean() == pytest.approx(3.0, rel=0.25)
+    c = build_workload(sc("workload.arrival=\"constant\"", "workload.rate=4"))
+    assert np.allclose(np.diff(c.arrival), 0.25)
+
+
+def test_duration_bound():
+    w = build_workload(load_scenario("chat", ["workload.duration_s=30", "workload.rate=5"]))
+    assert w.arrival.max() < 30 and 100 < len(w) < 200
+
+
+def test_length_distributions():
+    w = build_workload(sc("workload.prompt_tokens={dist=\"uniform\", min=10, max=20}",
+                          "workload.output_tokens={dist=\"lognormal\", mean=200, cv=0.5, max=400}"))
+    assert w.prompt.min() >= 10 and w.prompt.max() <= 20
+    assert set(np.unique(w.prompt)) == set(range(10, 21))
+    assert w.output.max() <= 400 and w.output.mean() == pytest.approx(200, rel=0.1)
+    f = build_workload(sc("workload.prompt_tokens=77"))
+    assert np.all(f.prompt == 77)
+
+
+def test_empirical_pairs_stay_paired():
+    w = build_workload(sc())  # chat: prompt and output from the same ShareGPT file
+    t = read_trace(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+    pairs = set(zip(t.prompt.tolist(), t.output.tolist()))
+    assert all((p, o) in pairs for p, o in zip(w.prompt.tolist(), w.output.tolist()))
+
+
+def test_azure_trace_import_and_time_scale():
+    s = load_scenario("azure-conv")
+    w = build_workload(s)
+    assert len(w) == 19366 and w.total_output_tokens == 4088665
+    assert w.arrival[0] == 0.0 and np.all(np.diff(w.arrival) >= 0)
+    # first two rows: 18:15:46.6805900 and 18:15:50.9951690
+    assert w.arrival[1] == pytest.approx(50.9951690 - 46.6805900, abs=1e-6)
+    assert w.prompt[0] == 374 and w.output[0] == 44
+    half = build_workload(load_scenario("azure-conv", ["workload.time_scale=0.5",
+                                                       "workload.num_requests=100"]))
+    assert len(half) == 100
+    assert half.arrival[1] == pytest.approx(w.arrival[1] * 0.5)
+
+
+def test_mooncake_keeps_hash_ids(tmp_path):
+    t = read_trace(TRACES / "mooncake_conversation_trace.jsonl")
+    assert len(t.prompt) == 12031 and t.hash_ids[0][:3] == (0, 1, 2)
+    p = tmp_path / "m.toml"
+    p.write_text('name="m"\n[workload]\narrival="trace"\ntrace="%s"\nnum_requests=50\n'
+                 % (TRACES / "mooncake_conversation_trace.jsonl"))
+    w = build_workload(load_scenario(str(p)))
+    assert len(w.hash_ids) == 50 and w.hash_ids[1][0] == 0
+
+
+def test_cancellations_and_priorities():
+    w = build_workload(sc("workload.cancel_fraction=0.25",
+                          "workload.cancel_after_s={dist=\"exponential\", mean=2.0}",
+                          "workload.priority={dist=\"choice\", values=[0, 1, 2], weights=[1, 1, 2]}"))
+    chosen = ~np.isnan(w.cancel_at)
+    assert chosen.mean() == pytest.approx(0.25, abs=0.03)
+    delay = w.cancel_at[chosen] - w.arrival[chosen]
+    assert np.all(delay >= 0) and delay.mean() == pytest.approx(2.0, rel=0.15)
+    assert set(np.unique(w.priority)) == {0, 1, 2}
+    assert (w.priority == 2).mean() == pytest.approx(0.5, abs=0.04)
+    # the other draws do not move when cancellations are switched on
+    base = build_workload(sc())
+    assert np.array_equal(base.arrival, w.arrival) and np.array_equal(base.prompt, w.prompt)

@@ -1,0 +1,86 @@
+"""The command line, run as a user would: exit codes, one-line errors, JSON shapes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tui.cli import main
+
+DIST_KEYS = {"count", "mean", "p50", "p90", "p95", "p99", "max"}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_sim_json_shape(capsys):
+    code, out, err = run(capsys, "sim", "chat", "--set", "workload.duration_s=10", "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert set(s["requests"]) == {"total", "finished", "cancelled", "rejected"}
+    assert s["requests"]["finished"] == s["requests"]["total"] > 0
+    assert set(s["throughput"]) == {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s"}
+    for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+        assert set(s[k]) == DIST_KEYS, k
+        assert s[k]["p50"] <= s[k]["p99"] <= s[k]["max"]
+    assert {"total_blocks", "peak_used_blocks", "mean_usage", "used_blocks_at_end"} <= set(s["kv"])
+    for k in ("duration_s", "wall_s", "preemptions", "goodput_requests_per_s",
+              "energy_j_per_output_token"):
+        assert k in s
+    assert s["ttft_ms"]["p50"] >= s["queue_ms"]["p50"]  # TTFT includes the queue
+
+
+def test_sim_table_and_policy_override(capsys):
+    code, out, _ = run(capsys, "sim", "chat", "--policy", "fcfs", "--seed", "3",
+                       "--set", "workload.duration_s=5")
+    assert code == 0
+    assert "fcfs" in out.splitlines()[1] and "TTFT p99 (ms)" in out
+
+
+def test_compare_runs_one_trace_under_each_policy(capsys):
+    code, out, _ = run(capsys, "compare", "chat", "--policies", "static,fcfs,chunked",
+                       "--set", "workload.duration_s=30", "--json")
+    assert code == 0
+    res = json.loads(out)
+    assert list(res) == ["static", "fcfs", "chunked"]
+    totals = {p: r["requests"]["total"] for p, r in res.items()}
+    assert len(set(totals.values())) == 1
+    # continuous batching beats request-level batching on time to first token
+    assert res["chunked"]["ttft_ms"]["p50"] < res["static"]["ttft_ms"]["p50"]
+
+
+def test_scenarios_lists_bundled(capsys):
+    code, out, _ = run(capsys, "scenarios")
+    assert code == 0 and any(line.startswith("chat ") for line in out.splitlines())
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["sim", "chat", "--set", "kv.block_size=12"], "kv.block_size = 12: must be a power of two"),
+    (["sim", "nope"], "nope: no such scenario"),
+    (["sim", "chat", "--set", "workload.rat=1"], "did you mean 'rate'"),
+    (["compare", "chat", "--policies", "fcfs,xyz"], "unknown policy 'xyz'"),
+    (["sim", "chat", "--set", "novalue"], "expected SECTION.KEY=VALUE"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_usage_errors_are_one_line_exit_2():
+    p = subprocess.run([sys.executable, "-m", "tui.cli", "sim"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
+    p = subprocess.run([sys.executable, "-m", "tui.cli", "frobnicate"], capture_output=True,
+                       text=True)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1
+
+
+def test_bench_sim_prints_figures(capsys):
+    code, out, _ = run(capsys, "bench", "sim", "--scenario", "chat", "--repeat", "1", "--json")
+    assert code == 0
+    r = json.loads(out)
+    assert r["wall_s"] > 0 and r["steps_per_s"] > 0 and r["output_tokens"] > 0
