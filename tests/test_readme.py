@@ -20,7 +20,7 @@ def test_exactly_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_every_scenario_field_is_documented():
     for name, cls in SECTIONS.items():
-        section = README.split(f"`[{name}]`", 1)[1].split("\n\n`[", 1)[0]
+        section = README.split(f"\n`[{name}]`\n", 1)[1].split("\n\n`[", 1)[0]
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in section, (name, f.name)
 
