@@ -1,6 +1,7 @@
 """`servesim bench ...`: benchmarks that print measured figures (never timed assertions).
 
 - `bench sim`: the full Azure conversation trace under `chunked`, Llama-3.1-8B on one H100.
+- `bench tui`: the dashboard driven headless; frames drawn, frame times, engine steps per second.
 - `bench kernel`: NumPy paged decode attention against a dense contiguous computation.
 """
 
@@ -19,6 +20,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--scenario", default="azure-conv")
     s.add_argument("--policy", default="chunked")
     s.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("tui", help="the dashboard, headless, on the default scenario")
+    s.add_argument("--sim-seconds", type=float, default=60.0,
+                   help="simulated seconds to run (default 60)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
@@ -71,6 +76,17 @@ def main(args) -> int:
             print(f"  simulated            {r['simulated_s']:,.1f} s")
             print(f"  engine steps         {r['steps']:,}  ({r['steps_per_s']:,.0f} per wall s)")
             print(f"  output tokens/wall s {r['output_tokens_per_wall_s']:,.0f}")
+        return 0
+    if args.bench == "tui":
+        from tui.bench_tui import bench_tui
+
+        r = bench_tui(args)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"bench tui: {_machine()}")
+            for k, v in r.items():
+                print(f"  {k:<22} {v:,.2f}" if isinstance(v, float) else f"  {k:<22} {v}")
         return 0
     if args.bench == "kernel":
         from gpu.bench import kernel_bench
