@@ -1,0 +1,246 @@
+"""CuPy backend: the CUDA kernels of `gpu/kernels/*.cu`, compiled by NVRTC through cupy.RawModule.
+
+CuPy is imported on first use, never at module import, so this module (and its source helpers,
+which the tests use to compile the kernels with nvcc) loads on a machine without CUDA.
+
+Kernels are templates instantiated per (storage, head_dim): `name_expressions` lists them, and
+one RawModule per pair is compiled the first time it is needed (CuPy caches the binary on disk).
+Every launch goes through `_launch`, which checks the grid against CUDA's limits and turns a
+launch failure into a `KernelError` naming the kernel; with `set_sync_check(True)` (or
+SERVESIM_CUDA_SYNC=1) it also synchronises after each launch so that a fault is pinned on the
+kernel that caused it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from .dtypes import storage_of
+from .errors import BackendUnavailable, KernelError
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+KERNEL_FILES = ("decode.cu", "prefill.cu", "write_kv.cu")
+HEAD_DIMS = (32, 64, 128, 256)
+# Query heads one decode block serves; the largest that divides the GQA group is used.
+HEADS_PER_BLOCK = (8, 4, 2, 1)
+# Split-K partition in tokens. Fixed (not tuned per batch) so that a sequence's decode result
+# depends only on its own length: see the note in decode.cu.
+PARTITION_SIZE = 512
+DECODE_THREADS = 128
+PREFILL_THREADS = 128
+LOG2E = 1.4426950408889634
+_NO_SPLIT_PARTITION = 1 << 30
+_TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+_sync_check = os.environ.get("SERVESIM_CUDA_SYNC", "") == "1"
+_modules: dict[tuple[str, int], object] = {}
+
+
+def set_sync_check(enabled: bool) -> None:
+    """Synchronise after every launch (slow, exact fault attribution) when `enabled`."""
+    global _sync_check
+    _sync_check = enabled
+
+
+def kernel_source() -> str:
+    """Returns the kernels as one self-contained CUDA source (local includes inlined).
+
+    Inlining, rather than passing an include path to NVRTC, keeps CuPy's on-disk cache honest:
+    its key is the source text, which then covers the headers too.
+    """
+
+    def inline(text: str) -> str:
+        return _INCLUDE.sub(lambda m: (KERNEL_DIR / m.group(1)).read_text(), text)
+
+    return "\n".join(inline((KERNEL_DIR / name).read_text()) for name in KERNEL_FILES)
+
+
+def name_expressions(storage_name: str, head_dim: int) -> list[str]:
+    """Returns the template instantiations compiled for one (storage, head_dim) module."""
+    tag = _TAGS[storage_name]
+    names = [f"paged_decode_kernel<{tag}, {head_dim}, {g}>" for g in HEADS_PER_BLOCK]
+    names.append(f"paged_decode_reduce_kernel<{tag}>")
+    names.append(f"paged_prefill_kernel<{tag}, {head_dim}>")
+    return names
+
+
+WRITE_KV_WORDS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
+
+
+def write_kv_name_expressions() -> list[str]:
+    """Returns the write_kv instantiations, one per copy word size."""
+    return [f"write_kv_kernel<{w}>" for w in WRITE_KV_WORDS.values()]
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as exc:
+        raise BackendUnavailable(f"cupy backend unavailable: cupy is not installed ({exc})") from None
+    return cupy
+
+
+def _module(key: tuple[str, int]):
+    module = _modules.get(key)
+    if module is None:
+        cp = _cupy()
+        names = write_kv_name_expressions() if key[0] == "write_kv" else name_expressions(*key)
+        module = cp.RawModule(code=kernel_source(), name_expressions=names)
+        _modules[key] = module
+    return module
+
+
+def _kernel(key: tuple[str, int], name: str):
+    try:
+        return _module(key).get_function(name)
+    except Exception as exc:  # NVRTC compile errors surface here, with the log in the message
+        raise KernelError(f"{name}: compile failed: {exc}") from exc
+
+
+def _launch(kernel, name: str, grid: tuple[int, int, int], block: int, args: tuple) -> None:
+    if min(grid) <= 0:
+        return  # nothing to do (an empty batch)
+    if grid[0] >= 2**31 or grid[1] > 65535 or grid[2] > 65535:
+        raise KernelError(f"{name}: grid {grid} exceeds CUDA's limits")
+    try:
+        kernel(grid, (block,), args)
+    except Exception as exc:
+        raise KernelError(f"{name} grid={grid} block={block}: launch failed: {exc}") from exc
+    if _sync_check:
+        try:
+            _cupy().cuda.get_current_stream().synchronize()
+        except Exception as exc:
+            raise KernelError(f"{name} grid={grid} block={block}: faulted: {exc}") from exc
+
+
+def _check_cache(k_cache, v_cache) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} {v_cache.dtype} differ")
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not a.flags.c_contiguous or a.data.ptr % 16:
+            raise ValueError(f"{name} must be C-contiguous and 16-byte aligned")
+    if k_cache.ndim != 4 or k_cache.shape[3] not in HEAD_DIMS:
+        raise ValueError(f"cache shape {k_cache.shape}: want [num_blocks, block_size, num_kv_heads, head_dim], head_dim in {HEAD_DIMS}")
+
+
+def _prepare_out(cp, out, q):
+    if out is None:
+        return cp.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous {q.shape} {q.dtype} array")
+    return out
+
+
+def _attention_inputs(cp, q, k_cache, v_cache, block_tables):
+    _check_cache(k_cache, v_cache)
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} differs from the cache's {k_cache.dtype}")
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if q.shape[2] != k_cache.shape[3] or num_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit cache {k_cache.shape} (head_dim, or heads not a multiple of kv heads)")
+    q = cp.ascontiguousarray(q)
+    block_tables = cp.ascontiguousarray(block_tables, dtype=cp.int32)
+    return q, block_tables, storage_of(k_cache).name
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None,
+                           max_seq_len=None, split_k=None, partition_size=PARTITION_SIZE):
+    """Decode attention over the paged cache; see `gpu` for shapes. Returns `out`.
+
+    `max_seq_len` (at least max(seq_lens)) saves a device sync when given. `split_k`: None picks
+    split-K when max_seq_len > partition_size, True / False force it on / off.
+    """
+    cp = _cupy()
+    q, block_tables, sname = _attention_inputs(cp, q, k_cache, v_cache, block_tables)
+    seq_lens = cp.ascontiguousarray(seq_lens, dtype=cp.int32)
+    out = _prepare_out(cp, out, q)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    use_split = max_seq_len > partition_size if split_k is None else bool(split_k)
+    num_splits = max(1, -(-max_seq_len // partition_size)) if use_split else 1
+    partition = partition_size if num_splits > 1 else _NO_SPLIT_PARTITION
+
+    group = num_heads // num_kv_heads
+    per_block = next(g for g in HEADS_PER_BLOCK if group % g == 0)
+    if num_splits > 1:
+        part_acc = cp.empty((num_seqs, num_heads, num_splits, head_dim), dtype=cp.float32)
+        part_ml = cp.empty((num_seqs, num_heads, num_splits, 2), dtype=cp.float32)
+    else:
+        part_acc = part_ml = cp.empty((1,), dtype=cp.float32)
+    name = f"paged_decode_kernel<{_TAGS[sname]}, {head_dim}, {per_block}>"
+    grid = (num_seqs, num_kv_heads * (group // per_block), num_splits)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
+            np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
+            np.int32(block_tables.shape[1]), np.int32(num_splits), np.int32(partition),
+            np.float32(scale * LOG2E))
+    _launch(_kernel((sname, head_dim), name), name, grid, DECODE_THREADS, args)
+    if num_splits > 1:
+        name = f"paged_decode_reduce_kernel<{_TAGS[sname]}>"
+        args = (part_acc, part_ml, seq_lens, out, np.int32(num_heads), np.int32(head_dim),
+                np.int32(num_splits), np.int32(partition))
+        _launch(_kernel((sname, head_dim), name), name, (num_seqs, num_heads, 1), head_dim, args)
+    return out
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale=None, *,
+                            out=None, max_q_len=None):
+    """Causal prefill attention over the paged cache; see `gpu` for shapes. Returns `out`.
+
+    `max_q_len` (at least the longest chunk) saves a device sync when given.
+    """
+    cp = _cupy()
+    q, block_tables, sname = _attention_inputs(cp, q, k_cache, v_cache, block_tables)
+    cu_seqlens_q = cp.ascontiguousarray(cu_seqlens_q, dtype=cp.int32)
+    seq_lens = cp.ascontiguousarray(seq_lens, dtype=cp.int32)
+    out = _prepare_out(cp, out, q)
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or q.shape[0] == 0:
+        return out
+    if max_q_len is None:
+        max_q_len = int(cp.diff(cu_seqlens_q).max())
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    rows_per_block = 4 * min(8, 512 // head_dim)  # mirrors ROWS in prefill.cu
+    group = num_heads // num_kv_heads
+    grid = (-(-max_q_len * group // rows_per_block), num_kv_heads, num_seqs)
+    name = f"paged_prefill_kernel<{_TAGS[sname]}, {head_dim}>"
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+            np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
+            np.int32(block_tables.shape[1]), np.float32(scale * LOG2E))
+    _launch(_kernel((sname, head_dim), name), name, grid, PREFILL_THREADS, args)
+    return out
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Writes rows of `k` / `v` to their slots in the caches, in place; negative slots are skipped."""
+    cp = _cupy()
+    _check_cache(k_cache, v_cache)
+    num_tokens = k.shape[0]
+    row = k_cache.shape[2] * k_cache.shape[3]
+    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k.dtype != k_cache.dtype or v.dtype != k.dtype:
+        raise ValueError(f"k/v {k.shape} {k.dtype} do not fit cache {k_cache.shape} {k_cache.dtype}")
+    if num_tokens == 0:
+        return
+    k = cp.ascontiguousarray(k)
+    v = cp.ascontiguousarray(v)
+    slot_mapping = cp.ascontiguousarray(slot_mapping, dtype=cp.int64)
+    row_bytes = row * k.itemsize
+    aligned = all(a.data.ptr % 16 == 0 for a in (k, v))
+    word = next(w for w in WRITE_KV_WORDS if row_bytes % w == 0 and (w < 16 or aligned))
+    name = f"write_kv_kernel<{WRITE_KV_WORDS[word]}>"
+    row_words = row_bytes // word
+    block = min(256, 32 * -(-row_words // 32))
+    args = (k, v, k_cache, v_cache, slot_mapping, np.int32(row_words))
+    _launch(_kernel(("write_kv", 0), name), name, (num_tokens, 1, 1), block, args)

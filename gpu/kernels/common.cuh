@@ -1,0 +1,100 @@
+// Storage types, conversions and warp helpers shared by the servesim kernels.
+//
+// NVRTC compiles these sources with no host headers, so nothing here includes <cuda_fp16.h> or
+// <cuda_bf16.h>: half and bfloat16 values travel as raw 16-bit patterns and are converted with
+// one PTX instruction (fp16) or a shift (bf16). Each storage type is a tag struct that names its
+// raw element type, how many elements one 16-byte vector load carries, and how to convert.
+#ifndef SERVESIM_COMMON_CUH
+#define SERVESIM_COMMON_CUH
+
+#define SERVESIM_FULL_MASK 0xffffffffu
+
+// -inf as a bit pattern: NVRTC has no <math.h>, hence no INFINITY macro.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Running maxima start here rather than at -inf so that exp2f(m_old - m_new) is never
+// exp2f(-inf - -inf) = NaN for a lane that has not seen a key yet; any real score is larger.
+#define SERVESIM_NO_SCORE (-1.0e30f)
+
+struct F32 {
+    typedef float raw;
+    static const int kVec = 4;  // elements per 16-byte vector
+    static __device__ __forceinline__ float to_float(raw x) { return x; }
+    static __device__ __forceinline__ raw from_float(float x) { return x; }
+    static __device__ __forceinline__ void unpack(const uint4& v, float* out) {
+        out[0] = __uint_as_float(v.x);
+        out[1] = __uint_as_float(v.y);
+        out[2] = __uint_as_float(v.z);
+        out[3] = __uint_as_float(v.w);
+    }
+};
+
+struct F16 {
+    typedef unsigned short raw;
+    static const int kVec = 8;
+    static __device__ __forceinline__ float to_float(raw x) {
+        float f;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+        return f;
+    }
+    static __device__ __forceinline__ raw from_float(float x) {
+        raw h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        return h;
+    }
+    static __device__ __forceinline__ void unpack(const uint4& v, float* out) {
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = to_float((raw)(w[i] & 0xffffu));
+            out[2 * i + 1] = to_float((raw)(w[i] >> 16));
+        }
+    }
+};
+
+struct BF16 {
+    typedef unsigned short raw;
+    static const int kVec = 8;
+    static __device__ __forceinline__ float to_float(raw x) {
+        return __uint_as_float(((unsigned int)x) << 16);
+    }
+    // Round to nearest even; NaN stays a (quiet) NaN.
+    static __device__ __forceinline__ raw from_float(float x) {
+        unsigned int u = __float_as_uint(x);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return (raw)0x7fc0u;
+        u += 0x7fffu + ((u >> 16) & 1u);
+        return (raw)(u >> 16);
+    }
+    static __device__ __forceinline__ void unpack(const uint4& v, float* out) {
+        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            out[2 * i] = __uint_as_float(w[i] << 16);
+            out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+};
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(SERVESIM_FULL_MASK, x, off));
+    return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(SERVESIM_FULL_MASK, x, off);
+    return x;
+}
+
+// Physical address (in elements) of token `pos` of a sequence, for one kv head's row.
+// 64-bit because a large pool (8k tokens x 256 sequences x 8 heads x 128) passes 2^31 elements.
+__device__ __forceinline__ long long paged_row(const int* __restrict__ block_table, int pos,
+                                               int block_size, int num_kv_heads, int head_dim,
+                                               int kv_head) {
+    const long long block = block_table[pos / block_size];
+    const long long slot = block * block_size + (pos % block_size);
+    return (slot * num_kv_heads + kv_head) * head_dim;
+}
+
+#endif  // SERVESIM_COMMON_CUH
