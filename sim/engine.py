@@ -13,7 +13,6 @@ so the cost of a simulation grows with the number of events, not of tokens.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import math
 import time
@@ -25,6 +24,7 @@ import numpy as np
 from sim import events as ev
 from sim.costmodel import CostModel
 from sim.errors import EngineError, UnknownRequestError
+from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
 from sim.kv import KVCacheManager, blocks_for
 from sim.policies import POLICIES
@@ -128,6 +128,7 @@ class Engine:
         self.idle_time = 0.0
         self.timeline = Timeline()
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
+        self.initial_policy = self.policy.name
         self._freed: list[int] = []
         self._prompt_ids: dict[int, np.ndarray] = {}
         self.duration_override = None  # an iterator of step durations (replay of measured runs)
@@ -160,11 +161,7 @@ class Engine:
         budget = max_steps if max_steps is not None else 1 << 62
         t0 = time.perf_counter()
         stalls = 0
-        # The run allocates many small objects and frees none of them in cycles: the cyclic
-        # collector's passes over every live request would only cost time.
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():
             while self.now < t and not self.done and self.step_count - start < budget:
                 before = (self.step_count, self.now)
                 self._advance(t, budget - (self.step_count - start))
@@ -174,10 +171,7 @@ class Engine:
                                       f"{len(self.policy.waiting)} waiting, nothing schedulable")
             if self.done and self.now < t and math.isfinite(t):
                 self._idle_to(t)
-        finally:
-            if gc_was_on:
-                gc.enable()
-            self.wall_s += time.perf_counter() - t0
+        self.wall_s += time.perf_counter() - t0
         return self.step_count - start
 
     def run(self, max_steps: int | None = None) -> int:
@@ -314,6 +308,7 @@ class Engine:
         req.transition(RS.PREEMPTED)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.recomputing = True
         req.num_preemptions += 1
         self.counts["preemptions"] += 1
         self._freed.append(req.req_id)
@@ -324,6 +319,21 @@ class Engine:
     def _action(self, action: str, **args) -> None:
         if self.record_events:
             self.events.append(ev.UserAction(self.now, self.step_count, action, args))
+
+    def _emit_steps(self, e: ev.Steps) -> None:
+        """Record steps, extending the previous `steps` event when the two are one run of
+        identical decode steps, so the event stream does not depend on how a caller sliced
+        time (a live screen's ticks, a stale cancellation) and a replay can match it."""
+        events = self.events
+        last = events[-1] if events else None
+        if (type(last) is ev.Steps and not last.prefill and not e.prefill
+                and last.decode == e.decode and last.tokens is None and e.tokens is None
+                and e.durs is None and last.durs is None
+                and e.step == last.step + len(last.ends) and e.t == last.ends[-1]):
+            last.ends = np.concatenate((last.ends, e.ends))
+            last.kv_used = e.kv_used
+        else:
+            events.append(e)
 
     def _next_external(self) -> float:
         t = self._w_arrival[self._w_next] if self._w_next < len(self._w_arrival) else INF
@@ -452,7 +462,7 @@ class Engine:
             tokens += n
             attended += n * c + n * (n + 1) // 2
             kv_read += c
-            if n > 1 or req.num_output_tokens == 0 or c + n < req.num_tokens:
+            if n > 1 or req.num_output_tokens == 0 or c + n < req.num_tokens or req.recomputing:
                 prefill_tokens += n
         dur, energy = self.cost.step(tokens, attended, kv_read)
         sampled_ids = None
@@ -469,13 +479,13 @@ class Engine:
         end = start + dur
         g = self.timeline.n
         sampled = itl = 0
-        prefill_chunks, decodes, first, finished = [], [], [], []
+        prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
         for req, n in sched:
             c = req.num_computed_tokens
             total = req.num_tokens
             req.num_computed_tokens = c + n
-            if n > 1 or req.num_output_tokens == 0 or c + n < total:
+            if n > 1 or req.num_output_tokens == 0 or c + n < total or req.recomputing:
                 req.prefill_chunks.append((end, c, n))
                 prefill_chunks.append((req.req_id, c, n))
             else:
@@ -503,6 +513,9 @@ class Engine:
                 else:
                     self.itl_extra.append((end, end - req.last_token_time))
                     segs.append([g, 1])
+                if req.recomputing:  # its re-prefill after a preemption is done
+                    req.recomputing = False
+                    recomputed.append(req)
             req.last_token_time = end
             if req.num_output_tokens >= req.max_output_tokens:
                 finished.append(req)
@@ -512,10 +525,13 @@ class Engine:
         self.step_count += 1
         self.counts["output_tokens"] += sampled
         if self.record_events:
-            self.events.append(ev.Steps(start, g, np.array([end]), tuple(prefill_chunks),
-                                        tuple(decodes), tokens_out, self.kv.num_used_blocks))
+            self._emit_steps(ev.Steps(start, g, np.array([end]), tuple(prefill_chunks),
+                                      tuple(decodes), tokens_out, self.kv.num_used_blocks,
+                                      np.array([dur]) if self.clock == "measured" else None))
             for req in first:
                 self.events.append(ev.FirstToken(end, req.req_id))
+            for req in recomputed:
+                self.events.append(ev.Recomputed(end, req.req_id))
         for req in finished:
             self._finish(req, end)
         return 1
@@ -584,8 +600,8 @@ class Engine:
                                  sampled=b, itl_count=itl, kv_used=kv_used, energy=energy,
                                  waiting=waiting)
         if self.record_events:
-            self.events.append(ev.Steps(self.now, g, np.asarray(ends), (),
-                                        tuple([r.req_id for r in reqs]), None, kv_used[-1]))
+            self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
+                                      tuple([r.req_id for r in reqs]), None, kv_used[-1]))
         self.now = end
         self.step_count += k
         self.counts["output_tokens"] += b * k

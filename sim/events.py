@@ -63,7 +63,8 @@ class Steps(Event):
 
     `prefill` holds (req_id, start_pos, num_tokens) chunks (only in single-step runs); `decode`
     the requests that got one token in every step of the run. `tokens`, with real compute, maps
-    req_id to the token ids it sampled in these steps, in order.
+    req_id to the token ids it sampled in these steps, in order. `kv_used` is the number of
+    blocks in use after the last step.
     """
 
     step: int
@@ -72,6 +73,7 @@ class Steps(Event):
     decode: tuple = ()
     tokens: dict | None = None
     kv_used: int = 0
+    durs: np.ndarray | None = None  # measured step durations (clock = "measured" only)
     kind = "steps"
 
 
@@ -79,6 +81,14 @@ class Steps(Event):
 class FirstToken(Event):
     req_id: int
     kind = "first_token"
+
+
+@dataclass(slots=True)
+class Recomputed(Event):
+    """A request preempted by recompute has re-prefilled its tokens and sampled again."""
+
+    req_id: int
+    kind = "recomputed"
 
 
 @dataclass(slots=True)
@@ -113,4 +123,5 @@ class UserAction(Event):
 
 
 EVENT_TYPES = {cls.kind: cls for cls in
-               (Arrival, Reject, Admit, Steps, FirstToken, Preempt, Finish, Cancel, UserAction)}
+               (Arrival, Reject, Admit, Steps, FirstToken, Preempt, Finish, Cancel, UserAction,
+                Recomputed)}

@@ -63,7 +63,7 @@ class Request:
         "block_table", "admitted_time", "first_token_time", "last_token_time", "finish_time",
         "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
-        "predicted_output", "replica",
+        "predicted_output", "replica", "recomputing",
     )
 
     def __init__(
@@ -103,6 +103,8 @@ class Request:
         # (step end time, first position, number of tokens) of every prefill chunk.
         self.prefill_chunks: list[tuple[float, int, int]] = []
         self.num_preemptions = 0
+        # Set by preemption by recompute until the re-prefill samples again.
+        self.recomputing = False
         self.output_token_ids: list[int] = []
         # Output tokens as runs of consecutive engine steps: (first step index, count). Each
         # token's time is the end time of its step on the engine's timeline.

@@ -370,8 +370,11 @@ def _section(source: str, name: str, cls: type, raw: Any):
 
 
 def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
-                       base_dir: Path | None = None) -> Scenario:
-    """Build and check a Scenario from plain data. Raises ScenarioError."""
+                       base_dir: Path | None = None, check_workload: bool = True) -> Scenario:
+    """Build and check a Scenario from plain data. Raises ScenarioError.
+
+    `check_workload=False` skips the checks that read the workload's files (a replayed log
+    carries its own workload)."""
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: a scenario must be a table")
     kwargs: dict[str, Any] = {}
@@ -385,7 +388,7 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
                 f"{source}: {key}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
     sc = Scenario(**kwargs, base_dir=base_dir or BUNDLED_DIR, source=source)
     _fill_presets(sc)
-    _check_whole(sc)
+    _check_whole(sc, check_workload)
     return sc
 
 
@@ -403,7 +406,7 @@ def _fill_presets(sc: Scenario) -> None:
             )
 
 
-def _check_whole(sc: Scenario) -> None:
+def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     """Checks that span fields: shapes that cannot work, and a pool no request could fit."""
     src, m, w = sc.source, sc.model, sc.workload
     if m.num_heads % m.num_kv_heads:
@@ -430,6 +433,8 @@ def _check_whole(sc: Scenario) -> None:
             f"{sc.kv.gpu_memory_utilization:g} minus kv.reserve_gb = {sc.kv.reserve_gb:g}"
         )
     sc.kv.num_blocks = num_blocks
+    if not check_workload:
+        return
     from sim.workload import min_length  # smallest request the workload can produce
 
     smallest = min_length(sc, "prompt_tokens") + max(1, min_length(sc, "output_tokens")) - 1

@@ -1,6 +1,7 @@
 """`servesim bench ...`: benchmarks that print measured figures (never timed assertions).
 
 - `bench sim`: the full Azure conversation trace under `chunked`, Llama-3.1-8B on one H100.
+- `bench log`: session-log size per output token and the time to write and to replay-verify it.
 - `bench tui`: the dashboard driven headless; frames drawn, frame times, engine steps per second.
 - `bench kernel`: NumPy paged decode attention against a dense contiguous computation.
 """
@@ -20,6 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--scenario", default="azure-conv")
     s.add_argument("--policy", default="chunked")
     s.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("log", help="session log size and write / replay-verify speed")
+    s.add_argument("--scenario", default="azure-conv")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("tui", help="the dashboard, headless, on the default scenario")
     s.add_argument("--sim-seconds", type=float, default=60.0,
@@ -62,43 +66,105 @@ def bench_sim(args) -> dict:
     }
 
 
+def bench_log(args) -> dict:
+    import tempfile
+
+    from sim import Engine, load_scenario, summarize
+    from sim.log import read_log, write_log
+    from sim.replay import verify
+    from sim.workload import build_workload
+
+    sc = load_scenario(args.scenario)
+    with tempfile.TemporaryDirectory() as d:
+        path = f"{d}/session.msgpack"
+        t0 = time.perf_counter()
+        engine = Engine(sc, workload=build_workload(sc))
+        engine.run()
+        summary = summarize(engine)
+        t_run = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        write_log(path, engine, summary)
+        t_write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        log = read_log(path)
+        _, div = verify(log)
+        t_verify = time.perf_counter() - t0
+    tokens = summary["output_tokens"]
+    return {
+        "scenario": sc.name, "machine": _machine(), "events": len(log.records),
+        "output_tokens": tokens, "log_bytes": log.size_bytes,
+        "bytes_per_output_token": log.size_bytes / tokens,
+        "run_s": t_run, "write_s": t_write, "original_s": t_run + t_write,
+        "replay_verify_s": t_verify, "verify_over_original": t_verify / (t_run + t_write),
+        "verified": div is None,
+    }
+
+
+def text_sim(r: dict) -> str:
+    return "\n".join([
+        f"bench sim: {r['scenario']} under {r['policy']} on {r['machine']}",
+        f"  requests             {r['requests']:,}",
+        f"  output tokens        {r['output_tokens']:,}",
+        f"  wall (best of {r['runs']})     {r['wall_s']:.2f} s  "
+        f"(+ {r['summary_s']:.2f} s for the summary)",
+        f"  simulated            {r['simulated_s']:,.1f} s",
+        f"  engine steps         {r['steps']:,}  ({r['steps_per_s']:,.0f} per wall s)",
+        f"  output tokens/wall s {r['output_tokens_per_wall_s']:,.0f}",
+    ])
+
+
+def text_log(r: dict) -> str:
+    return "\n".join([
+        f"bench log: {r['scenario']} on {r['machine']}",
+        f"  events               {r['events']:,}",
+        f"  log size             {r['log_bytes']:,} bytes "
+        f"({r['bytes_per_output_token']:.2f} per output token)",
+        f"  original run         {r['original_s']:.2f} s (simulate {r['run_s']:.2f} s "
+        f"+ write {r['write_s']:.2f} s)",
+        f"  replay --verify      {r['replay_verify_s']:.2f} s "
+        f"({r['verify_over_original']:.2f} x the original), "
+        f"{'identical' if r['verified'] else 'DIVERGED'}",
+    ])
+
+
+def text_tui(r: dict) -> str:
+    lines = [f"bench tui: {_machine()}"]
+    for k, v in r.items():
+        lines.append(f"  {k:<22} {v:,.2f}" if isinstance(v, float) else f"  {k:<22} {v}")
+    return "\n".join(lines)
+
+
+def text_kernel(rows: list) -> str:
+    lines = [f"bench kernel: NumPy paged decode attention vs dense, {_machine()}",
+             f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'dense GB/s':>11} {'ratio':>6}"]
+    for r in rows:
+        lines.append(f"{r['batch']:>6} {r['context']:>8} {r['paged_gbps']:>11.2f} "
+                     f"{r['dense_gbps']:>11.2f} {r['ratio_to_dense']:>6.2f}")
+    return "\n".join(lines)
+
+
+def bench_tui(args) -> dict:
+    from tui.bench_tui import bench_tui as run
+
+    return run(args)
+
+
+def bench_kernel(args) -> list:
+    from gpu.bench import kernel_bench
+
+    return kernel_bench(repeat=args.repeat)
+
+
+BENCHES = {
+    "sim": (bench_sim, text_sim),
+    "log": (bench_log, text_log),
+    "tui": (bench_tui, text_tui),
+    "kernel": (bench_kernel, text_kernel),
+}
+
+
 def main(args) -> int:
-    if args.bench == "sim":
-        r = bench_sim(args)
-        if args.json:
-            print(json.dumps(r, indent=2))
-        else:
-            print(f"bench sim: {r['scenario']} under {r['policy']} on {r['machine']}")
-            print(f"  requests             {r['requests']:,}")
-            print(f"  output tokens        {r['output_tokens']:,}")
-            print(f"  wall (best of {r['runs']})     {r['wall_s']:.2f} s  "
-                  f"(+ {r['summary_s']:.2f} s for the summary)")
-            print(f"  simulated            {r['simulated_s']:,.1f} s")
-            print(f"  engine steps         {r['steps']:,}  ({r['steps_per_s']:,.0f} per wall s)")
-            print(f"  output tokens/wall s {r['output_tokens_per_wall_s']:,.0f}")
-        return 0
-    if args.bench == "tui":
-        from tui.bench_tui import bench_tui
-
-        r = bench_tui(args)
-        if args.json:
-            print(json.dumps(r, indent=2))
-        else:
-            print(f"bench tui: {_machine()}")
-            for k, v in r.items():
-                print(f"  {k:<22} {v:,.2f}" if isinstance(v, float) else f"  {k:<22} {v}")
-        return 0
-    if args.bench == "kernel":
-        from gpu.bench import kernel_bench
-
-        rows = kernel_bench(repeat=args.repeat)
-        if args.json:
-            print(json.dumps(rows, indent=2))
-        else:
-            print(f"bench kernel: NumPy paged decode attention vs dense, {_machine()}")
-            print(f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'dense GB/s':>11} {'ratio':>6}")
-            for r in rows:
-                print(f"{r['batch']:>6} {r['context']:>8} {r['paged_gbps']:>11.2f} "
-                      f"{r['dense_gbps']:>11.2f} {r['ratio_to_dense']:>6.2f}")
-        return 0
-    return 2
+    run, text = BENCHES[args.bench]
+    result = run(args)
+    print(json.dumps(result, indent=2) if args.json else text(result))
+    return 0

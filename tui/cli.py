@@ -11,8 +11,6 @@ import argparse
 import json
 import math
 import sys
-import time
-from pathlib import Path
 
 from sim import Engine, ServesimError, load_scenario, summarize
 from sim.errors import ScenarioError
@@ -192,6 +190,59 @@ def cmd_run(args) -> int:
     return run_dashboard(sc, speed=args.speed, replay=args.replay, make_executor=make_executor)
 
 
+def cmd_replay(args) -> int:
+    from sim.log import read_log
+    from sim.replay import Replayer, verify
+
+    log = read_log(args.log)
+    make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
+    if args.verify:
+        replayer, div = verify(log, make)
+    else:
+        replayer = Replayer(log)
+        replayer.run()
+        div = None
+    engine = replayer.engine
+    summary = summarize(engine)
+    if args.json:
+        out = {"log": args.log, "events": len(log.records), "summary": summary}
+        if args.verify:
+            out["verified"] = div is None
+            out["divergence"] = None if div is None else {
+                "index": div.index, "expected": div.expected, "got": div.got}
+        print(json.dumps(out, indent=2, default=str))
+    else:
+        if args.verify and div is None:
+            print(f"{args.log}: replay verified: {len(log.records):,} events identical")
+        elif not args.verify:
+            print(format_table({engine.policy.name: summary}))
+    if div is not None:
+        print(f"servesim: replay diverged at {div.describe()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_export(args) -> int:
+    from sim import export
+    from sim.fileio import write_atomic
+    from sim.log import read_log
+    from sim.replay import Replayer
+
+    log = read_log(args.log)
+    if args.format == "jsonl":
+        text = export.to_jsonl(log)
+    else:
+        replayer = Replayer(log)
+        replayer.run()
+        text = (export.to_csv(replayer.engine) if args.format == "csv"
+                else export.to_chrome(log, replayer.engine))
+    if args.output:
+        write_atomic(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from tui import bench
 
@@ -227,6 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policies", required=True, help="comma-separated policy names")
     s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     s.set_defaults(func=cmd_compare)
+
+    s = sub.add_parser("replay", help="re-run a session log (and check it matches)")
+    s.add_argument("log", help="a session log (msgpack)")
+    s.add_argument("--verify", action="store_true",
+                   help="exit 1 naming the first event that differs from the recording")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_replay)
+
+    s = sub.add_parser("export", help="convert a session log for other tools")
+    s.add_argument("log", help="a session log (msgpack)")
+    s.add_argument("--format", required=True, choices=["chrome", "csv", "jsonl"],
+                   help="chrome: trace events for Perfetto; csv: a row per request; jsonl: events")
+    s.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("scenarios", help="list the bundled scenarios")
     s.set_defaults(func=cmd_scenarios)

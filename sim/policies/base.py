@@ -9,6 +9,7 @@ records the transition. Adding a policy is one new module with a `Policy` subcla
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,7 +37,9 @@ class Policy:
     skip_ahead_safe = True
 
     def __init__(self, engine) -> None:
-        self.engine = engine
+        # A proxy, not a reference: no engine <-> policy cycle, so a dropped engine is freed
+        # by reference counting alone (the engine runs with the cyclic collector paused).
+        self.engine = weakref.proxy(engine)
         self.kv = engine.kv
         self.cfg = engine.scenario.scheduler
         self.waiting: deque[Request] = deque()
@@ -125,7 +128,7 @@ class Policy:
                     all_decode = False
                     break
             sched.append((req, n))
-            if n != 1 or c + 1 != total or total == req.prompt_len:
+            if n != 1 or c + 1 != total or total == req.prompt_len or req.recomputing:
                 all_decode = False
             budget -= n
             i += 1

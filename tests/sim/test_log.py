@@ -1,0 +1,249 @@
+import functools
+import json
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from sim import Engine
+from sim.errors import LogError
+from sim.export import to_chrome, to_csv
+from sim.log import FORMAT, encode, read_log, write_log
+from sim.replay import Replayer, verify
+from tests.helpers import small_scenario, workload_of
+from tui.cli import main
+
+
+def busy_session():
+    """A session with injections, cancellations in several states and policy switches."""
+    e = Engine(small_scenario("kv.num_blocks=300", "workload.cancel_fraction=0.15",
+                              "workload.duration_s=12"))
+    e.run_until(1.0)
+    e.inject(300, 40, count=4)
+    e.inject(prompt_text="hello, paged attention", max_output_tokens=12)
+    e.run_until(2.0)
+    states = set()
+    for _ in range(200):
+        e.step()
+        for r in list(e.policy.waiting) + list(e.policy.running):
+            key = (r.state.value, r.is_prefill)
+            if key not in states:
+                states.add(key)
+                e.cancel(r.req_id)
+                break
+    e.switch_policy("fcfs")
+    e.run_until(5.0)
+    e.cancel_waiting()
+    e.switch_policy("chunked")
+    e.run()
+    return e, states
+
+
+def test_round_trip(tmp_path):
+    e, _ = busy_session()
+    p = write_log(tmp_path / "s.msgpack", e)
+    log = read_log(p)
+    assert log.records == [encode(x) for x in e.events]
+    assert log.header["format"] == FORMAT and log.header["policy"] == "chunked"
+    assert log.footer["step"] == e.step_count and log.footer["now"] == e.now
+    assert log.footer["summary"]["requests"]["total"] == e.counts["arrived"]
+    w = log.workload()
+    assert np.array_equal(w.arrival, e.workload.arrival)
+    kinds = [x.kind for x in log.events]
+    assert kinds.count("action") >= 6
+
+
+def test_replay_verify_with_actions(tmp_path):
+    e, states = busy_session()
+    assert {"waiting", "running"} <= {s for s, _ in states}
+    log = read_log(write_log(tmp_path / "s.msgpack", e))
+    r, div = verify(log)
+    assert div is None, div.describe()
+    assert r.engine.counts == e.counts and r.engine.now == e.now
+
+
+def test_export_mid_session_replays_to_the_same_point(tmp_path):
+    e = Engine(small_scenario())
+    e.run_until(3.0)
+    e.inject(100, 10)
+    e.run_until(4.5)
+    log = read_log(write_log(tmp_path / "mid.msgpack", e))
+    r, div = verify(log)
+    assert div is None and r.engine.step_count == e.step_count and r.engine.now == e.now
+    assert not r.engine.done  # a live session, cut where it was exported
+
+
+def test_sliced_and_unsliced_runs_log_the_same_events(tmp_path):
+    a, b = Engine(small_scenario()), Engine(small_scenario())
+    t = 0.0
+    while not a.done:
+        t += 0.05  # a screen's ticks
+        a.run_until(t)
+    b.run()
+    assert [encode(x) for x in a.events] == [encode(x) for x in b.events]
+
+
+def test_divergence_is_found_and_named(tmp_path):
+    e, _ = busy_session()
+    log = read_log(write_log(tmp_path / "s.msgpack", e))
+    i = next(k for k, r in enumerate(log.records) if r[0] == 7)  # a finish
+    log.records[i][1] += 1.0
+    _, div = verify(log)
+    assert div is not None and div.index == i
+    assert div.expected["kind"] == "finish" and div.expected["t"] == div.got["t"] + 1.0
+
+
+def repack(path, out, mutate_header):
+    """Rewrite a log with a changed header and valid checksums (a consistent but different
+    session), using only the documented layout."""
+    up = msgpack.Unpacker(open(path, "rb"), raw=False, strict_map_key=False)
+    objs = list(up)
+    header, rest = objs[0], objs[1:]
+    mutate_header(header)
+    import zlib
+    pk = msgpack.Packer(use_bin_type=True)
+    with open(out, "wb") as fh:
+        chunk = pk.pack(header)  # checkpoints cover the bytes since the last (header first)
+        for o in rest:
+            if isinstance(o, dict) and "crc" in o:
+                o = dict(o, crc=zlib.crc32(chunk))
+                fh.write(chunk + pk.pack(o))
+                chunk = b""
+            else:
+                chunk += pk.pack(o)
+
+
+def test_cli_verify_exit_codes(tmp_path, capsys):
+    p = tmp_path / "s.msgpack"
+    assert main(["sim", "chat", "--set", "workload.duration_s=8", "--log", str(p)]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(p), "--verify"]) == 0
+    assert "events identical" in capsys.readouterr().out
+    bad = tmp_path / "bad.msgpack"
+    repack(p, bad, lambda h: h["scenario"]["scheduler"].update(max_num_seqs=2))
+    assert main(["replay", str(bad), "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("servesim: replay diverged at event ") and "expected" in err
+
+
+def test_measured_clock_replays_recorded_durations(tmp_path):
+    class FakeExecutor:
+        name, device = "fake", "cpu"
+
+        def execute(self, work):
+            sum(range(2000))  # take a little, varying, wall time
+            return {s.req_id: 1 for s in work.seqs if s.sample}
+
+    sc = small_scenario("workload.duration_s=2", "compute.clock=\"measured\"")
+    e = Engine(sc, executor=FakeExecutor())
+    e.run()
+    log = read_log(write_log(tmp_path / "m.msgpack", e))
+    r, div = verify(log, lambda sc: FakeExecutor())
+    assert div is None, div.describe()
+    assert r.engine.now == e.now  # wall times differ run to run; the replay used the recorded
+
+
+@functools.lru_cache(maxsize=1)
+def _small_log() -> bytes:
+    import tempfile
+    e = Engine(small_scenario("workload.duration_s=4"))
+    e.run()
+    with tempfile.TemporaryDirectory() as d:
+        return write_log(f"{d}/s.msgpack", e).read_bytes()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_truncated_or_flipped_logs_fail_cleanly(tmp_path_factory, data):
+    original = _small_log()
+    blob = bytearray(original)
+    if data.draw(st.booleans(), label="truncate"):
+        blob = blob[: data.draw(st.integers(0, len(blob) - 1), label="length")]
+    else:
+        for _ in range(data.draw(st.integers(1, 3), label="flips")):
+            i = data.draw(st.integers(0, len(blob) - 1), label="offset")
+            blob[i] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    assume(bytes(blob) != original)  # two flips of one bit cancel out
+    p = tmp_path_factory.mktemp("fuzz") / "x.msgpack"
+    p.write_bytes(bytes(blob))
+    with pytest.raises(LogError) as e:
+        read_log(p)
+    msg = str(e.value)
+    assert str(p) in msg and "\n" not in msg
+
+
+def test_cli_bad_logs_exit_2_with_one_line(tmp_path, capsys):
+    small_log = _small_log()
+    cases = {
+        "empty.msgpack": b"",
+        "foreign.msgpack": b"PK\x03\x04 not a log at all",
+        "newer.msgpack": msgpack.packb({"magic": "servesim-log", "format": FORMAT + 1}),
+        "cut.msgpack": small_log[: len(small_log) // 2],
+    }
+    expect = {"empty.msgpack": "empty file", "foreign.msgpack": "not a servesim session log",
+              "newer.msgpack": "is newer than this servesim", "cut.msgpack": "truncated"}
+    for name, blob in cases.items():
+        p = tmp_path / name
+        p.write_bytes(blob)
+        for argv in (["replay", str(p)], ["export", str(p), "--format", "csv"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and expect[name] in err and str(p) in err, err
+    assert main(["replay", str(tmp_path / "missing.msgpack")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_write_is_atomic(tmp_path):
+    e = Engine(small_scenario("workload.duration_s=2"))
+    e.run()
+    p = tmp_path / "keep.msgpack"
+    p.write_bytes(b"precious")
+    e.events.append(object())  # an event that cannot be encoded: the write fails midway
+    with pytest.raises(Exception):
+        write_log(p, e)
+    assert p.read_bytes() == b"precious"
+    assert [x.name for x in tmp_path.iterdir()] == ["keep.msgpack"]
+
+
+def test_chrome_trace_nests_and_matches_csv(tmp_path):
+    e, _ = busy_session()
+    log = read_log(write_log(tmp_path / "s.msgpack", e))
+    r = Replayer(log)
+    r.run()
+    trace = json.loads(to_chrome(log, r.engine))
+    evs = trace["traceEvents"]
+    assert all({"ph", "pid", "name"} <= set(x) for x in evs)
+    spans = [x for x in evs if x["ph"] == "X"]
+    assert all(x["dur"] >= 0 and "ts" in x for x in spans)
+    by_req = {}
+    for x in spans:
+        if x["pid"] == 1:
+            by_req.setdefault(x["tid"], []).append(x)
+    rows = {int(row.split(",")[0]): row.split(",") for row in to_csv(r.engine).splitlines()[1:]}
+    cols = to_csv(r.engine).splitlines()[0].split(",")
+    col = {c: i for i, c in enumerate(cols)}
+    checked = 0
+    for rid, xs in by_req.items():
+        parent = [x for x in xs if x["name"] == "request"]
+        assert len(parent) == 1
+        p = parent[0]
+        kids = sorted((x for x in xs if x["name"] != "request"), key=lambda x: x["ts"])
+        for k in kids:  # children inside the parent, one after another
+            assert p["ts"] - 1e-3 <= k["ts"] and k["ts"] + k["dur"] <= p["ts"] + p["dur"] + 1e-3
+        for a, b in zip(kids, kids[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+        row = rows[rid]
+        assert kids[0]["name"] == "queued"
+        assert kids[0]["ts"] == pytest.approx(float(row[col["arrival_s"]]) * 1e6, abs=1e-2)
+        if row[col["state"]] == "finished":
+            assert kids[-1]["name"] == "decode"
+            end = kids[-1]["ts"] + kids[-1]["dur"]
+            assert end == pytest.approx(float(row[col["finish_s"]]) * 1e6, abs=1e-2)
+            first_decode = next(k for k in kids if k["name"] == "decode")
+            assert first_decode["ts"] == pytest.approx(
+                float(row[col["first_token_s"]]) * 1e6, abs=1e-2)
+            checked += 1
+    assert checked > 10
+    counters = {x["name"] for x in evs if x["ph"] == "C"}
+    assert counters == {"kv_used_blocks", "batch_size", "queue_length"}
