@@ -42,6 +42,7 @@ MAGIC = "servesim-log"
 FORMAT = 1
 CHECKPOINT_EVERY = 4096
 _END = object()
+_LE = np.dtype("<f8")
 _F64 = struct.Struct("<d")
 
 # Codes are part of the format: new kinds get new codes at the end.
@@ -60,8 +61,9 @@ def _encoder(code: int):
     get = attrgetter(*names)
     if CODE_CLASS[code] is ev.Steps:
         def enc(e, code=code):
-            return [code, e.t, e.step, _f64(e.ends), [list(c) for c in e.prefill],
-                    list(e.decode), e.tokens, e.kv_used, None if e.durs is None else _f64(e.durs)]
+            return [code, e.t, e.step, e.ends.tobytes() if e.ends.dtype == _LE else _f64(e.ends),
+                    [list(c) for c in e.prefill] if e.prefill else [], list(e.decode), e.tokens,
+                    e.kv_used, None if e.durs is None else _f64(e.durs)]
     else:
         def enc(e, code=code, get=get):
             return [code, *get(e)]
