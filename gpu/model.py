@@ -1,0 +1,195 @@
+"""A tiny seeded transformer whose greedy tokens do not depend on how a request is batched.
+
+Shape: byte-level embedding (vocabulary 256 by default) plus a position embedding, then per
+layer RMSNorm, Q/K/V projections, paged grouped-query attention, an output projection and an
+optional ReLU MLP (width 2 * d_model), each added to the residual stream; final RMSNorm and an
+LM head tied to the embedding (reading the stream minus the input token's own embedding); the
+next token is the argmax, lowest index on ties. Weights are
+drawn from `seed`; nothing is downloaded. Prompt token ids come from the caller.
+
+Why the tokens are batch-invariant
+----------------------------------
+Float code normally is not: BLAS picks a different kernel (and summation order) for a different
+number of rows, a decode step and a prefill sum attention in different orders, padding changes
+reduction trees. Rounding noise of ~1e-7 then flips a near-tie argmax now and then. Here:
+
+1. Every weight is a multiple of 2**-10 and every activation is rounded to a multiple of 2**-8
+   (`quantize`) before it is multiplied, with magnitudes small enough that every product and
+   every partial sum is an integer multiple of 2**-18 below 2**53 * 2**-18. The projections,
+   the MLP and the LM head are therefore computed in float64 *exactly*: any summation order,
+   any batch size, NumPy or cuBLAS, gives the same bits. RMSNorm is exact sums plus one
+   correctly rounded sqrt and divide per row, which no batch shape can change.
+2. Attention is the only inexact step. On the NumPy backend it runs with float64 queries, so it
+   accumulates in float64: the decode path, the prefill path and any tiling agree to ~1e-16,
+   and the output is then rounded to the 2**-8 grid. Two paths can disagree only if the exact
+   value lies within ~1e-16 of a rounding midpoint: about one chance in 10**13 per element.
+3. Everything downstream of that rounding is exact again (point 1), so identical attention
+   outputs give identical tokens.
+
+The stored K/V (rounded to the storage dtype) are the same bits whatever the batch, so a
+request re-prefilled after preemption or run in other blocks sees the very same cache. On the
+CuPy backend attention accumulates in float32 (fp16/bf16 storage); its tokens match NumPy's
+except where float32 noise crosses a rounding midpoint, which the GPU self-check measures.
+
+Attention is not negligible: its output enters the residual stream at the same scale as the
+embedding, so a wrong block table changes the hidden state and, soon, the tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .dtypes import Storage
+from .reference import dense_attention
+
+ACT_BITS = 8  # activations live on the grid 2**-8
+WEIGHT_BITS = 10  # weights on the grid 2**-10
+POSITION_PERIOD = 1024  # position p embeds as low[p % 1024] + high[(p // 1024) % 1024]
+RMS_EPS = 2.0**-16
+# Layer outputs (attention and MLP) enter the residual stream at this gain (a power of two, so
+# exact): at 0.5 they weigh about as much as the position embedding, and greedy continuations
+# of different prompts differ at ~3 positions in 4 (measured over 5 prompts x 20 tokens).
+OUT_GAIN = 0.5
+
+# attend(layer, q [T, H, D] float64, k, v [T, KVH, D] float64) -> attention output [T, H, D]
+Attend = Callable[[int, object, object, object], object]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The tiny model's sizes and seed. d_model = num_heads * head_dim."""
+
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    vocab_size: int = 256
+    mlp: bool = True
+    seed: int = 0
+
+    @property
+    def d_model(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"model config: num_heads {self.num_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.d_model > 8192:
+            # Beyond this the exact-arithmetic bound of the module docstring is no longer certain.
+            raise ValueError(f"model config: d_model {self.d_model} > 8192")
+
+
+def quantize(xp, x, bits: int = ACT_BITS):
+    """Rounds `x` to the nearest multiple of 2**-bits (ties to even), as float64."""
+    scale = float(2**bits)
+    return xp.rint(xp.asarray(x, dtype=np.float64) * scale) / scale
+
+
+def _rms_norm(xp, x):
+    # Sum of squares of grid values is exact; sqrt and divide are correctly rounded per element.
+    mean_square = (x * x).sum(axis=-1, keepdims=True) / x.shape[-1]
+    return quantize(xp, x / xp.sqrt(mean_square + RMS_EPS))
+
+
+def _weights(rng: np.random.Generator, shape, std: float, bits: int = WEIGHT_BITS) -> np.ndarray:
+    w = quantize(np, rng.standard_normal(shape) * std, bits)
+    return np.clip(w, -1.0, 1.0) if bits == WEIGHT_BITS else w
+
+
+class TinyModel:
+    """The model's weights on one array module (`xp`: numpy or cupy) and its forward pass."""
+
+    def __init__(self, config: ModelConfig, xp=np) -> None:
+        config.validate()
+        self.config = config
+        self.xp = xp
+        rng = np.random.default_rng(config.seed)
+        c = config
+        d, qkv = c.d_model, c.num_heads * c.head_dim
+        kv = c.num_kv_heads * c.head_dim
+        host = {
+            "embed": _weights(rng, (c.vocab_size, d), 1.0, ACT_BITS),
+            "pos_low": _weights(rng, (POSITION_PERIOD, d), 0.5, ACT_BITS),
+            "pos_high": _weights(rng, (POSITION_PERIOD, d), 0.5, ACT_BITS),
+        }
+        self.layers = []
+        for _ in range(c.num_layers):
+            layer = {
+                "wq": _weights(rng, (d, qkv), 1 / math.sqrt(d)),
+                "wk": _weights(rng, (d, kv), 1 / math.sqrt(d)),
+                "wv": _weights(rng, (d, kv), 1 / math.sqrt(d)),
+                "wo": _weights(rng, (qkv, d), OUT_GAIN / math.sqrt(qkv)),
+            }
+            if c.mlp:
+                layer["w1"] = _weights(rng, (d, 2 * d), 1 / math.sqrt(d))
+                layer["w2"] = _weights(rng, (2 * d, d), OUT_GAIN / math.sqrt(2 * d))
+            self.layers.append({name: xp.asarray(w) for name, w in layer.items()})
+        self.embed = xp.asarray(host["embed"])
+        self.pos_low = xp.asarray(host["pos_low"])
+        self.pos_high = xp.asarray(host["pos_high"])
+
+    def forward(self, token_ids, positions, attend: Attend):
+        """Runs all layers over a flat batch of tokens; `attend` does each layer's attention.
+
+        token_ids, positions: [T] integer arrays (on this model's xp). Returns the residual
+        stream [T, d_model] float64, every value on the 2**-8 grid.
+        """
+        xp, c = self.xp, self.config
+        x = self.embed[token_ids] + self.pos_low[positions % POSITION_PERIOD] \
+            + self.pos_high[(positions // POSITION_PERIOD) % POSITION_PERIOD]
+        num_tokens = x.shape[0]
+        for index, w in enumerate(self.layers):
+            h = _rms_norm(xp, x)
+            q = quantize(xp, h @ w["wq"]).reshape(num_tokens, c.num_heads, c.head_dim)
+            k = quantize(xp, h @ w["wk"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            v = quantize(xp, h @ w["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            a = quantize(xp, attend(index, q, k, v)).reshape(num_tokens, -1)
+            x = x + quantize(xp, a @ w["wo"])
+            if c.mlp:
+                u = quantize(xp, xp.maximum(_rms_norm(xp, x) @ w["w1"], 0.0))
+                x = x + quantize(xp, u @ w["w2"])
+        return x
+
+    def logits(self, hidden, token_ids):
+        """LM-head logits [N, vocab_size] for residual rows `hidden` [N, d_model] whose input
+        tokens were `token_ids` [N]. Exact multiples of 2**-16.
+
+        The head is tied to the embedding and reads the residual stream minus the input token's
+        own embedding: with it, E[t] . E[t] ~ d_model outweighs everything else and a tied
+        head just echoes its input token forever.
+        """
+        return _rms_norm(self.xp, hidden - self.embed[token_ids]) @ self.embed.T
+
+    def next_tokens(self, hidden, token_ids):
+        """Greedy next token per row (see `logits`): argmax, lowest index on ties."""
+        return self.logits(hidden, token_ids).argmax(axis=-1)
+
+    def forward_dense(self, token_ids, storage: Storage):
+        """Reference forward of one sequence over contiguous K/V, on the host, in float64.
+
+        K/V are rounded through `storage` exactly as the paged cache stores them. Returns
+        (k_layers, v_layers, next_token): per-layer stored K and V [n, num_kv_heads, head_dim]
+        as arrays of storage.array_dtype, and the greedy token after the last position.
+        """
+        if self.xp is not np:
+            raise ValueError("forward_dense runs on a NumPy model")
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        k_layers, v_layers = [], []
+
+        def attend(layer, q, k, v):
+            k_stored, v_stored = storage.encode(np, k), storage.encode(np, v)
+            k_layers.append(k_stored)
+            v_layers.append(v_stored)
+            return dense_attention(q, storage.decode(np, k_stored), storage.decode(np, v_stored))
+
+        hidden = self.forward(token_ids, np.arange(len(token_ids)), attend)
+        return k_layers, v_layers, int(self.next_tokens(hidden[-1:], token_ids[-1:])[0])
