@@ -49,6 +49,7 @@ class CostModel:
         self._util = kv.gpu_memory_utilization
         self._reserve = kv.reserve_gb * 1e9
         self._fixed_blocks = kv.num_blocks
+        self._swap_bytes = kv.swap_space_gb * 1e9
 
     def weight_bytes_per_gpu(self) -> float:
         return self.weight_bytes / self.tp
@@ -56,6 +57,10 @@ class CostModel:
     def kv_bytes_per_block(self) -> int:
         """Bytes one block takes across all GPUs."""
         return self.kv_bytes_per_token * self.block_size
+
+    def num_host_blocks(self) -> int:
+        """Blocks of host swap space (`kv.swap_space_gb` per GPU)."""
+        return int(self._swap_bytes // (self.kv_bytes_per_block() / self.tp))
 
     def num_blocks(self) -> int:
         """The scenario's `kv.num_blocks`, or when 0, what the GPU memory holds (vLLM's rule):

@@ -102,7 +102,13 @@ class Engine:
                  skip_ahead: bool = True, clock: str | None = None) -> None:
         self.scenario = scenario
         self.cost = CostModel(scenario)
-        self.kv = KVCacheManager(scenario.kv.num_blocks, scenario.kv.block_size)
+        self.kv = KVCacheManager(
+            scenario.kv.num_blocks, scenario.kv.block_size,
+            num_host_blocks=(self.cost.num_host_blocks()
+                             if scenario.scheduler.preemption == "swap" else 0))
+        self.preemption = scenario.scheduler.preemption
+        self._swap_out: list[tuple[int, int]] = []  # block moves of the coming step
+        self._swap_in: list[tuple[int, int]] = []
         self.block_size = scenario.kv.block_size
         self.executor = executor
         self.clock = clock or scenario.compute.clock
@@ -134,7 +140,7 @@ class Engine:
         self.duration_override = None  # an iterator of step durations (replay of measured runs)
         # Running figures for the summary.
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
-                           output_tokens=0, injected=0)
+                           swaps=0, output_tokens=0, injected=0)
         self.queue_waits: list[float] = []
         self.ttfts: list[float] = []
         self.ttft_times: list[float] = []
@@ -304,16 +310,26 @@ class Engine:
 
     # ============================================================ transitions used by policies
     def preempt(self, req: Request) -> None:
-        """Preempt `req` by recompute: free its blocks; it will re-prefill all its tokens."""
-        req.transition(RS.PREEMPTED)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.recomputing = True
+        """Preempt a running request: by swap (its blocks go to host memory and come back
+        when it resumes) when `scheduler.preemption = "swap"` and the host pool has room,
+        else by recompute (its blocks are freed; it re-prefills every token it had)."""
+        pairs = self.kv.swap_out(req) if self.preemption == "swap" else None
+        if pairs is not None:
+            req.transition(RS.SWAPPED)
+            self._swap_out.extend(pairs)
+            self.counts["swaps"] += 1
+            mode = "swap"
+        else:
+            req.transition(RS.PREEMPTED)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.recomputing = True
+            self._freed.append(req.req_id)
+            mode = "recompute"
         req.num_preemptions += 1
         self.counts["preemptions"] += 1
-        self._freed.append(req.req_id)
         if self.record_events:
-            self.events.append(ev.Preempt(self.now, req.req_id, "recompute"))
+            self.events.append(ev.Preempt(self.now, req.req_id, mode))
 
     # ====================================================================== internals: events
     def _action(self, action: str, **args) -> None:
@@ -419,6 +435,8 @@ class Engine:
 
     def _admit(self, req: Request) -> None:
         resumed = req.state is not RS.WAITING
+        if req.state is RS.SWAPPED:  # allocate_slots gave it device blocks: copy back
+            self._swap_in.extend(self.kv.swap_in(req))
         req.transition(RS.RUNNING)
         if req.admitted_time is None:
             req.admitted_time = self.now
@@ -465,6 +483,11 @@ class Engine:
             if n > 1 or req.num_output_tokens == 0 or c + n < req.num_tokens or req.recomputing:
                 prefill_tokens += n
         dur, energy = self.cost.step(tokens, attended, kv_read)
+        swapped = len(self._swap_out) + len(self._swap_in)
+        if swapped:  # block copies over the host link delay the step
+            extra = self.cost.swap_time(swapped)
+            dur += extra
+            energy += self.cost.idle_energy(extra)
         sampled_ids = None
         if self.executor is not None:
             t0 = time.perf_counter()
@@ -475,6 +498,7 @@ class Engine:
                 dur, energy = measured, energy * measured / dur
         if self.duration_override is not None:
             dur = next(self.duration_override)
+        self._swap_out, self._swap_in = [], []
         start = self.now
         end = start + dur
         g = self.timeline.n
@@ -558,7 +582,8 @@ class Engine:
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
         if kmax == 1:
             return self._single_step(sched, len(self.policy.waiting))
-        ends, dur, energy = self._run_times(b, sum(comp), kmax, min(self._next_external(), until))
+        t_ext = min(self._next_external(), until, self.policy.next_change_time())
+        ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
         k = len(ends)
         # Allocate the blocks of steps 1..k-1 in the order step-by-step scheduling would.
         used = self.kv.num_used_blocks
@@ -659,5 +684,6 @@ class Engine:
                 chunk = np.concatenate((ids, out))[c:c + n]
             seqs.append(SeqWork(req.req_id, chunk, c, req.block_table,
                                 c + n == req.num_tokens))
-        work = StepWork(self.step_count, seqs, freed=self._freed)
+        work = StepWork(self.step_count, seqs, swap_out=self._swap_out, swap_in=self._swap_in,
+                        freed=self._freed)
         return work

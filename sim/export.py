@@ -2,8 +2,8 @@
 row per request, or the events as JSON lines.
 
 The Chrome trace has a process "requests" with one thread (track) per request: a `request` span
-from arrival to completion holding nested `queued`, `prefill` and `decode` spans (again `queued`
-after a preemption); a process "engine" with a track of engine steps (a run of identical decode
+from arrival to completion holding nested `queued`, `prefill` and `decode` spans (after a
+preemption, `queued` and `prefill` again, or `swapped` then `decode`); a process "engine" with a track of engine steps (a run of identical decode
 steps is one span); and counters for KV blocks in use, batch size and queue length. Times are
 microseconds of simulated time.
 """
@@ -100,7 +100,8 @@ def to_chrome(log: SessionLog, engine) -> str:
         elif k == "admit":
             name, t0 = phase_start[e.req_id]
             span(1, e.req_id, name, t0, e.t)
-            phase_start[e.req_id] = ("prefill", e.t)
+            # back from host memory it decodes at once; otherwise it (re-)prefills
+            phase_start[e.req_id] = ("decode" if name == "swapped" else "prefill", e.t)
         elif k in ("first_token", "recomputed"):
             name, t0 = phase_start[e.req_id]
             span(1, e.req_id, name, t0, e.t)
@@ -108,7 +109,7 @@ def to_chrome(log: SessionLog, engine) -> str:
         elif k == "preempt":
             name, t0 = phase_start[e.req_id]
             span(1, e.req_id, name, t0, e.t)
-            phase_start[e.req_id] = ("queued", e.t)
+            phase_start[e.req_id] = ("swapped" if e.mode == "swap" else "queued", e.t)
         elif k in ("finish", "cancel", "reject"):
             if e.req_id in phase_start:
                 name, t0 = phase_start.pop(e.req_id)

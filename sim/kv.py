@@ -171,9 +171,12 @@ class KVCacheManager:
     step being scheduled) and nothing more than one partial block beyond.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, sharing: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, sharing: bool = False,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, sharing)
+        # Host memory for preemption by swap; None when there is none.
+        self.host = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
 
     @property
     def num_blocks(self) -> int:
@@ -207,7 +210,32 @@ class KVCacheManager:
         return True
 
     def free(self, req) -> None:
-        """Release every block `req` holds (tail first) and empty its table."""
+        """Release every block `req` holds, on the device (tail first) and on the host, and
+        empty its tables."""
         if req.block_table:
             self.pool.free(reversed(req.block_table))
             req.block_table = []
+        if req.host_table:
+            self.host.free(req.host_table)
+            req.host_table = []
+
+    def swap_out(self, req) -> list[tuple[int, int]] | None:
+        """Move `req`'s blocks to host memory. Returns the (device, host) block pairs to copy,
+        or None (nothing moved) when the host pool lacks room."""
+        n = len(req.block_table)
+        if self.host is None or n > self.host.num_free:
+            return None
+        host = self.host.allocate(n)
+        pairs = list(zip(req.block_table, host))
+        self.pool.free(reversed(req.block_table))
+        req.block_table = []
+        req.host_table = host
+        return pairs
+
+    def swap_in(self, req) -> list[tuple[int, int]]:
+        """After `allocate_slots` gave a swapped request device blocks again: release its host
+        blocks. Returns the (host, device) block pairs to copy back."""
+        pairs = list(zip(req.host_table, req.block_table))
+        self.host.free(req.host_table)
+        req.host_table = []
+        return pairs

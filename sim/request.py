@@ -63,7 +63,7 @@ class Request:
         "block_table", "admitted_time", "first_token_time", "last_token_time", "finish_time",
         "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
-        "predicted_output", "replica", "recomputing",
+        "predicted_output", "replica", "recomputing", "host_table",
     )
 
     def __init__(
@@ -96,6 +96,7 @@ class Request:
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
+        self.host_table: list[int] = []  # host swap blocks while SWAPPED
         self.admitted_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

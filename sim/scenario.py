@@ -80,6 +80,7 @@ class KVConfig:
     num_blocks: int = _f(0, min=0, doc="0 = derive from GPU memory")
     gpu_memory_utilization: float = _f(0.9, gt=0, max=1)
     reserve_gb: float = _f(1.0, min=0, doc="activations and workspace kept out of the KV pool")
+    swap_space_gb: float = _f(4.0, min=0, doc="host memory per GPU for swapped-out blocks")
 
 
 @dataclass
@@ -87,8 +88,12 @@ class SchedulerConfig:
     policy: str = _f("chunked", kind="policy")
     max_num_seqs: int = _f(256, min=1)
     max_num_batched_tokens: int = _f(2048, min=1)
-    preemption: str = _f("recompute", choices=["recompute"])
+    preemption: str = _f("recompute", choices=["recompute", "swap"],
+                         doc="recompute: free and re-prefill later; swap: copy to host memory")
     watermark: float = _f(0.01, min=0, max=0.5, doc="share of blocks kept free at admission")
+    sjf_key: str = _f("prompt", choices=["prompt", "total"],
+                      doc="sjf: job size is the prompt, or prompt plus output")
+    sjf_aging_s: float = _f(10.0, gt=0, doc="sjf: a request waiting this long goes first")
 
 
 @dataclass

@@ -65,30 +65,50 @@ class Policy:
 
     def adopt(self, other: "Policy") -> None:
         """Take over another policy's queue and batch (a live policy switch)."""
-        for r in other.running:
-            self.running.append(r)
-        for r in other.waiting:
-            self.add_existing(r)
-
-    def add_existing(self, req: Request) -> None:
-        self.waiting.append(req)
+        self.running.extend(other.running)
+        for r in other.waiting_in_order():
+            self.add(r)
 
     def waiting_in_order(self) -> list[Request]:
         """The queue in the order the policy would admit it."""
         return list(self.waiting)
 
+    def next_waiting(self) -> Request:
+        """The request the policy would admit next (the queue is not empty)."""
+        return self.waiting[0]
+
+    def take_waiting(self, req: Request) -> None:
+        """Remove `req`, just admitted, from the queue."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+
+    def next_change_time(self) -> float:
+        """The next simulated time at which the policy's queue order changes by itself (aging);
+        a run of identical decode steps must not cross it."""
+        return float("inf")
+
     # --- helpers for subclasses -----------------------------------------------------------------
     def pick_victim(self) -> Request:
-        """The running request to preempt when blocks run short."""
+        """The running request to preempt when blocks run short: the most recently admitted."""
         return self.running[-1]
 
-    def preempt_one(self, out: SchedulerOutput) -> Request:
-        victim = self.pick_victim()
+    def preempt_one(self, out: SchedulerOutput, victim: Request | None = None) -> tuple[Request, int]:
+        """Preempt `victim` (default: `pick_victim()`) and requeue it. If it was already
+        scheduled in this step, unschedule it. Returns the victim and the tokens given back."""
+        victim = victim or self.pick_victim()
+        given_back = 0
+        for k, (r, m) in enumerate(out.scheduled):
+            if r is victim:
+                del out.scheduled[k]
+                given_back = m
+                break
         self.running.remove(victim)
         self.engine.preempt(victim)
         self.requeue(victim)
         out.preempted.append(victim)
-        return victim
+        return victim, given_back
 
     def requeue(self, req: Request) -> None:
         """A preempted request goes back to the front of the queue."""
@@ -115,15 +135,12 @@ class Policy:
                 n = budget
             if -(-(c + n) // bs) > len(req.block_table):
                 while not kv.allocate_slots(req, n):
-                    victim = self.preempt_one(out)
+                    victim, given_back = self.preempt_one(out)
                     if victim is req:
                         break
-                    for k, (r, m) in enumerate(sched):  # a victim scheduled earlier this step
-                        if r is victim:
-                            del sched[k]
-                            budget += m
-                            i -= 1
-                            break
+                    if given_back:  # a victim scheduled earlier in this step
+                        budget += given_back
+                        i -= 1
                 if req.state is not RequestState.RUNNING:
                     all_decode = False
                     break

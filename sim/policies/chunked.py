@@ -35,9 +35,3 @@ class ChunkedPolicy(Policy):
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
-
-    def next_waiting(self):
-        return self.waiting[0]
-
-    def take_waiting(self, req) -> None:
-        self.waiting.popleft()

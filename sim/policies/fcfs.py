@@ -29,13 +29,13 @@ class FCFSPolicy(Policy):
         budget = self.cfg.max_num_batched_tokens
         reserve = int(self.cfg.watermark * self.kv.num_blocks) if self.running else 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self.next_waiting()
             n = req.num_tokens - req.num_computed_tokens
             if n > budget and out.scheduled:
                 break
             if not self.kv.allocate_slots(req, n, reserve=reserve):
                 break
-            self.waiting.popleft()
+            self.take_waiting(req)
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n

@@ -26,9 +26,9 @@ class StaticPolicy(FCFSPolicy):
 
     def admit_batch(self, out: SchedulerOutput) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
+            req = self.next_waiting()
             if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens):
                 break
-            self.waiting.popleft()
+            self.take_waiting(req)
             self.running.append(req)
             out.scheduled.append((req, req.num_tokens - req.num_computed_tokens))
