@@ -1,0 +1,275 @@
+"""The dashboard, driven through Textual's pilot: every key acts on the engine through its public
+API, the screen is deterministic while paused (snapshots), and the worker thread stops at exit."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import numpy as np
+import pytest
+
+from sim import POLICIES, Engine, load_scenario
+from sim.log import read_log, write_log
+from sim.replay import Replayer
+from tui import keymap
+from tui.app import Dashboard, EngineDriver
+from tui.widgets import HelpScreen, InjectDialog, RequestTable
+from tui.widgets.inject_dialog import BadValue, parse_inject
+
+SIZE = (120, 40)
+
+
+def pilot_test(fn):
+    """Run an async pilot test in its own event loop (no asyncio plugin needed)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+    return run
+
+
+def make_engine(until: float = 20.0) -> Engine:
+    sc = load_scenario("chat", ["kv.num_blocks=1500", "workload.duration_s=60"])
+    engine = Engine(sc)
+    engine.run_until(until)
+    return engine
+
+
+def make_app(tmp_path=None, **kw) -> Dashboard:
+    kw.setdefault("paused", True)
+    return Dashboard(make_engine(), log_dir=tmp_path or ".", **kw)
+
+
+def waiting_ids(engine: Engine) -> list[int]:
+    return [r.req_id for r in engine.snapshot().waiting]
+
+
+@pytest.mark.parametrize("key, count", [("i", 1), ("b", keymap.BURST_SIZE)])
+@pilot_test
+async def test_inject_keys_add_waiting_requests(key, count):
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        before = set(waiting_ids(app.engine))
+        await pilot.press(key)
+        new = set(waiting_ids(app.engine)) - before
+        assert len(new) == count == app.engine.counts["injected"]
+        assert all(app.engine.get(i).prompt_len >= 1 for i in new)
+
+
+@pilot_test
+async def test_inject_draws_the_same_lengths_every_session():
+    drawn = []
+    for _ in range(2):
+        app = make_app()
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("i", "i")
+            reqs = [app.engine.get(i) for i in sorted(app.engine.requests)[-2:]]
+            drawn.append([(r.prompt_len, r.max_output_tokens) for r in reqs])
+    assert drawn[0] == drawn[1]
+    assert drawn[0][0] != drawn[0][1]  # each press draws anew
+
+
+@pilot_test
+async def test_cancel_frees_exactly_the_blocks_the_selected_request_held():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("down")  # the second running request
+        snap = app.engine.snapshot()
+        target = snap.running[1].req_id
+        assert app.selected_id == target
+        held = set(np.flatnonzero(snap.block_owner == target).tolist())
+        assert held and not (snap.block_refs[list(held)] > 1).any()
+        await pilot.press("c")
+        after = app.engine.snapshot()
+        assert after.used_blocks == snap.used_blocks - len(held)
+        freed = set(np.flatnonzero((snap.block_owner >= 0) & (after.block_owner < 0)).tolist())
+        assert freed == held
+        assert app.engine.get(target).state.value == "cancelled"
+        assert after.recent[0].req_id == target
+
+
+@pilot_test
+async def test_cancel_all_waiting():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        assert waiting_ids(app.engine)
+        running = [r.req_id for r in app.engine.snapshot().running]
+        await pilot.press("C")
+        assert waiting_ids(app.engine) == []
+        assert [r.req_id for r in app.engine.snapshot().running] == running
+
+
+@pilot_test
+async def test_pause_stops_the_clock_and_n_runs_exactly_one_step():
+    app = make_app(paused=False, speed=4.0)
+    async with app.run_test(size=SIZE) as pilot:
+        t0 = app.engine.now
+        await pilot.pause(0.3)
+        assert app.engine.now > t0  # running
+        await pilot.press("space")
+        assert app.driver.paused
+        now, step = app.engine.now, app.engine.step_count
+        await pilot.pause(0.3)
+        assert (app.engine.now, app.engine.step_count) == (now, step)
+        await pilot.press("n")
+        assert app.engine.step_count == step + 1
+        await pilot.pause(0.2)
+        assert app.engine.step_count == step + 1
+        await pilot.press("space")
+        assert not app.driver.paused
+
+
+@pilot_test
+async def test_speed_keys_double_and_halve():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("plus", "plus")
+        assert app.driver.speed == 4.0
+        await pilot.press("minus", "minus", "minus")
+        assert app.driver.speed == 0.5
+
+
+@pytest.mark.parametrize("speed", [1.0, 8.0])
+def test_the_target_clock_moves_at_speed(speed):
+    engine = make_engine(5.0)
+    d = EngineDriver(engine, engine, speed=speed)
+    t0 = d.target
+    d.advance(0.25)  # a quarter of a wall second
+    assert d.target == pytest.approx(t0 + 0.25 * speed)
+    assert engine.now >= t0 + 0.25 * speed - 0.2  # the engine followed (steps are ~50 ms)
+
+
+@pilot_test
+async def test_p_cycles_the_policy():
+    app = make_app()
+    names = list(POLICIES)
+    async with app.run_test(size=SIZE) as pilot:
+        first = app.engine.policy.name
+        await pilot.press("p")
+        assert app.engine.policy.name == names[(names.index(first) + 1) % len(names)]
+        assert app.engine.events[-1].action == "switch_policy"
+
+
+def transitions(events) -> list[dict]:
+    """Every event but the engine steps (which a log may store as merged runs)."""
+    return [e.to_dict() for e in events if e.kind != "steps"]
+
+
+def steps_covered(events) -> int:
+    return sum(len(e.ends) for e in events if e.kind == "steps")
+
+
+@pilot_test
+async def test_export_writes_a_log_that_loads_and_replays(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("i", "b", "n", "n", "down", "c", "p", "n", "e")
+        await pilot.pause()
+        logs = list(tmp_path.glob("*.msgpack"))
+        assert len(logs) == 1
+        recorded = list(app.engine.events)
+        step, now = app.engine.step_count, app.engine.now
+    log = read_log(logs[0])
+    assert transitions(log.events) == transitions(recorded)
+    assert steps_covered(log.events) == steps_covered(recorded) == step
+    assert [e.kind for e in log.events].count("action") == 4
+    replayer = Replayer(log)
+    replayer.run_until(now + 1.0)
+    assert replayer.done
+    assert (replayer.engine.step_count, replayer.engine.now) == (step, now)
+    assert transitions(replayer.engine.events) == transitions(recorded)
+
+
+@pilot_test
+async def test_inject_dialog_rejects_bad_values_inline_and_stays_open():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("I")
+        dialog = app.screen
+        assert isinstance(dialog, InjectDialog)
+        for field, bad in (("prompt-tokens", "abc"), ("prompt-tokens", "-5"),
+                           ("output-tokens", "0"), ("count", "1e9")):
+            dialog.query_one(f"#{field}").value = bad
+            await pilot.press("enter")
+            assert app.screen is dialog
+            assert field.split("-")[0] in str(dialog.query_one("#inject-error").render())
+            dialog.query_one(f"#{field}").value = {"count": "1"}.get(field, "64")
+        n = len(waiting_ids(app.engine))
+        dialog.query_one("#prompt-tokens").value = "100"
+        dialog.query_one("#count").value = "3"
+        await pilot.click("#inject-ok")
+        await pilot.pause()
+        assert app.screen is not dialog
+        waiting = app.engine.snapshot().waiting
+        assert len(waiting) == n + 3
+        assert [r.prompt_len for r in waiting[-3:]] == [100] * 3
+
+
+def test_parse_inject_takes_a_typed_prompt_for_its_length():
+    spec = parse_inject({"prompt-tokens": "", "prompt-text": "hello", "output-tokens": "4",
+                         "priority": "-1", "count": "2"})
+    assert (spec.prompt_len, spec.prompt_text, spec.priority, spec.count) == (None, "hello",
+                                                                               -1, 2)
+    with pytest.raises(BadValue, match="prompt tokens"):
+        parse_inject({"prompt-tokens": "", "prompt-text": "", "output-tokens": "4"})
+
+
+@pilot_test
+async def test_replay_plays_back_and_refuses_changes(tmp_path):
+    engine = make_engine(2.0)
+    engine.inject(300, 20, count=4)
+    engine.run_until(4.0)
+    path = write_log(tmp_path / "s.msgpack", engine)
+    app = Dashboard(replayer=Replayer(read_log(path)), replay_name="s.msgpack", paused=True)
+    notes = []
+    app.notify = lambda message, **kw: notes.append(message)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("i", "c", "p")
+        assert app.engine.counts["injected"] == 0
+        assert len(notes) == 3 and all("read-only" in n for n in notes)
+        await pilot.press("n")
+        assert app.engine.step_count == 1
+        await pilot.press("space")
+        await pilot.pause(0.3)
+        assert app.engine.now > 0
+        assert app.engine.now <= engine.now
+
+
+@pilot_test
+async def test_help_lists_every_key_and_closes():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        text = str(app.screen.query_one("#help-keys").render())
+        for k in keymap.APP_KEYS + keymap.TABLE_KEYS:
+            assert k.help in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+
+@pilot_test
+async def test_queues_navigate_and_the_worker_stops_at_exit():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        assert isinstance(app.focused, RequestTable) and app.focused.id == "running"
+        await pilot.press("right")
+        assert app.focused.id == "waiting"
+        assert app.selected_id == app.engine.snapshot().waiting[0].req_id
+        await pilot.press("end")
+        assert app.selected_id == app.engine.snapshot().waiting[-1].req_id
+        assert app.driver.alive
+    assert not app.driver.alive
+
+
+# --- snapshots (a seeded engine, paused: nothing drawn depends on the wall clock) --------------
+def test_snapshot_main_screen(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, press=["n", "n", "n", "down"])
+
+
+def test_snapshot_main_screen_80x24(snap_compare):
+    assert snap_compare(make_app(), terminal_size=(80, 24), press=["n"])
+
+
+def test_snapshot_help_screen(snap_compare):
+    assert snap_compare(make_app(), terminal_size=SIZE, press=["question_mark"])

@@ -1,0 +1,409 @@
+"""The live dashboard: composes the panels, drives the engine from a worker thread, and routes
+keys to the engine's public API and snapshots to the panels.
+
+A worker thread advances the engine (or, with `--replay`, a `sim.replay.Replayer`) toward a
+target simulated time that moves `speed` simulated seconds per wall second, in slices of a few
+milliseconds, holding `EngineDriver.lock`. The UI takes a snapshot under the same lock on its
+refresh timers and every key action takes it too, so one thread at a time touches the engine and
+drawing never waits for more than one slice of simulation.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from textual import events
+from textual.app import App, ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer
+
+from sim import POLICIES, Engine, ServesimError, rolling
+from sim.workload import sample
+from tui import keymap
+from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
+                         InjectSpec, RequestTable, StatusHeader)
+
+INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
+MIN_SPEED, MAX_SPEED = 1 / 64, 4096.0
+
+
+class EngineDriver:
+    """Advances `source` (an Engine or a Replayer) toward a moving target simulated time."""
+
+    SLICE_S = 0.004     # wall time the worker aims to hold the lock per slice
+    BACKLOG_S = 2.0     # wall seconds of backlog kept when compute cannot keep up
+
+    def __init__(self, source, engine: Engine, speed: float = 1.0, paused: bool = False) -> None:
+        self.source = source
+        self.engine = engine
+        self.replay = source is not engine
+        self.lock = threading.RLock()
+        self.speed = speed
+        self.paused = paused
+        self.target = engine.now
+        self.error: str | None = None
+        self.steps = 0
+        self._max_steps = 64
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- state the screen shows (read under the lock) ------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """A replay that has reached the end of its log."""
+        return self.replay and self.source.done
+
+    @property
+    def lag(self) -> float:
+        """Simulated seconds the engine's clock is behind the target."""
+        return 0.0 if self.paused else max(0.0, self.target - self.engine.now)
+
+    # --- control (each takes the lock) ---------------------------------------------------------
+    def set_paused(self, paused: bool) -> None:
+        with self.lock:
+            self.paused = paused
+            self.target = self.engine.now
+
+    def set_speed(self, speed: float) -> None:
+        with self.lock:
+            self.speed = min(MAX_SPEED, max(MIN_SPEED, speed))
+
+    def step(self) -> int:
+        """One engine step (the clock then stays there: call while paused)."""
+        with self.lock:
+            n = self.source.step()
+            self.target = self.engine.now
+            return n
+
+    @property
+    def alive(self) -> bool:
+        """The worker thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="servesim-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    # --- the worker ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            now = time.perf_counter()
+            with self.lock:
+                behind = self.advance(now - last)
+            last = now
+            # Sleep a little even when behind: the UI thread needs the GIL to draw.
+            time.sleep(0.0005 if behind else 0.01)
+
+    def advance(self, wall_dt: float) -> bool:
+        """Move the target by `wall_dt` wall seconds times the speed (unless paused) and run one
+        slice of the engine toward it. Returns True while the engine is behind the target.
+        The worker calls it in a loop; call it under `lock`."""
+        e = self.engine
+        if self.paused or self.error:
+            return False
+        if self.finished:
+            self.target = e.now
+            return False
+        self.target += wall_dt * self.speed
+        if e.now >= self.target:
+            return False
+        t0 = time.perf_counter()
+        try:
+            n = self.source.run_until(self.target, max_steps=self._max_steps)
+        except ServesimError as err:
+            self.error = str(err)
+            self.paused = True
+            return False
+        spent = time.perf_counter() - t0
+        self.steps += n
+        if n >= self._max_steps and spent < self.SLICE_S / 2:
+            self._max_steps = min(1 << 16, self._max_steps * 2)
+        elif spent > self.SLICE_S * 2 and self._max_steps > 1:
+            self._max_steps //= 2
+        # Keep a bounded backlog: when compute is slower than `speed`, run late, not ever later.
+        self.target = min(self.target, e.now + self.BACKLOG_S * max(1.0, self.speed))
+        return e.now < self.target
+
+
+class Dashboard(App[int]):
+    """The servesim dashboard over one engine (live) or one replayer (`--replay`)."""
+
+    CSS_PATH = "dashboard.tcss"
+    TITLE = "servesim"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = keymap.APP_BINDINGS
+    FRAME_HZ = 15
+    CHART_HZ = 4
+    CHART_WINDOW_S = 10.0
+    EVENTS_AT_START = 200
+
+    def __init__(self, engine: Engine | None = None, *, replayer=None,
+                 replay_name: str | None = None, speed: float = 1.0, paused: bool = False,
+                 log_dir: str | Path = ".") -> None:
+        super().__init__()
+        self.replayer = replayer
+        self.engine: Engine = replayer.engine if replayer is not None else engine
+        self.driver = EngineDriver(replayer or engine, self.engine, speed, paused)
+        self.replay_name = replay_name
+        ex = self.engine.executor
+        self.compute = f"{ex.name} on {ex.device}" if ex is not None else "none (modeled)"
+        self.log_dir = Path(log_dir)
+        self.selected_id: int | None = None
+        self.snap = None
+        self._event_i = max(0, len(self.engine.events) - self.EVENTS_AT_START)
+        self._chart_key = None
+        self._table: RequestTable | None = None
+        self._error_shown = False
+        self.main_screen = None  # the screen the panels are on (set on mount)
+
+    # --- composition ---------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield StatusHeader(id="header")
+        with Horizontal(id="body"):
+            with Vertical(id="queues"):
+                yield RequestTable("running")
+                yield RequestTable("waiting")
+                yield RequestTable("recent")
+            with Vertical(id="right"):
+                yield BlockMap(id="kv")
+                yield Charts(self.CHART_WINDOW_S, id="charts")
+        yield EventLog(id="events")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        # The panels live on the main screen; `query_one` would search a dialog when one is open.
+        self.main_screen = self.screen
+        self.header = self.query_one(StatusHeader)
+        self.tables = {t.kind: t for t in self.query(RequestTable)}
+        self.block_map = self.query_one(BlockMap)
+        self.charts = self.query_one(Charts)
+        self.event_log = self.query_one(EventLog)
+        self._fit(self.size.width, self.size.height)
+        self.refresh_frame()
+        self.sample_charts()
+        self.tables["running"].focus()
+        self.set_interval(1 / self.FRAME_HZ, self.refresh_frame)
+        self.set_interval(1 / self.CHART_HZ, self.sample_charts)
+        self.driver.start()
+
+    def on_unmount(self) -> None:
+        self.driver.stop()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._fit(event.size.width, event.size.height)
+
+    def _fit(self, width: int, height: int) -> None:
+        """Small terminals: narrower queues, no event log, one-row charts."""
+        screen = self.main_screen or self.screen  # a resize can come before the mount
+        screen.set_class(width < 110, "-narrow")
+        screen.set_class(height < 34, "-short")
+
+    # --- refresh -------------------------------------------------------------------------------
+    def refresh_frame(self) -> None:
+        """Snapshot the engine and hand the pieces to the panels."""
+        if not self.is_running:  # a tick that lands while the app shuts down
+            return
+        d = self.driver
+        with d.lock:
+            snap = self.engine.snapshot()
+            new_events = self.engine.events[self._event_i:]
+            self._event_i += len(new_events)
+            info = HeaderInfo(self.engine.scenario.name, snap.policy, self.compute, snap.now,
+                              snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished)
+            error = d.error
+        self.snap = snap
+        self.header.show(info)
+        for kind, rows in (("running", snap.running), ("waiting", snap.waiting),
+                           ("recent", snap.recent)):
+            self.tables[kind].update_rows(rows, snap.now)
+        self.block_map.show(snap, self.selected_id)
+        self.event_log.add_events(new_events)
+        if error and not self._error_shown:
+            self._error_shown = True
+            self.notify(f"the engine stopped: {error}", severity="error", timeout=30)
+
+    def sample_charts(self) -> None:
+        """One `sim.rolling` sample, when the simulated clock has moved since the last."""
+        if not self.is_running:
+            return
+        with self.driver.lock:
+            key = (self.engine.now, self.engine.step_count)
+            if key == self._chart_key:
+                return
+            self._chart_key = key
+            sample_ = rolling(self.engine, self.CHART_WINDOW_S)
+        self.charts.add_sample(sample_)
+
+    def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:
+        if message.table.has_focus or message.table is self._table:
+            self._table = message.table
+            self.selected_id = message.req_id
+            if self.snap is not None:
+                self.block_map.show(self.snap, self.selected_id)
+
+    def _note(self, text: str) -> None:
+        self.event_log.add_note(self.engine.now, text)
+
+    def _changed(self) -> None:
+        """After an action: draw its effect now rather than at the next tick."""
+        self.refresh_frame()
+        self.sample_charts()
+
+    # --- actions -------------------------------------------------------------------------------
+    def _read_only(self) -> bool:
+        if self.replayer is not None:
+            self.notify("replay: the session is read-only (inject, cancel and policy keys are "
+                        "off)", severity="warning")
+            return True
+        return False
+
+    def draw_lengths(self) -> tuple[int, int]:
+        """Prompt and output lengths from the scenario's workload, seeded by the count of
+        injections so far (a session's `i` presses draw the same lengths every run)."""
+        sc = self.engine.scenario
+        rng = np.random.default_rng([sc.seed, INJECT_STREAM, self.engine.counts["injected"]])
+        prompt = int(sample(sc, "prompt_tokens", 1, rng)[0])
+        output = int(sample(sc, "output_tokens", 1, rng)[0])
+        return max(1, prompt), max(1, output)
+
+    def inject(self, spec: InjectSpec) -> str | None:
+        """Inject through the engine. Returns the engine's error message, or None."""
+        with self.driver.lock:
+            try:
+                self.engine.inject(spec.prompt_len, spec.max_output_tokens,
+                                   priority=spec.priority, prompt_text=spec.prompt_text,
+                                   count=spec.count)
+            except ServesimError as e:
+                return str(e)
+        self._changed()
+        return None
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_inject(self) -> None:
+        if self._read_only():
+            return
+        with self.driver.lock:
+            prompt, output = self.draw_lengths()
+        self.inject(InjectSpec(prompt, None, output))
+
+    def action_inject_dialog(self) -> None:
+        if self._read_only():
+            return
+        with self.driver.lock:
+            prompt, output = self.draw_lengths()
+        self.push_screen(InjectDialog(self.inject, InjectSpec(prompt, None, output)))
+
+    def action_burst(self) -> None:
+        if self._read_only():
+            return
+        with self.driver.lock:
+            prompt, output = self.draw_lengths()
+        self.inject(InjectSpec(prompt, None, output, count=keymap.BURST_SIZE))
+
+    def action_cancel(self) -> None:
+        if self._read_only():
+            return
+        if self.selected_id is None:
+            self.notify("no request selected (use the arrow keys in a queue)", severity="warning")
+            return
+        with self.driver.lock:
+            try:
+                self.engine.cancel(self.selected_id)
+            except ServesimError as e:
+                self.notify(str(e), severity="warning")
+                return
+        self._changed()
+
+    def action_cancel_waiting(self) -> None:
+        if self._read_only():
+            return
+        with self.driver.lock:
+            ids = self.engine.cancel_waiting()
+        self.notify(f"cancelled {len(ids)} waiting requests")
+        self._changed()
+
+    def action_pause(self) -> None:
+        d = self.driver
+        d.set_paused(not d.paused)
+        self._note("paused" if d.paused else "resumed")
+        self.refresh_frame()
+
+    def action_step(self) -> None:
+        d = self.driver
+        if not d.paused:
+            d.set_paused(True)
+            self._note("paused")
+        d.step()
+        self._changed()
+
+    def _set_speed(self, speed: float) -> None:
+        self.driver.set_speed(speed)
+        self._note(f"speed x{self.driver.speed:g}")
+        self.refresh_frame()
+
+    def action_faster(self) -> None:
+        self._set_speed(self.driver.speed * 2)
+
+    def action_slower(self) -> None:
+        self._set_speed(self.driver.speed / 2)
+
+    def action_cycle_policy(self) -> None:
+        if self._read_only():
+            return
+        names = list(POLICIES)
+        with self.driver.lock:
+            current = self.engine.policy.name
+            new = names[(names.index(current) + 1) % len(names)]
+            self.engine.switch_policy(new)
+        self.notify(f"policy {current} -> {new} (from the next step)")
+        self._changed()
+
+    def action_export(self) -> None:
+        from sim.log import write_log
+
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = self.log_dir / f"servesim-{self.engine.scenario.name}-{stamp}.msgpack"
+        with self.driver.lock:
+            try:
+                path = write_log(path, self.engine)
+            except ServesimError as e:
+                self.notify(str(e), severity="error", timeout=10)
+                return
+        self._note(f"session log written to {path}")
+        self.notify(f"session log written to {path}", timeout=10)
+
+    async def action_quit(self) -> None:
+        self.driver.stop()
+        self.exit(0)
+
+
+def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
+                  make_executor=None) -> int:
+    """Open the dashboard on `scenario` (or play the session log `replay` back). Returns the
+    exit code. Raises ServesimError (a log that does not load, a backend that is missing)."""
+    if replay:
+        from sim.log import read_log
+        from sim.replay import Replayer
+
+        app = Dashboard(replayer=Replayer(read_log(replay)), replay_name=Path(replay).name,
+                        speed=speed)
+    else:
+        executor = make_executor(scenario) if make_executor is not None else None
+        app = Dashboard(Engine(scenario, executor=executor), speed=speed)
+    try:
+        app.run()
+    finally:
+        app.driver.stop()
+    return app.return_code or 0

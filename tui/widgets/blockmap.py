@@ -1,0 +1,205 @@
+"""The KV block map: every block of the pool one cell, coloured by the request that owns it.
+
+Free blocks are dim dots, free blocks that still hold a reusable cached prefix are rings, blocks
+shared by several requests (reference count > 1) are diamonds, and the selected request's blocks
+are bright. The grid is a Line API widget: a row's strip is built once with NumPy run-length
+segments and cached until a block in that row changes, so a refresh of thousands of blocks costs
+the few rows that changed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.segment import Segment
+from rich.style import Style
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+from textual.widget import Widget
+
+from sim import EngineSnapshot
+from tui.widgets.colors import REQUEST_COLORS
+
+FREE, FREE_CACHED, SELECTED = 0, 1, 2
+USED, SHARED = 16, 48  # + colour index
+NCOLORS = len(REQUEST_COLORS)
+
+GLYPH_USED, GLYPH_SHARED, GLYPH_FREE, GLYPH_CACHED = "█", "◆", "·", "∘"
+
+
+def block_codes(owner: np.ndarray, refs: np.ndarray, cached: np.ndarray | None,
+                highlight: int | None) -> np.ndarray:
+    """One drawing code per block (see FREE, USED, ...)."""
+    used = owner >= 0
+    codes = np.where(used, USED + owner % NCOLORS, FREE).astype(np.int16)
+    shared = refs > 1
+    if shared.any():
+        codes[shared] = SHARED + owner[shared] % NCOLORS
+    if cached is not None:
+        codes[cached & ~used] = FREE_CACHED
+    if highlight is not None:
+        codes[owner == highlight] = SELECTED
+    return codes
+
+
+def fragmentation(snap: EngineSnapshot) -> int:
+    """Allocated token slots that hold no token: used blocks x block size - tokens held."""
+    return max(0, snap.used_blocks * snap.block_size - snap.token_slots_used)
+
+
+class BlockGrid(ScrollView):
+    """The cells of the block map."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.codes = np.zeros(0, dtype=np.int16)
+        self._cols = 0
+        self._gutter = 0
+        self._strips: dict[int, Strip] = {}
+        self._styles: dict[int, tuple[str, Style]] = {}
+        self._base: Style | None = None
+
+    def update_blocks(self, owner: np.ndarray, refs: np.ndarray,
+                      cached: np.ndarray | None = None, highlight: int | None = None) -> None:
+        self._style_table(self.rich_style)  # once per update; render_line reuses it
+        codes = block_codes(owner, refs, cached, highlight)
+        if len(codes) != len(self.codes):
+            self._strips.clear()
+            self.codes = codes
+            self._layout()
+            self.refresh()
+            return
+        changed = np.flatnonzero(codes != self.codes)
+        self.codes = codes
+        if len(changed) and self._cols:
+            top = self.scroll_offset.y
+            bottom = top + self.scrollable_content_region.height
+            for row in np.unique(changed // self._cols).tolist():
+                self._strips.pop(row, None)
+                if top <= row < bottom:
+                    self.refresh_line(row)
+
+    def _layout(self) -> None:
+        width = self.scrollable_content_region.width
+        n = len(self.codes)
+        self._gutter = len(str(max(n - 1, 0))) + 1 if width >= 40 else 0
+        cols = max(1, width - self._gutter)
+        if cols >= 16:
+            cols -= cols % 8  # rows start at round block ids
+        if cols != self._cols:
+            self._strips.clear()
+        self._cols = cols
+        self.virtual_size = Size(width, -(-n // cols))
+
+    def on_resize(self) -> None:
+        self._strips.clear()
+        self._layout()
+
+    def _style_table(self, base: Style) -> dict[int, tuple[str, Style]]:
+        if base != self._base:
+            self._base = base
+            self._strips.clear()
+            dim = base + Style(color="grey35")
+            t = {FREE: (GLYPH_FREE, dim),
+                 FREE_CACHED: (GLYPH_CACHED, base + Style(color="#5f87af")),
+                 SELECTED: (GLYPH_USED, base + Style(color="bright_white", bold=True))}
+            for i, c in enumerate(REQUEST_COLORS):
+                t[USED + i] = (GLYPH_USED, base + Style(color=c))
+                t[SHARED + i] = (GLYPH_SHARED, base + Style(color=c, bold=True))
+            self._styles = t
+        return self._styles
+
+    def render_line(self, y: int) -> Strip:
+        styles = self._styles or self._style_table(self.rich_style)
+        row = self.scroll_offset.y + y
+        strip = self._strips.get(row)
+        if strip is None:
+            strip = self._render_row(row, styles)
+            self._strips[row] = strip
+        return strip
+
+    def _render_row(self, row: int, styles) -> Strip:
+        width = self.scrollable_content_region.width
+        cols = self._cols or 1
+        a = row * cols
+        seg = self.codes[a:a + cols]
+        if not len(seg):
+            return Strip.blank(width, self._base)
+        out = []
+        if self._gutter:
+            out.append(Segment(f"{a:>{self._gutter - 1}} ", styles[FREE][1]))
+        cuts = (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist()
+        start = 0
+        vals = seg.tolist()
+        for end in cuts + [len(vals)]:
+            glyph, style = styles[vals[start]]
+            out.append(Segment(glyph * (end - start), style))
+            start = end
+        return Strip(out).adjust_cell_length(width, self._base)
+
+
+class BlockStats(Widget):
+    """Usage, fragmentation and the legend, two lines. (Not a Static: updating one re-lays the
+    screen out.)"""
+
+    text = Text()
+
+    def show(self, text: Text) -> None:
+        self.text = text
+        self.refresh()
+
+    def render(self) -> Text:
+        return self.text
+
+
+class BlockMap(Vertical):
+    """The KV panel: usage and fragmentation, a legend, and the grid."""
+
+    def compose(self) -> ComposeResult:
+        self.stats = BlockStats(id="kv-stats")
+        self.grid = BlockGrid(id="kv-grid")
+        yield self.stats
+        yield self.grid
+
+    def on_mount(self) -> None:
+        self.border_title = "KV cache blocks"
+        self._stats_key = None
+
+    def show(self, snap: EngineSnapshot, highlight: int | None) -> None:
+        """Draw `snap`'s blocks, `highlight`'s (a request id) bright."""
+        cached = getattr(snap, "block_cached", None)  # per-block marks, where the engine has them
+        self.grid.update_blocks(snap.block_owner, snap.block_refs, cached, highlight)
+        shared = int(np.count_nonzero(snap.block_refs > 1))
+        key = (snap.used_blocks, snap.num_blocks, snap.token_slots_used, shared,
+               snap.free_cached_blocks)
+        if key != self._stats_key:
+            self._stats_key = key
+            self.stats.show(self._stats(snap, shared))
+
+    @staticmethod
+    def _stats(snap: EngineSnapshot, shared: int) -> Text:
+        nb, used = snap.num_blocks, snap.used_blocks
+        frag = fragmentation(snap)
+        alloc = used * snap.block_size
+        t = Text(no_wrap=True, overflow="ellipsis")
+        t.append(f"{used:,}/{nb:,} ", style="bold")
+        t.append(f"{100 * used / nb if nb else 0:.1f}%")
+        t.append(" · frag ")
+        t.append(f"{frag:,}", style="bold")
+        t.append(f" slots {100 * frag / alloc if alloc else 0:.1f}%")
+        t.append(f" · shared {shared} · cached {snap.free_cached_blocks}\n")
+        t.append(GLYPH_USED, style=REQUEST_COLORS[0])
+        t.append(GLYPH_USED, style=REQUEST_COLORS[3])
+        t.append(" request  ")
+        t.append(GLYPH_USED, style="bold bright_white")
+        t.append(" selected  ")
+        t.append(GLYPH_SHARED, style=REQUEST_COLORS[1])
+        t.append(" shared  ")
+        t.append(GLYPH_FREE, style="grey35")
+        t.append(" free  ")
+        t.append(GLYPH_CACHED, style="#5f87af")
+        t.append(" free, cached")
+        return t

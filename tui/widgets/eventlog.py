@@ -1,0 +1,129 @@
+"""The event log: request state transitions from the engine's event stream and the user's
+actions, newest last, bounded. Engine-step events are not listed (the charts show them)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+MAX_LINES = 1000
+MAX_PER_UPDATE = 200  # at high speed, list only the newest of a refresh's events
+
+TAG_COLORS = {
+    "arrival": "#61afef", "admit": "#98c379", "first_token": "#56b6c2", "finish": "#7ec699",
+    "cancel": "#e5c07b", "preempt": "#e06c75", "reject": "#ff5f5f", "action": "#c678dd",
+    "note": "#a0a1ff",
+}
+
+
+def _action_text(action: str, a: dict) -> str:
+    if action == "inject":
+        n = a.get("count", 1)
+        text = f"inject {n} x prompt {a.get('prompt_len')} output {a.get('max_output_tokens')}"
+        if a.get("priority"):
+            text += f" priority {a['priority']}"
+        return text + (" (typed prompt)" if a.get("prompt_text") is not None else "")
+    if action == "cancel":
+        return f"cancel #{a.get('req_id')}"
+    if action == "cancel_waiting":
+        return "cancel every waiting request"
+    if action == "switch_policy":
+        return f"policy {a.get('previous')} -> {a.get('policy')}"
+    return f"{action} {a}"
+
+
+def _arrival(e) -> str:
+    text = f"#{e.req_id} arrives: prompt {e.prompt_len:,}, output {e.max_output_tokens:,}"
+    if e.priority:
+        text += f", priority {e.priority}"
+    return text + (" (injected)" if e.injected else "")
+
+
+DESCRIBE = {
+    "arrival": _arrival,
+    "reject": lambda e: f"#{e.req_id} rejected: {e.reason}",
+    "admit": lambda e: f"#{e.req_id} {'resumed' if e.resumed else 'admitted'}",
+    "first_token": lambda e: f"#{e.req_id} first token",
+    "preempt": lambda e: f"#{e.req_id} preempted ({e.mode})",
+    "finish": lambda e: f"#{e.req_id} finished",
+    "cancel": lambda e: f"#{e.req_id} cancelled while {e.state} (by {e.by})",
+    "action": lambda e: f"{_action_text(e.action, e.args)} (step {e.step})",
+}
+
+
+def describe(e) -> str | None:
+    """One line for an engine event (None for the events the log does not list)."""
+    fn = DESCRIBE.get(e.kind)
+    return None if fn is None else fn(e)
+
+
+class EventLog(ScrollView, can_focus=False):
+    """A bounded, tail-following list of timestamped lines."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.lines: deque[tuple[float, str, str]] = deque(maxlen=MAX_LINES)
+        self._styles: dict[str, tuple[Style, Style, Style]] | None = None
+
+    def on_mount(self) -> None:
+        self.border_title = "Events"
+
+    def add_events(self, events) -> None:
+        """List the new engine events (any number; the newest MAX_PER_UPDATE are kept)."""
+        rows = []
+        for e in events:
+            text = describe(e)
+            if text is not None:
+                rows.append((e.t, e.kind, text))
+        if len(rows) > MAX_PER_UPDATE:
+            skipped = len(rows) - MAX_PER_UPDATE
+            rows = rows[-MAX_PER_UPDATE:]
+            rows.insert(0, (rows[0][0], "note", f"... {skipped:,} earlier events not listed"))
+        self._extend(rows)
+
+    def add_note(self, t: float, text: str) -> None:
+        """A line of the dashboard's own (pause, speed, export)."""
+        self._extend([(t, "note", text)])
+
+    def _extend(self, rows) -> None:
+        if not rows:
+            return
+        self._styles = None  # resolved again once per update, not once per line
+        follow = self.scroll_offset.y >= self.max_scroll_y
+        self.lines.extend(rows)
+        self.virtual_size = Size(self.scrollable_content_region.width, len(self.lines))
+        if follow:
+            self.scroll_to(y=max(0, len(self.lines) - self.scrollable_content_region.height),
+                           animate=False, force=True)
+        self.refresh()
+
+    def _kind_styles(self, kind: str) -> tuple[Style, Style, Style]:
+        """(time, tag, text) styles of a line of this kind."""
+        if self._styles is None:
+            self._styles = {"": self.rich_style}
+        styles = self._styles.get(kind)
+        if styles is None:
+            base = self._styles[""]
+            styles = self._styles[kind] = (
+                base + Style(dim=True), base + Style(color=TAG_COLORS.get(kind), bold=True),
+                base + Style(color=TAG_COLORS["note"]) if kind == "note" else base)
+        return styles
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        i = self.scroll_offset.y + y
+        if i >= len(self.lines):
+            return Strip.blank(width, self._kind_styles("note")[2])
+        t, kind, text = self.lines[i]
+        tag = "user" if kind == "action" else ("" if kind == "note" else kind.replace("_", " "))
+        time_style, tag_style, text_style = self._kind_styles(kind)
+        return Strip([
+            Segment(f"{t:10.3f}s ", time_style),
+            Segment(f"{tag:<12}", tag_style),
+            Segment(text, text_style),
+        ]).adjust_cell_length(width, text_style)

@@ -1,0 +1,205 @@
+"""The request queues: waiting, running and recently done, one `RequestTable` each.
+
+A table draws only its visible rows (Textual's Line API), so a queue of thousands costs what a
+screenful costs. The cursor follows its request across refreshes; the cursor's request is the
+target of cancel and is highlighted in the KV block map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.segment import Segment
+from rich.style import Style
+from textual.geometry import Size
+from textual.message import Message
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from sim import RequestView
+from tui import keymap
+from tui.widgets import fmt
+from tui.widgets.colors import request_color
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    width: int
+    cell: Callable[[RequestView, float], str]
+    left: bool = False
+
+
+def _phase(r: RequestView, now: float) -> str:
+    if r.is_prefill:
+        return f"prefill {r.num_computed_tokens}/{r.prompt_len + r.num_output_tokens}"
+    return f"decode {r.num_output_tokens}/{r.max_output_tokens}"
+
+
+def _ttft(r: RequestView, now: float) -> str:
+    return "-" if r.first_token_time is None else fmt.dur(r.first_token_time - r.arrival_time)
+
+
+def _e2e(r: RequestView, now: float) -> str:
+    return "-" if r.finish_time is None else fmt.dur(r.finish_time - r.arrival_time)
+
+
+_ID = Column("id", 6, lambda r, now: str(r.req_id))
+
+COLUMNS = {
+    "waiting": (
+        _ID,
+        Column("prompt", 7, lambda r, now: f"{r.prompt_len:,}"),
+        Column("wait", 8, lambda r, now: fmt.dur(now - r.arrival_time)),
+        Column("prio", 5, lambda r, now: str(r.priority)),
+    ),
+    "running": (
+        _ID,
+        Column("phase", 18, _phase, left=True),
+        Column("blocks", 6, lambda r, now: str(r.num_blocks)),
+        Column("TTFT", 8, _ttft),
+    ),
+    "recent": (
+        _ID,
+        Column("state", 9, lambda r, now: r.state, left=True),
+        Column("TTFT", 8, _ttft),
+        Column("E2E", 8, _e2e),
+        Column("tokens", 6, lambda r, now: str(r.num_output_tokens)),
+    ),
+}
+
+TITLES = {"waiting": "Waiting", "running": "Running", "recent": "Finished / cancelled"}
+
+
+class RequestTable(ScrollView, can_focus=True):
+    """One queue of requests with a sticky header row and a cursor."""
+
+    BINDINGS = keymap.TABLE_BINDINGS
+    COMPONENT_CLASSES = {"request-table--header", "request-table--cursor",
+                         "request-table--cursor-blurred"}
+
+    class Highlighted(Message):
+        """The cursor moved, or the table got focus: `req_id` is the selected request."""
+
+        def __init__(self, table: "RequestTable", req_id: int | None) -> None:
+            super().__init__()
+            self.table = table
+            self.req_id = req_id
+
+    def __init__(self, kind: str, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id or kind, classes=classes)
+        self.kind = kind
+        self.columns = COLUMNS[kind]
+        self.rows: list[RequestView] = []
+        self.now = 0.0
+        self.cursor = 0
+        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
+        self._styles: dict[str, Style] = {}
+        self._view = None  # what the last repaint showed
+        self.border_title = TITLES[kind]
+
+    @property
+    def selected_id(self) -> int | None:
+        return self.rows[self.cursor].req_id if self.rows else None
+
+    def update_rows(self, rows: list[RequestView], now: float) -> None:
+        """Show `rows` (a snapshot's list) at simulated time `now`, keeping the cursor on its
+        request when that request is still listed. Repaints only when what is in view changed."""
+        before = self.selected_id
+        self.rows, self.now = rows, now
+        if before is not None:
+            for i, r in enumerate(rows):
+                if r.req_id == before:
+                    self.cursor = i
+                    break
+        self.cursor = max(0, min(self.cursor, len(rows) - 1))
+        self.virtual_size = Size(self._width, len(rows) + 1)
+        title = f"{TITLES[self.kind]} ({len(rows)})"
+        if title != self.border_title:
+            self.border_title = title
+        self._styles.clear()  # resolved again once per refresh, not once per line
+        top = self.scroll_offset.y
+        view = (top, self.cursor, [self._text(r) for r in
+                                   rows[top:top + self.scrollable_content_region.height]])
+        if view != self._view:
+            self._view = view
+            self.refresh()
+        if self.selected_id != before:
+            self.post_message(self.Highlighted(self, self.selected_id))
+
+    # --- cursor -------------------------------------------------------------------------------
+    def _move_to(self, i: int) -> None:
+        if not self.rows:
+            return
+        self.cursor = max(0, min(i, len(self.rows) - 1))
+        height = self.scrollable_content_region.height
+        y = self.scroll_offset.y
+        if self.cursor < y:
+            y = self.cursor
+        elif self.cursor > y + height - 2:
+            y = self.cursor - height + 2
+        self.scroll_to(y=y, animate=False)
+        self.refresh()
+        self.post_message(self.Highlighted(self, self.selected_id))
+
+    def action_cursor(self, delta: int) -> None:
+        self._move_to(self.cursor + delta)
+
+    def action_page(self, direction: int) -> None:
+        self._move_to(self.cursor + direction * max(1, self.scrollable_content_region.height - 1))
+
+    def action_cursor_to(self, index: int) -> None:
+        self._move_to(index if index >= 0 else len(self.rows) - 1)
+
+    def on_focus(self) -> None:
+        self._styles.clear()
+        self.refresh()
+        self.post_message(self.Highlighted(self, self.selected_id))
+
+    def on_blur(self) -> None:
+        self._styles.clear()
+        self.refresh()
+
+    # --- drawing ------------------------------------------------------------------------------
+    def _style(self, name: str) -> Style:
+        """The base style, or the base plus a component class's (cached until the next
+        refresh: resolving CSS styles per line would cost more than drawing the line)."""
+        style = self._styles.get(name)
+        if style is None:
+            base = self._styles.get("")
+            if base is None:
+                base = self._styles[""] = self.rich_style
+            style = base if not name else base + self.get_component_rich_style(name)
+            self._styles[name] = style
+        return style
+
+    def _text(self, r: RequestView) -> tuple[str, str]:
+        """The id cell and the rest of a row."""
+        cells = [c.cell(r, self.now) for c in self.columns[1:]]
+        rest = " ".join(t.ljust(c.width) if c.left else t.rjust(c.width)
+                        for c, t in zip(self.columns[1:], cells))
+        return str(r.req_id).rjust(self.columns[0].width), " " + rest
+
+    def render_line(self, y: int) -> Strip:
+        width = self.scrollable_content_region.width
+        base = self._style("")
+        if y == 0:
+            head = " ".join(c.title.ljust(c.width) if c.left else c.title.rjust(c.width)
+                            for c in self.columns)
+            style = self._style("request-table--header")
+            return Strip([Segment(head, style)]).adjust_cell_length(width, style)
+        i = self.scroll_offset.y + y - 1
+        if i >= len(self.rows):
+            return Strip.blank(width, base)
+        r = self.rows[i]
+        id_text, rest = self._text(r)
+        if i == self.cursor:
+            style = self._style("request-table--cursor" if self.has_focus
+                                else "request-table--cursor-blurred")
+            id_style = style
+        else:
+            style = base
+            id_style = base + Style(color=request_color(r.req_id), bold=True)
+        return Strip([Segment(id_text, id_style), Segment(rest, style)]).adjust_cell_length(
+            width, style)
