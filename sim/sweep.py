@@ -29,11 +29,12 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from sim.errors import ScenarioError, ServesimError
-from sim.scenario import SLOConfig, Scenario, load_scenario, parse_override
+from sim.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)
 
@@ -59,9 +60,9 @@ class Point:
     values: dict[str, Any]
     scenario: Scenario
 
-    @property
-    def label(self) -> str:
-        return ", ".join(f"{k}={_cell(v)}" for k, v in self.values.items()) or "(no grid)"
+    def label(self, **more) -> str:
+        """`key=value, ...` of the point's values and `more` (for messages)."""
+        return ", ".join(f"{k}={_cell(v)}" for k, v in {**self.values, **more}.items())
 
 
 @dataclass
@@ -146,6 +147,7 @@ def plan(spec: str | None, axes: list[Axis], *, seeds: list[int] | None = None,
     values). Raises ScenarioError naming the point at the first one that does not load."""
     if seeds is not None and any(a.key == "seed" for a in axes):
         raise ScenarioError("--grid seed: cannot be combined with --seeds (use one)")
+    find_scenario(spec)  # a missing file is named once, not as the first point's problem
     points = []
     for combo in itertools.product(*(range(len(a.values)) for a in axes)):
         sets = [f"{a.key}={a.texts[i]}" for a, i in zip(axes, combo)]
@@ -224,7 +226,8 @@ def _run_task(sc: Scenario) -> tuple[bool, Any]:
 
 # --- executors -----------------------------------------------------------------------------------
 class Runner:
-    """Runs scenarios and returns their rows in the order given. Use as a context manager.
+    """Runs scenarios and returns their rows in the order given. Use as a context manager: the
+    pool or the Ray connection starts at the first run and ends with the block.
 
     `workers=1` runs in this process; more use a local process pool of that size (default: the
     CPU count); `ray_address` (None: no Ray; "": a local instance, or the one RAY_ADDRESS names)
@@ -241,8 +244,6 @@ class Runner:
         self._remote = None
 
     def __enter__(self) -> "Runner":
-        if self.ray_address is not None:
-            self._start_ray()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -253,16 +254,15 @@ class Runner:
             self._ray.shutdown()
             self._ray_started = False
 
-    @property
-    def kind(self) -> str:
-        return "ray" if self.ray_address is not None else f"{self.workers} local workers"
-
-    def run(self, tasks: list[tuple[str, Scenario]], progress: Progress | None = None) -> list[dict]:
+    def run(self, tasks: list[tuple[str, Scenario]],
+            progress: Progress | None = None) -> list[dict]:
         """Run every (label, scenario); rows in task order. `progress(done, len(tasks))` after
         each. Raises SweepError naming the first failed task (in task order)."""
         if not tasks:
             return []
         if self.ray_address is not None:
+            if self._remote is None:
+                self._start_ray()
             results = self._run_ray([sc for _, sc in tasks], progress)
         elif self.workers == 1 or len(tasks) == 1:
             results = []
@@ -288,9 +288,12 @@ class Runner:
                 ctx = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
         index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
-        return _collect(index, len(scenarios), progress,
-                        lambda pending: wait(pending, return_when=FIRST_COMPLETED)[0],
-                        lambda fut: fut.result())
+        try:
+            return _collect(index, len(scenarios), progress,
+                            lambda pending: wait(pending, return_when=FIRST_COMPLETED)[0],
+                            lambda fut: fut.result())
+        except BrokenProcessPool as e:  # a worker killed (out of memory) or unable to start
+            raise SweepError(f"--workers {self.workers}: a worker process died: {e}") from None
 
     def _start_ray(self) -> None:
         try:
@@ -344,6 +347,7 @@ class Table:
 
     columns: list[str]
     rows: list[dict[str, Any]]
+    key_columns: list[str]  # the leading columns that say which run a row is
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -397,11 +401,13 @@ def run_sweep(p: Plan, runner: Runner, progress: Progress | None = None) -> Tabl
     tasks, keys = [], []
     for point in p.points:
         for seed in p.seeds if p.seeds is not None else [point.scenario.seed]:
-            tasks.append((f"{point.label}, seed={seed}", variant(point.scenario, seed=seed)))
+            tasks.append((point.label(seed=seed), variant(point.scenario, seed=seed)))
             keys.append({**point.values, "seed": seed})
     rows = runner.run(tasks, progress)
-    columns = [a.key for a in p.axes] + ["seed"] + [c for c, _ in METRICS] + ["wall_s"]
-    return Table(columns, [{**k, **r} for k, r in zip(keys, rows)])
+    key_columns = [a.key for a in p.axes]
+    key_columns += [] if "seed" in key_columns else ["seed"]  # a grid may sweep seed itself
+    columns = key_columns + [c for c, _ in METRICS] + ["wall_s"]
+    return Table(columns, [{**k, **r} for k, r in zip(keys, rows)], key_columns)
 
 
 @dataclass
@@ -466,7 +472,7 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
     for point in p.points:
         sc = point.scenario
         if not (sc.slo.ttft_ms or sc.slo.tpot_ms or sc.slo.e2e_ms):
-            raise ScenarioError(f"{point.label}: --find-max-rate needs an SLO "
+            raise ScenarioError(f"{sc.source}: [slo]: --find-max-rate needs an SLO "
                                 "(--slo ttft_ms=...,tpot_ms=... or [slo] in the scenario)")
         if sc.workload.arrival == "trace":
             raise ScenarioError(f"{sc.source}: workload.arrival = \"trace\": --find-max-rate "
@@ -481,7 +487,7 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
         tasks = []
         for _, pt, rate in probes:
             for seed in p.seeds if p.seeds is not None else [pt.scenario.seed]:
-                tasks.append((f"{pt.label}, workload.rate={rate}, seed={seed}",
+                tasks.append((pt.label(**{"workload.rate": rate, "seed": seed}),
                               variant(pt.scenario, seed=seed, rate=rate)))
         per_probe = len(tasks) // len(probes)
         later = per_probe * sum(s.probes_left() for s in searches) - len(tasks)
@@ -491,15 +497,15 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
         for i, (search, _, rate) in enumerate(probes):
             got = rows[i * per_probe:(i + 1) * per_probe]
             search.record(rate, sum(r["slo_attainment"] or 0.0 for r in got) / len(got))
-    columns = [a.key for a in p.axes] + ["seeds", "max_rate", "attainment", "fail_rate",
-                                         "fail_attainment", "probes"]
+    key_columns = [a.key for a in p.axes] + ["seeds"]
+    columns = key_columns + ["max_rate", "attainment", "fail_rate", "fail_attainment", "probes"]
     out = []
     for pt, s in zip(p.points, searches):
         out.append({**pt.values, "seeds": len(p.seeds) if p.seeds is not None else 1,
                     "max_rate": s.passed and s.passed[0], "attainment": s.passed and s.passed[1],
                     "fail_rate": s.failed and s.failed[0],
                     "fail_attainment": s.failed and s.failed[1], "probes": s.probes})
-    return Table(columns, out)
+    return Table(columns, out, key_columns)
 
 
 # --- progress ------------------------------------------------------------------------------------
@@ -539,4 +545,5 @@ class ProgressBar:
 
 def _clock(s: float) -> str:
     s = int(round(s))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"

@@ -4,6 +4,7 @@
 - `bench log`: session-log size per output token and the time to write and to replay-verify it.
 - `bench tui`: the dashboard driven headless; frames drawn, frame times, engine steps per second.
 - `bench kernel`: NumPy paged decode attention against a dense contiguous computation.
+- `bench sweep`: a 16-point sweep of `chat` with 1 and with 2 local workers, and the speed-up.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
     s.add_argument("--repeat", type=int, default=5)
+    s = sub.add_parser("sweep", help="a 16-point sweep with 1 and with 2 local workers")
+    s.add_argument("--duration", type=float, default=300.0,
+                   help="simulated seconds of arrivals per point (default 300)")
+    s.add_argument("--json", action="store_true")
 
 
 def _machine() -> str:
@@ -160,11 +165,49 @@ def bench_kernel(args) -> list:
     return kernel_bench(repeat=args.repeat)
 
 
+# 4 rates x 4 block sizes: points of about 0.2-1.2 s each on the development machine.
+SWEEP_GRID = ["workload.rate=4,6,8,10", "kv.block_size=8,16,32,64"]
+
+
+def bench_sweep(args) -> dict:
+    from sim import sweep
+
+    p = sweep.plan("chat", sweep.parse_grid(SWEEP_GRID),
+                   overrides=[f"workload.duration_s={args.duration}"])
+    walls, tables = {}, {}
+    for workers in (1, 2):
+        t0 = time.perf_counter()
+        with sweep.Runner(workers) as runner:
+            tables[workers] = sweep.run_sweep(p, runner)
+        walls[workers] = time.perf_counter() - t0
+    same = [[r[c] for c in tables[1].columns if c != "wall_s"] for r in tables[1].rows] == \
+        [[r[c] for c in tables[2].columns if c != "wall_s"] for r in tables[2].rows]
+    return {
+        "machine": _machine(), "points": len(p.points), "grid": SWEEP_GRID,
+        "duration_s": args.duration, "run_s_sum": sum(r["wall_s"] for r in tables[1].rows),
+        "wall_s_1_worker": walls[1], "wall_s_2_workers": walls[2],
+        "speedup": walls[1] / walls[2], "identical": same,
+    }
+
+
+def text_sweep(r: dict) -> str:
+    return "\n".join([
+        f"bench sweep: chat, {' x '.join(r['grid'])} ({r['points']} points, "
+        f"{r['duration_s']:g} s of arrivals each) on {r['machine']}",
+        f"  runs, summed         {r['run_s_sum']:.2f} s",
+        f"  1 worker             {r['wall_s_1_worker']:.2f} s wall",
+        f"  2 workers            {r['wall_s_2_workers']:.2f} s wall "
+        f"(speed-up {r['speedup']:.2f} x)",
+        f"  rows                 {'identical' if r['identical'] else 'DIFFER'} (wall_s aside)",
+    ])
+
+
 BENCHES = {
     "sim": (bench_sim, text_sim),
     "log": (bench_log, text_log),
     "tui": (bench_tui, text_tui),
     "kernel": (bench_kernel, text_kernel),
+    "sweep": (bench_sweep, text_sweep),
 }
 
 

@@ -243,6 +243,44 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from pathlib import Path
+
+    from sim import sweep
+    from sim.fileio import write_atomic
+
+    if args.seeds is not None and args.seeds < 1:
+        raise ScenarioError(f"--seeds {args.seeds}: must be at least 1")
+    if args.seeds is not None and args.seed is not None:
+        raise ScenarioError("--seed and --seeds: give one (--seeds K runs seeds 0..K-1)")
+    overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
+    if args.slo:
+        overrides += sweep.slo_overrides(args.slo)
+    if args.output and not Path(args.output).expanduser().resolve().parent.is_dir():
+        raise ServesimError(f"{args.output}: cannot write: no such directory")  # before, not after
+    seeds = list(range(args.seeds)) if args.seeds is not None else None
+    plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
+                      overrides=overrides)
+    bar = sweep.ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
+    try:
+        with sweep.Runner(args.workers, args.ray) as runner:
+            if args.find_max_rate:
+                table = sweep.find_max_rate(plan, runner, target=args.attainment,
+                                            tolerance=args.tolerance, progress=bar)
+            else:
+                table = sweep.run_sweep(plan, runner, progress=bar)
+    finally:
+        if bar:
+            bar.close()
+    if args.output:
+        write_atomic(args.output, table.to_csv())
+    elif args.find_max_rate:
+        print(table.to_text())
+    else:
+        print(table.to_text(table.key_columns + sweep.TEXT_METRICS))
+    return 0
+
+
 def cmd_bench(args) -> int:
     from tui import bench
 
@@ -295,6 +333,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("scenarios", help="list the bundled scenarios")
     s.set_defaults(func=cmd_scenarios)
+
+    s = sub.add_parser("sweep", help="run a scenario over a grid of overrides and seeds")
+    _add_scenario_args(s)
+    s.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="a grid axis: a scenario field (as --set names it) and its values "
+                        "(repeatable; the grid is their product)")
+    s.add_argument("--seeds", type=int, metavar="K", help="run seeds 0..K-1 at every point")
+    s.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..,e2e_ms=..",
+                   help="replace the [slo] section at every point")
+    s.add_argument("-o", "--output", metavar="FILE", help="write a CSV row per point and seed")
+    s.add_argument("--workers", type=int, metavar="N",
+                   help="local worker processes (default: the CPU count)")
+    s.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
+                   help="run on Ray: a local instance, or the cluster at ADDRESS")
+    s.add_argument("--find-max-rate", action="store_true",
+                   help="per point, the highest workload.rate meeting the SLOs")
+    s.add_argument("--attainment", type=float, default=0.9,
+                   help="share of requests that must meet the SLOs (default 0.9)")
+    s.add_argument("--tolerance", type=float, default=0.05,
+                   help="relative precision of the rate search (default 0.05)")
+    s.add_argument("--progress", action="store_true",
+                   help="draw the progress bar even when stderr is not a terminal")
+    s.set_defaults(func=cmd_sweep)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")
     from tui import bench
