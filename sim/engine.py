@@ -102,10 +102,14 @@ class Engine:
                  skip_ahead: bool = True, clock: str | None = None) -> None:
         self.scenario = scenario
         self.cost = CostModel(scenario)
+        self.workload = workload if workload is not None else build_workload(scenario)
         self.kv = KVCacheManager(
             scenario.kv.num_blocks, scenario.kv.block_size,
             num_host_blocks=(self.cost.num_host_blocks()
-                             if scenario.scheduler.preemption == "swap" else 0))
+                             if scenario.scheduler.preemption == "swap" else 0),
+            prefix_caching=scenario.kv.enable_prefix_caching,
+            hash_block_size=self.workload.hash_block_size)
+        self.prefix_caching = scenario.kv.enable_prefix_caching
         self.preemption = scenario.scheduler.preemption
         self._swap_out: list[tuple[int, int]] = []  # block moves of the coming step
         self._swap_in: list[tuple[int, int]] = []
@@ -115,7 +119,6 @@ class Engine:
         self.skip_ahead = skip_ahead
         self.record_events = record_events
         self.events: list[ev.Event] = []
-        self.workload = workload if workload is not None else build_workload(scenario)
         w = self.workload
         # Python lists: scalar reads in the hot loop are several times faster than from arrays.
         self._w_arrival = w.arrival.tolist()
@@ -123,6 +126,7 @@ class Engine:
         self._w_output = w.output.tolist()
         self._w_priority = w.priority.tolist()
         self._w_cancel = w.cancel_at.tolist()
+        self._w_group = w.prefix_group.tolist() if w.prefix_group is not None else None
         self._w_next = 0
         self._next_id = len(w)
         self._cancels: list[tuple[float, int]] = []
@@ -278,17 +282,12 @@ class Engine:
         """A cheap copy of the engine's state for a screen (about 1 ms for 500 queued)."""
         nb = self.kv.num_blocks
         owner = np.full(nb, -1, dtype=np.int64)
-        slots = 0
         running = self.policy.running
         for r in running:
             if r.block_table:
                 owner[r.block_table] = r.req_id
-            slots += r.num_computed_tokens
-        for r in self.policy.waiting:
-            if r.block_table:  # a request holding blocks while queued (swapped, chunked)
-                owner[r.block_table] = r.req_id
-                slots += r.num_computed_tokens
         pool = self.kv.pool
+        slots = pool.num_used * self.block_size - self._empty_slots()
         refs = np.asarray(pool.ref_cnt, dtype=np.int32)
         return EngineSnapshot(
             now=self.now, step=self.step_count, policy=self.policy.name, done=self.done,
@@ -367,6 +366,8 @@ class Engine:
                           priority=self._w_priority[i],
                           hash_ids=self.workload.hash_ids[i] if self.workload.hash_ids else None,
                           cancel_at=None if c != c else c)
+            if self._w_group is not None:
+                req.shared_prefix = (self._w_group[i], self.workload.prefix_tokens)
             self._on_arrival(req)
         while self._cancels and self._cancels[0][0] <= now:
             _, rid = heapq.heappop(self._cancels)
@@ -437,6 +438,8 @@ class Engine:
         resumed = req.state is not RS.WAITING
         if req.state is RS.SWAPPED:  # allocate_slots gave it device blocks: copy back
             self._swap_in.extend(self.kv.swap_in(req))
+        elif self.prefix_caching:  # its prompt (and outputs, re-prefilling) was looked up
+            self.kv.query_tokens += req.num_tokens
         req.transition(RS.RUNNING)
         if req.admitted_time is None:
             req.admitted_time = self.now
@@ -505,10 +508,13 @@ class Engine:
         sampled = itl = 0
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
+        caching = self.prefix_caching
         for req, n in sched:
             c = req.num_computed_tokens
             total = req.num_tokens
             req.num_computed_tokens = c + n
+            if caching:
+                self.kv.cache_full_blocks(req)
             if n > 1 or req.num_output_tokens == 0 or c + n < total or req.recomputing:
                 req.prefill_chunks.append((end, c, n))
                 prefill_chunks.append((req.req_id, c, n))
@@ -544,7 +550,7 @@ class Engine:
             if req.num_output_tokens >= req.max_output_tokens:
                 finished.append(req)
         self.timeline.add_row(end, dur, tokens, prefill_tokens, len(sched), sampled, itl,
-                              self.kv.num_used_blocks, energy, num_waiting)
+                              self.kv.num_used_blocks, self._empty_slots(), energy, num_waiting)
         self.now = end
         self.step_count += 1
         self.counts["output_tokens"] += sampled
@@ -599,9 +605,12 @@ class Engine:
         first_end = ends[0]
         itl0 = 0
         finished = []
+        caching = self.prefix_caching
         for r in reqs:
             r.num_computed_tokens += k
             r.num_output_tokens += k
+            if caching:
+                self.kv.cache_full_blocks(r)
             last = r.token_segments[-1]
             if last[0] + last[1] == g:
                 last[1] += k
@@ -613,17 +622,24 @@ class Engine:
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
         waiting = len(self.policy.waiting)
+        # Empty slots after step j: those at the end, plus the tokens of later steps, minus
+        # the slots of blocks allocated later.
+        empty_end = self._empty_slots()
         if k <= self.SCALAR_STEPS:
             add = self.timeline.add_row
+            used_end = kv_used[-1]
             for j in range(k):
-                add(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j], energy[j],
-                    waiting)
+                empty = empty_end + b * (k - 1 - j) - bs * (used_end - kv_used[j])
+                add(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j], empty,
+                    energy[j], waiting)
         else:
             itl = np.full(k, b, dtype=np.int64)
             itl[0] = itl0
+            used = np.asarray(kv_used, dtype=np.int64)
+            empty = empty_end + b * np.arange(k - 1, -1, -1) - bs * (used[-1] - used)
             self.timeline.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
-                                 sampled=b, itl_count=itl, kv_used=kv_used, energy=energy,
-                                 waiting=waiting)
+                                 sampled=b, itl_count=itl, kv_used=used, kv_empty=empty,
+                                 energy=energy, waiting=waiting)
         if self.record_events:
             self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
                                       tuple([r.req_id for r in reqs]), None, kv_used[-1]))
@@ -665,6 +681,15 @@ class Engine:
             m = 1 + int(np.searchsorted(e[: m - 1], t_ext, side="left"))
         return (np.concatenate((ends, e[:m])), np.concatenate((durs, d[:m])),
                 np.concatenate((ens, en[:m])))
+
+    def _empty_slots(self) -> int:
+        """Allocated slots holding no token, over every request holding device blocks.
+        (A shared block is full, so counting it once per sharer adds nothing.)"""
+        slots = tokens = 0
+        for r in self.policy.running:
+            slots += len(r.block_table)
+            tokens += r.num_computed_tokens
+        return slots * self.block_size - tokens
 
     def _build_work(self, sched) -> StepWork:
         seqs = []

@@ -15,6 +15,8 @@ from collections import deque
 from itertools import repeat
 from typing import Iterable
 
+import numpy as np
+
 from sim.errors import ScenarioError
 
 _consume = deque(maxlen=0).extend  # run an iterator for its side effects, in C
@@ -131,6 +133,23 @@ class BlockPool:
                 raise AssertionError(f"block {b} freed twice")
         self.num_free += p - start
 
+    def enable_sharing(self) -> None:
+        """Switch a pool made without sharing to the mode that tracks queue positions."""
+        if self.sharing:
+            return
+        pos, base = self._pos, self._base
+        for i, b in enumerate(self._queue[self._head:], self._head):
+            pos[b] = base + i
+        self.sharing = True
+
+    def free_runs(self):
+        """(start, length) of every run of consecutive free blocks, as two NumPy arrays."""
+        free = np.zeros(self.num_blocks + 2, dtype=np.int8)
+        free[1:-1] = np.asarray(self.ref_cnt, dtype=np.int64) == 0
+        d = np.diff(free)
+        starts = np.flatnonzero(d == 1)
+        return starts, np.flatnonzero(d == -1) - starts
+
     def share(self, b: int) -> None:
         """Take one more reference to block `b`, pulling it out of the free queue if needed."""
         if not self.sharing:
@@ -172,9 +191,15 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, sharing: bool = False,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, prefix_caching: bool = False,
+                 hash_block_size: int = 512) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, sharing)
+        self.prefix_caching = prefix_caching
+        self.pool = BlockPool(num_blocks, sharing or prefix_caching)
+        self.hash_block_size = hash_block_size
+        self._chains: dict[tuple, int] = {}  # (parent chain id, hash id) -> chain id
+        self.hit_tokens = 0
+        self.query_tokens = 0
         # Host memory for preemption by swap; None when there is none.
         self.host = BlockPool(num_host_blocks) if num_host_blocks > 0 else None
 
@@ -195,11 +220,16 @@ class KVCacheManager:
         total = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - len(req.block_table))
 
-    def allocate_slots(self, req, num_new_tokens: int, reserve: int = 0) -> bool:
+    def allocate_slots(self, req, num_new_tokens: int, reserve: int = 0,
+                       prefix: list[int] | None = None) -> bool:
         """Grow `req.block_table` to hold `num_new_tokens` more tokens.
 
-        Returns False, allocating nothing, if that would leave fewer than `reserve` blocks free.
+        `prefix` (from `match_prefix`, for a request with nothing computed) are cached blocks
+        that become the start of its table, their tokens counted as computed. Returns False,
+        changing nothing, if that would leave fewer than `reserve` blocks free.
         """
+        if prefix:
+            return self._allocate_with_prefix(req, num_new_tokens, reserve, prefix)
         need = (-(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
                 - len(req.block_table))
         if need <= 0:
@@ -209,15 +239,122 @@ class KVCacheManager:
         req.block_table.extend(self.pool.allocate(need))
         return True
 
+    def _allocate_with_prefix(self, req, n: int, reserve: int, prefix: list[int]) -> bool:
+        pool = self.pool
+        cached = len(prefix) * self.block_size
+        need = blocks_for(cached + n, self.block_size) - len(prefix)
+        # Hit blocks that sit free in the cache stop being free when taken.
+        taken_free = sum(1 for b in prefix if pool.ref_cnt[b] == 0)
+        if need + reserve > pool.num_free - taken_free:
+            return False
+        for b in prefix:
+            pool.share(b)
+        req.block_table = list(prefix)
+        req.block_table.extend(pool.allocate(need))
+        req.num_computed_tokens = cached
+        req.num_cached_tokens += cached
+        req.cached_upto = len(prefix)
+        self.hit_tokens += cached
+        return True
+
+    # --- prefix cache ------------------------------------------------------------------------
+    def block_key(self, req, j: int, chains: list[int] | None = None):
+        """The content key of full block `j` of `req`: equal keys mean equal tokens in this
+        block and every block before it (what vLLM's chained block hash stands for).
+        `chains` are the request's `hash_chains()`, when already at hand."""
+        bs = self.block_size
+        end = (j + 1) * bs
+        if end <= req.prompt_len:
+            text = req.prompt_text
+            if text is not None:
+                if end <= len(text):
+                    return ("t", text[:end])
+            else:
+                sp = req.shared_prefix
+                if sp is not None and end <= sp[1]:
+                    return ("s", sp[0], j)
+                h = req.hash_ids
+                if h:
+                    seg = (end - 1) // self.hash_block_size
+                    if seg < len(h):
+                        if chains is None:
+                            chains = self.hash_chains(h)
+                        return ("h", chains[seg], j)
+        return ("u", req.req_id, j)
+
+    def hash_chains(self, h: tuple) -> list[int]:
+        """An id per prefix h[0..s] of a request's 512-token hash blocks: equal ids, equal
+        prefixes."""
+        table = self._chains
+        out, cid = [], -1
+        for x in h:
+            k = (cid, x)
+            cid = table.get(k)
+            if cid is None:
+                cid = table[k] = len(table)
+            out.append(cid)
+        return out
+
+    def match_prefix(self, req) -> list[int]:
+        """Cached blocks holding the longest prefix of `req`'s tokens (none when caching is off
+        or the request already has tokens computed). Leaves at least one token to compute, so
+        the step that completes the prompt can sample. Takes nothing yet."""
+        if not self.prefix_caching or req.num_computed_tokens:
+            return []
+        bs = self.block_size
+        keys = req.block_keys
+        if keys is None:
+            chains = self.hash_chains(req.hash_ids) if req.hash_ids else None
+            keys = req.block_keys = [self.block_key(req, j, chains)
+                                     for j in range((req.prompt_len - 1) // bs)]
+        cached = self.pool.cached
+        hits = []
+        # Past the prompt (a request re-prefilling after preemption), its own output blocks.
+        for j in range((req.num_tokens - 1) // bs):
+            b = cached.get(keys[j] if j < len(keys) else self.block_key(req, j))
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def cache_full_blocks(self, req) -> None:
+        """Register `req`'s newly filled blocks in the prefix cache."""
+        full = req.num_computed_tokens // self.block_size
+        j = req.cached_upto
+        if j >= full:
+            return
+        keys, table, set_hash = req.block_keys, req.block_table, self.pool.set_hash
+        for j in range(j, full):
+            set_hash(table[j], keys[j] if keys is not None and j < len(keys)
+                     else self.block_key(req, j))
+        req.cached_upto = full
+
     def free(self, req) -> None:
         """Release every block `req` holds, on the device (tail first) and on the host, and
-        empty its tables."""
+        empty its tables. Cached blocks stay in the cache until evicted."""
+        req.cached_upto = 0
         if req.block_table:
             self.pool.free(reversed(req.block_table))
             req.block_table = []
         if req.host_table:
             self.host.free(req.host_table)
             req.host_table = []
+
+    def reserve_contiguous(self, req, num_tokens: int) -> bool:
+        """Give `req` (holding nothing) a run of consecutive blocks for `num_tokens` tokens,
+        first fit, as systems before PagedAttention did. Returns False when no run is long
+        enough, however many blocks are free in total (external fragmentation)."""
+        n = blocks_for(num_tokens, self.block_size)
+        starts, lengths = self.pool.free_runs()
+        fit = np.flatnonzero(lengths >= n)
+        if not len(fit):
+            return False
+        self.pool.enable_sharing()
+        first = int(starts[fit[0]])
+        for b in range(first, first + n):
+            self.pool.share(b)
+        req.block_table = list(range(first, first + n))
+        return True
 
     def swap_out(self, req) -> list[tuple[int, int]] | None:
         """Move `req`'s blocks to host memory. Returns the (device, host) block pairs to copy,
@@ -227,6 +364,7 @@ class KVCacheManager:
             return None
         host = self.host.allocate(n)
         pairs = list(zip(req.block_table, host))
+        req.cached_upto = 0  # back on other device blocks, registered again as they fill
         self.pool.free(reversed(req.block_table))
         req.block_table = []
         req.host_table = host

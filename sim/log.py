@@ -117,7 +117,13 @@ def _workload_header(w) -> dict:
         "cancel_at": np.ascontiguousarray(w.cancel_at, np.float64).tobytes(),
         "hash_ids": None if w.hash_ids is None else [list(h) for h in w.hash_ids],
         "hash_block_size": w.hash_block_size,
+        "prefix_group": None if w.prefix_group is None else _i64(w.prefix_group),
+        "prefix_tokens": w.prefix_tokens,
     }
+
+
+def _i64(a) -> bytes:
+    return np.ascontiguousarray(a, dtype="<i8").tobytes()
 
 
 def header_for(engine) -> dict:
@@ -190,6 +196,9 @@ class SessionLog:
             cancel_at=np.frombuffer(w["cancel_at"], np.float64).copy(),
             hash_ids=None if w["hash_ids"] is None else [tuple(h) for h in w["hash_ids"]],
             hash_block_size=w["hash_block_size"],
+            prefix_group=(None if w.get("prefix_group") is None
+                          else np.frombuffer(w["prefix_group"], "<i8").astype(np.int64)),
+            prefix_tokens=w.get("prefix_tokens", 0),
         )
 
 

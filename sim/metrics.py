@@ -130,10 +130,23 @@ def summarize(engine) -> dict:
             "peak_used_blocks": int(used.max()) if len(used) else 0,
             "mean_usage": float((used * dur).sum() / nb / duration) if duration > 0 else 0.0,
             "used_blocks_at_end": engine.kv.num_used_blocks,
+            # tokens held / slots reserved, averaged over time (PagedAttention paper, sec. 2.3)
+            "token_state_share": (
+                1.0 - float((tl.column("kv_empty") * dur).sum())
+                / float((used * dur).sum() * engine.block_size)
+                if float((used * dur).sum()) > 0 else None),
         },
         "batch": {"mean": float(tl.column("batch").mean()) if tl.n else 0.0,
                   "max": int(tl.column("batch").max()) if tl.n else 0},
         "preemptions": c["preemptions"],
+        "swaps": c["swaps"],
+        "prefix_cache": {
+            "enabled": engine.prefix_caching,
+            "hit_tokens": engine.kv.hit_tokens,
+            "query_tokens": engine.kv.query_tokens,
+            "hit_rate": (engine.kv.hit_tokens / engine.kv.query_tokens
+                         if engine.kv.query_tokens else 0.0),
+        },
         "output_tokens": out_tokens,
         "goodput_requests_per_s": per_s(int(ok.sum())),
         "slo_attainment": float(ok.mean()) if len(ok) else None,

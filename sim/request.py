@@ -63,7 +63,8 @@ class Request:
         "block_table", "admitted_time", "first_token_time", "last_token_time", "finish_time",
         "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
-        "predicted_output", "replica", "recomputing", "host_table",
+        "predicted_output", "replica", "recomputing", "host_table", "shared_prefix",
+        "cached_upto", "block_keys", "parent_id",
     )
 
     def __init__(
@@ -97,6 +98,10 @@ class Request:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.host_table: list[int] = []  # host swap blocks while SWAPPED
+        self.shared_prefix: tuple[int, int] | None = None  # (group, tokens) of a system prompt
+        self.cached_upto = 0  # full blocks of block_table registered in the prefix cache
+        self.block_keys: list | None = None  # prefix-cache keys of the full prompt blocks
+        self.parent_id: int | None = None  # parallel sampling: the request this sample forks
         self.admitted_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -81,6 +81,7 @@ class KVConfig:
     gpu_memory_utilization: float = _f(0.9, gt=0, max=1)
     reserve_gb: float = _f(1.0, min=0, doc="activations and workspace kept out of the KV pool")
     swap_space_gb: float = _f(4.0, min=0, doc="host memory per GPU for swapped-out blocks")
+    enable_prefix_caching: bool = _f(False, doc="share cached full blocks between requests")
 
 
 @dataclass
@@ -94,6 +95,10 @@ class SchedulerConfig:
     sjf_key: str = _f("prompt", choices=["prompt", "total"],
                       doc="sjf: job size is the prompt, or prompt plus output")
     sjf_aging_s: float = _f(10.0, gt=0, doc="sjf: a request waiting this long goes first")
+    lpm_max_queue: int = _f(128, min=1, doc="lpm: past this queue length, fall back to FCFS")
+    reserve_output_tokens: int = _f(2048, min=1,
+                                    doc="contiguous: output slots reserved per request "
+                                        "(its maximum output if larger)")
 
 
 @dataclass
@@ -110,6 +115,8 @@ class WorkloadConfig:
     cancel_fraction: float = _f(0.0, min=0, max=1)
     cancel_after_s: Any = _f(5.0, kind="dist", doc="client cancels this long after arrival")
     priority: Any = _f(0, kind="dist")
+    shared_prefix_tokens: int = _f(0, min=0, doc="synthetic: length of a shared system prompt")
+    shared_prefix_groups: int = _f(1, min=1, doc="synthetic: how many distinct system prompts")
 
 
 @dataclass
@@ -448,3 +455,30 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
             f"{src}: kv.num_blocks = {num_blocks}: no request could ever fit (the smallest "
             f"needs {-(-smallest // sc.kv.block_size)} blocks of {sc.kv.block_size} tokens)"
         )
+
+
+def schema_markdown() -> str:
+    """The scenario reference as Markdown tables, one per section (the README embeds it)."""
+    out = []
+    for name, cls in SECTIONS.items():
+        out += ["", f"`[{name}]`", "", "| field | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            notes = [m.get("doc", "")]
+            if m.get("choices"):
+                notes.append("one of " + ", ".join(f"`{c!r}`" if c != "" else '`""`'
+                                                    for c in m["choices"]))
+            if m.get("kind") == "policy":
+                notes.append("a policy name")
+            if m.get("kind") == "dist":
+                notes.append("a number or a distribution table")
+            for key, word in (("min", ">="), ("gt", ">"), ("max", "<=")):
+                if m.get(key) is not None:
+                    notes.append(f"{word} {m[key]}")
+            if m.get("pow2"):
+                notes.append("a power of two")
+            shown = {True: "true", False: "false"}.get(d, d) if isinstance(d, bool) else repr(d)
+            text = "; ".join(x for x in notes if x).replace("'", '"')
+            out.append(f"| `{f.name}` | `{str(shown).replace(chr(39), chr(34))}` | {text} |")
+    return "\n".join(out) + "\n"

@@ -20,6 +20,7 @@ COLUMNS = {
     "sampled": np.int32,       # tokens sampled (first tokens + decodes)
     "itl_count": np.int32,     # sampled tokens whose previous token came from the step before
     "kv_used": np.int32,       # blocks in use at the end of the step
+    "kv_empty": np.int64,      # slots of those blocks holding no token (fragmentation)
     "energy": np.float64,      # joules spent in the step
     "waiting": np.int32,       # queue length when the step was scheduled
 }

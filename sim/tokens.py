@@ -2,14 +2,16 @@
 
 A request's prompt is the bytes typed by a user (byte-level vocabulary), or tokens drawn from the
 scenario seed. Requests from a trace with `hash_ids` (Mooncake) get one block of tokens per hash
-id, so equal ids give equal token prefixes, exactly what prefix caching needs to find.
+id, so equal ids give equal token prefixes, exactly what prefix caching needs to find; requests
+of a synthetic workload with a shared system prompt start with their group's prompt tokens.
+These are the equalities `KVCacheManager.block_key` relies on.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_PROMPT_STREAM, _HASH_STREAM = 101, 102
+_PROMPT_STREAM, _HASH_STREAM, _SYSTEM_STREAM = 101, 102, 103
 
 
 def prompt_token_ids(seed: int, req, vocab_size: int, hash_block_size: int = 512) -> np.ndarray:
@@ -19,6 +21,11 @@ def prompt_token_ids(seed: int, req, vocab_size: int, hash_block_size: int = 512
         ids = np.frombuffer(req.prompt_text, dtype=np.uint8).astype(np.int32) % vocab_size
         return ids[:n] if len(ids) >= n else np.resize(ids, n)
     parts, have = [], 0
+    if req.shared_prefix is not None:
+        group, shared = req.shared_prefix
+        rng = np.random.default_rng([seed, _SYSTEM_STREAM, group])
+        parts.append(rng.integers(0, vocab_size, size=shared, dtype=np.int32))
+        have = shared
     for h in req.hash_ids or ():
         if have >= n:
             break

@@ -23,7 +23,7 @@ import numpy as np
 from sim.errors import ScenarioError, TraceError
 
 # Seed-stream ids: one per kind of draw.
-_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS = range(7)
+_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX = range(8)
 
 
 @dataclass
@@ -49,6 +49,10 @@ class Workload:
     cancel_at: np.ndarray    # float64 seconds, NaN = never
     hash_ids: list[tuple[int, ...]] | None = None
     hash_block_size: int = 512
+    # Synthetic shared system prompts: request i starts with the `prefix_tokens` tokens of
+    # system prompt `prefix_group[i]` (-1: none).
+    prefix_group: np.ndarray | None = None
+    prefix_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -324,6 +328,13 @@ def build_workload(scenario) -> Workload:
         chosen = _rng(seed, _CANCEL).random(n) < w.cancel_fraction
         delay = sample(scenario, "cancel_after_s", n, _rng(seed, _CANCEL_DELAY), integer=False)
         cancel_at[chosen] = arrival[chosen] + np.maximum(delay[chosen], 0.0)
+    group, shared = None, 0
+    if w.shared_prefix_tokens and n:
+        shared = w.shared_prefix_tokens
+        group = _rng(seed, _PREFIX).integers(0, w.shared_prefix_groups, size=n)
+        # the system prompt comes before the request's own tokens
+        prompt = prompt + shared
     return Workload(arrival=arrival.astype(np.float64), prompt=prompt.astype(np.int64),
                     output=output.astype(np.int64), priority=priority.astype(np.int64),
-                    cancel_at=cancel_at, hash_ids=hashes, hash_block_size=hash_block)
+                    cancel_at=cancel_at, hash_ids=hashes, hash_block_size=hash_block,
+                    prefix_group=group, prefix_tokens=shared)

@@ -90,6 +90,14 @@ class Policy:
         return float("inf")
 
     # --- helpers for subclasses -----------------------------------------------------------------
+    def plan_waiting(self, req: Request, budget: float) -> tuple[int, list[int]]:
+        """For a queued request: the tokens to compute within `budget` after the prefix the
+        cache already holds, and the cached blocks of that prefix (see `allocate_slots`)."""
+        hits = self.kv.match_prefix(req)
+        n = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
+        return min(n, budget), hits
+
+
     def pick_victim(self) -> Request:
         """The running request to preempt when blocks run short: the most recently admitted."""
         return self.running[-1]

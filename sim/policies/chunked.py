@@ -28,8 +28,8 @@ class ChunkedPolicy(Policy):
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            n, hits = self.plan_waiting(req, budget)
+            if not self.kv.allocate_slots(req, n, prefix=hits):
                 break
             self.take_waiting(req)
             self.running.append(req)

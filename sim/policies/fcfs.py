@@ -30,10 +30,10 @@ class FCFSPolicy(Policy):
         reserve = int(self.cfg.watermark * self.kv.num_blocks) if self.running else 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            n = req.num_tokens - req.num_computed_tokens
+            n, hits = self.plan_waiting(req, float("inf"))
             if n > budget and out.scheduled:
                 break
-            if not self.kv.allocate_slots(req, n, reserve=reserve):
+            if not self.kv.allocate_slots(req, n, reserve=reserve, prefix=hits):
                 break
             self.take_waiting(req)
             self.running.append(req)

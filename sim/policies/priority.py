@@ -54,8 +54,8 @@ class PriorityPolicy(ChunkedPolicy):
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            n, hits = self.plan_waiting(req, budget)
+            if not self.kv.allocate_slots(req, n, prefix=hits):
                 lower = [r for r in self.running if _key(r) > _key(req)
                          and r.priority > req.priority]
                 if not lower:

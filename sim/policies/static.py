@@ -27,8 +27,9 @@ class StaticPolicy(FCFSPolicy):
     def admit_batch(self, out: SchedulerOutput) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            if not self.kv.allocate_slots(req, req.num_tokens - req.num_computed_tokens):
+            n, hits = self.plan_waiting(req, float("inf"))
+            if not self.kv.allocate_slots(req, n, prefix=hits):
                 break
             self.take_waiting(req)
             self.running.append(req)
-            out.scheduled.append((req, req.num_tokens - req.num_computed_tokens))
+            out.scheduled.append((req, n))
