@@ -129,6 +129,11 @@ def _check_cache(k_cache, v_cache) -> None:
         raise ValueError(f"cache shape {k_cache.shape}: want [num_blocks, block_size, num_kv_heads, head_dim], head_dim in {HEAD_DIMS}")
 
 
+def _device(cp, a, dtype=None):
+    """`a` (host or device) as a C-contiguous device array of `dtype`."""
+    return cp.ascontiguousarray(cp.asarray(a, dtype=dtype))
+
+
 def _prepare_out(cp, out, q):
     if out is None:
         return cp.empty_like(q)
@@ -144,9 +149,7 @@ def _attention_inputs(cp, q, k_cache, v_cache, block_tables):
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if q.shape[2] != k_cache.shape[3] or num_heads % num_kv_heads:
         raise ValueError(f"q {q.shape} does not fit cache {k_cache.shape} (head_dim, or heads not a multiple of kv heads)")
-    q = cp.ascontiguousarray(q)
-    block_tables = cp.ascontiguousarray(block_tables, dtype=cp.int32)
-    return q, block_tables, storage_of(k_cache).name
+    return _device(cp, q), _device(cp, block_tables, cp.int32), storage_of(k_cache).name
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None,
@@ -158,7 +161,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     """
     cp = _cupy()
     q, block_tables, sname = _attention_inputs(cp, q, k_cache, v_cache, block_tables)
-    seq_lens = cp.ascontiguousarray(seq_lens, dtype=cp.int32)
+    seq_lens = _device(cp, seq_lens, cp.int32)
     out = _prepare_out(cp, out, q)
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -201,8 +204,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     """
     cp = _cupy()
     q, block_tables, sname = _attention_inputs(cp, q, k_cache, v_cache, block_tables)
-    cu_seqlens_q = cp.ascontiguousarray(cu_seqlens_q, dtype=cp.int32)
-    seq_lens = cp.ascontiguousarray(seq_lens, dtype=cp.int32)
+    cu_seqlens_q = _device(cp, cu_seqlens_q, cp.int32)
+    seq_lens = _device(cp, seq_lens, cp.int32)
     out = _prepare_out(cp, out, q)
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -233,9 +236,8 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"k/v {k.shape} {k.dtype} do not fit cache {k_cache.shape} {k_cache.dtype}")
     if num_tokens == 0:
         return
-    k = cp.ascontiguousarray(k)
-    v = cp.ascontiguousarray(v)
-    slot_mapping = cp.ascontiguousarray(slot_mapping, dtype=cp.int64)
+    k, v = _device(cp, k), _device(cp, v)
+    slot_mapping = _device(cp, slot_mapping, cp.int64)
     row_bytes = row * k.itemsize
     aligned = all(a.data.ptr % 16 == 0 for a in (k, v))
     word = next(w for w in WRITE_KV_WORDS if row_bytes % w == 0 and (w < 16 or aligned))

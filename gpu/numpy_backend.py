@@ -1,10 +1,12 @@
 """NumPy backend: paged attention and KV writes on the CPU, vectorised over the batch.
 
 Both attention kinds run through one routine, `_attend`, that walks the keys in tiles of whole
-blocks: it gathers one tile of K/V blocks for every sequence at once (a `take` along the block
-axis), scores it with one batched matmul, and folds it into an online softmax (running max,
-running sum, unnormalised output). A tile is a few MiB, so the gathered copy is still in cache
-when the matmuls read it; that is what keeps the paged layout close to a contiguous one.
+blocks: it gathers one tile of K/V blocks for every sequence at once (`np.take` along the block
+axis into reused buffers), scores it with one batched matmul, and folds it into an online
+softmax (running max, running sum, unnormalised output). Tiles are sized to stay in cache and,
+for decode, to keep each GEMM under OpenBLAS's threading threshold; large problems split the
+keys in two halves computed on two threads (np.take and matmul release the GIL) and merge the
+two softmax states. There is no Python loop over tokens or sequences, only over tiles.
 
 Accumulation is float32, or float64 when `q` is float64: the tiny model passes float64 queries so
 that the reduction order (tile boundaries follow the batch size) cannot move a result by more
