@@ -4,9 +4,9 @@ Both attention kinds run through one routine, `_attend`, that walks the keys in 
 blocks: it gathers one tile of K/V blocks for every sequence at once (`np.take` along the block
 axis into reused buffers), scores it with one batched matmul, and folds it into an online
 softmax (running max, running sum, unnormalised output). Tiles are sized to stay in cache and,
-for decode, to keep each GEMM under OpenBLAS's threading threshold; large problems split the
-keys in two halves computed on two threads (np.take and matmul release the GIL) and merge the
-two softmax states. There is no Python loop over tokens or sequences, only over tiles.
+for decode, to keep each GEMM under OpenBLAS's threading threshold. There is no Python loop
+over tokens or sequences, only over tiles. (A two-thread split of the keys was tried and
+dropped: on two cores it fought OpenBLAS's own threads and made timings erratic.)
 
 Accumulation is float32, or float64 when `q` is float64: the tiny model passes float64 queries so
 that the reduction order (tile boundaries follow the batch size) cannot move a result by more
@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 # Bytes of gathered K (per tile) to aim for: a fraction of this machine's L2/L3 cache.
 TILE_BYTES = 1 << 22
 # OpenBLAS runs a GEMM on one thread while m * n * k < 4 * 65536. Decode tiles stay under that
-# ([rows x head_dim] @ [head_dim x tokens]) so that each of the two threads below keeps to its
-# own core; a tile never gets fewer than MIN_TILE_TOKENS tokens though (long prefill chunks).
+# ([rows x head_dim] @ [head_dim x tokens]): waking BLAS threads for such small products costs
+# more than it gains. A tile never gets fewer than MIN_TILE_TOKENS tokens (long prefill chunks).
 BLAS_SINGLE_THREAD_WORK = 4 * 65536
 MIN_TILE_TOKENS = 256
-# Split the keys over two threads only when the K to read is at least this large.
-PARALLEL_BYTES = 1 << 20
 # Upper bound on one tile's score matrix, which matters for long prefill chunks.
 SCORE_BYTES = 8 << 20
 
@@ -52,16 +49,6 @@ class _Workspace(threading.local):
 
 
 _workspace = _Workspace()
-_helper: ThreadPoolExecutor | None = None
-
-
-def _helper_thread() -> ThreadPoolExecutor:
-    global _helper
-    if _helper is None:
-        _helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="servesim-gather")
-    return _helper
-
-
 def _accum_dtype(q: np.ndarray) -> np.dtype:
     return np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
 
@@ -86,23 +73,30 @@ def _take_blocks(cache, ids, buf):
     return tile.reshape(ids.shape[0], -1, *cache.shape[2:])
 
 
-def _attend_range(qg, row_pos, k_cache, v_cache, block_tables, seq_lens, b_lo, b_hi, tile_blocks):
-    """Online softmax of the query rows over logical blocks b_lo..b_hi-1, tile by tile.
+def _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
+    """Softmax attention of grouped query rows over each sequence's paged keys.
 
-    Returns the unnormalised state (m, l, o): running max [S, KVH, R, 1], running sum (same) and
-    output [S, KVH, R, D]. A row that sees no key in the range has m = -inf, l = 0, o = 0.
+    qg: [S, KVH, R, D] queries already multiplied by the scale, in the accumulation dtype.
+    row_pos: [S, R] the last key position each row may see (causal limit), < seq_lens[s].
+    Returns [S, KVH, R, D] in qg's dtype; a row that sees no key gives zeros.
     """
     num_seqs, num_kv_heads, rows, head_dim = qg.shape
     block_size = k_cache.shape[1]
+    key_end = int(row_pos.max()) + 1 if row_pos.size else 0
+    if key_end <= 0:
+        return np.zeros_like(qg)
     min_pos, min_len = int(row_pos.min()), int(seq_lens.min())
-    # Rows whose causal limit lies before this range see nothing in it: their max stays -inf,
-    # and is shifted by 0 rather than by inf - inf.
-    may_be_empty = min_pos < b_lo * block_size
+    num_blocks = -(-key_end // block_size)
+    col_bytes = num_seqs * block_size * num_kv_heads * head_dim * k_cache.itemsize
+    score_bytes = num_seqs * num_kv_heads * rows * block_size * qg.itemsize
+    max_tokens = max(MIN_TILE_TOKENS, (BLAS_SINGLE_THREAD_WORK - 1) // (rows * head_dim))
+    tile_blocks = min(num_blocks, max(1, min(TILE_BYTES // col_bytes, SCORE_BYTES // score_bytes,
+                                             max_tokens // block_size)))
     size = num_seqs * tile_blocks * block_size * num_kv_heads * head_dim
     k_buf = _workspace.get("k", size, k_cache.dtype)
     v_buf = _workspace.get("v", size, v_cache.dtype)
-    for b0 in range(b_lo, b_hi, tile_blocks):
-        ids = block_tables[:, b0:min(b0 + tile_blocks, b_hi)]
+    for b0 in range(0, num_blocks, tile_blocks):
+        ids = block_tables[:, b0:min(b0 + tile_blocks, num_blocks)]
         kt = _take_blocks(k_cache, ids, k_buf)
         vt = _take_blocks(v_cache, ids, v_buf)
         key_pos = np.arange(b0 * block_size, b0 * block_size + kt.shape[1])
@@ -117,56 +111,23 @@ def _attend_range(qg, row_pos, k_cache, v_cache, block_tables, seq_lens, b_lo, b
             visible = key_pos[None, None, :] <= row_pos[:, :, None]  # [S, R, tokens]
             np.copyto(s, -np.inf, where=~visible[:, None])
         tile_max = s.max(axis=-1, keepdims=True)
-        if b0 == b_lo:
+        if b0 == 0:
             m = tile_max
         else:
             m_prev, m = m, np.maximum(m, tile_max)
-        m_safe = np.where(np.isfinite(m), m, 0.0) if may_be_empty else m
+        # A row with no visible key yet (a sequence of length 0) keeps m = -inf: shift it by 0,
+        # not by inf - inf. Every other row sees key 0 in the first tile.
+        m_safe = np.where(np.isfinite(m), m, 0.0) if min_pos < 0 else m
         s -= m_safe
         np.exp(s, out=s)
         pv = np.matmul(s, vt.transpose(0, 2, 1, 3))
-        if b0 == b_lo:
+        if b0 == 0:
             l, o = s.sum(axis=-1, keepdims=True), pv
         else:
             corr = np.exp(m_prev - m_safe)
             l = l * corr + s.sum(axis=-1, keepdims=True)
             o = o * corr + pv
-    return m, l, o
-
-
-def _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
-    """Softmax attention of grouped query rows over each sequence's paged keys.
-
-    qg: [S, KVH, R, D] queries already multiplied by the scale, in the accumulation dtype.
-    row_pos: [S, R] the last key position each row may see (causal limit), < seq_lens[s].
-    Returns [S, KVH, R, D] in qg's dtype; a row that sees no key gives zeros.
-    """
-    num_seqs, num_kv_heads, rows, head_dim = qg.shape
-    block_size = k_cache.shape[1]
-    key_end = int(row_pos.max()) + 1 if row_pos.size else 0
-    if key_end <= 0:
-        return np.zeros_like(qg)
-    num_blocks = -(-key_end // block_size)
-    col_bytes = num_seqs * block_size * num_kv_heads * head_dim * k_cache.itemsize
-    score_bytes = num_seqs * num_kv_heads * rows * block_size * qg.itemsize
-    max_tokens = max(MIN_TILE_TOKENS, (BLAS_SINGLE_THREAD_WORK - 1) // (rows * head_dim))
-    tile_blocks = min(num_blocks, max(1, min(TILE_BYTES // col_bytes, SCORE_BYTES // score_bytes,
-                                             max_tokens // block_size)))
-    args = (qg, row_pos, k_cache, v_cache, block_tables, seq_lens)
-    if num_blocks >= 2 and num_blocks * col_bytes >= PARALLEL_BYTES:
-        # Split the keys in two halves, one per core, and merge the two softmax states: one
-        # hand-off per call, and np.take / matmul run without the GIL on both threads.
-        mid = -(-num_blocks // 2)
-        other = _helper_thread().submit(_attend_range, *args, mid, num_blocks, tile_blocks)
-        m0, l0, o0 = _attend_range(*args, 0, mid, tile_blocks)
-        m1, l1, o1 = other.result()
-        m = np.maximum(m0, m1)
-        m_safe = np.where(np.isfinite(m), m, 0.0)
-        c0, c1 = np.exp(m0 - m_safe), np.exp(m1 - m_safe)
-        l, o = l0 * c0 + l1 * c1, o0 * c0 + o1 * c1
-    else:
-        _, l, o = _attend_range(*args, 0, num_blocks, tile_blocks)
-    if row_pos.min() < 0:  # a sequence of length 0: no key at all
+    if min_pos < 0:
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(l > 0, o / l, 0.0).astype(qg.dtype, copy=False)
     o /= l

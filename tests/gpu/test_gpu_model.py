@@ -36,7 +36,7 @@ def test_projections_are_exact_whatever_the_batch(rows, seed):
 @given(seed=st.integers(0, 2**32 - 1), length=st.integers(1, 300))
 def test_attention_paths_agree_exactly_after_rounding(seed, length):
     # The same query at the same position, through the decode kernel alone, the decode kernel in
-    # a ragged batch with small tiles and two threads, and the prefill kernel: float64
+    # a ragged batch with small tiles, and the prefill kernel: float64
     # accumulation then rounding to the activation grid leaves no trace of the path taken.
     rng = np.random.default_rng(seed)
     batch = random_paged_batch(rng, [length, 7, 290, 33], block_size=16, num_kv_heads=2, head_dim=32)
@@ -46,12 +46,12 @@ def test_attention_paths_agree_exactly_after_rounding(seed, length):
     q = grid(rng.standard_normal((4, 4, 32)))
     args = (batch.k_cache, batch.v_cache, batch.block_tables)
     alone = gpu.paged_decode_attention(q[:1], *args[:2], batch.block_tables[:1], batch.seq_lens[:1])
-    saved = numpy_backend.TILE_BYTES, numpy_backend.PARALLEL_BYTES
-    numpy_backend.TILE_BYTES, numpy_backend.PARALLEL_BYTES = 1 << 12, 0
+    saved = numpy_backend.TILE_BYTES
+    numpy_backend.TILE_BYTES = 1 << 12
     try:
         batched = gpu.paged_decode_attention(q, *args, batch.seq_lens)[:1]
     finally:
-        numpy_backend.TILE_BYTES, numpy_backend.PARALLEL_BYTES = saved
+        numpy_backend.TILE_BYTES = saved
     q_rows = np.repeat(q[:1], length, axis=0)  # prefill: the chunk is the whole sequence
     prefill = gpu.paged_prefill_attention(q_rows, *args[:2], batch.block_tables[:1],
                                           np.array([0, length], dtype=np.int32), batch.seq_lens[:1])[-1:]

@@ -31,8 +31,8 @@ def shapes(draw):
     }
 
 
-# Small tiles and a zero threshold force the multi-tile online softmax and the two-thread split.
-TILINGS = {"one_tile": {}, "many_tiles_threaded": {"TILE_BYTES": 1 << 12, "PARALLEL_BYTES": 0}}
+# Small tiles force the multi-tile online softmax.
+TILINGS = {"one_tile": {}, "many_tiles": {"TILE_BYTES": 1 << 12}}
 
 
 @pytest.fixture(params=sorted(TILINGS))
