@@ -47,7 +47,7 @@ class EngineDriver:
         self.target = engine.now
         self.error: str | None = None
         self.steps = 0
-        self._max_steps = 64
+        self._max_steps = 1  # grows while slices stay short (a real-compute step can be slow)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -62,15 +62,18 @@ class EngineDriver:
         """Simulated seconds the engine's clock is behind the target."""
         return 0.0 if self.paused else max(0.0, self.target - self.engine.now)
 
-    # --- control (each takes the lock) ---------------------------------------------------------
+    # --- control ---------------------------------------------------------------------------
+    # Pause and speed set fields the worker reads between slices, so they need not wait long for
+    # the lock (which a slow real-compute step can hold for seconds).
     def set_paused(self, paused: bool) -> None:
-        with self.lock:
-            self.paused = paused
+        self.paused = paused  # the worker starts no further slice
+        # Let a slice in progress end, so that a paused clock stays where it is shown.
+        if self.lock.acquire(timeout=0.1):
             self.target = self.engine.now
+            self.lock.release()
 
     def set_speed(self, speed: float) -> None:
-        with self.lock:
-            self.speed = min(MAX_SPEED, max(MIN_SPEED, speed))
+        self.speed = min(MAX_SPEED, max(MIN_SPEED, speed))
 
     def step(self) -> int:
         """One engine step (the clock then stays there: call while paused)."""
@@ -88,10 +91,12 @@ class EngineDriver:
         self._thread = threading.Thread(target=self._run, name="servesim-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 2.0) -> None:
+        """Stop the worker, waiting up to `wait_s` for a step in progress (the thread is a
+        daemon: a real-compute step still running at exit does not hold the process)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=wait_s)
 
     # --- the worker ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -214,13 +219,19 @@ class Dashboard(App[int]):
         if not self.is_running:  # a tick that lands while the app shuts down
             return
         d = self.driver
-        with d.lock:
+        # Skip the tick rather than wait while the worker is inside a slow (real-compute) step:
+        # the screen keeps its last frame and the keys stay live.
+        if not d.lock.acquire(timeout=0.02):
+            return
+        try:
             snap = self.engine.snapshot()
             new_events = self.engine.events[self._event_i:]
             self._event_i += len(new_events)
             info = HeaderInfo(self.engine.scenario.name, snap.policy, self.compute, snap.now,
                               snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished)
             error = d.error
+        finally:
+            d.lock.release()
         self.snap = snap
         self.header.show(info)
         for kind, rows in (("running", snap.running), ("waiting", snap.waiting),
@@ -234,14 +245,16 @@ class Dashboard(App[int]):
 
     def sample_charts(self) -> None:
         """One `sim.rolling` sample, when the simulated clock has moved since the last."""
-        if not self.is_running:
+        if not self.is_running or not self.driver.lock.acquire(timeout=0.02):
             return
-        with self.driver.lock:
+        try:
             key = (self.engine.now, self.engine.step_count)
             if key == self._chart_key:
                 return
             self._chart_key = key
             sample_ = rolling(self.engine, self.CHART_WINDOW_S)
+        finally:
+            self.driver.lock.release()
         self.charts.add_sample(sample_)
 
     def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:
@@ -385,7 +398,7 @@ class Dashboard(App[int]):
         self.notify(f"session log written to {path}", timeout=10)
 
     async def action_quit(self) -> None:
-        self.driver.stop()
+        self.driver.stop(wait_s=0.5)
         self.exit(0)
 
 
