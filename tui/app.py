@@ -4,8 +4,9 @@ keys to the engine's public API and snapshots to the panels.
 A worker thread advances the engine (or, with `--replay`, a `sim.replay.Replayer`) toward a
 target simulated time that moves `speed` simulated seconds per wall second, in slices of a few
 milliseconds, holding `EngineDriver.lock`. The UI takes a snapshot under the same lock on its
-refresh timers and every key action takes it too, so one thread at a time touches the engine and
-drawing never waits for more than one slice of simulation.
+refresh timers (skipping a tick while a slow real-compute step holds it) and every key action
+that touches the engine takes it too, so one thread at a time touches the engine, drawing never
+waits for the simulation, and a recorded action lands between two steps.
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ class EngineDriver:
         t0 = time.perf_counter()
         try:
             n = self.source.run_until(self.target, max_steps=self._max_steps)
-        except ServesimError as err:
-            self.error = str(err)
+        except Exception as err:  # noqa: BLE001 - shown on screen; the worker must not die silently
+            self.error = (str(err) if isinstance(err, ServesimError)
+                          else f"{type(err).__name__}: {err}")
             self.paused = True
             return False
         spent = time.perf_counter() - t0
@@ -162,7 +164,7 @@ class Dashboard(App[int]):
         self.replay_name = replay_name
         ex = self.engine.executor
         self.compute = f"{ex.name} on {ex.device}" if ex is not None else "none (modeled)"
-        self.log_dir = Path(log_dir)
+        self.log_dir = Path(log_dir).resolve()
         self.selected_id: int | None = None
         self.snap = None
         self._event_i = max(0, len(self.engine.events) - self.EVENTS_AT_START)
@@ -304,26 +306,22 @@ class Dashboard(App[int]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
-    def action_inject(self) -> None:
-        if self._read_only():
-            return
+    def _drawn_spec(self, count: int = 1) -> InjectSpec:
         with self.driver.lock:
             prompt, output = self.draw_lengths()
-        self.inject(InjectSpec(prompt, None, output))
+        return InjectSpec(prompt, None, output, count=count)
+
+    def action_inject(self) -> None:
+        if not self._read_only():
+            self.inject(self._drawn_spec())
 
     def action_inject_dialog(self) -> None:
-        if self._read_only():
-            return
-        with self.driver.lock:
-            prompt, output = self.draw_lengths()
-        self.push_screen(InjectDialog(self.inject, InjectSpec(prompt, None, output)))
+        if not self._read_only():
+            self.push_screen(InjectDialog(self.inject, self._drawn_spec()))
 
     def action_burst(self) -> None:
-        if self._read_only():
-            return
-        with self.driver.lock:
-            prompt, output = self.draw_lengths()
-        self.inject(InjectSpec(prompt, None, output, count=keymap.BURST_SIZE))
+        if not self._read_only():
+            self.inject(self._drawn_spec(keymap.BURST_SIZE))
 
     def action_cancel(self) -> None:
         if self._read_only():
