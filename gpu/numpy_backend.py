@@ -134,6 +134,33 @@ def _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
     return o
 
 
+def _length_groups(seq_lens: np.ndarray) -> list[np.ndarray]:
+    """Sequence indices grouped by length within a factor of two.
+
+    `_attend` walks every sequence up to the longest one's length (shorter ones are masked), so
+    one 8k-token sequence in a batch of 3k-token ones would make the whole batch cost 8k each;
+    grouping bounds that waste at 2x for a few extra calls.
+    """
+    if len(seq_lens) <= 1:
+        return [np.arange(len(seq_lens))]
+    order = np.argsort(seq_lens, kind="stable")
+    bucket = np.ceil(np.log2(np.maximum(seq_lens[order], 1))).astype(np.int64)
+    cuts = np.flatnonzero(np.diff(bucket)) + 1
+    return np.split(order, cuts)
+
+
+def _attend_grouped(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
+    """`_attend` over groups of similar length (see `_length_groups`), results in batch order."""
+    groups = _length_groups(seq_lens)
+    if len(groups) == 1:
+        return _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens)
+    out = np.empty_like(qg)
+    for idx in groups:
+        out[idx] = _attend(qg[idx], row_pos[idx], k_cache, v_cache, block_tables[idx],
+                           seq_lens[idx])
+    return out
+
+
 def _prepare_out(out, shape, dtype):
     if out is None:
         return np.empty(shape, dtype=dtype)
@@ -165,7 +192,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     acc = _accum_dtype(q)
     qg = q.reshape(num_seqs, -1, group, head_dim).astype(acc) * acc.type(scale)
     row_pos = np.repeat((seq_lens - 1)[:, None], group, axis=1)
-    o = _attend(qg, row_pos, k_cache, v_cache, np.asarray(block_tables), seq_lens)
+    o = _attend_grouped(qg, row_pos, k_cache, v_cache, np.asarray(block_tables), seq_lens)
     out[...] = o.reshape(num_seqs, num_heads, head_dim)
     return out
 

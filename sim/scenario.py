@@ -128,15 +128,18 @@ class SLOConfig:
 
 @dataclass
 class ComputeConfig:
-    backend: str = _f("none", choices=["none", "auto", "numpy", "cupy"])
-    clock: str = _f("modeled", choices=["modeled", "measured"])
-    num_layers: int = _f(2, min=1)
-    num_heads: int = _f(4, min=1)
-    num_kv_heads: int = _f(2, min=1)
-    head_dim: int = _f(32, min=8, pow2=True)
-    vocab_size: int = _f(256, min=2)
+    backend: str = _f("none", choices=["none", "auto", "numpy", "cupy"],
+                      doc="real attention each step: none (pure simulation), numpy, cupy, auto")
+    clock: str = _f("modeled", choices=["modeled", "measured"],
+                    doc="modeled: the service-time model moves the clock; measured: wall time")
+    num_layers: int = _f(0, min=0, doc="tiny model layers (0 = the backend's default)")
+    num_heads: int = _f(0, min=0, doc="0 = the backend's default")
+    num_kv_heads: int = _f(0, min=0, doc="0 = the backend's default")
+    head_dim: int = _f(0, min=0, pow2=True, doc="0 = the backend's default")
+    vocab_size: int = _f(256, min=2, doc="256 = byte-level: typed prompts are their bytes")
     mlp: bool = _f(True)
-    dtype: str = _f("float32", choices=["float32", "float16", "bfloat16"])
+    dtype: str = _f("auto", choices=["auto", "float32", "float16", "bfloat16"],
+                    doc="KV storage (auto = the backend's default)")
     verify_every: int = _f(0, min=0, doc="recompute one request densely every N steps")
 
 
@@ -363,7 +366,7 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
         raise ScenarioError(f"{where} = {shown!r}: must be greater than {m['gt']}")
     if m.get("max") is not None and value > m["max"]:
         raise ScenarioError(f"{where} = {shown!r}: must be at most {m['max']}")
-    if m.get("pow2") and (value <= 0 or value & (value - 1)):
+    if m.get("pow2") and value and (value < 0 or value & (value - 1)):
         raise ScenarioError(f"{where} = {shown!r}: must be a power of two")
     return value
 
@@ -425,7 +428,7 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(f"{src}: model.num_kv_heads = {m.num_kv_heads}: must divide "
                             f"model.num_heads = {m.num_heads}")
     c = sc.compute
-    if c.num_heads % c.num_kv_heads:
+    if c.num_heads and c.num_kv_heads and c.num_heads % c.num_kv_heads:
         raise ScenarioError(f"{src}: compute.num_kv_heads = {c.num_kv_heads}: must divide "
                             f"compute.num_heads = {c.num_heads}")
     if w.arrival == "trace" and not w.trace:

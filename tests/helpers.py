@@ -33,15 +33,32 @@ def check_invariants(engine: Engine) -> None:
     pool = engine.kv.pool
     owners = Counter()
     live = list(engine.policy.running) + list(engine.policy.waiting)
+    host_owners = Counter()
     for r in live:
         assert not r.state.is_done, r
         for b in r.block_table:
             owners[b] += 1
+        for b in r.host_table:
+            host_owners[b] += 1
         need = -(-r.num_computed_tokens // engine.block_size)
-        assert need <= len(r.block_table) <= need + 1, (r, need)
+        if r.state is RequestState.SWAPPED:  # all its K/V sits in host memory
+            assert r.block_table == [] and need <= len(r.host_table) <= need + 1, r
+        else:
+            assert r.host_table == [], r
+            # a contiguous reservation covers the request's whole future
+            assert need <= len(r.block_table), (r, need)
+            if engine.policy.name != "contiguous":
+                assert len(r.block_table) <= need + 1, (r, need)
+    host = engine.kv.host
+    if host is not None:
+        for b in range(host.num_blocks):
+            assert host.ref_cnt[b] == host_owners.get(b, 0), ("host", b)
+        assert host.num_used == len(host_owners)
+    else:
+        assert not host_owners
     for r in engine.requests.values():
         if r.state.is_done:
-            assert r.block_table == [], r
+            assert r.block_table == [] and r.host_table == [], r
     for b in range(pool.num_blocks):
         assert pool.ref_cnt[b] == owners.get(b, 0), (b, pool.ref_cnt[b], owners.get(b, 0))
     assert pool.num_used == sum(1 for b in range(pool.num_blocks) if pool.ref_cnt[b] > 0)

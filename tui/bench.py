@@ -4,6 +4,7 @@
 - `bench log`: session-log size per output token and the time to write and to replay-verify it.
 - `bench tui`: the dashboard driven headless; frames drawn, frame times, engine steps per second.
 - `bench kernel`: NumPy paged decode attention against a dense contiguous computation.
+- `bench compute`: engine steps per wall second on the default scenario with real attention.
 - `bench sweep`: a 16-point sweep of `chat` with 1 and with 2 local workers, and the speed-up.
 """
 
@@ -31,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("tui", help="the dashboard, headless, on the default scenario")
     s.add_argument("--sim-seconds", type=float, default=60.0,
                    help="simulated seconds to run (default 60)")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("compute", help="engine steps per second with real attention")
+    s.add_argument("--scenario", default="chat")
+    s.add_argument("--backend", default="numpy", choices=["numpy", "cupy", "auto"])
+    s.add_argument("--warmup", type=int, default=600, help="steps before measuring")
+    s.add_argument("--steps", type=int, default=600, help="steps measured")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
@@ -108,6 +115,31 @@ def bench_log(args) -> dict:
         "replay_verify_s": t_verify, "verify_over_original": t_verify / (t_run + t_write),
         "verified": div is None,
     }
+
+
+def bench_compute(args) -> dict:
+    from sim import Engine, load_scenario
+    from tui.cli import make_executor
+
+    sc = load_scenario(args.scenario, [f"compute.backend={json.dumps(args.backend)}"])
+    executor = make_executor(sc)
+    engine = Engine(sc, executor=executor, record_events=False)
+    engine.run_until(math.inf, args.warmup)
+    t0 = time.perf_counter()
+    steps = engine.run_until(math.inf, args.steps)
+    wall = time.perf_counter() - t0
+    return {"scenario": sc.name, "machine": _machine(), "executor": executor.describe(),
+            "steps": steps, "wall_s": wall, "steps_per_s": steps / wall,
+            "running_at_end": len(engine.policy.running), "simulated_s": engine.now}
+
+
+def text_compute(r: dict) -> str:
+    return "\n".join([
+        f"bench compute: {r['scenario']} on {r['machine']}",
+        f"  {r['executor']}",
+        f"  {r['steps']} steps in {r['wall_s']:.2f} s: {r['steps_per_s']:.1f} engine steps per "
+        f"wall second ({r['running_at_end']} requests running, {r['simulated_s']:.1f} s simulated)",
+    ])
 
 
 def text_sim(r: dict) -> str:
@@ -207,6 +239,7 @@ BENCHES = {
     "log": (bench_log, text_log),
     "tui": (bench_tui, text_tui),
     "kernel": (bench_kernel, text_kernel),
+    "compute": (bench_compute, text_compute),
     "sweep": (bench_sweep, text_sweep),
 }
 

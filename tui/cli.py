@@ -48,25 +48,32 @@ def _scenario(args) -> "object":
 
 
 def make_executor(scenario):
-    """The executor the scenario's `[compute]` asks for, or None for the pure simulation."""
+    """The executor the scenario's `[compute]` asks for, or None for the pure simulation.
+
+    Raises ScenarioError (one line) when the backend is unavailable or the sizes are wrong.
+    """
     c = scenario.compute
     if c.backend == "none":
         return None
-    try:
-        from gpu.executor import ModelExecutor
-    except ImportError as e:  # pragma: no cover - gpu ships with servesim
-        raise ScenarioError(f"compute.backend = {c.backend!r}: cannot import gpu: {e}") from None
     from gpu import BackendUnavailable
+    from gpu.executor import ModelExecutor
+    from sim.costmodel import CostModel
 
+    sizes = {k: getattr(c, k) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")
+             if getattr(c, k)}
+    if c.dtype != "auto":
+        sizes["dtype"] = c.dtype
+    host = (CostModel(scenario).num_host_blocks()
+            if scenario.scheduler.preemption == "swap" else 0)
     try:
-        return ModelExecutor(
-            scenario.kv.num_blocks, scenario.kv.block_size, num_layers=c.num_layers,
-            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            vocab_size=c.vocab_size, mlp=c.mlp, dtype=c.dtype, backend=c.backend,
-            seed=scenario.seed, verify_every=c.verify_every,
-        )
+        return ModelExecutor.with_defaults(
+            scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
+            vocab_size=c.vocab_size, mlp=c.mlp, seed=scenario.seed,
+            verify_every=c.verify_every, num_host_blocks=host, **sizes)
     except BackendUnavailable as e:
         raise ScenarioError(f"compute.backend = {c.backend!r}: {e}") from None
+    except ValueError as e:
+        raise ScenarioError(f"[compute]: {e}") from None
     except MemoryError:
         raise ScenarioError(
             f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
@@ -297,8 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
     s.add_argument("--speed", type=float, default=1.0,
                    help="simulated seconds per wall second (default 1)")
-    s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
-                   help="override compute.backend")
+    s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"], default="auto",
+                   help="real attention each step (default auto: CuPy on a GPU, else NumPy)")
     s.add_argument("--replay", metavar="LOG", help="play a session log back")
     s.set_defaults(func=cmd_run)
 

@@ -92,7 +92,7 @@ def test_impossible_configurations(tmp_path):
     with pytest.raises(ScenarioError, match="needs num_requests or duration_s"):
         load_scenario(write(tmp_path, BASE.replace("num_requests = 10", "")))
     with pytest.raises(ScenarioError, match="must divide"):
-        load_scenario(write(tmp_path, BASE), ["compute.num_kv_heads=3"])
+        load_scenario(write(tmp_path, BASE), ["compute.num_heads=4", "compute.num_kv_heads=3"])
 
 
 def test_set_reaches_nested_distribution_fields(tmp_path):
