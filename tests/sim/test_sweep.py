@@ -3,7 +3,6 @@ executor, checks before any run, and the search for the highest rate meeting the
 
 import csv
 import sys
-import time
 
 import pytest
 from hypothesis import given, settings
@@ -191,7 +190,6 @@ def test_ray_gives_the_same_rows_as_the_process_pool():
                    seeds=[0, 1], overrides=SHORT)
     with sweep.Runner(2) as runner:
         pooled = sweep.run_sweep(p, runner)
-    t0 = time.perf_counter()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         with sweep.Runner(ray_address="") as runner:  # uses the instance started here
@@ -200,4 +198,3 @@ def test_ray_gives_the_same_rows_as_the_process_pool():
     finally:
         ray.shutdown()
     assert rows_without_wall(on_ray) == rows_without_wall(pooled)
-    print(f"ray: {time.perf_counter() - t0:.1f} s")
