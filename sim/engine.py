@@ -108,7 +108,10 @@ class Engine:
             num_host_blocks=(self.cost.num_host_blocks()
                              if scenario.scheduler.preemption == "swap" else 0),
             prefix_caching=scenario.kv.enable_prefix_caching,
-            hash_block_size=self.workload.hash_block_size)
+            hash_block_size=self.workload.hash_block_size,
+            sharing=scenario.workload.num_samples > 1)
+        self.num_samples = scenario.workload.num_samples
+        self._copies: list[tuple[int, int]] = []  # copy-on-write block copies of the coming step
         self.prefix_caching = scenario.kv.enable_prefix_caching
         self.preemption = scenario.scheduler.preemption
         self._swap_out: list[tuple[int, int]] = []  # block moves of the coming step
@@ -144,7 +147,8 @@ class Engine:
         self.duration_override = None  # an iterator of step durations (replay of measured runs)
         # Running figures for the summary.
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
-                           swaps=0, output_tokens=0, injected=0)
+                           swaps=0, output_tokens=0, injected=0, finished_samples=0,
+                           cancelled_samples=0)
         self.queue_waits: list[float] = []
         self.ttfts: list[float] = []
         self.ttft_times: list[float] = []
@@ -403,13 +407,17 @@ class Engine:
         self.policy.add(req)
 
     def _cancel(self, req: Request, by: str) -> None:
+        if req.parent_id is None and self.num_samples > 1:  # the request's other samples too
+            for child in [r for r in self.requests.values()
+                          if r.parent_id == req.req_id and not r.state.is_done]:
+                self._cancel(child, by)
         old = req.state
         self.policy.remove(req)
         self.kv.free(req)
         req.transition(RS.CANCELLED)
         req.cancelled_in = old
         req.finish_time = self.now
-        self.counts["cancelled"] += 1
+        self.counts["cancelled" if req.parent_id is None else "cancelled_samples"] += 1
         self.recent.append(req)
         self._drop(req)
         if self.record_events:
@@ -420,9 +428,14 @@ class Engine:
         req.finish_time = t
         self.kv.free(req)
         self.policy.finished(req)
-        self.counts["finished"] += 1
         self.recent.append(req)
         self._drop(req)
+        if req.parent_id is not None:  # a further sample: its tokens count, not its latency
+            self.counts["finished_samples"] += 1
+            if self.record_events:
+                self.events.append(ev.Finish(t, req.req_id))
+            return
+        self.counts["finished"] += 1
         tpot = req.tpot
         self.done_stats.append((t, req.first_token_time - req.arrival_time,
                                 t - req.arrival_time, -1.0 if tpot is None else tpot,
@@ -501,7 +514,7 @@ class Engine:
                 dur, energy = measured, energy * measured / dur
         if self.duration_override is not None:
             dur = next(self.duration_override)
-        self._swap_out, self._swap_in = [], []
+        self._swap_out, self._swap_in, self._copies = [], [], []
         start = self.now
         end = start + dur
         g = self.timeline.n
@@ -531,8 +544,9 @@ class Engine:
             segs = req.token_segments
             if req.num_output_tokens == 1:
                 req.first_token_time = end
-                self.ttfts.append(end - req.arrival_time)
-                self.ttft_times.append(end)
+                if req.parent_id is None:
+                    self.ttfts.append(end - req.arrival_time)
+                    self.ttft_times.append(end)
                 first.append(req)
                 segs.append([g, 1])
             else:
@@ -562,9 +576,52 @@ class Engine:
                 self.events.append(ev.FirstToken(end, req.req_id))
             for req in recomputed:
                 self.events.append(ev.Recomputed(end, req.req_id))
+        if self.num_samples > 1:
+            for req in first:
+                if req.parent_id is None and req not in finished:
+                    self._fork(req, end, g)
         for req in finished:
             self._finish(req, end)
         return 1
+
+    def _fork(self, parent: Request, t: float, g: int) -> None:
+        """Start the further samples of `parent`, which has just sampled its first token: each
+        shares the parent's full blocks (by reference count) and gets a copy of its partial last
+        block, and samples on its own from the next step. A sample that finds no free block for
+        its copy waits in the queue and will prefill from scratch."""
+        bs = self.block_size
+        full = parent.num_computed_tokens // bs
+        pool = self.kv.pool
+        for _ in range(self.num_samples - 1):
+            child = Request(self._next_id, parent.arrival_time, parent.prompt_len,
+                            parent.max_output_tokens, priority=parent.priority,
+                            hash_ids=parent.hash_ids, prompt_text=parent.prompt_text)
+            self._next_id += 1
+            child.parent_id = parent.req_id
+            child.shared_prefix = parent.shared_prefix
+            child._timeline = self.timeline
+            self.requests[child.req_id] = child
+            if self.record_events:
+                self.events.append(ev.Fork(t, parent.req_id, child.req_id))
+            partial = len(parent.block_table) - full
+            if partial > pool.num_free:
+                self.policy.add(child)
+                continue
+            for b in parent.block_table[:full]:
+                pool.share(b)
+            child.block_table = parent.block_table[:full]
+            if partial:
+                [dst] = pool.allocate(1)
+                self._copies.append((parent.block_table[full], dst))
+                child.block_table.append(dst)
+            child.transition(RS.RUNNING)
+            child.admitted_time = parent.admitted_time
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_output_tokens = 1
+            child.output_token_ids = list(parent.output_token_ids)
+            child.first_token_time = child.last_token_time = t
+            child.token_segments = [[g, 1]]
+            self.policy.running.append(child)
 
     # Steps of a decode run computed one by one in Python before switching to NumPy for the
     # rest: most runs end within a few steps (at the next arrival), where NumPy's per-call cost
@@ -709,6 +766,6 @@ class Engine:
                 chunk = np.concatenate((ids, out))[c:c + n]
             seqs.append(SeqWork(req.req_id, chunk, c, req.block_table,
                                 c + n == req.num_tokens))
-        work = StepWork(self.step_count, seqs, swap_out=self._swap_out, swap_in=self._swap_in,
-                        freed=self._freed)
+        work = StepWork(self.step_count, seqs, copies=self._copies, swap_out=self._swap_out,
+                        swap_in=self._swap_in, freed=self._freed)
         return work

@@ -92,6 +92,16 @@ class Recomputed(Event):
 
 
 @dataclass(slots=True)
+class Fork(Event):
+    """Parallel sampling: `child`, a further sample of `parent`, starts after the shared
+    prefill, sharing its full prompt blocks (its partial last block is copied)."""
+
+    parent: int
+    child: int
+    kind = "fork"
+
+
+@dataclass(slots=True)
 class Preempt(Event):
     req_id: int
     mode: str = "recompute"
@@ -124,4 +134,4 @@ class UserAction(Event):
 
 EVENT_TYPES = {cls.kind: cls for cls in
                (Arrival, Reject, Admit, Steps, FirstToken, Preempt, Finish, Cancel, UserAction,
-                Recomputed)}
+                Recomputed, Fork)}

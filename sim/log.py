@@ -48,7 +48,7 @@ _F64 = struct.Struct("<d")
 # Codes are part of the format: new kinds get new codes at the end.
 KIND_CODE = {cls.kind: i for i, cls in enumerate(
     (ev.Arrival, ev.Reject, ev.Admit, ev.Steps, ev.FirstToken, ev.Preempt, ev.Finish, ev.Cancel,
-     ev.UserAction, ev.Recomputed), start=1)}
+     ev.UserAction, ev.Recomputed, ev.Fork), start=1)}
 CODE_CLASS = {code: ev.EVENT_TYPES[kind] for kind, code in KIND_CODE.items()}
 FIELDS = {code: [f.name for f in fields(cls)] for code, cls in CODE_CLASS.items()}
 _ARRAY_FIELDS = ("ends", "durs")  # stored as little-endian float64 bytes

@@ -117,6 +117,7 @@ class WorkloadConfig:
     priority: Any = _f(0, kind="dist")
     shared_prefix_tokens: int = _f(0, min=0, doc="synthetic: length of a shared system prompt")
     shared_prefix_groups: int = _f(1, min=1, doc="synthetic: how many distinct system prompts")
+    num_samples: int = _f(1, min=1, max=64, doc="parallel samples per request (n)")
 
 
 @dataclass

@@ -33,6 +33,8 @@ def prompt_token_ids(seed: int, req, vocab_size: int, hash_block_size: int = 512
         parts.append(rng.integers(0, vocab_size, size=hash_block_size, dtype=np.int32))
         have += hash_block_size
     if have < n:
-        rng = np.random.default_rng([seed, _PROMPT_STREAM, req.req_id])
+        # a further sample of a request has that request's prompt
+        owner = req.req_id if req.parent_id is None else req.parent_id
+        rng = np.random.default_rng([seed, _PROMPT_STREAM, owner])
         parts.append(rng.integers(0, vocab_size, size=n - have, dtype=np.int32))
     return np.concatenate(parts)[:n] if parts else np.zeros(0, dtype=np.int32)
