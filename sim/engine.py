@@ -77,6 +77,8 @@ class EngineSnapshot:
     free_cached_blocks: int      # free blocks that still hold a reusable cached prefix
     token_slots_used: int        # tokens held in allocated blocks (for fragmentation)
     counters: dict = field(default_factory=dict)
+    block_cached: np.ndarray | None = None  # bool per block: free but holding a cached prefix
+    num_waiting: int = 0         # the whole queue, however much of it `waiting` holds
 
 
 def _view(r: Request, with_tokens: bool = False) -> RequestView:
@@ -282,8 +284,13 @@ class Engine:
         else:
             raise EngineError(f"unknown action {action!r}")
 
-    def snapshot(self, with_tokens: bool = False) -> EngineSnapshot:
-        """A cheap copy of the engine's state for a screen (about 1 ms for 500 queued)."""
+    def snapshot(self, with_tokens: bool = False, waiting_limit: int | None = None
+                 ) -> EngineSnapshot:
+        """A cheap copy of the engine's state for a screen (about 1 ms for 500 queued).
+
+        `waiting_limit` copies only the first N of the queue (in admission order);
+        `num_waiting` always counts all of it.
+        """
         nb = self.kv.num_blocks
         owner = np.full(nb, -1, dtype=np.int64)
         running = self.policy.running
@@ -293,15 +300,21 @@ class Engine:
         pool = self.kv.pool
         slots = pool.num_used * self.block_size - self._empty_slots()
         refs = np.asarray(pool.ref_cnt, dtype=np.int32)
+        cached = np.zeros(nb, dtype=bool)
+        if pool.cached:
+            cached[list(pool.cached.values())] = True
+            cached &= refs == 0  # free, but still holding a reusable prefix
+        waiting = self.policy.waiting_in_order()
+        shown = waiting if waiting_limit is None else waiting[:waiting_limit]
         return EngineSnapshot(
             now=self.now, step=self.step_count, policy=self.policy.name, done=self.done,
-            waiting=[_view(r) for r in self.policy.waiting_in_order()],
+            waiting=[_view(r) for r in shown],
             running=[_view(r, with_tokens) for r in running],
             recent=[_view(r, with_tokens) for r in reversed(self.recent)],
             num_blocks=nb, block_size=self.block_size, used_blocks=pool.num_used,
-            block_owner=owner, block_refs=refs, free_cached_blocks=len(pool.cached) - int(
-                sum(1 for b in pool.cached.values() if pool.ref_cnt[b] > 0)),
-            token_slots_used=slots, counters=dict(self.counts),
+            block_owner=owner, block_refs=refs, free_cached_blocks=int(cached.sum()),
+            block_cached=cached, token_slots_used=slots, counters=dict(self.counts),
+            num_waiting=len(waiting),
         )
 
     def get(self, req_id: int) -> Request:

@@ -241,6 +241,32 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
     return x
 
 
+def _paired_rows(scenario) -> int | None:
+    """Rows of the one empirical file both lengths come from (so they stay paired), or None."""
+    p_spec, o_spec = scenario.workload.prompt_tokens, scenario.workload.output_tokens
+    if (isinstance(p_spec, dict) and isinstance(o_spec, dict)
+            and p_spec.get("dist") == o_spec.get("dist") == "empirical"
+            and p_spec.get("file") == o_spec.get("file")):
+        return len(_empirical_column(scenario, p_spec, "prompt_tokens"))
+    return None
+
+
+def sample_lengths(scenario, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`n` (prompt, output) length pairs from the scenario's workload: drawn from the same rows
+    when both come from one empirical file, independently otherwise (live injections use it).
+    With a trace arrival, lengths are drawn from the trace's rows."""
+    w = scenario.workload
+    if w.arrival == "trace":
+        trace = read_trace(scenario.resolve_path(w.trace))
+        idx = rng.integers(0, len(trace.prompt), size=n)
+        return trace.prompt[idx], trace.output[idx]
+    rows = _paired_rows(scenario)
+    index = None if rows is None else rng.integers(0, rows, size=n)
+    prompt = np.maximum(sample(scenario, "prompt_tokens", n, rng, index=index), 1)
+    output = np.maximum(sample(scenario, "output_tokens", n, rng, index=index), 1)
+    return prompt, output
+
+
 def min_length(scenario, field: str) -> int:
     """The smallest length `workload.<field>` can produce (at least 1)."""
     spec = getattr(scenario.workload, field)
@@ -310,13 +336,8 @@ def build_workload(scenario) -> Workload:
         if w.duration_s:
             arrival = arrival[arrival < w.duration_s]
         n = len(arrival)
-        index = None
-        p_spec, o_spec = w.prompt_tokens, w.output_tokens
-        if (isinstance(p_spec, dict) and isinstance(o_spec, dict)
-                and p_spec.get("dist") == o_spec.get("dist") == "empirical"
-                and p_spec.get("file") == o_spec.get("file")):
-            rows = len(_empirical_column(scenario, p_spec, "prompt_tokens"))
-            index = _rng(seed, _PAIRS).integers(0, rows, size=n)
+        rows = _paired_rows(scenario)
+        index = None if rows is None else _rng(seed, _PAIRS).integers(0, rows, size=n)
         prompt = sample(scenario, "prompt_tokens", n, _rng(seed, _PROMPT), index=index)
         output = sample(scenario, "output_tokens", n, _rng(seed, _OUTPUT), index=index)
     n = len(arrival)
