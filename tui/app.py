@@ -23,7 +23,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
 from sim import POLICIES, Engine, ServesimError, rolling
-from sim.workload import sample
+from sim.workload import sample_lengths
 from tui import keymap
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
                          InjectSpec, RequestTable, StatusHeader)
@@ -287,9 +287,8 @@ class Dashboard(App[int]):
         injections so far (a session's `i` presses draw the same lengths every run)."""
         sc = self.engine.scenario
         rng = np.random.default_rng([sc.seed, INJECT_STREAM, self.engine.counts["injected"]])
-        prompt = int(sample(sc, "prompt_tokens", 1, rng)[0])
-        output = int(sample(sc, "output_tokens", 1, rng)[0])
-        return max(1, prompt), max(1, output)
+        prompt, output = sample_lengths(sc, 1, rng)
+        return int(prompt[0]), int(output[0])
 
     def inject(self, spec: InjectSpec) -> str | None:
         """Inject through the engine. Returns the engine's error message, or None."""

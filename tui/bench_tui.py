@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from sim import Engine, load_scenario
-from sim.workload import sample
+from sim.workload import sample_lengths
 from tui.app import Dashboard
 
 NUM_BLOCKS = 4096
@@ -72,10 +72,9 @@ def _engine() -> Engine:
     sc = load_scenario("chat", [f"kv.num_blocks={NUM_BLOCKS}"])
     engine = Engine(sc)
     rng = np.random.default_rng([sc.seed, 0xBE, 0xAC])
-    prompts = sample(sc, "prompt_tokens", WAITING, rng)
-    outputs = sample(sc, "output_tokens", WAITING, rng)
+    prompts, outputs = sample_lengths(sc, WAITING, rng)
     for p, o in zip(prompts.tolist(), outputs.tolist()):
-        engine.inject(max(1, p), max(1, o))
+        engine.inject(p, o)
     return engine
 
 
