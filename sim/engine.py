@@ -576,6 +576,10 @@ class Engine:
             req.last_token_time = end
             if req.num_output_tokens >= req.max_output_tokens:
                 finished.append(req)
+        if self.num_samples > 1:
+            for req in first:
+                if req.parent_id is None and req not in finished:
+                    sampled += self._fork(req, end, g)
         self.timeline.add_row(end, dur, tokens, prefill_tokens, len(sched), sampled, itl,
                               self.kv.num_used_blocks, self._empty_slots(), energy, num_waiting)
         self.now = end
@@ -589,19 +593,17 @@ class Engine:
                 self.events.append(ev.FirstToken(end, req.req_id))
             for req in recomputed:
                 self.events.append(ev.Recomputed(end, req.req_id))
-        if self.num_samples > 1:
-            for req in first:
-                if req.parent_id is None and req not in finished:
-                    self._fork(req, end, g)
         for req in finished:
             self._finish(req, end)
         return 1
 
-    def _fork(self, parent: Request, t: float, g: int) -> None:
+    def _fork(self, parent: Request, t: float, g: int) -> int:
         """Start the further samples of `parent`, which has just sampled its first token: each
         shares the parent's full blocks (by reference count) and gets a copy of its partial last
         block, and samples on its own from the next step. A sample that finds no free block for
-        its copy waits in the queue and will prefill from scratch."""
+        its copy waits in the queue and will prefill from scratch. Returns the first tokens
+        the samples got (one each for those that started)."""
+        started = 0
         bs = self.block_size
         full = parent.num_computed_tokens // bs
         pool = self.kv.pool
@@ -635,6 +637,8 @@ class Engine:
             child.first_token_time = child.last_token_time = t
             child.token_segments = [[g, 1]]
             self.policy.running.append(child)
+            started += 1
+        return started
 
     # Steps of a decode run computed one by one in Python before switching to NumPy for the
     # rest: most runs end within a few steps (at the next arrival), where NumPy's per-call cost

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from sim import Engine
+from sim import Engine, summarize
 from tests.helpers import check_invariants, small_scenario, workload_of
 
 
@@ -91,3 +91,110 @@ def test_all_policies_finish_every_request_with_invariants():
         assert e.counts["finished"] + e.counts["rejected"] == e.counts["arrived"] > 10
         assert e.kv.num_used_blocks == 0
         assert np.all(np.diff(e.timeline.column("end")) > 0)
+
+
+# --- scheduling breadth ---------------------------------------------------------------------------
+def admitted_order(e):
+    return [x.req_id for x in e.events if x.kind == "admit" and not x.resumed]
+
+
+def test_priority_admits_lower_values_first_then_by_arrival():
+    sc = small_scenario("scheduler.policy=\"priority\"", "scheduler.max_num_seqs=1")
+    # all queued behind request 0; priorities 2, 0, 1, 0
+    w = workload_of([(0.0, 50, 30, 5), (0.001, 50, 5, 2), (0.002, 50, 5, 0),
+                     (0.003, 50, 5, 1), (0.004, 50, 5, 0)])
+    e = Engine(sc, workload=w)
+    run_steps(e)
+    assert admitted_order(e) == [0, 2, 4, 3, 1]
+
+
+def test_priority_preempts_lower_priority_for_a_waiting_higher_one():
+    sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20", "kv.block_size=16")
+    # request 0 (priority 5) fills most of the pool; request 1 (priority 0) cannot fit
+    w = workload_of([(0.0, 200, 60, 5), (0.05, 150, 10, 0)])
+    e = Engine(sc, workload=w)
+    run_steps(e)
+    pre = [x for x in e.events if x.kind == "preempt"]
+    assert pre and pre[0].req_id == 0
+    assert e.get(1).finish_time < e.get(0).finish_time
+
+
+def test_priority_victim_is_the_lowest_priority_running():
+    sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=30", "kv.block_size=16")
+    w = workload_of([(0.0, 100, 200, 0), (0.0, 100, 200, 9), (0.0, 100, 200, 3)])
+    e = Engine(sc, workload=w)
+    run_steps(e)
+    pre = [x.req_id for x in e.events if x.kind == "preempt"]
+    assert pre and pre[0] == 1
+
+
+def test_sjf_shortest_first_until_aged():
+    sc = small_scenario("scheduler.policy=\"sjf\"", "scheduler.max_num_seqs=1",
+                        "scheduler.sjf_aging_s=1000")
+    w = workload_of([(0.0, 50, 40), (0.001, 900, 5), (0.002, 30, 5), (0.003, 400, 5)])
+    e = Engine(sc, workload=w)
+    run_steps(e)
+    assert admitted_order(e) == [0, 2, 3, 1]
+    # with a short aging bound the long request, oldest in the queue, is no longer starved
+    sc = small_scenario("scheduler.policy=\"sjf\"", "scheduler.max_num_seqs=1",
+                        "scheduler.sjf_aging_s=0.05")
+    e = Engine(sc, workload=w)
+    run_steps(e)
+    assert admitted_order(e)[1] == 1
+
+
+def test_sjf_helps_the_typical_request_and_aging_bounds_the_wait():
+    from sim import load_scenario
+
+    runs = {}
+    for p in ("sjf", "chunked"):
+        e = Engine(load_scenario("burst", [f"scheduler.policy=\"{p}\"", "workload.duration_s=100",
+                                           "scheduler.sjf_aging_s=10"]))
+        e.run()
+        runs[p] = e
+    s, f = summarize(runs["sjf"]), summarize(runs["chunked"])
+    assert s["ttft_ms"]["p50"] < 0.6 * f["ttft_ms"]["p50"]  # bursts: short prompts first
+    # nobody waits much past the 10 s bound (only behind requests that aged earlier)
+    assert max(runs["sjf"].queue_waits) < 12 < max(runs["chunked"].queue_waits)
+
+
+def test_lpm_prefers_the_request_with_the_longest_cached_prefix():
+    sc = small_scenario("scheduler.policy=\"lpm\"", "kv.enable_prefix_caching=true",
+                        "scheduler.max_num_seqs=1", "kv.block_size=16")
+    e = Engine(sc, workload=workload_of([(0.0, 8, 1)]))
+    e.run()
+    e.inject(prompt_text=b"A" * 200, max_output_tokens=2)   # caches 12 blocks of "A"
+    e.run()
+    e.inject(prompt_text=b"B" * 120, max_output_tokens=40)  # busy while the others queue
+    e.run_until(e.now + 1e-6)
+    e.inject(prompt_text=b"C" * 200, max_output_tokens=2)
+    e.inject(prompt_text=b"A" * 180 + b"Z" * 20, max_output_tokens=2)
+    [c, a] = [r.req_id for r in e.policy.waiting]
+    assert [r.req_id for r in e.policy.waiting_in_order()] == [a, c]
+    e.run()
+    assert e.get(a).admitted_time < e.get(c).admitted_time
+    assert e.get(a).num_cached_tokens == 176  # 11 full blocks of "A"
+
+
+def test_contiguous_reserves_prompt_plus_max_output_and_never_preempts():
+    sc = small_scenario("scheduler.policy=\"contiguous\"", "kv.num_blocks=64", "kv.block_size=16",
+                        "scheduler.reserve_output_tokens=256")
+    w = workload_of([(0.0, 100, 20), (0.0, 50, 300), (0.01, 200, 30), (0.02, 40, 10)])
+    e = Engine(sc, workload=w)
+    seen = {}
+    for s in run_steps(e):
+        for r in e.policy.running:
+            seen.setdefault(r.req_id, list(r.block_table))
+    for rid, table in seen.items():
+        r = e.get(rid)
+        assert table == list(range(table[0], table[0] + len(table)))  # one contiguous run
+        assert len(table) == -(-(r.prompt_len + max(r.max_output_tokens, 256)) // 16)
+    assert e.counts["preemptions"] == 0
+    s = summarize(e)
+    assert s["kv"]["token_state_share"] < 0.6
+
+
+def test_paged_token_state_share_wastes_at_most_partial_blocks():
+    e = Engine(small_scenario())
+    e.run()
+    assert summarize(e)["kv"]["token_state_share"] > 0.95
