@@ -21,7 +21,7 @@ import threading
 import numpy as np
 
 # Bytes of gathered K (per tile) to aim for: a fraction of this machine's L2/L3 cache.
-TILE_BYTES = 1 << 22
+TILE_BYTES = 1 << 20
 # OpenBLAS runs a GEMM on one thread while m * n * k < 4 * 65536. Decode tiles stay under that
 # ([rows x head_dim] @ [head_dim x tokens]): waking BLAS threads for such small products costs
 # more than it gains. A tile never gets fewer than MIN_TILE_TOKENS tokens (long prefill chunks).
