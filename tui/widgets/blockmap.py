@@ -2,7 +2,9 @@
 
 Free blocks are dim dots, free blocks that still hold a reusable cached prefix are rings, blocks
 shared by several requests (reference count > 1) are diamonds, and the selected request's blocks
-are bright. The grid is a Line API widget: a row's strip is built once with NumPy run-length
+are bright. A pool larger than the panel is drawn as an overview: each cell stands for a group
+of consecutive blocks and shows the most telling one (selected, then shared, then used, then
+cached), so where the requests sit stays visible without scrolling through thousands of rows. The grid is a Line API widget: a row's strip is built once with NumPy run-length
 segments and cached until a block in that row changes, so a refresh of thousands of blocks costs
 the few rows that changed.
 """
@@ -45,6 +47,25 @@ def block_codes(owner: np.ndarray, refs: np.ndarray, cached: np.ndarray | None,
     return codes
 
 
+# How telling each code is when several blocks share one cell.
+_RANK = np.zeros(SHARED + NCOLORS, dtype=np.int8)
+_RANK[FREE_CACHED] = 1
+_RANK[USED:USED + NCOLORS] = 2
+_RANK[SHARED:SHARED + NCOLORS] = 3
+_RANK[SELECTED] = 4
+
+
+def aggregate(codes: np.ndarray, group: int) -> np.ndarray:
+    """One code per `group` consecutive blocks: the most telling block's (first among equals)."""
+    if group <= 1:
+        return codes
+    n = -(-len(codes) // group) * group
+    padded = np.full(n, FREE, dtype=codes.dtype)
+    padded[:len(codes)] = codes
+    cells = padded.reshape(-1, group)
+    return cells[np.arange(len(cells)), _RANK[cells].argmax(axis=1)]
+
+
 def fragmentation(snap: EngineSnapshot) -> int:
     """Allocated token slots that hold no token: used blocks x block size - tokens held."""
     return max(0, snap.used_blocks * snap.block_size - snap.token_slots_used)
@@ -61,11 +82,16 @@ class BlockGrid(ScrollView):
         self._strips: dict[int, Strip] = {}
         self._styles: dict[int, tuple[str, Style]] = {}
         self._base: Style | None = None
+        self.num_blocks = 0
+        self.group = 1  # blocks per cell
 
     def update_blocks(self, owner: np.ndarray, refs: np.ndarray,
                       cached: np.ndarray | None = None, highlight: int | None = None) -> None:
         self._style_table(self.rich_style)  # once per update; render_line reuses it
-        codes = block_codes(owner, refs, cached, highlight)
+        if len(owner) != self.num_blocks:
+            self.num_blocks = len(owner)
+            self._layout()
+        codes = aggregate(block_codes(owner, refs, cached, highlight), self.group)
         if len(codes) != len(self.codes):
             self._strips.clear()
             self.codes = codes
@@ -83,16 +109,20 @@ class BlockGrid(ScrollView):
                     self.refresh_line(row)
 
     def _layout(self) -> None:
-        width = self.scrollable_content_region.width
-        n = len(self.codes)
+        region = self.scrollable_content_region
+        width = region.width
+        n = self.num_blocks
         self._gutter = len(str(max(n - 1, 0))) + 1 if width >= 40 else 0
         cols = max(1, width - self._gutter)
         if cols >= 16:
             cols -= cols % 8  # rows start at round block ids
-        if cols != self._cols:
+        group = max(1, -(-n // (cols * max(1, region.height))))
+        if cols != self._cols or group != self.group:
             self._strips.clear()
+            self.codes = np.zeros(0, dtype=np.int16)  # recomputed at the next update
         self._cols = cols
-        self.virtual_size = Size(width, -(-n // cols))
+        self.group = group
+        self.virtual_size = Size(width, -(-(-(-n // group)) // cols))
 
     def on_resize(self) -> None:
         self._strips.clear()
@@ -129,8 +159,8 @@ class BlockGrid(ScrollView):
         if not len(seg):
             return Strip.blank(width, self._base)
         out = []
-        if self._gutter:
-            out.append(Segment(f"{a:>{self._gutter - 1}} ", styles[FREE][1]))
+        if self._gutter:  # the first block id of the row
+            out.append(Segment(f"{a * self.group:>{self._gutter - 1}} ", styles[FREE][1]))
         cuts = (np.flatnonzero(seg[1:] != seg[:-1]) + 1).tolist()
         start = 0
         vals = seg.tolist()
@@ -174,13 +204,13 @@ class BlockMap(Vertical):
         self.grid.update_blocks(snap.block_owner, snap.block_refs, cached, highlight)
         shared = int(np.count_nonzero(snap.block_refs > 1))
         key = (snap.used_blocks, snap.num_blocks, snap.token_slots_used, shared,
-               snap.free_cached_blocks)
+               snap.free_cached_blocks, self.grid.group)
         if key != self._stats_key:
             self._stats_key = key
-            self.stats.show(self._stats(snap, shared))
+            self.stats.show(self._stats(snap, shared, self.grid.group))
 
     @staticmethod
-    def _stats(snap: EngineSnapshot, shared: int) -> Text:
+    def _stats(snap: EngineSnapshot, shared: int, group: int = 1) -> Text:
         nb, used = snap.num_blocks, snap.used_blocks
         frag = fragmentation(snap)
         alloc = used * snap.block_size
@@ -202,4 +232,6 @@ class BlockMap(Vertical):
         t.append(" free  ")
         t.append(GLYPH_CACHED, style="#5f87af")
         t.append(" free, cached")
+        if group > 1:
+            t.append(f"  · 1 cell = {group} blocks", style="bold")
         return t
