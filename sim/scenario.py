@@ -454,6 +454,10 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     from sim.workload import min_length  # smallest request the workload can produce
 
     smallest = min_length(sc, "prompt_tokens") + max(1, min_length(sc, "output_tokens")) - 1
+    if m.max_model_len and smallest + 1 > m.max_model_len:
+        raise ScenarioError(
+            f"{src}: model.max_model_len = {m.max_model_len}: no request could ever fit (the "
+            f"smallest the workload makes has {smallest + 1} tokens)")
     if -(-smallest // sc.kv.block_size) > num_blocks:
         raise ScenarioError(
             f"{src}: kv.num_blocks = {num_blocks}: no request could ever fit (the smallest "

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from sim import Engine, ServesimError, load_scenario, summarize
 from sim.errors import ScenarioError
@@ -140,7 +141,16 @@ def format_table(summaries: dict[str, dict]) -> str:
 
 
 # --- commands -----------------------------------------------------------------------------------
+def _check_writable(path: str | None, what: str) -> None:
+    """Fail before a long run, not after it, when its output cannot be written."""
+    if path:
+        parent = Path(path).expanduser().resolve().parent
+        if not parent.is_dir():
+            raise ScenarioError(f"{what} {path}: directory {parent} does not exist")
+
+
 def cmd_sim(args) -> int:
+    _check_writable(args.log, "--log")
     sc = _scenario(args)
     engine = build_engine(sc, record_events=bool(args.log))
     engine.run()
@@ -235,6 +245,7 @@ def cmd_export(args) -> int:
     from sim.log import read_log
     from sim.replay import Replayer
 
+    _check_writable(args.output, "-o")
     log = read_log(args.log)
     if args.format == "jsonl":
         text = export.to_jsonl(log)
