@@ -99,6 +99,8 @@ class SchedulerConfig:
     reserve_output_tokens: int = _f(2048, min=1,
                                     doc="contiguous: output slots reserved per request "
                                         "(its maximum output if larger)")
+    kv_link_gbps: float = _f(50.0, gt=0, doc="disaggregated: prefill-to-decode K/V link, GB/s "
+                                             "per GPU")
 
 
 @dataclass
@@ -128,6 +130,19 @@ class SLOConfig:
 
 
 @dataclass
+class ClusterConfig:
+    replicas: int = _f(1, min=1, max=64,
+                       doc="engine instances, each with its own GPU(s), block pool and policy")
+    router: str = _f("round-robin",
+                     choices=["round-robin", "least-outstanding", "least-kv", "prefix-affinity"],
+                     doc="which replica an arriving request goes to")
+    affinity_max_imbalance: int = _f(16, min=0,
+                                     doc="prefix-affinity: route by load instead when the "
+                                         "preferred replica has this many more outstanding "
+                                         "requests than the least loaded")
+
+
+@dataclass
 class ComputeConfig:
     backend: str = _f("none", choices=["none", "auto", "numpy", "cupy"],
                       doc="real attention each step: none (pure simulation), numpy, cupy, auto")
@@ -152,6 +167,7 @@ SECTIONS: dict[str, type] = {
     "workload": WorkloadConfig,
     "slo": SLOConfig,
     "compute": ComputeConfig,
+    "cluster": ClusterConfig,
 }
 TOP_LEVEL = {"name": str, "description": str, "seed": int}
 
@@ -168,6 +184,7 @@ class Scenario:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # Where relative paths (traces) resolve; not a field of the file.
     base_dir: Path = field(default=BUNDLED_DIR, repr=False, compare=False)
     source: str = field(default="<scenario>", repr=False, compare=False)

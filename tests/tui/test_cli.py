@@ -64,6 +64,8 @@ def test_scenarios_lists_bundled(capsys):
     (["sim", "chat", "--set", "workload.rat=1"], "did you mean 'rate'"),
     (["compare", "chat", "--policies", "fcfs,xyz"], "unknown policy 'xyz'"),
     (["sim", "chat", "--set", "novalue"], "expected SECTION.KEY=VALUE"),
+    (["sim", "chat", "--set", "workload.prompt_tokens=200000"], "max_model_len = 131072"),
+    (["sim", "chat", "--log", "/nonexistent/dir/x.msgpack"], "does not exist"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
