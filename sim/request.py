@@ -63,7 +63,7 @@ class Request:
         "block_table", "admitted_time", "first_token_time", "last_token_time", "finish_time",
         "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
-        "predicted_output", "replica", "recomputing", "host_table", "shared_prefix",
+        "replica", "recomputing", "host_table", "shared_prefix",
         "cached_upto", "block_keys", "parent_id",
     )
 
@@ -89,7 +89,6 @@ class Request:
         self.cancel_at = cancel_at
         self.prompt_text = prompt_text
         self.injected = injected
-        self.predicted_output = max_output_tokens
         self.replica = 0
 
         self.state = RequestState.WAITING
