@@ -54,6 +54,15 @@ class _History:
     complete: bool = True
 
 
+@dataclass
+class KVTransfer:
+    """A request's K/V blocks on their way between two executors' pools (`export_kv`)."""
+
+    k: object                  # [num_layers, blocks, block_size, num_kv_heads, head_dim]
+    v: object
+    history: _History | None
+
+
 def _format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -202,6 +211,33 @@ class ModelExecutor:
             history = self._history[seq.req_id] = _History(complete=False)
         del history.tokens[seq.start_pos:]
         history.tokens.extend(np.asarray(seq.token_ids).reshape(-1).tolist())
+
+    # -- hand-off between executors (prefill/decode disaggregation) -------------------------
+
+    def export_kv(self, req_id: int, block_ids) -> "KVTransfer":
+        """The K/V held in `block_ids` (every layer) and this executor's record of `req_id`'s
+        tokens, for another executor's `import_kv`.
+
+        Raises:
+            ValueError: a block id out of range.
+        """
+        k, v = self.cache.read_blocks(block_ids)
+        history = self._history.get(req_id)
+        return KVTransfer(k, v, None if history is None else
+                          _History(list(history.tokens), history.complete))
+
+    def import_kv(self, req_id: int, block_ids, transfer: "KVTransfer") -> None:
+        """Stores what another executor's `export_kv` gave into `block_ids` of this pool, and
+        takes over its record of `req_id`'s tokens (so the request stays verifiable here).
+
+        Raises:
+            ValueError: a block id out of range, or a count that differs from the export's.
+        """
+        if len(block_ids) != transfer.k.shape[1]:
+            raise ValueError(f"import_kv: {len(block_ids)} blocks for {transfer.k.shape[1]} exported")
+        self.cache.write_blocks(block_ids, transfer.k, transfer.v)
+        if transfer.history is not None:
+            self._history[req_id] = transfer.history
 
     # -- verification ---------------------------------------------------------------------
 

@@ -84,6 +84,18 @@ class PagedKVCache:
         self.k[:, xp.asarray(blocks)] = self.backend.asarray(self.host_k[:, slots])
         self.v[:, xp.asarray(blocks)] = self.backend.asarray(self.host_v[:, slots])
 
+    def read_blocks(self, ids):
+        """Copies of device blocks `ids` in every layer: (K, V), each
+        [num_layers, len(ids), block_size, num_kv_heads, head_dim] (to send to another pool)."""
+        ids = self.backend.xp.asarray(self._check(ids, self.num_blocks, "read block"))
+        return self.k[:, ids].copy(), self.v[:, ids].copy()
+
+    def write_blocks(self, ids, k, v) -> None:
+        """Stores (K, V) as `read_blocks` gives them into device blocks `ids` of this pool."""
+        ids = self.backend.xp.asarray(self._check(ids, self.num_blocks, "write block"))
+        self.k[:, ids] = self.backend.asarray(k)
+        self.v[:, ids] = self.backend.asarray(v)
+
     def gather(self, block_table, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Returns the stored K and V of positions 0..num_tokens-1 of a sequence, on the host:
         [num_layers, num_tokens, num_kv_heads, head_dim] each, in the storage array dtype."""

@@ -1,6 +1,8 @@
 """servesim's simulation core: requests, workloads, KV blocks, policies, the service-time model,
-the engine, metrics and session logs. Nothing here imports Textual or CuPy."""
+the engine, deployments of several engines, metrics and session logs. Nothing here imports
+Textual or CuPy."""
 
+from sim.cluster import Cluster, ClusterSnapshot, build
 from sim.engine import Engine, EngineSnapshot, RequestView
 from sim.errors import (EngineError, LogError, ScenarioError, ServesimError, TraceError,
                         UnknownRequestError)
@@ -12,7 +14,7 @@ from sim.scenario import Scenario, bundled_scenarios, load_scenario
 __version__ = "0.1.0"
 
 __all__ = [
-    "Engine", "EngineSnapshot", "RequestView", "EngineError", "LogError", "ScenarioError",
+    "Engine", "EngineSnapshot", "RequestView", "Cluster", "ClusterSnapshot", "build", "EngineError", "LogError", "ScenarioError",
     "ServesimError", "TraceError", "UnknownRequestError", "rolling", "summarize", "POLICIES",
     "Request", "RequestState", "Scenario", "bundled_scenarios", "load_scenario", "__version__",
 ]

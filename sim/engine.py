@@ -56,6 +56,7 @@ class RequestView:
     num_preemptions: int
     is_prefill: bool
     tokens: tuple[int, ...] = ()
+    replica: int = 0  # the instance it is on, in a deployment of several (sim.cluster)
 
 
 @dataclass(slots=True)
@@ -86,8 +87,39 @@ def _view(r: Request, with_tokens: bool = False) -> RequestView:
         r.req_id, r.state.value, r.prompt_len, r.max_output_tokens, r.num_computed_tokens,
         r.num_output_tokens, len(r.block_table), r.priority, r.arrival_time, r.admitted_time,
         r.first_token_time, r.finish_time, r.num_preemptions, r.is_prefill,
-        tuple(r.output_token_ids[-16:]) if with_tokens else (),
+        tuple(r.output_token_ids[-16:]) if with_tokens else (), r.replica,
     )
+
+
+def checked_injection(prompt_len: int | None, max_output_tokens: int,
+                      prompt_text: str | bytes | None, count: int) -> tuple[int, bytes | None]:
+    """The prompt length and bytes of an injection (a typed prompt gives its length).
+
+    Raises EngineError on a non-positive length or count."""
+    if isinstance(prompt_text, str):
+        prompt_text = prompt_text.encode()
+    if prompt_text is not None and prompt_len is None:
+        prompt_len = len(prompt_text)
+    for name, v in (("prompt_len", prompt_len), ("max_output_tokens", max_output_tokens),
+                    ("count", count)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise EngineError(f"inject: {name} = {v!r}: must be a positive integer")
+    return prompt_len, prompt_text
+
+
+class _Continued:
+    """The timeline of a request whose first tokens were sampled on another engine: this
+    engine's step end times, then those tokens' times and a pad, so that one list of token
+    segments names both (the earlier tokens are the segment [-k - 1, k])."""
+
+    __slots__ = ("timeline", "earlier")
+
+    def __init__(self, timeline: Timeline, earlier: np.ndarray) -> None:
+        self.timeline = timeline
+        self.earlier = earlier
+
+    def end_times(self) -> np.ndarray:
+        return np.concatenate((self.timeline.end_times(), self.earlier, [np.nan]))
 
 
 class Engine:
@@ -219,14 +251,8 @@ class Engine:
 
         Raises EngineError on a non-positive length or count.
         """
-        if isinstance(prompt_text, str):
-            prompt_text = prompt_text.encode()
-        if prompt_text is not None and prompt_len is None:
-            prompt_len = len(prompt_text)
-        for name, v in (("prompt_len", prompt_len), ("max_output_tokens", max_output_tokens),
-                        ("count", count)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise EngineError(f"inject: {name} = {v!r}: must be a positive integer")
+        prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
+                                                    count)
         self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
                      priority=priority, count=count,
                      prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))
@@ -323,6 +349,74 @@ class Engine:
             return self.requests[req_id]
         except KeyError:
             raise UnknownRequestError(f"no request with id {req_id}") from None
+
+    # ============================================ hooks for sim.cluster (several instances)
+    # A deployment of several engines (replicas, a prefill/decode pair) routes arrivals itself,
+    # advances each engine one decision at a time, and moves requests between instances; these
+    # methods are the only ways it changes an engine.
+    def decide(self, until: float, max_steps: int) -> int:
+        """One scheduling decision: a step, a run of identical decode steps that ends at the
+        first step boundary at or after `until` (or after `max_steps` steps), or an idle advance
+        toward `until`. Returns the engine steps taken."""
+        return self._advance(until, max_steps)
+
+    def next_event(self) -> float:
+        """The time of the next arrival or client cancellation this engine knows of."""
+        return self._next_external()
+
+    def arrive_due(self) -> None:
+        """Apply the arrivals and client cancellations due by now, as the next decision would
+        first (a deployment looks at the engine's room after them)."""
+        if self._next_external() <= self.now:
+            self._arrive(self.now)
+
+    def idle_until(self, t: float) -> None:
+        """Move the clock of an engine with nothing to run forward to `t` (no-op if past it)."""
+        if t > self.now:
+            self._idle_to(t)
+
+    def receive(self, req: Request) -> None:
+        """A request routed here from outside, arriving at `req.arrival_time` (at or before
+        `now`): it joins the queue at this step boundary, or is rejected."""
+        self._on_arrival(req)
+
+    def hand_off(self, req: Request) -> list[int]:
+        """`req`, running with its prompt prefilled, leaves this engine for another: it leaves
+        the batch and this engine's pending cancellations and moves to TRANSFERRING. Its blocks
+        stay allocated (their K/V is being sent) until `handed_off`. Returns them."""
+        self.policy.remove(req)
+        req.transition(RS.TRANSFERRING)
+        if req.cancel_at is not None:
+            self._cancels = [c for c in self._cancels if c[1] != req.req_id]
+            heapq.heapify(self._cancels)
+        blocks, req.block_table = req.block_table, []
+        req.cached_upto = 0
+        return blocks
+
+    def handed_off(self, req: Request, blocks: list[int]) -> None:
+        """The K/V of `req`, handed off, has left (or the request was cancelled on its way):
+        free the `blocks` it held here and forget it."""
+        self.kv.pool.free(reversed(blocks))
+        self.requests.pop(req.req_id, None)
+        self._drop(req)
+
+    def take_over(self, req: Request, blocks: list[int]) -> None:
+        """`req`, handed off by another engine, joins this engine's running batch from the next
+        step, the K/V of its computed tokens in `blocks` (allocated here by the caller)."""
+        # Its earlier tokens are on the other engine's timeline: the segment naming them starts
+        # below 0, so no step here is adjacent to it and its next gap is timed from its last
+        # token (the hand-off included).
+        earlier = req.token_times()
+        req._timeline = _Continued(self.timeline, earlier)
+        req.token_segments = [[-len(earlier) - 1, len(earlier)]]
+        req.block_table = blocks
+        self.requests[req.req_id] = req
+        if req.cancel_at is not None:
+            heapq.heappush(self._cancels, (req.cancel_at, req.req_id))
+        req.transition(RS.RUNNING)
+        self.policy.running.append(req)
+        if self.prefix_caching:
+            self.kv.cache_full_blocks(req)
 
     # ============================================================ transitions used by policies
     def preempt(self, req: Request) -> None:
@@ -497,8 +591,11 @@ class Engine:
         for req, _ in sched:
             if req.state is not RS.RUNNING:
                 self._admit(req)
+        # (Swap copies still to make are charged to the next single step: a request can join a
+        # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
         if (out.decode_only and self.executor is None and self.skip_ahead and max_steps > 1
-                and policy.skip_ahead_safe and self.duration_override is None):
+                and policy.skip_ahead_safe and self.duration_override is None
+                and not (self._swap_out or self._swap_in)):
             return self._decode_run(sched, until, max_steps)
         return self._single_step(sched, len(policy.waiting))
 

@@ -132,6 +132,45 @@ class UserAction(Event):
     kind = "action"
 
 
+@dataclass(slots=True)
+class Route(Event):
+    """A deployment of several instances sent request `req_id` to instance `instance`; `why`
+    says by which rule (the router's, see sim.cluster)."""
+
+    req_id: int
+    instance: int
+    why: str = ""
+    kind = "route"
+
+
+@dataclass(slots=True)
+class Handoff(Event):
+    """Prefill/decode disaggregation: one step of request `req_id`'s hand-off.
+
+    `phase` "ready" (prefill instance): its first token is out, it left the prefill batch and
+    waits for room on the decode instance, its `blocks` blocks still held; "start" (decode
+    instance): `blocks` blocks are allocated for it there and its K/V is on the link until
+    `end`; "sent" (prefill instance): the transfer is over, its prefill blocks are freed;
+    "joined" (decode instance): it joined the decode batch.
+    """
+
+    req_id: int
+    phase: str
+    blocks: int = 0
+    end: float = 0.0
+    kind = "handoff"
+
+
+@dataclass(slots=True)
+class Stream(Event):
+    """In the session log of a deployment of several instances, the events that follow are
+    those of instance `instance` (-1: the deployment's own: routing, user actions, requests
+    cancelled between instances)."""
+
+    instance: int
+    kind = "stream"
+
+
 EVENT_TYPES = {cls.kind: cls for cls in
                (Arrival, Reject, Admit, Steps, FirstToken, Preempt, Finish, Cancel, UserAction,
-                Recomputed, Fork)}
+                Recomputed, Fork, Route, Handoff, Stream)}

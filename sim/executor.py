@@ -63,3 +63,14 @@ class Executor(Protocol):
     device: str
 
     def execute(self, work: StepWork) -> dict[int, int]: ...
+
+
+class HandoffExecutor(Executor, Protocol):
+    """An executor that can send a request's K/V to another executor's pool: each instance of a
+    disaggregated pair (`sim.cluster`) has its own executor, and when a request is handed from
+    the prefill instance to the decode instance, the decode side's `import_kv` stores into its
+    own blocks what the prefill side's `export_kv` read from its blocks (an opaque object)."""
+
+    def export_kv(self, req_id: int, block_ids: Sequence[int]) -> object: ...
+
+    def import_kv(self, req_id: int, block_ids: Sequence[int], transfer: object) -> None: ...

@@ -3,7 +3,9 @@ row per request, or the events as JSON lines.
 
 The Chrome trace has a process "requests" with one thread (track) per request: a `request` span
 from arrival to completion holding nested `queued`, `prefill` and `decode` spans (after a
-preemption, `queued` and `prefill` again, or `swapped` then `decode`); a process "engine" with a track of engine steps (a run of identical decode
+preemption, `queued` and `prefill` again, or `swapped` then `decode`; a disaggregated request's
+`handoff wait` and `kv transfer` between its prefill and its decode); a process "engine" (for a
+deployment of several, one per instance) with a track of engine steps (a run of identical decode
 steps is one span); and counters for KV blocks in use, batch size and queue length. Times are
 microseconds of simulated time.
 """
@@ -74,13 +76,34 @@ def _us(t: float) -> float:
     return round(t * 1e6, 3)
 
 
+def _streams(log: SessionLog, engine) -> list[tuple[int, list]]:
+    """(engine process id, events) of each stream of the log: one for a single engine; for a
+    deployment, each instance's (process 2 + its index), then the deployment's own (hand-offs
+    cancelled on their way close there, after the instances' events opened them)."""
+    parts = getattr(engine, "instances", None)
+    if parts is None:
+        return [(2, log.events)]
+    streams: dict[int, list] = {}
+    current: list = []
+    for e in log.events:
+        if e.kind == "stream":
+            current = streams.setdefault(e.instance, [])
+        else:
+            current.append(e)
+    return [(2 + i, streams.get(i, [])) for i in range(len(parts))] + [(2, streams.get(-1, []))]
+
+
 def to_chrome(log: SessionLog, engine) -> str:
-    """Chrome trace-event JSON for the session (engine: the replayed session)."""
-    out = [
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "requests"}},
-        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "engine"}},
-        {"ph": "M", "pid": 2, "tid": 0, "name": "thread_name", "args": {"name": "steps"}},
-    ]
+    """Chrome trace-event JSON for the session (engine: the replayed session, an Engine or a
+    deployment of several, whose instances get an engine process each)."""
+    parts = getattr(engine, "instances", None)
+    names = (["engine"] if parts is None else
+             [f"instance {i} ({role})" for i, role in enumerate(engine.roles)])
+    out = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "requests"}}]
+    for i, name in enumerate(names):
+        out += [{"ph": "M", "pid": 2 + i, "name": "process_name", "args": {"name": name}},
+                {"ph": "M", "pid": 2 + i, "tid": 0, "name": "thread_name",
+                 "args": {"name": "steps"}}]
 
     def span(pid, tid, name, t0, t1, args=None):
         e = {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": _us(t0),
@@ -91,7 +114,8 @@ def to_chrome(log: SessionLog, engine) -> str:
 
     # Per-request phases from the event stream: where each request is at each transition.
     phase_start: dict[int, tuple[str, float]] = {}
-    for e in log.events:
+    events = [(pid, e) for pid, stream in _streams(log, engine) for e in stream]
+    for pid, e in events:
         k = e.kind
         if k == "arrival":
             out.append({"ph": "M", "pid": 1, "tid": e.req_id, "name": "thread_name",
@@ -110,6 +134,11 @@ def to_chrome(log: SessionLog, engine) -> str:
             name, t0 = phase_start[e.req_id]
             span(1, e.req_id, name, t0, e.t)
             phase_start[e.req_id] = ("swapped" if e.mode == "swap" else "queued", e.t)
+        elif k == "handoff" and e.phase in ("ready", "start", "joined"):
+            name, t0 = phase_start[e.req_id]
+            span(1, e.req_id, name, t0, e.t)
+            phase_start[e.req_id] = ({"ready": "handoff wait", "start": "kv transfer",
+                                      "joined": "decode"}[e.phase], e.t)
         elif k in ("finish", "cancel", "reject"):
             if e.req_id in phase_start:
                 name, t0 = phase_start.pop(e.req_id)
@@ -121,25 +150,27 @@ def to_chrome(log: SessionLog, engine) -> str:
                 label = f"step {e.step}"
             else:
                 label = f"steps {e.step}..{e.step + len(ends) - 1} (decode x{len(ends)})"
-            span(2, 0, label, t0, float(ends[-1]),
+            span(pid, 0, label, t0, float(ends[-1]),
                  {"prefill_tokens": int(sum(c[2] for c in e.prefill)),
                   "decodes": len(e.decode), "steps": len(ends)})
             batch = len(e.prefill) + len(e.decode)
-            out.append({"ph": "C", "pid": 2, "name": "kv_used_blocks", "ts": _us(float(ends[-1])),
-                        "args": {"blocks": e.kv_used}})
-            out.append({"ph": "C", "pid": 2, "name": "batch_size", "ts": _us(t0),
+            out.append({"ph": "C", "pid": pid, "name": "kv_used_blocks",
+                        "ts": _us(float(ends[-1])), "args": {"blocks": e.kv_used}})
+            out.append({"ph": "C", "pid": pid, "name": "batch_size", "ts": _us(t0),
                         "args": {"sequences": batch}})
     for rid, (name, t0) in phase_start.items():  # requests still live when exported
         span(1, rid, name, t0, max(t0, log.footer["now"]))
-    # Queue length over time, from the replayed timeline (one point per run of steps).
-    tl = engine.timeline
-    if tl.n:
+    # Queue length over time, from the replayed timelines (one point per run of steps).
+    for pid, part in enumerate(parts or [engine], start=2):
+        tl = part.timeline
+        if not tl.n:
+            continue
         ends = tl.column("end")
         waiting = tl.column("waiting")
         change = np.flatnonzero(np.diff(waiting, prepend=-1))
         for i in change.tolist():
-            out.append({"ph": "C", "pid": 2, "name": "queue_length", "ts": _us(float(ends[i])),
-                        "args": {"waiting": int(waiting[i])}})
+            out.append({"ph": "C", "pid": pid, "name": "queue_length",
+                        "ts": _us(float(ends[i])), "args": {"waiting": int(waiting[i])}})
     # A parent span per request around its phases, so the phases nest.
     for r in engine.requests.values():
         end = r.finish_time if r.finish_time is not None else max(log.footer["now"],

@@ -18,6 +18,13 @@ Layout (each item one msgpack object, in this order):
    stood when it was exported, and its summary metrics;
 5. an end mark `{"crc", "n", "end": true}`, the last checkpoint, covering the footer.
 
+Since format 2, for a deployment of several instances (`sim.cluster`: replicas, or a disaggregated
+prefill/decode pair): the header adds `"cluster": {"mode", "router", "instances": [{"role",
+"policy"}, ...]}`; the events are one stream per source, each opened by a `stream` event naming
+it: first the deployment's own (-1: routing, user actions, cancellations between instances),
+then each instance's, in instance order, each in that instance's simulated-time order; the footer
+adds `"at": [[step, now], ...]`, where each instance stood. (Format 1 is format 2 without them.)
+
 A log is written to a temporary file in the target's directory and renamed into place, so an
 interrupted export never leaves a half-written log under the final name.
 """
@@ -39,7 +46,7 @@ from sim.fileio import atomic_open
 from sim.gcpause import paused_gc
 
 MAGIC = "servesim-log"
-FORMAT = 1
+FORMAT = 2
 CHECKPOINT_EVERY = 4096
 _END = object()
 _LE = np.dtype("<f8")
@@ -48,7 +55,7 @@ _F64 = struct.Struct("<d")
 # Codes are part of the format: new kinds get new codes at the end.
 KIND_CODE = {cls.kind: i for i, cls in enumerate(
     (ev.Arrival, ev.Reject, ev.Admit, ev.Steps, ev.FirstToken, ev.Preempt, ev.Finish, ev.Cancel,
-     ev.UserAction, ev.Recomputed, ev.Fork), start=1)}
+     ev.UserAction, ev.Recomputed, ev.Fork, ev.Route, ev.Handoff, ev.Stream), start=1)}
 CODE_CLASS = {code: ev.EVENT_TYPES[kind] for kind, code in KIND_CODE.items()}
 FIELDS = {code: [f.name for f in fields(cls)] for code, cls in CODE_CLASS.items()}
 _ARRAY_FIELDS = ("ends", "durs")  # stored as little-endian float64 bytes
@@ -130,12 +137,16 @@ def header_for(engine) -> dict:
     from sim import __version__
 
     sc = engine.scenario
-    return {
+    header = {
         "magic": MAGIC, "format": FORMAT, "servesim": __version__,
         "scenario": sc.to_dict(), "seed": sc.seed, "policy": engine.initial_policy,
         "compute": sc.to_dict()["compute"], "clock": engine.clock,
         "workload": _workload_header(engine.workload),
     }
+    cluster = getattr(engine, "log_header", None)  # a deployment of several instances
+    if cluster is not None:
+        header["cluster"] = cluster()
+    return header
 
 
 def write_log(path, engine, summary: dict | None = None) -> Path:
@@ -153,7 +164,8 @@ def write_log(path, engine, summary: dict | None = None) -> Path:
         with atomic_open(path, "wb") as fh, paused_gc():
             chunk = [packer.pack(header_for(engine))]
             n = 0
-            for e in engine.events:
+            streams = getattr(engine, "log_events", None)
+            for e in streams() if streams is not None else engine.events:
                 chunk.append(packer.pack(encode(e)))
                 n += 1
                 if n % CHECKPOINT_EVERY == 0:
@@ -161,8 +173,11 @@ def write_log(path, engine, summary: dict | None = None) -> Path:
                     fh.write(body)
                     fh.write(packer.pack({"crc": zlib.crc32(body), "n": n}))
                     chunk = []
-            chunk.append(packer.pack({"footer": True, "n": n, "step": engine.step_count,
-                                      "now": engine.now, "summary": summary}))
+            footer = {"footer": True, "n": n, "step": engine.step_count, "now": engine.now,
+                      "summary": summary}
+            if streams is not None:
+                footer["at"] = engine.position()
+            chunk.append(packer.pack(footer))
             body = b"".join(chunk)
             fh.write(body)
             fh.write(packer.pack({"crc": zlib.crc32(body), "n": n, "end": True}))

@@ -81,15 +81,39 @@ def pooled_itl(engine, t_from: float = -np.inf, t_to: float = np.inf):
 
 
 def summarize(engine) -> dict:
-    """The run's summary, shaped as `servesim sim --json` documents it."""
-    sc = engine.scenario
-    tl = engine.timeline
-    duration = engine.now
-    c = engine.counts
-    done = np.asarray(engine.done_stats, dtype=np.float64).reshape(-1, 5)
+    """The run's summary, shaped as `servesim sim --json` documents it. For a deployment of
+    several instances (`sim.cluster.Cluster`) the figures pool every instance's, and
+    `replicas` holds each instance's own summary."""
+    parts = getattr(engine, "instances", None)
+    if parts is None:
+        return _summary(engine, [engine])
+    out = _summary(engine, parts)
+    out["policy"] = engine.policy_label
+    out["deployment"] = {
+        "mode": engine.mode, "instances": len(parts),
+        "gpus": len(parts) * engine.scenario.model.tensor_parallel,
+        "router": engine.router.name if engine.router is not None else None}
+    # (wall time is the deployment's: its instances run interleaved)
+    out["replicas"] = [{"instance": i, "role": role, "routed": n, **summarize(e), "wall_s": None}
+                       for i, (e, role, n) in enumerate(zip(parts, engine.roles, engine.routed))]
+    if engine.disaggregated:
+        t = np.asarray(engine.transfers, dtype=np.float64).reshape(-1, 3)
+        out["transfers"] = {"count": len(t), "cancelled": engine.cancelled_in_transfer,
+                            "wait_ms": distribution_ms(t[:, 1] - t[:, 0]),
+                            "transfer_ms": distribution_ms(t[:, 2] - t[:, 1])}
+    return out
+
+
+def _summary(whole, parts: list) -> dict:
+    """The summary of `whole` (an engine, or a deployment) pooling its `parts` (engines)."""
+    sc = whole.scenario
+    duration = whole.now
+    c = whole.counts
+    done = np.asarray([x for e in parts for x in e.done_stats],
+                      dtype=np.float64).reshape(-1, 5)
     ttft_f, e2e, tpot, nout = done[:, 1], done[:, 2], done[:, 3], done[:, 4]
     finished = c["finished"]
-    finished_prompt = sum(engine.requests[i].prompt_len for i in _finished_ids(engine))
+    finished_prompt = sum(whole.requests[i].prompt_len for i in _finished_ids(whole))
     slo = sc.slo
     ok = np.ones(len(done), dtype=bool)
     if slo.ttft_ms:
@@ -98,54 +122,63 @@ def summarize(engine) -> dict:
         ok &= (tpot < 0) | (tpot * 1e3 <= slo.tpot_ms)
     if slo.e2e_ms:
         ok &= e2e * 1e3 <= slo.e2e_ms
-    dur = tl.column("dur")
-    used = tl.column("kv_used")
-    energy = float(tl.column("energy").sum()) + engine.cost.idle_energy(engine.idle_time)
+
+    def col(name):
+        return np.concatenate([e.timeline.column(name) for e in parts])
+
+    dur = col("dur")
+    used = col("kv_used")
+    batch = col("batch")
+    energy = sum(float(e.timeline.column("energy").sum()) + e.cost.idle_energy(e.idle_time)
+                 for e in parts)
     out_tokens = c["output_tokens"]
-    itl_v, itl_w = pooled_itl(engine)
+    itls = [pooled_itl(e) for e in parts]
+    itl_v = np.concatenate([v for v, _ in itls])
+    itl_w = np.concatenate([w for _, w in itls])
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
-    nb = engine.kv.num_blocks
+    nb = sum(e.kv.num_blocks for e in parts)
+    hit = sum(e.kv.hit_tokens for e in parts)
+    query = sum(e.kv.query_tokens for e in parts)
     return {
         "scenario": sc.name,
-        "policy": engine.policy.name,
+        "policy": whole.policy.name,
         "seed": sc.seed,
         "requests": {"total": c["arrived"], "finished": finished, "cancelled": c["cancelled"],
                      "rejected": c["rejected"]},
         "duration_s": duration,
-        "wall_s": engine.wall_s,
-        "steps": engine.step_count,
+        "wall_s": whole.wall_s,
+        "steps": whole.step_count,
         "throughput": {
             "requests_per_s": per_s(finished),
             "output_tokens_per_s": per_s(out_tokens),
             "total_tokens_per_s": per_s(finished_prompt + float(nout.sum())),
         },
-        "ttft_ms": distribution_ms(engine.ttfts),
+        "ttft_ms": distribution_ms([x for e in parts for x in e.ttfts]),
         "itl_ms": distribution_ms(itl_v, itl_w),
         "tpot_ms": distribution_ms(tpot[tpot >= 0]),
         "e2e_ms": distribution_ms(e2e),
-        "queue_ms": distribution_ms(engine.queue_waits),
+        "queue_ms": distribution_ms([x for e in parts for x in e.queue_waits]),
         "kv": {
             "total_blocks": nb,
-            "block_size": engine.block_size,
-            "peak_used_blocks": int(used.max()) if len(used) else 0,
+            "block_size": whole.block_size,
+            "peak_used_blocks": _peak_used(parts),
             "mean_usage": float((used * dur).sum() / nb / duration) if duration > 0 else 0.0,
-            "used_blocks_at_end": engine.kv.num_used_blocks,
+            "used_blocks_at_end": sum(e.kv.num_used_blocks for e in parts),
             # tokens held / slots reserved, averaged over time (PagedAttention paper, sec. 2.3)
             "token_state_share": (
-                1.0 - float((tl.column("kv_empty") * dur).sum())
-                / float((used * dur).sum() * engine.block_size)
+                1.0 - float((col("kv_empty") * dur).sum())
+                / float((used * dur).sum() * whole.block_size)
                 if float((used * dur).sum()) > 0 else None),
         },
-        "batch": {"mean": float(tl.column("batch").mean()) if tl.n else 0.0,
-                  "max": int(tl.column("batch").max()) if tl.n else 0},
+        "batch": {"mean": float(batch.mean()) if len(batch) else 0.0,
+                  "max": int(batch.max()) if len(batch) else 0},
         "preemptions": c["preemptions"],
         "swaps": c["swaps"],
         "prefix_cache": {
-            "enabled": engine.prefix_caching,
-            "hit_tokens": engine.kv.hit_tokens,
-            "query_tokens": engine.kv.query_tokens,
-            "hit_rate": (engine.kv.hit_tokens / engine.kv.query_tokens
-                         if engine.kv.query_tokens else 0.0),
+            "enabled": parts[0].prefix_caching,
+            "hit_tokens": hit,
+            "query_tokens": query,
+            "hit_rate": hit / query if query else 0.0,
         },
         "output_tokens": out_tokens,
         "goodput_requests_per_s": per_s(int(ok.sum())),
@@ -155,23 +188,48 @@ def summarize(engine) -> dict:
     }
 
 
+def _peak_used(parts) -> int:
+    """The most blocks in use at once over all `parts`, each holding its count from one step's
+    end to the next."""
+    if len(parts) == 1:
+        used = parts[0].timeline.column("kv_used")
+        return int(used.max()) if len(used) else 0
+    times, deltas = [], []
+    for e in parts:
+        used = e.timeline.column("kv_used").astype(np.int64)
+        times.append(e.timeline.column("end"))
+        deltas.append(np.diff(used, prepend=0))
+    order = np.argsort(np.concatenate(times), kind="stable")
+    total = np.cumsum(np.concatenate(deltas)[order])
+    return int(total.max()) if len(total) else 0
+
+
 def _finished_ids(engine):
     return (r.req_id for r in engine.requests.values() if r.state.value == "finished")
 
 
 def rolling(engine, window_s: float) -> dict:
-    """Live figures over the last `window_s` simulated seconds (for charts)."""
+    """Live figures over the last `window_s` simulated seconds (for charts), pooled over the
+    instances of a deployment."""
     now = engine.now
     t0 = now - window_s
-    times = engine.ttft_times
-    i = bisect.bisect_left(times, t0)
-    ttft = np.asarray(engine.ttfts[i:]) if i < len(times) else np.zeros(0)
-    itl_v, itl_w = pooled_itl(engine, t0, now)
-    tl = engine.timeline
-    ends = tl.column("end")
-    lo = int(np.searchsorted(ends, t0, side="left"))
-    sampled = int(tl.column("sampled")[lo:].sum())
-    batch = tl.column("batch")[lo:]
+    parts = getattr(engine, "instances", None) or [engine]
+    ttft, itl_v, itl_w, sampled, batch = [], [], [], 0, []
+    for e in parts:
+        i = bisect.bisect_left(e.ttft_times, t0)
+        ttft += e.ttfts[i:]
+        v, w = pooled_itl(e, t0, now)
+        itl_v.append(v)
+        itl_w.append(w)
+        tl = e.timeline
+        ends = tl.column("end")
+        lo = int(np.searchsorted(ends, t0, side="left"))
+        hi = int(np.searchsorted(ends, now, side="right"))
+        sampled += int(tl.column("sampled")[lo:hi].sum())
+        batch.append(tl.column("batch")[lo:hi])
+    ttft = np.asarray(ttft, dtype=np.float64)
+    itl_v, itl_w = np.concatenate(itl_v), np.concatenate(itl_w)
+    batch = np.concatenate(batch)
     t_p = weighted_quantiles(ttft, None, (50, 99)) if len(ttft) else [None, None]
     i_p = weighted_quantiles(itl_v, itl_w, (50, 99)) if itl_w.sum() else [None, None]
     ms = lambda x: None if x is None else x * 1e3  # noqa: E731
@@ -181,7 +239,8 @@ def rolling(engine, window_s: float) -> dict:
         "itl_p50_ms": ms(i_p[0]), "itl_p99_ms": ms(i_p[1]),
         "output_tokens_per_s": sampled / window_s if window_s > 0 else 0.0,
         "batch_mean": float(batch.mean()) if len(batch) else 0.0,
-        "kv_usage": engine.kv.num_used_blocks / engine.kv.num_blocks,
-        "waiting": len(engine.policy.waiting),
-        "running": len(engine.policy.running),
+        "kv_usage": (sum(e.kv.num_used_blocks for e in parts)
+                     / sum(e.kv.num_blocks for e in parts)),
+        "waiting": sum(len(e.policy.waiting) for e in parts),
+        "running": sum(len(e.policy.running) for e in parts),
     }

@@ -19,6 +19,7 @@ from sim.scenario import scenario_from_dict
 
 _ACTION = KIND_CODE["action"]
 _STEPS = KIND_CODE["steps"]
+_STREAM = KIND_CODE["stream"]
 
 
 class Replayer:
@@ -32,27 +33,56 @@ class Replayer:
             sc = scenario_from_dict(log.header["scenario"], source=log.path, check_workload=False)
         except ServesimError as e:
             raise LogError(f"{log.path}: the header's scenario does not load: {e}") from None
+        self._next = 0
+        self.end_step = int(log.footer["step"])
+        self.end_time = float(log.footer["now"])
+        if "cluster" in log.header:  # a deployment of several instances
+            self._init_cluster(sc, make_executor)
+            return
+        self.end_at = None
         executor = make_executor(sc) if make_executor else None
         self.engine = Engine(sc, policy=log.header["policy"], workload=log.workload(),
                              executor=executor, clock=log.header["clock"])
         if log.header["clock"] == "measured":
-            durs = [np.frombuffer(r[8], np.float64) for r in log.records
-                    if r[0] == _STEPS and r[8] is not None]
-            self.engine.duration_override = iter(
-                np.concatenate(durs).tolist() if durs else [])
+            self.engine.duration_override = _durations(log.records)
         self.actions = [decode(r) for r in log.records if r[0] == _ACTION]
-        self._next = 0
-        self.end_step = int(log.footer["step"])
-        self.end_time = float(log.footer["now"])
+
+    def _init_cluster(self, sc, make_executor) -> None:
+        from sim.cluster import Cluster
+
+        log = self.log
+        try:
+            self.engine = Cluster(sc, policy=log.header["policy"], workload=log.workload(),
+                                  make_executor=make_executor, clock=log.header["clock"])
+        except ServesimError as e:
+            raise LogError(f"{log.path}: the header's deployment does not load: {e}") from None
+        streams = _streams(log)
+        if sorted(streams) != list(range(-1, len(self.engine.instances))):
+            raise LogError(f"{log.path}: the log's streams {sorted(streams)} do not match its "
+                           f"{len(self.engine.instances)} instances")
+        if log.header["clock"] == "measured":
+            for i, e in enumerate(self.engine.instances):
+                e.duration_override = _durations(streams[i])
+        # The deployment's own actions; those its instances recorded follow from them.
+        self.actions = [decode(r) for r in streams[-1] if r[0] == _ACTION]
+        at = log.footer.get("at")
+        if not isinstance(at, list) or len(at) != len(self.engine.instances):
+            raise LogError(f"{log.path}: footer lacks where each instance stood ('at')")
+        self.end_at = at
 
     @property
     def done(self) -> bool:
+        if self.end_at is not None:
+            return (self._next >= len(self.actions)
+                    and self.engine.position() == [list(p) for p in self.end_at])
         return (self._next >= len(self.actions) and self.engine.step_count >= self.end_step
                 and self.engine.now >= self.end_time)
 
     def run_until(self, t: float, max_steps: int | None = None) -> int:
         """Advance toward simulated time `t` (never past the recorded end), applying recorded
         actions where they happened. Returns engine steps taken."""
+        if self.end_at is not None:
+            return self._run_cluster_until(t, max_steps)
         e = self.engine
         start = e.step_count
         t = min(t, self.end_time)
@@ -74,7 +104,39 @@ class Replayer:
             e.advance_to(self.end_step, t)
         return e.step_count - start
 
+    def _run_cluster_until(self, t: float, max_steps: int | None) -> int:
+        """`run_until` for a deployment: each action at the instances' recorded positions, and
+        no instance past the next action's position or the end."""
+        c = self.engine
+        start = c.step_count
+        t = min(t, self.end_time)
+        while self._next < len(self.actions) and self.actions[self._next].t <= t:
+            a = self.actions[self._next]
+            c.advance_to(a.args["at"])
+            c.apply_action(a.action, a.args)
+            self._next += 1
+        caps = (self.actions[self._next].args["at"] if self._next < len(self.actions)
+                else self.end_at)
+        left = None if max_steps is None else max(0, max_steps - (c.step_count - start))
+        if left != 0:
+            c.run_until(t, left, caps=caps)
+        within = max_steps is None or c.step_count - start < max_steps
+        if self._next >= len(self.actions) and t >= self.end_time and within:
+            c.advance_to(self.end_at)  # the instances' last idle stretches
+        return c.step_count - start
+
     def step(self) -> int:
+        if self.end_at is not None:
+            c = self.engine
+            if self._next < len(self.actions):
+                a = self.actions[self._next]
+                if [e.step_count for e in c.instances] == [p[0] for p in a.args["at"]]:
+                    c.advance_to(a.args["at"])
+                    c.apply_action(a.action, a.args)
+                    self._next += 1
+            caps = (self.actions[self._next].args["at"] if self._next < len(self.actions)
+                    else self.end_at)
+            return c.run_until(math.inf, 1, caps=caps)
         e = self.engine
         if self._next < len(self.actions):
             a = self.actions[self._next]
@@ -88,10 +150,38 @@ class Replayer:
 
     def run(self) -> None:
         """Replay the whole recorded session."""
+        if self.end_at is not None:
+            while self._next < len(self.actions):
+                a = self.actions[self._next]
+                self.engine.advance_to(a.args["at"])
+                self.engine.apply_action(a.action, a.args)
+                self._next += 1
+            self.engine.advance_to(self.end_at)
+            return
         self.run_until(math.inf)
         if self.engine.step_count != self.end_step:
             raise LogError(f"{self.log.path}: replay ended at step {self.engine.step_count}, "
                            f"the log at step {self.end_step}")
+
+
+def _durations(records):
+    """The measured step durations of a stream's `steps` records, in order (an iterator)."""
+    durs = [np.frombuffer(r[8], np.float64) for r in records if r[0] == _STEPS and r[8] is not None]
+    return iter(np.concatenate(durs).tolist() if durs else [])
+
+
+def _streams(log: SessionLog) -> dict[int, list]:
+    """A deployment's log records by stream (-1: the deployment's own; then each instance)."""
+    out: dict[int, list] = {}
+    current = None
+    for r in log.records:
+        if r[0] == _STREAM:
+            current = out.setdefault(int(r[2]), [])
+        elif current is None:
+            raise LogError(f"{log.path}: an event before the first stream mark")
+        else:
+            current.append(r)
+    return out
 
 
 @dataclass
@@ -124,8 +214,9 @@ def verify(log: SessionLog, make_executor=None) -> tuple[Replayer, Divergence | 
         r.run()
     except ServesimError:
         pass  # a divergence shows in the comparison below
+    events = r.engine.log_events() if r.end_at is not None else r.engine.events
     with paused_gc():
-        got = [encode(e) for e in r.engine.events]
+        got = [encode(e) for e in events]
     want = log.records
     if got == want:  # the common case, compared in C
         return r, None

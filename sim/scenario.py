@@ -1,7 +1,7 @@
 """Scenario files: the schema, loading, `--set` overrides and every check made at load time.
 
 A scenario is a TOML file with top-level `name`, `description`, `seed` and the sections
-`[model]`, `[hardware]`, `[kv]`, `[scheduler]`, `[workload]`, `[slo]`, `[compute]`. Every field is
+`[model]`, `[hardware]`, `[kv]`, `[scheduler]`, `[workload]`, `[slo]`, `[compute]`, `[cluster]`. Every field is
 declared once below with its type and bounds; an unknown key, a wrong type or an out-of-range
 value raises ScenarioError naming the file, the field and the value.
 """
@@ -21,6 +21,9 @@ from sim.errors import ScenarioError
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DEFAULT_SCENARIO = "chat"
+# `scheduler.policy` values that name a deployment of several instances rather than one policy
+# (sim.cluster builds them).
+DEPLOYMENT_POLICIES = ("disaggregated",)
 
 
 def _f(default, *, min=None, max=None, gt=None, choices=None, pow2=False, kind=None, doc=""):
@@ -86,7 +89,8 @@ class KVConfig:
 
 @dataclass
 class SchedulerConfig:
-    policy: str = _f("chunked", kind="policy")
+    policy: str = _f("chunked", kind="policy",
+                     doc="or `disaggregated`: a prefill and a decode instance (2 GPUs)")
     max_num_seqs: int = _f(256, min=1)
     max_num_batched_tokens: int = _f(2048, min=1)
     preemption: str = _f("recompute", choices=["recompute", "swap"],
@@ -369,10 +373,11 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     if m.get("kind") == "policy":
         from sim.policies import POLICIES
 
-        if value not in POLICIES:
+        known = [*POLICIES, *DEPLOYMENT_POLICIES]
+        if value not in known:
             raise ScenarioError(
-                f"{where} = {shown!r}: unknown policy (known: {', '.join(POLICIES)})"
-                f"{_suggest(value, POLICIES)}"
+                f"{where} = {shown!r}: unknown policy (known: {', '.join(known)})"
+                f"{_suggest(value, known)}"
             )
     if m.get("choices") is not None and value not in m["choices"]:
         options = ", ".join(repr(c) for c in m["choices"])
@@ -454,6 +459,7 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     if w.arrival != "trace" and not w.num_requests and not w.duration_s:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")
+    _check_cluster(sc)
     from sim.costmodel import CostModel  # the model derives the pool size
 
     cm = CostModel(sc)
@@ -482,6 +488,18 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         )
 
 
+def _check_cluster(sc: Scenario) -> None:
+    """Deployments of several instances: the combinations not modeled. (A disaggregated pair
+    with cluster.replicas > 1 is refused when it is built: `servesim compare` runs the other
+    policies on that many replicas and the pair on its two instances.)"""
+    src, cl = sc.source, sc.cluster
+    disagg = sc.scheduler.policy == "disaggregated"
+    if (disagg or cl.replicas > 1) and sc.workload.num_samples > 1:
+        raise ScenarioError(
+            f"{src}: workload.num_samples = {sc.workload.num_samples}: parallel sampling is not "
+            "modeled across several instances (cluster.replicas > 1 or disaggregated)")
+
+
 def schema_markdown() -> str:
     """The scenario reference as Markdown tables, one per section (the README embeds it)."""
     out = []
@@ -495,7 +513,7 @@ def schema_markdown() -> str:
                 notes.append("one of " + ", ".join(f"`{c!r}`" if c != "" else '`""`'
                                                     for c in m["choices"]))
             if m.get("kind") == "policy":
-                notes.append("a policy name")
+                notes.insert(0, "a policy name")
             if m.get("kind") == "dist":
                 notes.append("a number or a distribution table")
             for key, word in (("min", ">="), ("gt", ">"), ("max", "<=")):

@@ -204,11 +204,11 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     """Run one scenario headless: its metric columns plus `wall_s` (build, run and summary).
 
     Raises ServesimError when the run fails (an engine that stalls, an unreadable trace)."""
-    from sim.engine import Engine
+    from sim.cluster import build
     from sim.metrics import summarize
 
     t0 = time.perf_counter()
-    engine = Engine(sc, record_events=False)
+    engine = build(sc, record_events=False)
     engine.run()
     row = flatten(summarize(engine))
     row["wall_s"] = time.perf_counter() - t0

@@ -27,11 +27,12 @@ def workload_of(rows, hash_ids=None) -> Workload:
                     cancel_at=np.array([r[4] for r in rows], dtype=float), hash_ids=hash_ids)
 
 
-def check_invariants(engine: Engine) -> None:
+def check_invariants(engine: Engine, held=()) -> None:
     """Blocks owned by requests are exactly the used blocks, each owned once (or shared with a
-    matching reference count), and every live request's table covers its computed tokens."""
+    matching reference count), and every live request's table covers its computed tokens.
+    `held`: blocks held outside any request's table (a deployment's hand-offs)."""
     pool = engine.kv.pool
-    owners = Counter()
+    owners = Counter(held)
     live = list(engine.policy.running) + list(engine.policy.waiting)
     host_owners = Counter()
     for r in live:
@@ -69,6 +70,37 @@ def check_invariants(engine: Engine) -> None:
         assert r.state is RequestState.RUNNING
     for r in engine.policy.waiting:
         assert r.state in (RequestState.WAITING, RequestState.PREEMPTED, RequestState.SWAPPED)
+
+
+def check_cluster_invariants(cluster) -> None:
+    """`check_invariants` on every instance, each block held for a hand-off counted once on
+    its side, and every live request in exactly one place: an instance's queue or batch, or
+    between the two instances of a disaggregated pair."""
+    inside = {}
+    for rid, src, dst in cluster.handoff_blocks():
+        r = cluster.requests[rid]
+        if r.state is RequestState.TRANSFERRING:
+            inside[rid] = "handoff"
+            assert r.block_table == [] and r.host_table == [], r
+            assert src or dst, r
+            need = -(-r.num_computed_tokens // cluster.block_size)
+            assert len(src) in (0, need) and len(dst) in (0, need), (r, src, dst)
+        else:  # it joined the decode batch; the prefill side has not freed its blocks yet
+            assert r.state is not RequestState.WAITING and not dst, r
+    holds = [[], []]
+    for rid, src, dst in cluster.handoff_blocks():
+        holds[0] += src
+        holds[1] += dst
+    for i, e in enumerate(cluster.instances):
+        check_invariants(e, holds[i] if cluster.disaggregated else ())
+        for r in list(e.policy.running) + list(e.policy.waiting):
+            assert r.req_id not in inside, r
+            inside[r.req_id] = i
+    for rid, r in cluster.requests.items():
+        if r.state.is_done:
+            assert r.block_table == [] and r.host_table == [] and rid not in inside, r
+        else:
+            assert rid in inside, r
 
 
 def expand_steps(engine: Engine) -> list[tuple]:

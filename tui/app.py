@@ -22,11 +22,12 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
-from sim import POLICIES, Engine, ServesimError, rolling
+from sim import POLICIES, Engine, ServesimError, build, rolling
 from sim.workload import sample_lengths
 from tui import keymap
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
-                         InjectSpec, RequestTable, StatusHeader)
+                         InjectSpec, InstanceRows, RequestTable, StatusHeader)
+from tui.widgets.instances import instance_tags
 
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
 MIN_SPEED, MAX_SPEED = 1 / 64, 4096.0
@@ -143,7 +144,9 @@ class EngineDriver:
 
 
 class Dashboard(App[int]):
-    """The servesim dashboard over one engine (live) or one replayer (`--replay`)."""
+    """The servesim dashboard over one engine or one deployment of several (`sim.Cluster`:
+    its instances get a row each, the queues and the event log say where each request is),
+    live or through a replayer (`--replay`)."""
 
     CSS_PATH = "dashboard.tcss"
     TITLE = "servesim"
@@ -167,7 +170,13 @@ class Dashboard(App[int]):
         self.log_dir = Path(log_dir).resolve()
         self.selected_id: int | None = None
         self.snap = None
+        self.clustered = hasattr(self.engine, "instances")
         self._event_i = max(0, len(self.engine.events) - self.EVENTS_AT_START)
+        self._event_at: dict[int, int] = {}  # a deployment's: events listed, per stream
+        self._tags: list[str] = []
+        if self.clustered:
+            for i, events in self.engine.tagged_events():
+                self._event_at[i] = max(0, len(events) - self.EVENTS_AT_START)
         self._chart_key = None
         self._table: RequestTable | None = None
         self._error_shown = False
@@ -182,6 +191,7 @@ class Dashboard(App[int]):
                 yield RequestTable("waiting")
                 yield RequestTable("recent")
             with Vertical(id="right"):
+                yield InstanceRows(id="instances")
                 yield BlockMap(id="kv")
                 yield Charts(self.CHART_WINDOW_S, id="charts")
         yield EventLog(id="events")
@@ -195,6 +205,13 @@ class Dashboard(App[int]):
         self.block_map = self.query_one(BlockMap)
         self.charts = self.query_one(Charts)
         self.event_log = self.query_one(EventLog)
+        self.instance_rows = self.query_one(InstanceRows)
+        self.instance_rows.display = self.clustered
+        if self.clustered:
+            with self.driver.lock:
+                self._tags = instance_tags(self.engine.snapshot().instances)
+            for table in self.tables.values():
+                table.set_tags(self._tags)
         self._fit(self.size.width, self.size.height)
         self.refresh_frame()
         self.sample_charts()
@@ -227,8 +244,14 @@ class Dashboard(App[int]):
             return
         try:
             snap = self.engine.snapshot()
-            new_events = self.engine.events[self._event_i:]
-            self._event_i += len(new_events)
+            if self.clustered:
+                new_events = []
+                for i, events in self.engine.tagged_events():
+                    new_events += [(i, e) for e in events[self._event_at[i]:]]
+                    self._event_at[i] = len(events)
+            else:
+                new_events = self.engine.events[self._event_i:]
+                self._event_i += len(new_events)
             info = HeaderInfo(self.engine.scenario.name, snap.policy, self.compute, snap.now,
                               snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished)
             error = d.error
@@ -240,7 +263,11 @@ class Dashboard(App[int]):
                            ("recent", snap.recent)):
             self.tables[kind].update_rows(rows, snap.now)
         self.block_map.show(snap, self.selected_id)
-        self.event_log.add_events(new_events)
+        if self.clustered:
+            self.instance_rows.show(snap)
+            self.event_log.add_tagged(new_events, self._tags)
+        else:
+            self.event_log.add_events(new_events)
         if error and not self._error_shown:
             self._error_shown = True
             self.notify(f"the engine stopped: {error}", severity="error", timeout=30)
@@ -369,10 +396,23 @@ class Dashboard(App[int]):
     def action_slower(self) -> None:
         self._set_speed(self.driver.speed / 2)
 
+    def action_next_instance(self) -> None:
+        """Show the next instance's KV blocks (a deployment of several)."""
+        if not self.clustered:
+            self.notify("one engine: there is no other instance", severity="warning")
+            return
+        with self.driver.lock:
+            e = self.engine
+            e.focus = (e.focus + 1) % len(e.instances)
+            self._note(f"KV block map: instance {self._tags[e.focus]}")
+        self._changed()
+
     def action_cycle_policy(self) -> None:
         if self._read_only():
             return
-        names = list(POLICIES)
+        # (a disaggregated pair's instances grow block tables as they go: no contiguous)
+        names = [n for n in POLICIES
+                 if not (getattr(self.engine, "disaggregated", False) and n == "contiguous")]
         with self.driver.lock:
             current = self.engine.policy.name
             new = names[(names.index(current) + 1) % len(names)]
@@ -410,8 +450,7 @@ def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
         app = Dashboard(replayer=Replayer(read_log(replay)), replay_name=Path(replay).name,
                         speed=speed)
     else:
-        executor = make_executor(scenario) if make_executor is not None else None
-        app = Dashboard(Engine(scenario, executor=executor), speed=speed)
+        app = Dashboard(build(scenario, make_executor=make_executor), speed=speed)
     try:
         app.run()
     finally:

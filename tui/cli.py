@@ -13,10 +13,10 @@ import math
 import sys
 from pathlib import Path
 
-from sim import Engine, ServesimError, load_scenario, summarize
+from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
 from sim.policies import POLICIES
-from sim.scenario import bundled_scenarios
+from sim.scenario import DEPLOYMENT_POLICIES, bundled_scenarios
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,8 +81,19 @@ def make_executor(scenario):
             "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
 
 
-def build_engine(scenario, policy: str | None = None, **kw) -> Engine:
-    return Engine(scenario, policy=policy, executor=make_executor(scenario), **kw)
+def build_engine(scenario, policy: str | None = None, **kw):
+    """What the scenario deploys (`sim.build`: an Engine, or a Cluster of several), each
+    instance with the real-compute executor `[compute]` asks for."""
+    return build(scenario, policy=policy, make_executor=make_executor, **kw)
+
+
+def summary_columns(summary: dict, name: str) -> dict[str, dict]:
+    """Table columns for one run: the run itself, and each instance of a deployment."""
+    out = {name: summary}
+    for r in summary.get("replicas", ()):
+        label = f"r{r['instance']}" if r["role"] == "replica" else r["role"]
+        out[label] = r
+    return out
 
 
 # --- formatting ---------------------------------------------------------------------------------
@@ -163,23 +174,26 @@ def cmd_sim(args) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(f"{sc.name}: {sc.description}")
-        print(format_table({engine.policy.name: summary}))
+        print(format_table(summary_columns(summary, summary["policy"])))
     return 0
 
 
 def cmd_compare(args) -> int:
     sc = _scenario(args)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    known = [*POLICIES, *DEPLOYMENT_POLICIES]
     for n in names:
-        if n not in POLICIES:
-            raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(POLICIES)})")
+        if n not in known:
+            raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
     from sim.workload import build_workload
 
     workload = build_workload(sc)  # one trace, every policy
     out = {}
     for n in names:
-        engine = Engine(sc, policy=n, workload=workload, executor=make_executor(sc),
-                        record_events=False)
+        # A disaggregated pair is one prefill and one decode instance whatever cluster.replicas
+        # says, so that it can be compared with that many replicas of another policy.
+        run_sc = _one_pair(sc) if n == "disaggregated" else sc
+        engine = build_engine(run_sc, policy=n, workload=workload, record_events=False)
         engine.run()
         out[n] = summarize(engine)
     if args.json:
@@ -188,6 +202,14 @@ def cmd_compare(args) -> int:
         print(f"{sc.name}: {len(workload)} requests, the same trace under each policy")
         print(format_table(out))
     return 0
+
+
+def _one_pair(sc):
+    import copy
+
+    sc = copy.deepcopy(sc)
+    sc.cluster.replicas = 1
+    return sc
 
 
 def cmd_scenarios(args) -> int:
@@ -232,7 +254,7 @@ def cmd_replay(args) -> int:
         if args.verify and div is None:
             print(f"{args.log}: replay verified: {len(log.records):,} events identical")
         elif not args.verify:
-            print(format_table({engine.policy.name: summary}))
+            print(format_table(summary_columns(summary, summary["policy"])))
     if div is not None:
         print(f"servesim: replay diverged at {div.describe()}", file=sys.stderr)
         return 1
@@ -312,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("run", help="open the live dashboard on a scenario")
     _add_scenario_args(s, optional=True)
-    s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
+    s.add_argument("--policy", choices=[*POLICIES, *DEPLOYMENT_POLICIES],
+                   help="override scheduler.policy")
     s.add_argument("--speed", type=float, default=1.0,
                    help="simulated seconds per wall second (default 1)")
     s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"], default="auto",
@@ -322,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("sim", help="run a scenario headless and print its metrics")
     _add_scenario_args(s)
-    s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
+    s.add_argument("--policy", choices=[*POLICIES, *DEPLOYMENT_POLICIES],
+                   help="override scheduler.policy")
     s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
                    help="override compute.backend")
     s.add_argument("--json", action="store_true", help="print one JSON object")

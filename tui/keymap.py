@@ -36,6 +36,8 @@ APP_KEYS = (
     Key("c", "cancel", "Cancel", "cancel the selected request (waiting or running)"),
     Key("C", "cancel_waiting", "Cancel queue", "cancel every waiting request", "C"),
     Key("p", "cycle_policy", "Policy", "switch to the next scheduling policy (from the next step)"),
+    Key("r", "next_instance", "Instance",
+        "several instances: show the next one's KV blocks in the block map", show=False),
     Key("e", "export", "Export",
         "export the session log (msgpack); `servesim run --replay LOG` plays it back"),
     Key("q", "quit", "Quit", "quit"),

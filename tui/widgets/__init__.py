@@ -7,7 +7,8 @@ from tui.widgets.eventlog import EventLog
 from tui.widgets.header import HeaderInfo, StatusHeader
 from tui.widgets.help import HelpScreen
 from tui.widgets.inject_dialog import InjectDialog, InjectSpec
+from tui.widgets.instances import InstanceRows
 from tui.widgets.queues import RequestTable
 
 __all__ = ["BlockMap", "Charts", "EventLog", "HeaderInfo", "StatusHeader", "HelpScreen",
-           "InjectDialog", "InjectSpec", "RequestTable"]
+           "InjectDialog", "InjectSpec", "InstanceRows", "RequestTable"]

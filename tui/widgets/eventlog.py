@@ -17,7 +17,7 @@ MAX_PER_UPDATE = 200  # at high speed, list only the newest of a refresh's event
 TAG_COLORS = {
     "arrival": "#61afef", "admit": "#98c379", "first_token": "#56b6c2", "finish": "#7ec699",
     "cancel": "#e5c07b", "preempt": "#e06c75", "reject": "#ff5f5f", "action": "#c678dd",
-    "note": "#a0a1ff",
+    "note": "#a0a1ff", "route": "#d19a66", "handoff": "#ff79c6",
 }
 
 
@@ -44,6 +44,17 @@ def _arrival(e) -> str:
     return text + (" (injected)" if e.injected else "")
 
 
+def _handoff(e) -> str:
+    if e.phase == "ready":
+        return f"#{e.req_id} first token: leaves prefill, waits for decode room ({e.blocks} blocks)"
+    if e.phase == "start":
+        return (f"#{e.req_id} K/V transfer of {e.blocks} blocks, "
+                f"{(e.end - e.t) * 1e3:,.2f} ms")
+    if e.phase == "sent":
+        return f"#{e.req_id} transfer done: prefill frees {e.blocks} blocks"
+    return f"#{e.req_id} joined the decode batch"
+
+
 DESCRIBE = {
     "arrival": _arrival,
     "reject": lambda e: f"#{e.req_id} rejected: {e.reason}",
@@ -53,6 +64,8 @@ DESCRIBE = {
     "finish": lambda e: f"#{e.req_id} finished",
     "cancel": lambda e: f"#{e.req_id} cancelled while {e.state} (by {e.by})",
     "action": lambda e: f"{_action_text(e.action, e.args)} (step {e.step})",
+    "route": lambda e: f"#{e.req_id} -> instance {e.instance} ({e.why})",
+    "handoff": _handoff,
 }
 
 
@@ -80,11 +93,28 @@ class EventLog(ScrollView, can_focus=False):
             text = describe(e)
             if text is not None:
                 rows.append((e.t, e.kind, text))
+        self.add_rows(rows)
+
+    def add_rows(self, rows) -> None:
+        """(time, kind, text) lines; the newest MAX_PER_UPDATE are kept."""
         if len(rows) > MAX_PER_UPDATE:
             skipped = len(rows) - MAX_PER_UPDATE
             rows = rows[-MAX_PER_UPDATE:]
             rows.insert(0, (rows[0][0], "note", f"... {skipped:,} earlier events not listed"))
         self._extend(rows)
+
+    def add_tagged(self, pairs, tags: list[str]) -> None:
+        """List the new events of a deployment: (instance, event) pairs, instance -1 being the
+        deployment's own (its routing and the user's actions), each line tagged with where it
+        happened, in time order."""
+        rows = []
+        for i, e in sorted(pairs, key=lambda p: p[1].t):
+            if i >= 0 and e.kind == "action":
+                continue  # the deployment's own line says it once
+            text = describe(e)
+            if text is not None:
+                rows.append((e.t, e.kind, f"{tags[i]} {text}" if i >= 0 else text))
+        self.add_rows(rows)
 
     def add_note(self, t: float, text: str) -> None:
         """A line of the dashboard's own (pause, speed, export)."""

@@ -32,6 +32,8 @@ class Column:
 
 
 def _phase(r: RequestView, now: float) -> str:
+    if r.state == "transferring":
+        return "K/V to decode"
     if r.is_prefill:
         return f"prefill {r.num_computed_tokens}/{r.prompt_len + r.num_output_tokens}"
     return f"decode {r.num_output_tokens}/{r.max_output_tokens}"
@@ -97,7 +99,15 @@ class RequestTable(ScrollView, can_focus=True):
         self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
         self._styles: dict[str, Style] = {}
         self._view = None  # what the last repaint showed
+        self._tags: list[str] | None = None
         self.border_title = TITLES[kind]
+
+    def set_tags(self, tags: list[str]) -> None:
+        """A deployment of several instances: each id is shown after its instance's tag."""
+        self._tags = tags
+        first = Column("id", max(len(t) for t in tags) + 6, _ID.cell)
+        self.columns = (first, *COLUMNS[self.kind][1:])
+        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
 
     @property
     def selected_id(self) -> int | None:
@@ -179,7 +189,8 @@ class RequestTable(ScrollView, can_focus=True):
         cells = [c.cell(r, self.now) for c in self.columns[1:]]
         rest = " ".join(t.ljust(c.width) if c.left else t.rjust(c.width)
                         for c, t in zip(self.columns[1:], cells))
-        return str(r.req_id).rjust(self.columns[0].width), " " + rest
+        rid = str(r.req_id) if self._tags is None else f"{self._tags[r.replica]}:{r.req_id}"
+        return rid.rjust(self.columns[0].width), " " + rest
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width

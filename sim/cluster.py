@@ -1,0 +1,714 @@
+"""Deployments of several engines: replicas behind a router (`[cluster]`), or a prefill/decode
+pair (`scheduler.policy = "disaggregated"`, as in DistServe and Splitwise).
+
+Each instance is a whole `Engine` (one modeled GPU, or `tensor_parallel` of them) with its own
+clock, block pool, policy, timeline and event stream. The instances interact only here: the
+router sends each arrival to one replica, and a disaggregated request is handed from the
+prefill instance to the decode instance after its first token.
+
+Lockstep. Every instance advances one scheduling decision at a time (a step, a run of identical
+decode steps, or an idle advance), and the one whose clock is furthest behind goes next, so that
+when an instance decides at its step boundary `b`, everything the others can send it with a time
+at or before `b` has already been sent. An instance's decision is bounded by the next thing that
+can reach it (the next arrival, hand-off or cancellation, or the earliest time another instance
+could still send it something), so a run of decode steps ends at the first step boundary at or
+after it, and a delivery lands there, as a request reaching a real instance mid-step waits for
+the step to end. An arrival is routed once every busy replica has reached its first step
+boundary at or after the arrival's time (an idle one simply jumps there). Where an instance's
+boundaries fall does not depend on how a caller slices time, so sliced and unsliced runs give the
+same event streams.
+
+Disaggregation. The prefill instance schedules as `chunked`. A request that samples its first
+token leaves its batch (TRANSFERRING) and waits, holding its prefill blocks, until the decode
+instance has room for it (an empty queue there, free blocks for its context above the
+watermark, a free sequence slot). Then the decode instance allocates those blocks and the K/V
+travels for `context tokens * kv_bytes_per_token / tensor_parallel / (kv_link_gbps * 1e9)`
+seconds (each transfer has the whole link; concurrent transfers are not modeled as sharing it).
+When it has arrived, the decode instance takes the request into its batch at its next step
+boundary and the prefill instance frees its blocks at its own; a cancellation in between frees
+both sides. With real compute the K/V is copied from the prefill executor's pool to the decode
+executor's (`export_kv` / `import_kv`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim import events as ev
+from sim.costmodel import CostModel
+from sim.engine import Engine, EngineSnapshot, _view, checked_injection
+from sim.errors import EngineError, ScenarioError, UnknownRequestError
+from sim.gcpause import paused_gc
+from sim.policies import POLICIES
+from sim.request import Request, RequestState
+from sim.routers import ROUTERS
+from sim.workload import Workload, build_workload
+
+RS = RequestState
+INF = math.inf
+
+
+def build(scenario, *, policy: str | None = None, make_executor=None,
+          workload: Workload | None = None, record_events: bool = True,
+          skip_ahead: bool = True, clock: str | None = None):
+    """What the scenario deploys: a plain `Engine` for one instance, else a `Cluster`.
+
+    `make_executor(scenario)`, when given, builds the real-compute executor of each instance.
+    Raises ScenarioError on a deployment that is not modeled.
+    """
+    name = policy or scenario.scheduler.policy
+    if name == "disaggregated" or scenario.cluster.replicas > 1:
+        return Cluster(scenario, policy=policy, make_executor=make_executor, workload=workload,
+                       record_events=record_events, skip_ahead=skip_ahead, clock=clock)
+    return Engine(scenario, policy=policy, workload=workload,
+                  executor=make_executor(scenario) if make_executor else None,
+                  record_events=record_events, skip_ahead=skip_ahead, clock=clock)
+
+
+# ================================================================================ disaggregation
+class PrefillEngine(Engine):
+    """The prefill instance of a disaggregated pair: a request that samples its first token
+    leaves the batch at once for the decode instance (`on_first_token`)."""
+
+    def __init__(self, scenario, *, on_first_token, **kw) -> None:
+        super().__init__(scenario, **kw)
+        self.on_first_token = on_first_token
+
+    def _single_step(self, sched, num_waiting: int) -> int:
+        n = super()._single_step(sched, num_waiting)
+        for req, _ in sched:
+            # Nothing decodes here, so one output token means it was sampled in this step.
+            if req.num_output_tokens == 1 and req.state is RS.RUNNING:
+                self.on_first_token(req)
+        return n
+
+
+@dataclass(slots=True, eq=False)
+class Handoff:
+    """One request on its way from the prefill instance to the decode instance."""
+
+    req: Request
+    ready: float                     # its first token's time: it left the prefill batch
+    src: list[int]                   # its blocks on the prefill instance, held until `end`
+    start: float | None = None       # the decode instance allocated `dst`; the K/V is on the link
+    end: float | None = None
+    dst: list[int] = field(default_factory=list)
+    sent: bool = False               # the prefill instance has freed `src`
+    joined: bool = False             # the decode instance took it into its batch
+
+
+@dataclass(slots=True)
+class InstanceView:
+    """One instance's line on a screen."""
+
+    index: int
+    role: str                # "replica", "prefill", "decode"
+    policy: str
+    now: float
+    step: int
+    running: int
+    waiting: int
+    used_blocks: int
+    num_blocks: int
+    output_tokens: int
+    finished: int
+    routed: int              # requests routed to it (or handed to it)
+
+
+@dataclass(slots=True)
+class ClusterSnapshot(EngineSnapshot):
+    """An EngineSnapshot of the whole deployment (queues merged, `replica` set on each view;
+    the block map is instance `focus`'s) plus a line per instance."""
+
+    instances: list = field(default_factory=list)
+    focus: int = 0
+    transferring: int = 0    # requests between the prefill and the decode instance
+
+
+# ======================================================================================= cluster
+class Cluster:
+    """Several engines advanced in lockstep (see the module docstring), with the Engine's public
+    surface: `run`, `run_until`, `step`, `done`, `now`, `inject`, `cancel`, `cancel_waiting`,
+    `switch_policy`, `snapshot`, `events` (the deployment's own), `counts`, `requests`, `get`,
+    `scenario`; `summarize` and the session logs take it as they take an Engine.
+    """
+
+    RECENT = Engine.RECENT
+
+    def __init__(self, scenario, *, policy: str | None = None, make_executor=None,
+                 workload: Workload | None = None, record_events: bool = True,
+                 skip_ahead: bool = True, clock: str | None = None) -> None:
+        name = policy or scenario.scheduler.policy
+        self.disaggregated = name == "disaggregated"
+        n = 2 if self.disaggregated else scenario.cluster.replicas
+        if self.disaggregated and scenario.cluster.replicas > 1:
+            raise ScenarioError(
+                f"{scenario.source}: cluster.replicas = {scenario.cluster.replicas}: "
+                "scheduler.policy = \"disaggregated\" runs one prefill and one decode instance;"
+                " set cluster.replicas = 1")
+        if scenario.workload.num_samples > 1:
+            raise ScenarioError("workload.num_samples > 1: parallel sampling is not modeled "
+                                "across several instances")
+        self.scenario = scenario
+        self.mode = "disaggregated" if self.disaggregated else "replicas"
+        self.initial_policy = name
+        self.workload = workload if workload is not None else build_workload(scenario)
+        self.record_events = record_events
+        w = self.workload
+        empty = Workload(arrival=np.zeros(0), prompt=np.zeros(0, np.int64),
+                         output=np.zeros(0, np.int64), priority=np.zeros(0, np.int64),
+                         cancel_at=np.zeros(0), hash_ids=None, hash_block_size=w.hash_block_size,
+                         prefix_tokens=w.prefix_tokens)
+        me = weakref.proxy(self)  # no cluster <-> engine cycle (runs pause the cyclic collector)
+        self.instances: list[Engine] = []
+        for i in range(n):
+            kw = dict(policy="chunked" if self.disaggregated else name, workload=empty,
+                      executor=make_executor(scenario) if make_executor else None,
+                      record_events=record_events, skip_ahead=skip_ahead, clock=clock)
+            if self.disaggregated and i == 0:
+                e = PrefillEngine(scenario, on_first_token=me._on_first_token, **kw)
+            else:
+                e = Engine(scenario, **kw)
+            self.instances.append(e)
+        # One table of prefix chain ids for every instance, so that a request's block keys mean
+        # the same on each (the router compares them, a hand-off carries them).
+        for e in self.instances[1:]:
+            e.kv._chains = self.instances[0].kv._chains
+        self.roles = ["prefill", "decode"] if self.disaggregated else ["replica"] * n
+        self.router = None if self.disaggregated else ROUTERS[scenario.cluster.router](
+            scenario.cluster)
+        self.clock = self.instances[0].clock
+        self.executor = self.instances[0].executor
+        self.block_size = scenario.kv.block_size
+        self.events: list[ev.Event] = []
+        self.requests: dict[int, Request] = {}
+        self.routed = [0] * n  # requests sent to each instance (routed, or handed off)
+        self.wall_s = 0.0
+        self.focus = 0  # the instance whose block map a snapshot carries
+        # The workload, routed here (the instances' own workloads are empty).
+        self._w_arrival = w.arrival.tolist()
+        self._w_next = 0
+        self._next_id = len(w)
+        self._injected = 0
+        # Disaggregation: hand-offs waiting for room on the decode instance (in order), in
+        # flight toward it (end, id) and not yet freed on the prefill instance (end, id).
+        self._handoffs: dict[int, Handoff] = {}
+        self._ready: deque[Handoff] = deque()
+        self._inbound: list[tuple[float, int]] = []
+        self._unsent: list[tuple[float, int]] = []
+        self._cancels: list[tuple[float, int]] = []  # client cancels of requests in hand-off
+        self.transfers: list[tuple[float, float, float]] = []  # (ready, start, end) of each
+        # (steps, clock) at which an instance found nothing it could schedule; cleared by any
+        # delivery, after which it may again.
+        self._stuck: list[tuple | None] = [None] * n
+        self.cancelled_in_transfer = 0
+        if self.disaggregated:
+            cost = CostModel(scenario)
+            self._s_per_token = (cost.kv_bytes_per_token / cost.tp
+                                 / (scenario.scheduler.kv_link_gbps * 1e9))
+            watermark = scenario.scheduler.watermark
+            self._reserve = int(watermark * scenario.kv.num_blocks)
+
+    # ============================================================================ public API
+    @property
+    def prefill(self) -> Engine:
+        return self.instances[0]
+
+    @property
+    def decode(self) -> Engine:
+        return self.instances[1]
+
+    @property
+    def policy(self):
+        """The first instance's policy (every instance runs the same one)."""
+        return self.instances[0].policy
+
+    @property
+    def policy_label(self) -> str:
+        p = self.instances[0].policy.name
+        if self.disaggregated:
+            return "disaggregated" if p == "chunked" else f"disaggregated ({p})"
+        return f"{p} x{len(self.instances)} ({self.router.name})"
+
+    @property
+    def now(self) -> float:
+        """The simulated time up to which the whole deployment has run: the clock of the busy
+        instance furthest behind (or, when none is busy, the latest clock)."""
+        busy = [e.now for i, e in enumerate(self.instances) if self._busy(i)]
+        return min(busy) if busy else max(e.now for e in self.instances)
+
+    @property
+    def step_count(self) -> int:
+        return sum(e.step_count for e in self.instances)
+
+    @property
+    def counts(self) -> dict:
+        """The instances' counters summed; `arrived` and `injected` count each request once."""
+        out: dict = {}
+        for e in self.instances:
+            for k, v in e.counts.items():
+                out[k] = out.get(k, 0) + v
+        out["injected"] = self._injected
+        out["cancelled"] += self.cancelled_in_transfer
+        return out
+
+    @property
+    def done(self) -> bool:
+        return (self._w_next >= len(self._w_arrival) and not self._handoffs
+                and all(e.done for e in self.instances))
+
+    def position(self) -> list[list]:
+        """Where each instance stands: [steps run, clock]."""
+        return [[e.step_count, e.now] for e in self.instances]
+
+    def get(self, req_id: int) -> Request:
+        try:
+            return self.requests[req_id]
+        except KeyError:
+            raise UnknownRequestError(f"no request with id {req_id}") from None
+
+    def step(self) -> int:
+        """One decision of the instance furthest behind. Returns engine steps taken."""
+        with paused_gc():
+            n = self._decide(INF, 1)
+            self._global()
+        return n or 0
+
+    def run(self, max_steps: int | None = None) -> int:
+        """Run until every request has ended; then every instance's clock is brought to the
+        latest (the deployment's duration)."""
+        n = self.run_until(INF, max_steps)
+        if self.done:
+            end = max(e.now for e in self.instances)
+            for e in self.instances:
+                e.idle_until(end)
+        return n
+
+    def run_until(self, t: float, max_steps: int | None = None, *,
+                  caps: list | None = None) -> int:
+        """Run every instance to its first step boundary at or after `t` (idle ones to `t`).
+        `caps` ([steps, clock] per instance, a replay's) are positions no instance passes.
+        Returns the engine steps taken."""
+        start = self.step_count
+        budget = max_steps if max_steps is not None else 1 << 62
+        t0 = time.perf_counter()
+        stalls, before = 0, None
+        with paused_gc():
+            n = 0
+            while self.step_count - start < budget:
+                n = self._decide(t, budget - (self.step_count - start), caps)
+                if n is None:
+                    break
+                key = (self.step_count, tuple(e.now for e in self.instances), self._w_next,
+                       len(self._ready), len(self._inbound), len(self._unsent))
+                stalls = stalls + 1 if key == before else 0
+                before = key
+                if stalls > 3:
+                    raise EngineError(f"deployment stalled at t={self.now:.6f}")
+            self._global()
+            if n is None and math.isfinite(t) and caps is None:
+                for i, e in enumerate(self.instances):
+                    if not self._busy(i):
+                        e.idle_until(t)
+        self.wall_s += time.perf_counter() - t0
+        return self.step_count - start
+
+    def advance_to(self, at: list) -> None:
+        """Bring every instance to exactly `at` ([steps, clock] each; a recorded action's).
+        Raises EngineError if the run cannot land there."""
+        self.run_until(INF, caps=at)
+        for (step, t), e in zip(at, self.instances):
+            if e.step_count == step and e.now < t and not e.policy.has_work():
+                e.idle_until(t)
+        if self.position() != [list(p) for p in at]:
+            raise EngineError(f"replay diverged: expected instances at {at}, "
+                              f"got {self.position()}")
+
+    def inject(self, prompt_len: int | None = None, max_output_tokens: int = 128, *,
+               priority: int = 0, prompt_text: str | bytes | None = None,
+               count: int = 1) -> list[int]:
+        """Add `count` requests arriving now, each routed at once. Returns their ids.
+        Raises EngineError on a non-positive length or count."""
+        prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
+                                                    count)
+        self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
+                     priority=priority, count=count,
+                     prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))
+        now = self.now
+        ids = []
+        for _ in range(count):
+            req = Request(self._next_id, now, prompt_len, max_output_tokens, priority=priority,
+                          prompt_text=prompt_text, injected=True)
+            self._next_id += 1
+            self._injected += 1
+            self._route(req)
+            ids.append(req.req_id)
+        return ids
+
+    def cancel(self, req_id: int) -> None:
+        """Cancel a request in any live state (TRANSFERRING included). Raises
+        UnknownRequestError / EngineError."""
+        req = self.requests.get(req_id)
+        if req is None:
+            raise UnknownRequestError(f"cancel: no request with id {req_id}")
+        if req.state.is_done:
+            raise EngineError(f"cancel: request {req_id} is already {req.state.value}")
+        self._action("cancel", req_id=req_id)
+        h = self._handoffs.get(req_id)
+        if h is not None and not h.joined:
+            self._cancel_handoff(h, self.now, "user")
+        else:
+            self.instances[req.replica].cancel(req_id)
+
+    def cancel_waiting(self) -> list[int]:
+        """Cancel every queued request on every instance. Returns their ids."""
+        self._action("cancel_waiting")
+        ids = []
+        for e in self.instances:
+            ids += e.cancel_waiting()
+        return ids
+
+    def switch_policy(self, name: str) -> None:
+        """Every instance hands its queue and batch to policy `name` from its next step."""
+        if name not in POLICIES or (self.disaggregated and name == "contiguous"):
+            known = [p for p in POLICIES if not (self.disaggregated and p == "contiguous")]
+            raise EngineError(f"switch_policy: {name!r} is not a policy for this deployment "
+                              f"(known: {', '.join(known)})")
+        self._action("switch_policy", policy=name, previous=self.policy.name)
+        for e in self.instances:
+            e.switch_policy(name)
+
+    # Re-apply a recorded user action (replay): the Engine's dispatch, over this class's
+    # methods (a deployment's actions also carry the instances' positions, `at`, unused here).
+    apply_action = Engine.apply_action
+
+    def snapshot(self, with_tokens: bool = False,
+                 waiting_limit: int | None = None) -> ClusterSnapshot:
+        """The deployment's queues merged (each view's `replica` says where it is; at most
+        `waiting_limit` queued per instance), the block map of instance `focus`, and a line per
+        instance."""
+        snaps = [e.snapshot(with_tokens, waiting_limit) for e in self.instances]
+        for i, s in enumerate(snaps):
+            for v in (*s.waiting, *s.running, *s.recent):
+                v.replica = i
+        running = [v for s in snaps for v in s.running]
+        for h in self._handoffs.values():
+            v = _view(h.req, with_tokens)
+            v.replica = 1 if h.start is not None else 0
+            v.num_blocks = len(h.src) + len(h.dst)
+            running.append(v)
+        recent = sorted((v for s in snaps for v in s.recent),
+                        key=lambda v: -(v.finish_time or 0.0))[:self.RECENT]
+        f = snaps[self.focus]
+        owner = f.block_owner
+        for h in self._handoffs.values():  # blocks held for a hand-off are its request's
+            held = (h.src if self.focus == 0 and not h.sent else []) + (
+                h.dst if self.focus == 1 and not h.joined else [])
+            if held:
+                owner[held] = h.req.req_id
+        views = [InstanceView(i, self.roles[i], e.policy.name, e.now, e.step_count,
+                              len(e.policy.running), len(e.policy.waiting),
+                              e.kv.num_used_blocks, e.kv.num_blocks,
+                              e.counts["output_tokens"], e.counts["finished"], self.routed[i])
+                 for i, e in enumerate(self.instances)]
+        return ClusterSnapshot(
+            now=self.now, step=self.step_count, policy=self.policy_label, done=self.done,
+            waiting=[v for s in snaps for v in s.waiting], running=running, recent=recent,
+            num_blocks=f.num_blocks, block_size=f.block_size, used_blocks=f.used_blocks,
+            block_owner=owner, block_refs=f.block_refs, free_cached_blocks=f.free_cached_blocks,
+            token_slots_used=f.token_slots_used, counters=self.counts,
+            block_cached=f.block_cached, num_waiting=sum(s.num_waiting for s in snaps),
+            instances=views, focus=self.focus, transferring=len(self._handoffs))
+
+    def tagged_events(self):
+        """Every stream as (instance, events): the deployment's own (-1), then each
+        instance's."""
+        yield -1, self.events
+        for i, e in enumerate(self.instances):
+            yield i, e.events
+
+    def log_events(self):
+        """The events as a session log stores them: each stream opened by a `stream` event."""
+        for i, events in self.tagged_events():
+            yield ev.Stream(0.0, i)
+            yield from events
+
+    def log_header(self) -> dict:
+        return {"mode": self.mode,
+                "router": self.router.name if self.router is not None else None,
+                "instances": [{"role": r, "policy": self.initial_policy
+                               if not self.disaggregated else "chunked"} for r in self.roles]}
+
+    # ============================================================================== lockstep
+    def _action(self, action: str, **args) -> None:
+        self._unstick()  # the action may give a stuck instance something it can schedule
+        if self.record_events:
+            args["at"] = self.position()
+            self.events.append(ev.UserAction(self.now, self.step_count, action, args))
+
+    def _busy(self, i: int) -> bool:
+        """Whether instance `i` has anything to do: requests, or a hand-off to serve."""
+        if self.instances[i].policy.has_work():
+            return True
+        if not self.disaggregated:
+            return False
+        return bool(self._unsent) if i == 0 else bool(self._ready or self._inbound)
+
+    def _horizon(self, i: int) -> float:
+        """A time before which instance `i` cannot send another instance anything."""
+        e = self.instances[i]
+        if e.policy.has_work() and self._stuck[i] != (e.step_count, e.now):
+            return e.now
+        # Idle, or stuck (nothing fits until blocks come back): it acts again when something
+        # reaches it.
+        nxt = min(self._next_arrival(), e.next_event(),
+                  self._cancels[0][0] if self._cancels else INF)
+        if i == 0:
+            nxt = min(nxt, self._unsent[0][0] if self._unsent else INF)
+        else:  # it starts transfers when hand-offs reach it, or room frees up
+            nxt = min(nxt, self._ready[0].ready if self._ready else INF,
+                      self._inbound[0][0] if self._inbound else INF)
+        return max(nxt, e.now)  # at its next boundary, at the earliest where it is
+
+    def _next_arrival(self) -> float:
+        return self._w_arrival[self._w_next] if self._w_next < len(self._w_arrival) else INF
+
+    def _bound(self, i: int, until: float, frozen=()) -> float:
+        """How far instance `i` may run before something can reach it (`frozen` instances, at
+        a replay's recorded position, send nothing more before it)."""
+        b = min(until, self._cancels[0][0] if self._cancels else INF)
+        if i == 0 or not self.disaggregated:
+            b = min(b, self._next_arrival())
+        if self.disaggregated:
+            other = 1 - i
+            if self._busy(other) and other not in frozen:
+                b = min(b, self._horizon(other))
+            if i == 0:
+                b = min(b, self._unsent[0][0] if self._unsent else INF)
+            else:
+                b = min(b, self._inbound[0][0] if self._inbound else INF)
+                e = self.instances[1]
+                for h in self._ready:  # the next hand-off not yet due here
+                    if h.ready > e.now:
+                        b = min(b, h.ready)
+                        break
+        return b
+
+    def _global(self) -> None:
+        """Route the arrivals and apply the client cancellations (of requests between two
+        instances) that every instance concerned has reached, in time order."""
+        routes = range(1) if self.disaggregated else range(len(self.instances))
+        while True:
+            ta = self._next_arrival()
+            tc = self._cancels[0][0] if self._cancels else INF
+            t = min(ta, tc)
+            if t == INF:
+                return
+            concerned = routes if ta <= tc else range(len(self.instances))
+            if any(self.instances[i].now < t and self._busy(i) for i in concerned):
+                return
+            if ta <= tc:
+                self._arrive(self._w_next)
+            else:
+                _, rid = heapq.heappop(self._cancels)
+                h = self._handoffs.get(rid)
+                if h is not None and not h.joined:  # (once joined, its instance cancels it)
+                    self._cancel_handoff(h, t, "client")
+
+    def _decide(self, until: float, max_steps: int, caps: list | None = None) -> int | None:
+        """One decision of the instance furthest behind that may decide: its steps (0 for an
+        idle advance), or None when no instance has anything to do before `until` (or within
+        `caps`)."""
+        self._global()
+        engines = self.instances
+        delivered = False
+        # Instances at a replay's recorded position: they take no further decision, and what
+        # they sent before it has all been sent.
+        frozen = () if caps is None else {
+            i for i, (e, (step, t)) in enumerate(zip(engines, caps))
+            if e.step_count > step or (e.step_count == step and e.now >= t)}
+        for i in sorted(range(len(engines)), key=lambda i: (engines[i].now, i)):
+            e = engines[i]
+            if e.now >= until or not self._busy(i) or i in frozen:
+                continue
+            j = 1 - i
+            if (self.disaggregated and self._busy(j) and j not in frozen
+                    and self._horizon(j) < e.now):
+                continue  # the other may still send it something from before its clock
+            steps, idle_cap = max_steps, INF
+            if caps is not None:
+                cap_step, cap_now = caps[i]
+                steps = min(steps, cap_step - e.step_count)
+                if steps == 0:
+                    # At its recorded step with its clock behind the recorded one: it found
+                    # nothing to schedule meanwhile (a step now would be a divergence).
+                    steps, idle_cap = 1, cap_now
+            e.arrive_due()  # (a cancellation here may make room for a hand-off)
+            delivered |= self._deliver(i)
+            bound = min(self._bound(i, until, frozen), idle_cap)
+            if e.policy.has_work():
+                before = (e.step_count, e.now, e.counts["preemptions"], e.counts["cancelled"])
+                n = e.decide(bound, steps)
+                if n or before != (e.step_count, e.now, e.counts["preemptions"],
+                                   e.counts["cancelled"]):
+                    self._stuck[i] = None
+                    return n
+                # Nothing fits (its blocks wait on a hand-off): it is stuck, and idles until
+                # something can reach it while the other goes.
+                self._stuck[i] = (e.step_count, e.now)
+                bound = min(bound, e.next_event())
+            if e.now < bound < INF:
+                e.idle_until(bound)
+                return 0
+        # A delivery that let no instance move yet still changed what the others may do.
+        return 0 if delivered else None
+
+    # ================================================================================ routing
+    def _arrive(self, i: int) -> None:
+        """Workload request `i` arrives: route it."""
+        w = self.workload
+        self._w_next += 1
+        c = float(w.cancel_at[i])
+        req = Request(i, self._w_arrival[i], int(w.prompt[i]), int(w.output[i]),
+                      priority=int(w.priority[i]),
+                      hash_ids=w.hash_ids[i] if w.hash_ids else None,
+                      cancel_at=None if c != c else c)
+        if w.prefix_group is not None:
+            req.shared_prefix = (int(w.prefix_group[i]), w.prefix_tokens)
+        self._route(req)
+
+    def _route(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        if self.router is None:
+            k, why = 0, "prefill"
+        else:
+            k, why = self.router.choose(req, self.instances)
+        req.replica = k
+        self.routed[k] += 1
+        if self.record_events:
+            self.events.append(ev.Route(req.arrival_time, req.req_id, k, why))
+        e = self.instances[k]
+        e.idle_until(req.arrival_time)  # an idle instance jumps to the arrival
+        e.receive(req)
+        self._unstick()
+
+    # ========================================================================= disaggregation
+    def _on_first_token(self, req: Request) -> None:
+        """The prefill instance sampled `req`'s first token: it leaves for the decode side."""
+        p = self.prefill
+        h = Handoff(req, p.now, p.hand_off(req))
+        self._handoffs[req.req_id] = h
+        self._ready.append(h)
+        if req.cancel_at is not None:
+            heapq.heappush(self._cancels, (req.cancel_at, req.req_id))
+        if self.record_events:
+            p.events.append(ev.Handoff(p.now, req.req_id, "ready", len(h.src)))
+
+    def _deliver(self, i: int) -> bool:
+        """What instance `i` finds at its step boundary: transfers that ended, and (the decode
+        instance) hand-offs it now has room for. Returns whether there was any."""
+        if not self.disaggregated:
+            return False
+        e = self.instances[i]
+        done = False
+        if i == 0:
+            while self._unsent and self._unsent[0][0] <= e.now:
+                _, rid = heapq.heappop(self._unsent)
+                self._send(self._handoffs[rid])
+                done = True
+            if done:
+                self._unstick()
+            return done
+        while self._inbound and self._inbound[0][0] <= e.now:
+            done = True
+            _, rid = heapq.heappop(self._inbound)
+            h = self._handoffs[rid]
+            h.joined = True
+            req = h.req
+            req.replica = 1
+            self.routed[1] += 1
+            e.take_over(req, h.dst)
+            if self.record_events:
+                e.events.append(ev.Handoff(e.now, req.req_id, "joined", len(h.dst)))
+            self._forget(h)
+        cfg = self.scenario.scheduler
+        while self._ready and self._ready[0].ready <= e.now:
+            h = self._ready[0]
+            need = len(h.src)
+            if (e.policy.waiting or e.kv.num_free_blocks - need < self._reserve
+                    or len(e.policy.running) + len(self._inbound) >= cfg.max_num_seqs):
+                break
+            self._ready.popleft()
+            self._start(h, e)
+            done = True
+        if done:
+            self._unstick()
+        return done
+
+    def _unstick(self) -> None:
+        self._stuck = [None] * len(self.instances)
+
+    def _start(self, h: Handoff, d: Engine) -> None:
+        req = h.req
+        h.dst = d.kv.pool.allocate(len(h.src))
+        h.start = d.now
+        h.end = d.now + req.num_computed_tokens * self._s_per_token
+        p = self.prefill
+        if p.executor is not None:  # the K/V really moves
+            d.executor.import_kv(req.req_id, h.dst, p.executor.export_kv(req.req_id, h.src))
+        heapq.heappush(self._inbound, (h.end, req.req_id))
+        heapq.heappush(self._unsent, (h.end, req.req_id))
+        self.transfers.append((h.ready, h.start, h.end))
+        if self.record_events:
+            d.events.append(ev.Handoff(d.now, req.req_id, "start", len(h.dst), h.end))
+
+    def _send(self, h: Handoff) -> None:
+        """The prefill side of a finished transfer: free its blocks."""
+        p = self.prefill
+        h.sent = True
+        p.handed_off(h.req, h.src)
+        if self.record_events:
+            p.events.append(ev.Handoff(p.now, h.req.req_id, "sent", len(h.src)))
+        self._forget(h)
+
+    def _forget(self, h: Handoff) -> None:
+        if h.sent and h.joined:
+            del self._handoffs[h.req.req_id]
+
+    def _cancel_handoff(self, h: Handoff, t: float, by: str) -> None:
+        """Cancel a request between the two instances: free its blocks on both sides."""
+        req = h.req
+        rid = req.req_id
+        if h.start is None:
+            self._ready.remove(h)
+        else:
+            self._inbound = [x for x in self._inbound if x[1] != rid]
+            heapq.heapify(self._inbound)
+            self.decode.kv.pool.free(reversed(h.dst))
+        if not h.sent:
+            self._unsent = [x for x in self._unsent if x[1] != rid]
+            heapq.heapify(self._unsent)
+            self.prefill.handed_off(req, h.src)
+        del self._handoffs[rid]
+        self._cancels = [x for x in self._cancels if x[1] != rid]
+        heapq.heapify(self._cancels)
+        self._unstick()
+        req.transition(RS.CANCELLED)
+        req.cancelled_in = RS.TRANSFERRING
+        req.finish_time = t
+        self.cancelled_in_transfer += 1
+        if self.record_events:
+            self.events.append(ev.Cancel(t, rid, RS.TRANSFERRING.value, by))
+
+    def handoff_blocks(self) -> list[tuple[int, list[int], list[int]]]:
+        """(request id, prefill blocks still held, decode blocks held before it joined) of every
+        request between the two instances (for invariant checks)."""
+        return [(rid, [] if h.sent else h.src, [] if h.joined else h.dst)
+                for rid, h in self._handoffs.items()]

@@ -1,0 +1,474 @@
+"""Deployments of several engines: prefill/decode disaggregation (hand-off timing, blocks on
+both sides, cancellation in every state, real K/V copied between executors) and replicas behind
+a router (each router's rule, pooled metrics, prefix affinity); for both, identical event streams
+however time is sliced, and session logs that replay and verify."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim import Cluster, Engine, build, summarize
+from sim.errors import ScenarioError
+from sim.kv import blocks_for
+from sim.log import encode, read_log, write_log
+from sim.replay import verify
+from sim.request import RequestState as S
+from tests.helpers import check_cluster_invariants, small_scenario, workload_of
+from tui.cli import main, make_executor
+
+DISAGG = 'scheduler.policy="disaggregated"'
+
+
+def streams(c) -> list:
+    return [(i, [encode(e) for e in events]) for i, events in c.tagged_events()]
+
+
+def step_all(c) -> int:
+    n = 0
+    while not c.done:
+        c.step()
+        check_cluster_invariants(c)
+        n += 1
+    return n
+
+
+def handoff_events(c, rid: int) -> dict:
+    out = {}
+    for i, events in c.tagged_events():
+        for e in events:
+            if e.kind == "handoff" and e.req_id == rid:
+                out[e.phase] = (i, e)
+    return out
+
+
+# ================================================================================ disaggregation
+def test_build_gives_a_plain_engine_for_one_instance():
+    assert type(build(small_scenario())) is Engine
+    assert isinstance(build(small_scenario("cluster.replicas=2")), Cluster)
+    c = build(small_scenario(DISAGG))
+    assert isinstance(c, Cluster) and c.roles == ["prefill", "decode"]
+    with pytest.raises(ScenarioError, match="replicas = 2"):
+        build(small_scenario(DISAGG, "cluster.replicas=2"))
+    with pytest.raises(ScenarioError, match="num_samples"):
+        small_scenario("cluster.replicas=2", "workload.num_samples=2")
+
+
+@pytest.mark.parametrize("tp, gbps", [(1, 50.0), (2, 50.0), (1, 5.0)])
+def test_handoff_takes_context_bytes_over_the_link(tp, gbps):
+    sc = small_scenario(DISAGG, f"model.tensor_parallel={tp}", f"scheduler.kv_link_gbps={gbps}")
+    c = build(sc, workload=workload_of([(0.0, 1000, 20)]))
+    P, D = c.instances
+    seen_both = False
+    while not c.done:
+        c.step()
+        check_cluster_invariants(c)
+        [h] = c._handoffs.values() or [None]
+        if h is not None and h.start is not None and not h.sent and not h.joined:
+            # in flight: its K/V has blocks on both sides
+            assert P.kv.num_used_blocks == D.kv.num_used_blocks == blocks_for(1000, 16)
+            seen_both = True
+    assert seen_both
+    ev = handoff_events(c, 0)
+    kv_bytes = 2 * sc.model.num_layers * sc.model.num_kv_heads * sc.model.head_dim * 2
+    transfer = 1000 * kv_bytes / tp / (gbps * 1e9)
+    (_, ready), (_, start), (_, sent), (_, joined) = (ev[k] for k in
+                                                      ("ready", "start", "sent", "joined"))
+    assert ev["ready"][0] == ev["sent"][0] == 0 and ev["start"][0] == ev["joined"][0] == 1
+    assert start.end - start.t == pytest.approx(transfer, rel=1e-12)
+    assert start.t == ready.t  # the decode instance was idle: it had room at once
+    assert sent.t >= start.end and joined.t >= start.end
+    r = c.get(0)
+    # TTFT is the prefill instance's first token; the first gap includes the hand-off
+    assert r.first_token_time == ready.t and r.ttft == ready.t
+    times = r.token_times()
+    assert len(times) == 20 and times[0] == ready.t
+    assert times[1] - times[0] > transfer
+    assert summarize(c)["itl_ms"]["max"] == pytest.approx(np.diff(times).max() * 1e3)
+    assert P.kv.num_used_blocks == D.kv.num_used_blocks == 0
+
+
+def test_prefill_side_frees_its_blocks_only_when_the_transfer_ends():
+    sc = small_scenario(DISAGG, "scheduler.kv_link_gbps=0.5")  # a slow link: a wide window
+    c = build(sc, workload=workload_of([(0.0, 600, 30), (0.0, 500, 30)]))
+    P = c.prefill
+    held_until = {}
+    while not c.done:
+        c.step()
+        check_cluster_invariants(c)
+        for rid, h in c._handoffs.items():
+            if not h.sent:
+                assert all(P.kv.pool.ref_cnt[b] == 1 for b in h.src)
+                held_until[rid] = P.now
+    for rid in (0, 1):
+        start = handoff_events(c, rid)["start"][1]
+        sent = handoff_events(c, rid)["sent"][1]
+        assert held_until[rid] <= start.end <= sent.t  # held while in flight, freed after
+
+
+def test_transfer_waits_for_room_on_the_decode_instance():
+    # A pool that holds one request's context at a time (plus the watermark): the second
+    # request waits, holding its prefill blocks, until the first has finished decoding.
+    sc = small_scenario(DISAGG, "kv.num_blocks=70", "scheduler.watermark=0")
+    c = build(sc, workload=workload_of([(0.0, 600, 40), (0.0, 600, 40)]))
+    step_all(c)
+    first, second = handoff_events(c, 0), handoff_events(c, 1)
+    assert second["ready"][1].t < second["start"][1].t
+    finish0 = next(e.t for e in c.decode.events if e.kind == "finish" and e.req_id == 0)
+    assert second["start"][1].t >= finish0 > first["start"][1].t
+    assert c.counts["finished"] == 2
+
+
+CATEGORIES = ("waiting", "prefilling", "decoding", "preempted", "swapped", "handoff-wait",
+              "handoff-flight")
+
+
+def category(c, r) -> str | None:
+    h = c._handoffs.get(r.req_id)
+    if r.state is S.TRANSFERRING:
+        return "handoff-wait" if h.start is None else "handoff-flight"
+    if r.state is S.RUNNING:
+        return "decoding" if r.replica == 1 else ("prefilling" if r.num_computed_tokens else None)
+    return {S.WAITING: "waiting", S.PREEMPTED: "preempted", S.SWAPPED: "swapped"}.get(r.state)
+
+
+PRESSURE = (DISAGG, "kv.num_blocks=60", "kv.block_size=16", "scheduler.max_num_batched_tokens=64",
+            'scheduler.preemption="swap"', "kv.swap_space_gb=0.02", "scheduler.kv_link_gbps=0.3")
+ROWS = [(0.01 * i, 150 + 37 * (i % 7), 40 + 23 * (i % 5)) for i in range(14)]
+
+
+def check_all_returned(c) -> None:
+    for e in c.instances:
+        assert e.kv.num_free_blocks == e.kv.num_blocks
+        assert e.kv.host is None or e.kv.host.num_free == e.kv.host.num_blocks
+    assert all(r.state.is_done for r in c.requests.values())
+
+
+def run_with_cancels(plan) -> Cluster:
+    """A disaggregated pair under memory pressure; `plan` is (step, category) pairs: at that
+    step, cancel a live request in that state if there is one."""
+    c = build(small_scenario(*PRESSURE), workload=workload_of(ROWS))
+    todo = sorted(plan)
+    n = 0
+    while not c.done:
+        c.step()
+        n += 1
+        check_cluster_invariants(c)
+        while todo and todo[0][0] <= n:
+            _, want = todo.pop(0)
+            for r in c.requests.values():
+                if not r.state.is_done and category(c, r) == want:
+                    c.cancel(r.req_id)
+                    check_cluster_invariants(c)
+                    break
+    check_all_returned(c)
+    return c
+
+
+def test_cancel_in_every_state_returns_every_block_once():
+    # each state's first request is cancelled (by the user) and the rest run on
+    c = build(small_scenario(*PRESSURE), workload=workload_of(ROWS + [
+        (0.3 + 0.01 * i, 170 + 29 * (i % 5), 60) for i in range(14)]))
+    hit = {}
+    while not c.done:
+        c.step()
+        check_cluster_invariants(c)
+        for r in list(c.requests.values()):
+            cat = None if r.state.is_done else category(c, r)
+            if cat is not None and cat not in hit:
+                held = [e.kv.num_used_blocks for e in c.instances]
+                c.cancel(r.req_id)
+                hit[cat] = r.req_id
+                check_cluster_invariants(c)
+                assert r.state is S.CANCELLED and r.block_table == r.host_table == []
+                if cat.startswith("handoff"):
+                    assert r.cancelled_in is S.TRANSFERRING
+                    assert [e.kv.num_used_blocks for e in c.instances] < held
+    assert set(hit) == set(CATEGORIES)
+    assert c.cancelled_in_transfer == 2
+    check_all_returned(c)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600), st.sampled_from(CATEGORIES)), max_size=12))
+def test_cancels_at_random_return_every_block_once(plan):
+    run_with_cancels(plan)
+
+
+def test_real_compute_matches_the_plain_engine_and_the_kv_really_moves(monkeypatch):
+    rows = [(0.0, 40, 12), (0.0, 75, 10), (0.01, 130, 9), (0.02, 33, 14), (0.03, 200, 8)]
+    sc = small_scenario('compute.backend="numpy"', "compute.verify_every=2")
+    ref = Engine(sc, workload=workload_of(rows), executor=make_executor(sc))
+    ref.run()
+    dsc = small_scenario('compute.backend="numpy"', "compute.verify_every=2", DISAGG)
+    c = build(dsc, workload=workload_of(rows), make_executor=make_executor)
+    assert c.prefill.executor is not c.decode.executor
+    step_all(c)
+    assert len(c.transfers) == len(rows)
+    for rid in range(len(rows)):
+        assert c.get(rid).output_token_ids == ref.get(rid).output_token_ids, rid
+    # replicas, each with its own executor, give the same tokens too
+    rsc = small_scenario('compute.backend="numpy"', "cluster.replicas=2")
+    c = build(rsc, workload=workload_of(rows), make_executor=make_executor)
+    c.run()
+    assert min(c.routed) > 0
+    for rid in range(len(rows)):
+        assert c.get(rid).output_token_ids == ref.get(rid).output_token_ids, rid
+    # without the copy, the decode instance attends to blocks it never received
+    from gpu.executor import ModelExecutor
+    monkeypatch.setattr(ModelExecutor, "import_kv", lambda self, rid, blocks, t: None)
+    c = build(small_scenario('compute.backend="numpy"', DISAGG), workload=workload_of(rows),
+              make_executor=make_executor)
+    c.run()
+    assert any(c.get(rid).output_token_ids != ref.get(rid).output_token_ids
+               for rid in range(len(rows)))
+
+
+# ====================================================================================== replicas
+def route_rows(c) -> list:
+    return [(e.req_id, e.instance) for e in c.events if e.kind == "route"]
+
+
+def test_round_robin_takes_turns():
+    c = build(small_scenario("cluster.replicas=3"))
+    c.run()
+    routes = route_rows(c)
+    assert len(routes) == c.counts["arrived"] > 30
+    assert [k for _, k in routes] == [i % 3 for i in range(len(routes))]
+    assert c.routed == [sum(1 for _, k in routes if k == i) for i in range(3)]
+
+
+class Recorder:
+    """Wraps a router: before each choice, the replicas' state as the test computes it."""
+
+    def __init__(self, c, state) -> None:
+        self.c, self.state, self.inner, self.seen = c, state, c.router, []
+        c.router = self
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def choose(self, req, engines):
+        before = [self.state(self.c, i, e, req) for i, e in enumerate(engines)]
+        k, why = self.inner.choose(req, engines)
+        self.seen.append((before, k))
+        return k, why
+
+
+def live_on(c, i, e, new) -> int:
+    return sum(1 for r in c.requests.values()
+               if r.replica == i and not r.state.is_done and r is not new)
+
+
+def kv_demand(c, i, e, new) -> int:
+    queued = sum(blocks_for(r.num_tokens, 16) - len(r.block_table) for r in e.policy.waiting)
+    return e.kv.pool.num_used + queued
+
+
+@pytest.mark.parametrize("router, state", [("least-outstanding", live_on),
+                                           ("least-kv", kv_demand)])
+def test_load_routers_pick_the_least_loaded(router, state):
+    sc = small_scenario("cluster.replicas=3", f'cluster.router="{router}"', "workload.rate=12",
+                        "kv.num_blocks=800")
+    c = build(sc)
+    rec = Recorder(c, state)
+    c.run()
+    assert len(rec.seen) > 100
+    spread = 0
+    for before, k in rec.seen:
+        assert before[k] == min(before), (before, k)
+        assert k == before.index(min(before)) or router == "least-kv"
+        spread += len(set(before)) > 1
+    assert spread > 20  # the loads did differ: the rule was exercised
+
+
+def shared_prefix_scenario(router: str, *more):
+    # 16 system prompts of 512 tokens, each before a 128-token question
+    return small_scenario("cluster.replicas=4", f'cluster.router="{router}"',
+                          "kv.enable_prefix_caching=true", "workload.shared_prefix_tokens=512",
+                          "workload.shared_prefix_groups=16", "workload.prompt_tokens=128",
+                          "workload.output_tokens=64", "workload.rate=8", "kv.num_blocks=3000",
+                          *more)
+
+
+def test_prefix_affinity_keeps_each_prefix_on_one_replica_and_raises_the_hit_rate():
+    hit = {}
+    for router in ("round-robin", "prefix-affinity"):
+        c = build(shared_prefix_scenario(router, "cluster.affinity_max_imbalance=1000"))
+        c.run()
+        hit[router] = summarize(c)["prefix_cache"]["hit_rate"]
+        if router == "prefix-affinity":
+            groups = {}
+            for rid, k in route_rows(c):
+                groups.setdefault(c.get(rid).shared_prefix[0], set()).add(k)
+            assert len(groups) == 16 and all(len(v) == 1 for v in groups.values())
+            assert len(set().union(*groups.values())) > 1  # not all on one replica
+    assert hit["prefix-affinity"] > hit["round-robin"] + 0.15, hit
+
+
+def test_prefix_affinity_yields_to_load_past_the_imbalance_bound():
+    sc = small_scenario("cluster.replicas=2", 'cluster.router="prefix-affinity"',
+                        "workload.shared_prefix_tokens=512", "workload.shared_prefix_groups=1",
+                        "cluster.affinity_max_imbalance=2", "workload.rate=12")
+    c = build(sc)
+    rec = Recorder(c, live_on)
+    c.run()
+    whys = [e.why for e in c.events if e.kind == "route"]
+    assert any(w.startswith("prefix") for w in whys) and any(w.startswith("balance") for w in whys)
+    for (before, k), why in zip(rec.seen, whys):
+        if why.startswith("prefix"):
+            assert before[k] - min(before) <= 2
+    assert min(c.routed) > 0
+
+
+def test_metrics_per_replica_and_for_the_whole_deployment():
+    c = build(small_scenario("cluster.replicas=3", 'cluster.router="least-outstanding"'))
+    c.run()
+    s = summarize(c)
+    reps = s["replicas"]
+    assert [r["instance"] for r in reps] == [0, 1, 2] and s["deployment"]["gpus"] == 3
+    for key in ("finished", "total", "cancelled"):
+        assert s["requests"][key] == sum(r["requests"][key] for r in reps)
+    assert s["output_tokens"] == sum(r["output_tokens"] for r in reps) > 0
+    assert s["ttft_ms"]["count"] == sum(r["ttft_ms"]["count"] for r in reps)
+    assert s["itl_ms"]["count"] == sum(r["itl_ms"]["count"] for r in reps)
+    assert s["kv"]["total_blocks"] == 3 * reps[0]["kv"]["total_blocks"]
+    assert s["energy_j"] == pytest.approx(sum(r["energy_j"] for r in reps))
+    assert max(r["kv"]["peak_used_blocks"] for r in reps) <= s["kv"]["peak_used_blocks"] <= sum(
+        r["kv"]["peak_used_blocks"] for r in reps)
+    assert s["duration_s"] == max(r["duration_s"] for r in reps)
+    assert all(r["duration_s"] == s["duration_s"] for r in reps)  # idle ones brought to the end
+    # pooled percentiles: the deployment's p99 lies within its replicas'
+    p99 = [r["ttft_ms"]["p99"] for r in reps]
+    assert min(p99) <= s["ttft_ms"]["p99"] <= max(p99)
+
+
+# ============================================================== both: slicing, logs and replay
+@pytest.mark.parametrize("overrides", [
+    ("cluster.replicas=3", 'cluster.router="least-kv"', "workload.cancel_fraction=0.2",
+     "kv.num_blocks=500"),
+    (DISAGG, "kv.num_blocks=500", "workload.cancel_fraction=0.2",
+     'workload.cancel_after_s={dist="uniform", min=0, max=3}', 'scheduler.preemption="swap"',
+     "kv.swap_space_gb=0.2"),
+])
+def test_sliced_and_unsliced_runs_give_identical_events(overrides):
+    sc = small_scenario(*overrides, "workload.duration_s=10")
+    whole = build(sc)
+    whole.run()
+    sliced = build(sc)
+    t = 0.0
+    while not sliced.done:
+        t += 0.0137
+        sliced.run_until(t, max_steps=5)
+    stepped = build(sc)
+    while not stepped.done:
+        stepped.step()
+    assert streams(whole) == streams(sliced) == streams(stepped)
+    assert sum(len(ev) for _, ev in streams(whole)) > 300
+    counts = whole.counts
+    assert counts["cancelled"] > 0 and counts["preemptions"] > 0, counts
+    a, b = summarize(whole), summarize(stepped)
+    assert a["requests"] == b["requests"] and a["itl_ms"] == b["itl_ms"]
+
+
+def interactive_session(sc) -> Cluster:
+    """A session driven as the dashboard drives one: small slices, with injections,
+    cancellations (a request between the instances among them) and a policy switch."""
+    c = build(sc)
+    t, k = 0.0, 0
+    while not c.done:
+        t += 0.05
+        c.run_until(t, max_steps=7)
+        k += 1
+        if k % 40 == 5:
+            c.inject(300, 50, count=2)
+        if k % 40 == 20:
+            live = [r for r in c.requests.values() if not r.state.is_done]
+            if live:
+                c.cancel(live[len(live) // 2].req_id)
+        if k % 50 == 33:
+            moving = [rid for rid, h in c._handoffs.items() if not h.joined]
+            if moving:
+                c.cancel(moving[0])
+        if k == 60:
+            c.cancel_waiting()
+        if k == 90:
+            c.switch_policy("fcfs")
+    return c
+
+
+@pytest.mark.parametrize("overrides", [
+    ("cluster.replicas=3", 'cluster.router="prefix-affinity"', "kv.enable_prefix_caching=true",
+     "workload.shared_prefix_tokens=256", "workload.shared_prefix_groups=3",
+     "workload.cancel_fraction=0.1"),
+    (DISAGG, "workload.cancel_fraction=0.1", "kv.num_blocks=800", "seed=3"),
+])
+def test_session_log_round_trip_and_replay_verify(tmp_path, capsys, overrides):
+    sc = small_scenario(*overrides)
+    c = interactive_session(sc)
+    actions = [e.action for e in c.events if e.kind == "action"]
+    assert {"inject", "cancel", "cancel_waiting", "switch_policy"} <= set(actions)
+    path = tmp_path / "c.msgpack"
+    write_log(path, c)
+    log = read_log(path)
+    assert log.header["format"] == 2 and len(log.header["cluster"]["instances"]) == len(
+        c.instances)
+    assert [e.instance for e in log.events if e.kind == "stream"] == list(
+        range(-1, len(c.instances)))
+    r, div = verify(log)
+    assert div is None
+    assert r.done and r.engine.position() == c.position()
+    a, b = summarize(c), summarize(r.engine)
+    # idle energy sums idle stretches, which the session and the replay cut differently
+    assert b["energy_j"] == pytest.approx(a["energy_j"], rel=1e-12)
+    for s in (a, b, *a["replicas"], *b["replicas"]):
+        for k in ("wall_s", "energy_j", "energy_j_per_output_token"):
+            s.pop(k)
+    assert a == b
+    assert main(["replay", str(path), "--verify"]) == 0
+    assert "identical" in capsys.readouterr().out
+    # replayed under another deployment, it diverges
+    other = read_log(path)
+    if "replicas" in str(overrides):
+        other.header["scenario"]["cluster"]["router"] = "round-robin"
+    else:
+        other.header["scenario"]["scheduler"]["kv_link_gbps"] = 5.0
+    _, div = verify(other)
+    assert div is not None
+
+
+def test_sweep_grid_over_replicas(capsys):
+    assert main(["sweep", "chat", "--grid", "cluster.replicas=1,2,4", "--workers", "1",
+                 "--set", "workload.duration_s=8", "--set", "workload.rate=10"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in out[1:]]
+    assert [r[0] for r in rows] == ["1", "2", "4"]
+    ttft_p99 = [float(r[5].replace(",", "")) for r in rows]
+    assert ttft_p99[2] < ttft_p99[0]
+
+
+def test_cli_sim_shows_each_instance_and_compare_runs_the_pair(capsys):
+    assert main(["sim", "chat", "--set", "workload.duration_s=8", "--set",
+                 DISAGG]) == 0
+    head = capsys.readouterr().out.splitlines()[1].split()
+    assert head == ["disaggregated", "prefill", "decode"]
+    assert main(["compare", "chat", "--policies", "chunked,disaggregated", "--set",
+                 "workload.duration_s=8", "--set", "cluster.replicas=2", "--json"]) == 0
+    import json
+    out = json.loads(capsys.readouterr().out)
+    assert out["chunked"]["deployment"]["gpus"] == out["disaggregated"]["deployment"]["gpus"] == 2
+
+
+def test_measured_clock_sessions_replay_with_each_instances_durations(tmp_path):
+    rows = [(0.0, 40, 12), (0.0, 75, 10), (0.01, 130, 9), (0.02, 33, 14)]
+    for over in (DISAGG, "cluster.replicas=2"):
+        sc = small_scenario('compute.backend="numpy"', 'compute.clock="measured"', over)
+        c = build(sc, workload=workload_of(rows), make_executor=make_executor)
+        c.run_until(0.05)
+        c.inject(50, 5)
+        c.run()
+        log = read_log(write_log(tmp_path / "m.msgpack", c))
+        r, div = verify(log, make_executor)
+        assert div is None and r.engine.position() == c.position(), over

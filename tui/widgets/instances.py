@@ -1,0 +1,86 @@
+"""The instances of a deployment (replicas, or a disaggregated prefill/decode pair) side by
+side: one compact row each with its policy, batch, queue, a KV usage bar, output tokens per
+second since the previous frame, and the requests routed to it. Hidden for a single engine."""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widget import Widget
+
+from tui.widgets import fmt
+
+BAR = 12
+MAX_ROWS = 8
+
+
+def instance_tags(instances) -> list[str]:
+    """A short tag per instance for the queues and the event log: `P`/`D`, or the replica
+    number."""
+    return [{"prefill": "P", "decode": "D"}.get(v.role, str(v.index)) for v in instances]
+
+
+def _bar(used: int, total: int) -> str:
+    share = used / total if total else 0.0
+    n = round(share * BAR)
+    if used and not n:
+        n = 1
+    return "█" * n + "·" * (BAR - n)
+
+
+class InstanceRows(Widget):
+    """A row per instance of a `ClusterSnapshot` (`show`); the instance whose KV blocks the map
+    shows is marked."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._text = Text()
+        self._last: dict[int, tuple[float, int]] = {}  # index -> (clock, output tokens)
+        self._rates: dict[int, float] = {}
+
+    def on_mount(self) -> None:
+        self.border_title = "Instances"
+
+    def show(self, snap) -> None:
+        """Draw `snap.instances` (a ClusterSnapshot's)."""
+        for v in snap.instances:
+            last = self._last.get(v.index)
+            if last is not None and v.now > last[0]:
+                self._rates[v.index] = (v.output_tokens - last[1]) / (v.now - last[0])
+            if last is None or v.now > last[0]:
+                self._last[v.index] = (v.now, v.output_tokens)
+        text = self.render_rows(snap, self._rates)
+        if text.plain != self._text.plain:
+            self._text = text
+            self.refresh()
+        title = f"Instances ({len(snap.instances)}; {snap.policy})"
+        if snap.transferring:
+            title += f" · {snap.transferring} handing off"
+        if title != self.border_title:
+            self.border_title = title
+
+    @staticmethod
+    def render_rows(snap, rates: dict[int, float]) -> Text:
+        t = Text(no_wrap=True, overflow="ellipsis")
+        tags = instance_tags(snap.instances)
+        shown = snap.instances[:MAX_ROWS]
+        for v, tag in zip(shown, tags):
+            mark = "▶" if v.index == snap.focus else " "
+            t.append(f"{mark}{tag:>2} ", style="bold")
+            t.append(f"{v.role[:7]:<7} ", style="#e5c07b")
+            t.append(f"run {v.running:>4} wait {v.waiting:>4} ")
+            t.append("KV ")
+            t.append(_bar(v.used_blocks, v.num_blocks), style="#61afef")
+            share = v.used_blocks / v.num_blocks if v.num_blocks else 0.0
+            t.append(f" {share:>4.0%} ")
+            rate = rates.get(v.index)
+            t.append(f"{fmt.num(rate):>7} tok/s ", style="#98c379")
+            t.append(f"routed {v.routed:,} done {v.finished:,}")
+            t.append("\n")
+        if len(snap.instances) > MAX_ROWS:
+            t.append(f"   … {len(snap.instances) - MAX_ROWS} more instances")
+        else:
+            t.rstrip()
+        return t
+
+    def render(self) -> Text:
+        return self._text
