@@ -275,10 +275,13 @@ class Cluster:
             raise UnknownRequestError(f"no request with id {req_id}") from None
 
     def step(self) -> int:
-        """One decision of the instance furthest behind. Returns engine steps taken."""
+        """One decision of the instance furthest behind. Returns engine steps taken.
+        Raises EngineError when requests remain that nothing can move."""
         with paused_gc():
             n = self._decide(INF, 1)
             self._global()
+        if n is None and not self.done:
+            self._stalled()
         return n or 0
 
     def run(self, max_steps: int | None = None) -> int:
@@ -313,12 +316,18 @@ class Cluster:
                 if stalls > 3:
                     raise EngineError(f"deployment stalled at t={self.now:.6f}")
             self._global()
+            if n is None and caps is None and not math.isfinite(t) and not self.done:
+                self._stalled()
             if n is None and math.isfinite(t) and caps is None:
                 for i, e in enumerate(self.instances):
                     if not self._busy(i):
                         e.idle_until(t)
         self.wall_s += time.perf_counter() - t0
         return self.step_count - start
+
+    def _stalled(self):
+        raise EngineError(f"deployment stalled at t={self.now:.6f}: {len(self._handoffs)} "
+                          "requests between instances, nothing can move")
 
     def advance_to(self, at: list) -> None:
         """Bring every instance to exactly `at` ([steps, clock] each; a recorded action's).
@@ -641,9 +650,11 @@ class Cluster:
         cfg = self.scenario.scheduler
         while self._ready and self._ready[0].ready <= e.now:
             h = self._ready[0]
-            need = len(h.src)
-            if (e.policy.waiting or e.kv.num_free_blocks - need < self._reserve
-                    or len(e.policy.running) + len(self._inbound) >= cfg.max_num_seqs):
+            busy = len(e.policy.running) + len(self._inbound)
+            # (the watermark keeps room for the batch to grow; an empty instance takes any)
+            reserve = self._reserve if busy else 0
+            if (e.policy.waiting or e.kv.num_free_blocks - len(h.src) < reserve
+                    or busy >= cfg.max_num_seqs):
                 break
             self._ready.popleft()
             self._start(h, e)

@@ -121,6 +121,14 @@ def test_transfer_waits_for_room_on_the_decode_instance():
     assert c.counts["finished"] == 2
 
 
+def test_a_context_as_large_as_the_pool_still_gets_through():
+    # 199 of 200 blocks: more than the pool less its watermark, which an empty instance waives
+    sc = small_scenario(DISAGG, "kv.num_blocks=200", "scheduler.watermark=0.01")
+    c = build(sc, workload=workload_of([(0.0, 3180, 2), (0.0, 100, 5)]))
+    step_all(c)
+    assert c.counts["finished"] == 2
+
+
 CATEGORIES = ("waiting", "prefilling", "decoding", "preempted", "swapped", "handoff-wait",
               "handoff-flight")
 
