@@ -14,14 +14,17 @@ can reach it (the next arrival, hand-off or cancellation, or the earliest time a
 could still send it something), so a run of decode steps ends at the first step boundary at or
 after it, and a delivery lands there, as a request reaching a real instance mid-step waits for
 the step to end. An arrival is routed once every busy replica has reached its first step
-boundary at or after the arrival's time (an idle one simply jumps there). Where an instance's
-boundaries fall does not depend on how a caller slices time, so sliced and unsliced runs give the
-same event streams.
+boundary at or after the arrival's time (an idle one simply jumps there). An instance that
+finds nothing it can schedule (its blocks held by hand-offs) idles until the next thing that
+can reach it, and the other goes meanwhile. Where an instance's boundaries fall does not depend
+on how a caller slices time, so sliced and unsliced runs give the same event streams; a session
+log records where each instance stood at each user action, and a replay brings every instance
+there before applying it.
 
 Disaggregation. The prefill instance schedules as `chunked`. A request that samples its first
 token leaves its batch (TRANSFERRING) and waits, holding its prefill blocks, until the decode
 instance has room for it (an empty queue there, free blocks for its context above the
-watermark, a free sequence slot). Then the decode instance allocates those blocks and the K/V
+watermark when it is running anything, a free sequence slot). Then the decode instance allocates those blocks and the K/V
 travels for `context tokens * kv_bytes_per_token / tensor_parallel / (kv_link_gbps * 1e9)`
 seconds (each transfer has the whole link; concurrent transfers are not modeled as sharing it).
 When it has arrived, the decode instance takes the request into its batch at its next step

@@ -25,9 +25,10 @@ async def test_replicas_side_by_side_and_routes_in_the_event_log():
     async with app.run_test(size=SIZE) as pilot:
         assert app.instance_rows.display
         rows = app.instance_rows._text.plain.splitlines()
-        assert len(rows) == 3 and rows[0].startswith("▶ 0 replica")
+        assert len(rows) == 3 and rows[0].startswith("▶ 0 run")
         for row, e in zip(rows, c.instances):
-            assert f"run {len(e.policy.running):>4} wait {len(e.policy.waiting):>4}" in row
+            assert f"run {len(e.policy.running):>3} wait {len(e.policy.waiting):>3}" in row
+        assert app.instance_rows.region.height == 3 + 2  # a line each, inside the border
         assert "chunked x3 (least-outstanding)" in app.instance_rows.border_title
         routes = [text for _, kind, text in app.event_log.lines if kind == "route"]
         assert routes and all("(least outstanding" in t for t in routes)

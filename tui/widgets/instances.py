@@ -9,7 +9,7 @@ from textual.widget import Widget
 
 from tui.widgets import fmt
 
-BAR = 12
+BAR = 8
 MAX_ROWS = 8
 
 
@@ -34,6 +34,7 @@ class InstanceRows(Widget):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._text = Text()
+        self._lines: list[Text] = []
         self._last: dict[int, tuple[float, int]] = {}  # index -> (clock, output tokens)
         self._rates: dict[int, float] = {}
 
@@ -51,7 +52,9 @@ class InstanceRows(Widget):
         text = self.render_rows(snap, self._rates)
         if text.plain != self._text.plain:
             self._text = text
-            self.refresh()
+            rows = len(self._lines)
+            self._lines = text.split("\n")
+            self.refresh(layout=len(self._lines) != rows)
         title = f"Instances ({len(snap.instances)}; {snap.policy})"
         if snap.transferring:
             title += f" · {snap.transferring} handing off"
@@ -60,21 +63,22 @@ class InstanceRows(Widget):
 
     @staticmethod
     def render_rows(snap, rates: dict[int, float]) -> Text:
-        t = Text(no_wrap=True, overflow="ellipsis")
+        """A line per instance (the first MAX_ROWS): tag, role (a disaggregated pair's), batch,
+        queue, KV usage, output tokens per second, requests sent to it and finished there."""
+        t = Text()
         tags = instance_tags(snap.instances)
         shown = snap.instances[:MAX_ROWS]
         for v, tag in zip(shown, tags):
             mark = "▶" if v.index == snap.focus else " "
             t.append(f"{mark}{tag:>2} ", style="bold")
-            t.append(f"{v.role[:7]:<7} ", style="#e5c07b")
-            t.append(f"run {v.running:>4} wait {v.waiting:>4} ")
-            t.append("KV ")
+            if v.role != "replica":
+                t.append(f"{v.role:<7} ", style="#e5c07b")
+            t.append(f"run {v.running:>3} wait {v.waiting:>3} KV ")
             t.append(_bar(v.used_blocks, v.num_blocks), style="#61afef")
             share = v.used_blocks / v.num_blocks if v.num_blocks else 0.0
             t.append(f" {share:>4.0%} ")
-            rate = rates.get(v.index)
-            t.append(f"{fmt.num(rate):>7} tok/s ", style="#98c379")
-            t.append(f"routed {v.routed:,} done {v.finished:,}")
+            t.append(f"{fmt.num(rates.get(v.index)):>6} tok/s ", style="#98c379")
+            t.append(f"in {v.routed:,} done {v.finished:,}")
             t.append("\n")
         if len(snap.instances) > MAX_ROWS:
             t.append(f"   … {len(snap.instances) - MAX_ROWS} more instances")
@@ -82,5 +86,16 @@ class InstanceRows(Widget):
             t.rstrip()
         return t
 
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return max(1, len(self._lines))
+
     def render(self) -> Text:
-        return self._text
+        # One screen line per instance: cut at the panel's width, never wrapped.
+        width = max(1, self.content_region.width)
+        return Text("\n").join(_cut(line, width) for line in self._lines)
+
+
+def _cut(line: Text, width: int) -> Text:
+    line = line.copy()
+    line.truncate(width, overflow="ellipsis")
+    return line
