@@ -133,8 +133,12 @@ class Engine:
 
     def __init__(self, scenario, *, policy: str | None = None, executor=None,
                  workload: Workload | None = None, record_events: bool = True,
-                 skip_ahead: bool = True, clock: str | None = None) -> None:
+                 skip_ahead: bool = True, clock: str | None = None,
+                 record_timeline: bool = True) -> None:
+        """`record_timeline=False` keeps no per-step figures: the events are the same, but
+        metrics (`sim.summarize`, `sim.rolling`) cannot be computed; for verifying a replay."""
         self.scenario = scenario
+        self.record_timeline = record_timeline
         self.cost = CostModel(scenario)
         self.workload = workload if workload is not None else build_workload(scenario)
         self.kv = KVCacheManager(
@@ -627,7 +631,7 @@ class Engine:
         self._swap_out, self._swap_in, self._copies = [], [], []
         start = self.now
         end = start + dur
-        g = self.timeline.n
+        g = self.step_count  # this step's row on the timeline
         sampled = itl = 0
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
@@ -677,8 +681,10 @@ class Engine:
             for req in first:
                 if req.parent_id is None and req not in finished:
                     sampled += self._fork(req, end, g)
-        self.timeline.add_row(end, dur, tokens, prefill_tokens, len(sched), sampled, itl,
-                              self.kv.num_used_blocks, self._empty_slots(), energy, num_waiting)
+        if self.record_timeline:
+            self.timeline.add_row(end, dur, tokens, prefill_tokens, len(sched), sampled, itl,
+                                  self.kv.num_used_blocks, self._empty_slots(), energy,
+                                  num_waiting)
         self.now = end
         self.step_count += 1
         self.counts["output_tokens"] += sampled
@@ -771,7 +777,7 @@ class Engine:
             for (j, i), blk in zip(cross, blocks):
                 reqs[i].block_table.append(blk)
             kv_used = (used + np.cumsum(np.bincount([j for j, _ in cross], minlength=k))).tolist()
-        g = self.timeline.n
+        g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
         first_end = ends[0]
         itl0 = 0
@@ -792,6 +798,22 @@ class Engine:
             r.last_token_time = end
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
+        if self.record_timeline:
+            self._record_run(ends, dur, energy, kv_used, b, itl0)
+        if self.record_events:
+            self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
+                                      tuple([r.req_id for r in reqs]), None, kv_used[-1]))
+        self.now = end
+        self.step_count += k
+        self.counts["output_tokens"] += b * k
+        for r in finished:
+            self._finish(r, end)
+        return k
+
+    def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int) -> None:
+        """The timeline rows of a decode run of `len(ends)` steps of `b` sequences (after the
+        run: the requests' counters are already advanced)."""
+        k, bs = len(ends), self.block_size
         waiting = len(self.policy.waiting)
         # Empty slots after step j: those at the end, plus the tokens of later steps, minus
         # the slots of blocks allocated later.
@@ -811,15 +833,6 @@ class Engine:
             self.timeline.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
                                  sampled=b, itl_count=itl, kv_used=used, kv_empty=empty,
                                  energy=energy, waiting=waiting)
-        if self.record_events:
-            self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
-                                      tuple([r.req_id for r in reqs]), None, kv_used[-1]))
-        self.now = end
-        self.step_count += k
-        self.counts["output_tokens"] += b * k
-        for r in finished:
-            self._finish(r, end)
-        return k
 
     def _run_times(self, b: int, c0: int, kmax: int, t_ext: float):
         """End times, durations and energies of the steps of a decode run of `b` sequences

@@ -25,9 +25,10 @@ _STREAM = KIND_CODE["stream"]
 class Replayer:
     """Drives an engine through a recorded session. `run_until`/`step` mirror the engine's."""
 
-    def __init__(self, log: SessionLog, make_executor=None) -> None:
+    def __init__(self, log: SessionLog, make_executor=None, metrics: bool = True) -> None:
         """`make_executor(scenario)`, when given, builds the real-compute executor to replay
-        with (needed to regenerate token ids)."""
+        with (needed to regenerate token ids). `metrics=False` regenerates the events only (a
+        single engine then keeps no timeline: faster, but nothing to summarize)."""
         self.log = log
         try:
             sc = scenario_from_dict(log.header["scenario"], source=log.path, check_workload=False)
@@ -42,7 +43,8 @@ class Replayer:
         self.end_at = None
         executor = make_executor(sc) if make_executor else None
         self.engine = Engine(sc, policy=log.header["policy"], workload=log.workload(),
-                             executor=executor, clock=log.header["clock"])
+                             executor=executor, clock=log.header["clock"],
+                             record_timeline=metrics)
         if log.header["clock"] == "measured":
             self.engine.duration_override = _durations(log.records)
         self.actions = [decode(r) for r in log.records if r[0] == _ACTION]
@@ -207,9 +209,10 @@ def _show(rec) -> dict | None:
 def verify(log: SessionLog, make_executor=None) -> tuple[Replayer, Divergence | None]:
     """Replay `log` and compare the regenerated event stream with the recorded one.
 
-    Returns the replayer and the first divergence (None when identical).
+    Returns the replayer and the first divergence (None when identical). The replayed engine
+    regenerates events only: the summary of a verified session is the one recorded.
     """
-    r = Replayer(log, make_executor)
+    r = Replayer(log, make_executor, metrics=False)
     try:
         r.run()
     except ServesimError:
