@@ -186,7 +186,7 @@ class Engine:
         # Running figures for the summary.
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
                            swaps=0, output_tokens=0, injected=0, finished_samples=0,
-                           cancelled_samples=0)
+                           cancelled_samples=0, fragmentation_stalls=0)
         self.queue_waits: list[float] = []
         self.ttfts: list[float] = []
         self.ttft_times: list[float] = []

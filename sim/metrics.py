@@ -169,6 +169,9 @@ def _summary(whole, parts: list) -> dict:
                 1.0 - float((col("kv_empty") * dur).sum())
                 / float((used * dur).sum() * whole.block_size)
                 if float((used * dur).sum()) > 0 else None),
+            # admissions refused for want of a long enough run of free blocks although enough
+            # were free in total (contiguous reservations: external fragmentation)
+            "fragmentation_stalls": c["fragmentation_stalls"],
         },
         "batch": {"mean": float(batch.mean()) if len(batch) else 0.0,
                   "max": int(batch.max()) if len(batch) else 0},

@@ -19,10 +19,6 @@ class ContiguousPolicy(FCFSPolicy):
     name = "contiguous"
     description = "pre-PagedAttention baseline: contiguous slots for prompt + max output"
 
-    def __init__(self, engine) -> None:
-        super().__init__(engine)
-        self.fragmentation_stalls = 0  # admissions refused while enough blocks were free
-
     def admit_prompts(self, out: SchedulerOutput) -> None:
         budget = self.cfg.max_num_batched_tokens
         bs = self.kv.block_size
@@ -37,7 +33,8 @@ class ContiguousPolicy(FCFSPolicy):
                           self.kv.num_blocks * bs)
             if not self.kv.reserve_contiguous(req, reserve):
                 if self.kv.num_free_blocks * bs >= reserve:
-                    self.fragmentation_stalls += 1
+                    # refused although enough blocks are free: external fragmentation
+                    self.engine.counts["fragmentation_stalls"] += 1
                 break
             self.take_waiting(req)
             self.running.append(req)

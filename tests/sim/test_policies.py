@@ -198,3 +198,15 @@ def test_paged_token_state_share_wastes_at_most_partial_blocks():
     e = Engine(small_scenario())
     e.run()
     assert summarize(e)["kv"]["token_state_share"] > 0.95
+
+
+def test_contiguous_shows_external_fragmentation():
+    from sim import load_scenario
+
+    stalls = {}
+    for p in ("contiguous", "chunked"):
+        e = Engine(load_scenario("fragmentation", [f"scheduler.policy=\"{p}\"",
+                                                   "workload.duration_s=20"]))
+        e.run()
+        stalls[p] = summarize(e)["kv"]["fragmentation_stalls"]
+    assert stalls["contiguous"] > 0 and stalls["chunked"] == 0
