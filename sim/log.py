@@ -299,6 +299,9 @@ def _read_log(path: str) -> SessionLog:
             raise LogError(f"{path}: truncated at byte {len(data)}: {where}, no end mark")
         at = up.tell() - len(packb(obj)) if isinstance(obj, dict) else up.tell()
         if isinstance(obj, dict) and "crc" in obj:
+            # A checkpoint covers the bytes before it, not itself: check its own shape exactly.
+            if set(obj) not in ({"crc", "n"}, {"crc", "n", "end"}) or obj.get("end", True) is not True:
+                raise LogError(f"{path}: malformed checkpoint at byte {at}: the log is corrupt")
             if obj.get("crc") != zlib.crc32(data[chunk_start:at]) or obj.get("n") != i:
                 raise LogError(f"{path}: checksum mismatch in bytes {chunk_start}..{at} "
                                f"(events before {i}): the log is corrupt")
