@@ -46,7 +46,7 @@ import numpy as np
 
 from sim import events as ev
 from sim.costmodel import CostModel
-from sim.engine import Engine, EngineSnapshot, _view, checked_injection
+from sim.engine import Engine, EngineSnapshot, _view, cancellable, checked_injection
 from sim.errors import EngineError, ScenarioError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.policies import POLICIES
@@ -367,11 +367,7 @@ class Cluster:
     def cancel(self, req_id: int) -> None:
         """Cancel a request in any live state (TRANSFERRING included). Raises
         UnknownRequestError / EngineError."""
-        req = self.requests.get(req_id)
-        if req is None:
-            raise UnknownRequestError(f"cancel: no request with id {req_id}")
-        if req.state.is_done:
-            raise EngineError(f"cancel: request {req_id} is already {req.state.value}")
+        req = cancellable(self.requests, req_id)
         self._action("cancel", req_id=req_id)
         h = self._handoffs.get(req_id)
         if h is not None and not h.joined:

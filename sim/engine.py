@@ -107,6 +107,18 @@ def checked_injection(prompt_len: int | None, max_output_tokens: int,
     return prompt_len, prompt_text
 
 
+def cancellable(requests: dict, req_id: int) -> Request:
+    """The live request `req_id` a user asked to cancel.
+
+    Raises UnknownRequestError for an id never seen, EngineError for one already ended."""
+    req = requests.get(req_id)
+    if req is None:
+        raise UnknownRequestError(f"cancel: no request with id {req_id}")
+    if req.state.is_done:
+        raise EngineError(f"cancel: request {req_id} is already {req.state.value}")
+    return req
+
+
 class _Continued:
     """The timeline of a request whose first tokens were sampled on another engine: this
     engine's step end times, then those tokens' times and a pad, so that one list of token
@@ -272,11 +284,7 @@ class Engine:
 
     def cancel(self, req_id: int) -> None:
         """Cancel a request in any live state. Raises UnknownRequestError / EngineError."""
-        req = self.requests.get(req_id)
-        if req is None:
-            raise UnknownRequestError(f"cancel: no request with id {req_id}")
-        if req.state.is_done:
-            raise EngineError(f"cancel: request {req_id} is already {req.state.value}")
+        req = cancellable(self.requests, req_id)
         self._action("cancel", req_id=req_id)
         self._cancel(req, by="user")
 
