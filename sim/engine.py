@@ -593,8 +593,7 @@ class Engine:
         if not policy.has_work():
             target = min(self._next_external(), until)
             if target > now and target != INF:
-                self.idle_time += target - now
-                self.now = target
+                self._idle_to(target)
             return 0
         out = policy.schedule()
         sched = out.scheduled
@@ -612,14 +611,12 @@ class Engine:
         return self._single_step(sched, len(policy.waiting))
 
     def _single_step(self, sched, num_waiting: int) -> int:
-        tokens = attended = kv_read = prefill_tokens = 0
+        tokens = attended = kv_read = 0
         for req, n in sched:
             c = req.num_computed_tokens
             tokens += n
             attended += n * c + n * (n + 1) // 2
             kv_read += c
-            if n > 1 or req.num_output_tokens == 0 or c + n < req.num_tokens or req.recomputing:
-                prefill_tokens += n
         dur, energy = self.cost.step(tokens, attended, kv_read)
         swapped = len(self._swap_out) + len(self._swap_in)
         if swapped:  # block copies over the host link delay the step
@@ -640,7 +637,7 @@ class Engine:
         start = self.now
         end = start + dur
         g = self.step_count  # this step's row on the timeline
-        sampled = itl = 0
+        sampled = itl = prefill_tokens = 0
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
         caching = self.prefix_caching
@@ -653,6 +650,7 @@ class Engine:
             if n > 1 or req.num_output_tokens == 0 or c + n < total or req.recomputing:
                 req.prefill_chunks.append((end, c, n))
                 prefill_chunks.append((req.req_id, c, n))
+                prefill_tokens += n
             else:
                 decodes.append(req.req_id)
             if c + n < total:

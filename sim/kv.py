@@ -52,7 +52,6 @@ class BlockPool:
         self._head = 0
         self._stale = 0
         self.num_free = num_blocks
-        self.num_evictions = 0
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in queue order, head (next to allocate) first. O(queue length)."""
@@ -93,7 +92,6 @@ class BlockPool:
                 if bh[b] is not None:
                     del self.cached[bh[b]]
                     bh[b] = None
-                    self.num_evictions += 1
         self.num_free -= n
         if h > 4096 and h * 2 > len(q):
             del q[:h]
@@ -160,9 +158,6 @@ class BlockPool:
         self.ref_cnt[b] += 1
 
     # --- prefix cache ----------------------------------------------------------------------------
-    def lookup(self, h: int) -> int | None:
-        return self.cached.get(h)
-
     def set_hash(self, b: int, h: int) -> None:
         """Mark full block `b` as holding the prefix hashed `h` (first writer wins)."""
         if self.block_hash[b] is None and h not in self.cached:
@@ -172,10 +167,6 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
-
-    @property
-    def usage(self) -> float:
-        return self.num_used / self.num_blocks
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -214,11 +205,6 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.pool.num_used
-
-    def blocks_needed(self, req, num_new_tokens: int) -> int:
-        """New blocks `req` needs to compute `num_new_tokens` more tokens."""
-        total = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, total - len(req.block_table))
 
     def allocate_slots(self, req, num_new_tokens: int, reserve: int = 0,
                        prefix: list[int] | None = None) -> bool:

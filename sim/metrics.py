@@ -16,6 +16,8 @@ import bisect
 
 import numpy as np
 
+from sim.request import RequestState
+
 PCTS = (50, 90, 95, 99)
 
 
@@ -113,7 +115,8 @@ def _summary(whole, parts: list) -> dict:
                       dtype=np.float64).reshape(-1, 5)
     ttft_f, e2e, tpot, nout = done[:, 1], done[:, 2], done[:, 3], done[:, 4]
     finished = c["finished"]
-    finished_prompt = sum(whole.requests[i].prompt_len for i in _finished_ids(whole))
+    finished_prompt = sum(r.prompt_len for r in whole.requests.values()
+                          if r.state is RequestState.FINISHED)
     slo = sc.slo
     ok = np.ones(len(done), dtype=bool)
     if slo.ttft_ms:
@@ -205,10 +208,6 @@ def _peak_used(parts) -> int:
     order = np.argsort(np.concatenate(times), kind="stable")
     total = np.cumsum(np.concatenate(deltas)[order])
     return int(total.max()) if len(total) else 0
-
-
-def _finished_ids(engine):
-    return (r.req_id for r in engine.requests.values() if r.state.value == "finished")
 
 
 def rolling(engine, window_s: float) -> dict:
