@@ -57,6 +57,7 @@ class RequestView:
     is_prefill: bool
     tokens: tuple[int, ...] = ()
     replica: int = 0  # the instance it is on, in a deployment of several (sim.cluster)
+    tag: str | None = None  # who sent it (servesim serve: the client's address)
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ def _view(r: Request, with_tokens: bool = False) -> RequestView:
         r.req_id, r.state.value, r.prompt_len, r.max_output_tokens, r.num_computed_tokens,
         r.num_output_tokens, len(r.block_table), r.priority, r.arrival_time, r.admitted_time,
         r.first_token_time, r.finish_time, r.num_preemptions, r.is_prefill,
-        tuple(r.output_token_ids[-16:]) if with_tokens else (), r.replica,
+        tuple(r.output_token_ids[-16:]) if with_tokens else (), r.replica, r.tag,
     )
 
 
@@ -262,20 +263,35 @@ class Engine:
 
     def inject(self, prompt_len: int | None = None, max_output_tokens: int = 128, *,
                priority: int = 0, prompt_text: str | bytes | None = None,
-               count: int = 1) -> list[int]:
-        """Add `count` requests arriving now. Returns their ids.
+               count: int = 1, arrival_time: float | None = None,
+               tag: str | None = None) -> list[int]:
+        """Add `count` requests arriving now, or at `arrival_time` (not after now: a request
+        that arrived while a step was running joins the queue at this step boundary, its
+        latencies timed from when it arrived). `tag` names who sent them (shown on screens).
+        Returns their ids.
 
-        Raises EngineError on a non-positive length or count.
+        Raises EngineError on a non-positive length or count, or an arrival time after now.
         """
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
                                                     count)
+        extra = {}
+        if arrival_time is not None:
+            if not 0.0 <= arrival_time <= self.now:
+                raise EngineError(f"inject: arrival_time = {arrival_time!r}: must be between 0 "
+                                  f"and now ({self.now!r})")
+            extra["arrival_time"] = arrival_time
+        if tag is not None:
+            extra["tag"] = tag
         self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
                      priority=priority, count=count,
-                     prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))
+                     prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"),
+                     **extra)
         ids = []
+        t = self.now if arrival_time is None else arrival_time
         for _ in range(count):
-            req = Request(self._next_id, self.now, prompt_len, max_output_tokens,
+            req = Request(self._next_id, t, prompt_len, max_output_tokens,
                           priority=priority, prompt_text=prompt_text, injected=True)
+            req.tag = tag
             self._next_id += 1
             self.counts["injected"] += 1
             self._on_arrival(req)
@@ -312,7 +328,8 @@ class Engine:
             text = args.get("prompt_text")
             self.inject(args["prompt_len"], args["max_output_tokens"],
                         priority=args.get("priority", 0), count=args.get("count", 1),
-                        prompt_text=None if text is None else text.encode("latin-1"))
+                        prompt_text=None if text is None else text.encode("latin-1"),
+                        arrival_time=args.get("arrival_time"), tag=args.get("tag"))
         elif action == "cancel":
             self.cancel(args["req_id"])
         elif action == "cancel_waiting":

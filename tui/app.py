@@ -159,11 +159,13 @@ class Dashboard(App[int]):
 
     def __init__(self, engine: Engine | None = None, *, replayer=None,
                  replay_name: str | None = None, speed: float = 1.0, paused: bool = False,
-                 log_dir: str | Path = ".") -> None:
+                 log_dir: str | Path = ".", driver=None) -> None:
+        """`driver`: what moves the engine's clock, when not an `EngineDriver` of its own
+        (`servesim serve --tui`: the HTTP server's, with the same methods)."""
         super().__init__()
         self.replayer = replayer
         self.engine: Engine = replayer.engine if replayer is not None else engine
-        self.driver = EngineDriver(replayer or engine, self.engine, speed, paused)
+        self.driver = driver or EngineDriver(replayer or engine, self.engine, speed, paused)
         self.replay_name = replay_name
         ex = self.engine.executor
         self.compute = f"{ex.name} on {ex.device}" if ex is not None else "none (modeled)"

@@ -229,6 +229,22 @@ def cmd_run(args) -> int:
     return run_dashboard(sc, speed=args.speed, replay=args.replay, make_executor=make_executor)
 
 
+def cmd_serve(args) -> int:
+    from serve.app import build_frontend, serve_dashboard, serve_headless
+
+    if not 0 <= args.port <= 65535:
+        raise ScenarioError(f"--port {args.port}: must be between 0 and 65535")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ScenarioError(f"--max-waiting {args.max_waiting}: must be at least 0")
+    sc = _scenario(args)
+    frontend = build_frontend(sc, background=args.background, make_executor=make_executor,
+                              speed=args.speed, model_name=args.served_model_name,
+                              max_waiting=args.max_waiting, record_timing=args.record_timing)
+    if args.tui:
+        return serve_dashboard(frontend, args.host, args.port)
+    return serve_headless(frontend, args.host, args.port)
+
+
 def cmd_replay(args) -> int:
     from sim.log import read_log
     from sim.replay import Replayer, verify
@@ -343,6 +359,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real attention each step (default auto: CuPy on a GPU, else NumPy)")
     s.add_argument("--replay", metavar="LOG", help="play a session log back")
     s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API (vLLM's) from the simulated engine")
+    _add_scenario_args(s, optional=True)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
+    s.add_argument("--speed", type=float, default=1.0,
+                   help="simulated seconds per wall second (default 1: real time)")
+    s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
+                   help="override compute.backend (real compute: the tiny model's tokens)")
+    s.add_argument("--tui", action="store_true", help="serve under the live dashboard")
+    s.add_argument("--background", action="store_true",
+                   help="keep the scenario's own workload as background load")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients send (default: the scenario's model preset)")
+    s.add_argument("--max-waiting", type=int, metavar="N",
+                   help="answer 503 while N requests are waiting (default: no bound)")
+    s.add_argument("--record-timing", action="store_true",
+                   help="keep each token's send lateness, served at /servesim/timing")
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("sim", help="run a scenario headless and print its metrics")
     _add_scenario_args(s)

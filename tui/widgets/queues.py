@@ -109,6 +109,13 @@ class RequestTable(ScrollView, can_focus=True):
         self.columns = (first, *COLUMNS[self.kind][1:])
         self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
 
+    def show_clients(self) -> None:
+        """`servesim serve`: a last column naming who sent each request (the client's
+        address; `-` for the scenario's own workload)."""
+        self.columns = (*self.columns, Column("client", 21, lambda r, now: r.tag or "-",
+                                              left=True))
+        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
+
     @property
     def selected_id(self) -> int | None:
         return self.rows[self.cursor].req_id if self.rows else None
