@@ -110,6 +110,31 @@ def test_inject_arrives_now_and_is_recorded():
         e.inject(0, 5)
 
 
+def test_inject_with_an_earlier_arrival_time_joins_now_and_replays_exactly(tmp_path):
+    """A request that arrived during a step (an HTTP arrival) joins at the step boundary, its
+    latencies timed from its arrival; the log replays it exactly."""
+    from sim.log import read_log, write_log
+    from sim.replay import verify
+
+    e = Engine(small_scenario())
+    e.run_until(1.0)
+    arrived = e.now - 0.004
+    [rid] = e.inject(64, 4, arrival_time=arrived, tag="10.0.0.1:5000")
+    r = e.get(rid)
+    assert r.arrival_time == arrived and r.tag == "10.0.0.1:5000"
+    [view] = [v for v in e.snapshot().waiting if v.req_id == rid]
+    assert view.tag == "10.0.0.1:5000"
+    arrival = [x for x in e.events if x.kind == "arrival" and x.req_id == rid][0]
+    assert arrival.t == arrived
+    e.run_until(3.0)
+    assert r.admitted_time >= e.get(rid).arrival_time + 0.004 - 1e-12
+    assert r.ttft == r.first_token_time - arrived
+    with pytest.raises(EngineError, match="arrival_time"):
+        e.inject(64, 4, arrival_time=e.now + 1.0)
+    _, divergence = verify(read_log(write_log(tmp_path / "s.msgpack", e)))
+    assert divergence is None
+
+
 def test_requests_that_can_never_fit_are_rejected():
     sc = small_scenario("kv.num_blocks=10", "kv.block_size=16")
     w = workload_of([(0.0, 100, 10), (0.0, 200, 10)])
