@@ -9,6 +9,9 @@ injections with their times and replays exactly.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import tui.app
 from tui.app import MAX_SPEED, MIN_SPEED, Dashboard
 from serve.app import banner
 from serve.frontend import Frontend
@@ -73,8 +76,10 @@ class ServeDriver:
 class ServeDashboard(Dashboard):
     """The dashboard with the HTTP server running in its event loop."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int) -> None:
-        super().__init__(frontend.engine, driver=ServeDriver(frontend))
+    CSS_PATH = str(Path(tui.app.__file__).with_name(Dashboard.CSS_PATH))
+
+    def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".") -> None:
+        super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
         from serve.http import Server
 
         self.server = Server(frontend, host, port)
@@ -94,6 +99,11 @@ class ServeDashboard(Dashboard):
         text = banner(self.server.frontend, self.server.host, self.server.port)
         self._note(text.removeprefix("servesim serve: "))
         self.sub_title = f"serving http://{self.server.host}:{self.server.port}/v1"
+
+    def _changed(self) -> None:
+        """After a key acted on the engine (inject, cancel, policy): the pump looks now."""
+        self.server.frontend.wake()
+        super()._changed()
 
     async def action_quit(self) -> None:
         await self.server.stop()

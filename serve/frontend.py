@@ -35,6 +35,8 @@ from serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, c
 SERVE_STREAM = 0x5E  # seed stream of output lengths drawn for requests without max_tokens
 WRITE_LIMIT = 32 * 1024  # above this many unsent bytes a client is slow: its own task writes
 MAX_STEPS = 256  # engine steps per pump turn, so that sends and requests are not held up
+# The pump looks at least this often (wall seconds), whatever else changed the engine.
+MAX_SLEEP_S = 0.1
 
 
 class SimClock:
@@ -278,18 +280,17 @@ class Frontend:
         loop = asyncio.get_running_loop()
         while True:
             await self.turn()
-            wake_at = self.clock.wall_at(self._next_time())
+            wake_at = min(self.clock.wall_at(self._next_time()), time.monotonic() + MAX_SLEEP_S)
             if wake_at <= time.monotonic():
                 await asyncio.sleep(0)  # let the handlers run, then go on
                 continue
             self._waiter = fut = loop.create_future()
-            handle = (loop.call_at(wake_at, _resolve, fut) if math.isfinite(wake_at) else None)
+            handle = loop.call_at(wake_at, _resolve, fut)
             try:
                 await fut
             finally:
                 self._waiter = None
-                if handle is not None:
-                    handle.cancel()
+                handle.cancel()
 
     async def turn(self) -> None:
         """One turn of the pump: send what is due, inject, run the engine to now, read events,
@@ -499,7 +500,10 @@ class Frontend:
             entries = due.pop(t)
             out: dict[Call, list[bytes]] = {}
             ended: list[Call] = []
-            for _, c, tok, reason in entries:
+            for entry in entries:
+                _, c, tok, reason = entry
+                if c.last_entry is entry:  # sent: an end at this time needs a frame of its own
+                    c.last_entry = None
                 call = c.call
                 if call.closed:
                     continue
