@@ -114,6 +114,7 @@ class Call:
             else None
         self.resp = None
         self.transport = None
+        self.chunked = False
         self.backlog: list[bytes] = []
         self._kick: asyncio.Future | None = None
         self.done = loop.create_future()  # set when complete (the non-streamed response)
@@ -139,7 +140,7 @@ class Call:
     async def stream_to(self, resp, transport) -> None:
         """Handler side of a streamed call: attach the prepared response, then write what the
         pump could not write itself (a slow client's frames), until the call is complete."""
-        self.resp, self.transport = resp, transport
+        self.resp, self.transport, self.chunked = resp, transport, resp.chunked
         loop = asyncio.get_running_loop()
         while True:
             while self.backlog:
@@ -279,7 +280,7 @@ class Frontend:
         """The pump (see the module docstring); runs until cancelled."""
         loop = asyncio.get_running_loop()
         while True:
-            await self.turn()
+            self.turn()
             wake_at = min(self.clock.wall_at(self._next_time()), time.monotonic() + MAX_SLEEP_S)
             if wake_at <= time.monotonic():
                 await asyncio.sleep(0)  # let the handlers run, then go on
@@ -292,10 +293,10 @@ class Frontend:
                 self._waiter = None
                 handle.cancel()
 
-    async def turn(self) -> None:
+    def turn(self) -> None:
         """One turn of the pump: send what is due, inject, run the engine to now, read events,
         send what became due."""
-        await self._send_due()
+        self._send_due()
         with self.lock:
             self._apply_pending()
             if not self.error:
@@ -304,7 +305,7 @@ class Frontend:
                 except EngineError as e:  # e.g. a stall: shown, and every open call ends
                     self._fail(str(e))
             self._read_events()
-        await self._send_due()
+        self._send_due()
 
     def _next_time(self) -> float:
         """The simulated time of the pump's next turn."""
@@ -491,16 +492,19 @@ class Frontend:
         lst.append(entry)
 
     # --- sending ------------------------------------------------------------------------------
-    async def _send_due(self) -> None:
-        """Send every token whose time has come, each call's frames of one instant in one
-        write."""
+    def _send_due(self) -> None:
+        """Send every token whose time has come: each call's frames in one write (when the
+        pump fell behind, those of several instants: fewer syscalls is how it catches up)."""
         clock, due, times = self.clock, self._due, self._due_times
-        while times and times[0] <= clock.now():
+        now = clock.now()
+        if not times or times[0] > now:
+            return
+        out: dict[Call, list[bytes]] = {}
+        sent_at: dict[Call, list[float]] = {}  # the simulated time of each token written
+        ended: list[Call] = []
+        while times and times[0] <= now:
             t = heapq.heappop(times)
-            entries = due.pop(t)
-            out: dict[Call, list[bytes]] = {}
-            ended: list[Call] = []
-            for entry in entries:
+            for entry in due.pop(t):
                 _, c, tok, reason = entry
                 if c.last_entry is entry:  # sent: an end at this time needs a frame of its own
                     c.last_entry = None
@@ -510,9 +514,11 @@ class Frontend:
                 frames = out.get(call)
                 if frames is None:
                     out[call] = frames = []
+                    sent_at[call] = []
                 if tok is not None:
                     c.n_out += 1
                     text = c.text(tok)
+                    sent_at[call].append(t)
                     if c.times is not None:
                         c.times.append(t)
                 else:
@@ -522,34 +528,32 @@ class Frontend:
                     if reason == "abort":
                         c.reason = "abort"
                     call.open -= 1
-                    if call.open == 0:
-                        ended.append(call)
                 w = call.writer
                 if w is None:
                     if tok is not None:
                         c.parts.append(text)
-                    continue
-                if c.n_out == 1 and tok is not None and w.chat:
-                    frames.append(w.role(c.index))
-                if tok is not None or reason is not None:
+                else:
+                    if c.n_out == 1 and tok is not None and w.chat:
+                        frames.append(w.role(c.index))
                     frames.append(w.token(c.index, text, c.reason if reason else None,
                                           call.usage() if call.spec.continuous_usage else None))
-            for call in ended:
-                self._end(call, out.setdefault(call, []))
-            wall_t = clock.wall_at(t)
-            for call, frames in out.items():
-                if frames and call.writer is not None:
-                    await self._write(call, b"".join(frames))
-                if self.record_timing:
-                    self.lateness.append(time.monotonic() - wall_t)
-            if self.record_timing:
-                for call in ended:
-                    self._record(call)
-            for call in ended:
-                call.complete = True
-                call.kick()
-                if not call.done.done():
-                    call.done.set_result(None)
+                if reason is not None and call.open == 0:
+                    self._end(call, frames)
+                    ended.append(call)
+        record = self.record_timing
+        for call, frames in out.items():
+            if frames and call.writer is not None:
+                self._write(call, b"".join(frames))
+            if record:
+                sent = time.monotonic()
+                self.lateness.extend([sent - clock.wall_at(t) for t in sent_at[call]])
+        for call in ended:
+            if record:
+                self._record(call)
+            call.complete = True
+            call.kick()
+            if not call.done.done():
+                call.done.set_result(None)
 
     def _end(self, call: Call, frames: list[bytes]) -> None:
         if call.writer is not None:
@@ -557,19 +561,24 @@ class Frontend:
                 frames.append(call.writer.usage(call.usage()))
             frames.append(DONE)
 
-    async def _write(self, call: Call, data: bytes) -> None:
+    def _write(self, call: Call, data: bytes) -> None:
         """Write now, unless the client is slow (its socket buffer is filling) or its response
-        is not attached yet: then its handler writes it, in order, with flow control."""
+        is not attached yet: then its handler writes it, in order, with flow control.
+
+        The frame goes to the transport directly, framed as the HTTP/1.1 chunk that aiohttp's
+        `write` would make (the response's headers went out at `prepare`; nothing else is
+        written in between): a token is then one small syscall, where aiohttp's two coroutine
+        layers cost about as much again, and a step of 500 decodes is 500 of them."""
         tr = call.transport
         if (call.backlog or tr is None or call.resp is None
                 or tr.get_write_buffer_size() > WRITE_LIMIT):
             call.backlog.append(data)
             call.kick()
             return
-        try:
-            await call.resp.write(data)  # returns at once: the buffer is nearly empty
-        except (ConnectionError, RuntimeError):
+        if tr.is_closing():
             self.abandon(call)
+            return
+        tr.write(b"%x\r\n%b\r\n" % (len(data), data) if call.chunked else data)
 
     def _record(self, call: Call) -> None:
         c = call.choices[0]

@@ -71,6 +71,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             return web.json_response(call.body())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+        if request.version >= (1, 1):  # explicit, so the pump knows it frames chunks
+            resp.enable_chunked_encoding()
         await resp.prepare(request)
         await call.stream_to(resp, request.transport)
         return resp

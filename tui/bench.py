@@ -6,6 +6,7 @@
 - `bench kernel`: NumPy paged decode attention against a dense contiguous computation.
 - `bench compute`: engine steps per wall second on the default scenario with real attention.
 - `bench sweep`: a 16-point sweep of `chat` with 1 and with 2 local workers, and the speed-up.
+- `bench serve`: `servesim serve` under many concurrent streams (see `serve.bench`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--duration", type=float, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
     s.add_argument("--json", action="store_true")
+    from serve import bench as serve_bench
+
+    serve_bench.add_arguments(sub)
 
 
 def _machine() -> str:
@@ -244,8 +248,14 @@ BENCHES = {
 }
 
 
+def _serve_bench():
+    from serve.bench import bench_serve, text_serve
+
+    return bench_serve, text_serve
+
+
 def main(args) -> int:
-    run, text = BENCHES[args.bench]
+    run, text = _serve_bench() if args.bench == "serve" else BENCHES[args.bench]
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else text(result))
     return 0
