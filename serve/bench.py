@@ -86,12 +86,17 @@ async def _load(url: str, streams: int, duration: float, prompt: str, max_tokens
                         errors += 1
                         await r.read()
                         continue
-                    async for line in r.content:
-                        if not line.startswith(b"data: {"):
-                            continue
-                        recv.append(time.monotonic())
+                    # Whole reads, not lines: a read's frames were received together, and
+                    # the client spends less per token (it shares the machine's cores).
+                    head = b""
+                    async for chunk in r.content.iter_any():
+                        now = time.monotonic()
+                        recv.extend([now] * chunk.count(b"data: {"))
                         if rid is None:
-                            rid = json.loads(line[6:])["id"]
+                            head += chunk
+                            start = head.find(b'"id": "')
+                            if start >= 0 and head.find(b'"', start + 7) > 0:
+                                rid = head[start + 7:head.find(b'"', start + 7)].decode()
             except aiohttp.ClientError:
                 errors += 1
                 continue
@@ -118,16 +123,20 @@ def bench_serve(args) -> dict:
         if "http://" not in line:
             raise RuntimeError(f"servesim serve did not start: {line.strip()}")
         cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
+        client0 = time.process_time()
+        load0 = os.getloadavg()[0]
         url = f"http://127.0.0.1:{port}/v1/completions"
         records, errors, timing = asyncio.run(_load(url, args.streams, args.duration,
                                                     "x" * args.prompt_tokens, args.max_tokens))
         wall = time.monotonic() - wall0
         server_cpu = _cpu_s(proc.pid) - cpu0
+        client_cpu = time.process_time() - client0
+        load1 = os.getloadavg()[0]
     finally:
         proc.terminate()
         proc.wait(10)
     # Client minus engine, per request (TTFT) and per token gap (ITL), in wall seconds.
-    ttft_diff, itl_diff, tokens = [], [], 0
+    ttft_diff, itl_diff, seen_late, tokens = [], [], [], 0
     for call in timing["calls"]:
         rec = records.get(call["id"])
         if rec is None:
@@ -140,16 +149,21 @@ def bench_serve(args) -> dict:
         got = np.asarray(recv)
         ttft_diff.append((got[0] - sent) - (sim[0] - call["arrival"]) / args.speed)
         itl_diff.extend((np.diff(got) - np.diff(sim) / args.speed).tolist())
+        # each token's receive time against the request's send time plus its simulated delay
+        seen_late.extend((got - sent - (sim - call["arrival"]) / args.speed).tolist())
     ttft_ms, itl_ms = np.asarray(ttft_diff) * 1e3, np.asarray(itl_diff) * 1e3
+    seen_ms = np.asarray(seen_late) * 1e3
     late = timing["lateness_ms"]
     return {
         "scenario": args.scenario, "streams": args.streams, "speed": args.speed,
         "machine": f"{os.cpu_count()} cores", "wall_s": wall, "requests": len(ttft_diff),
         "tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
-        "server_cpu_share": server_cpu / wall,
+        "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
+        "load_average": [load0, load1],
         "send_lateness_ms": late,
         "ttft_client_minus_engine_ms": {"p50": _pct(ttft_ms, 50), "p99": _pct(ttft_ms, 99),
                                         "max": _pct(ttft_ms, 100)},
+        "token_seen_late_ms": {"p50": _pct(seen_ms, 50), "p99": _pct(seen_ms, 99)},
         "itl_client_minus_engine_ms": {"p1": _pct(itl_ms, 1), "p50": _pct(itl_ms, 50),
                                        "p99": _pct(itl_ms, 99),
                                        "p99_abs": _pct(np.abs(itl_ms), 99)},
@@ -167,12 +181,16 @@ def text_serve(r: dict) -> str:
         f"bench serve: {r['streams']} concurrent streams at x{r['speed']:g}, {r['scenario']}, "
         f"{r['machine']}",
         f"  {r['requests']:,} requests, {r['tokens']:,} tokens in {r['wall_s']:.1f} s "
-        f"({r['tokens_per_s']:,.0f} tokens/s), {r['errors']} errors; server used "
-        f"{100 * r['server_cpu_share']:.0f}% of a core",
+        f"({r['tokens_per_s']:,.0f} tokens/s), {r['errors']} errors",
+        f"  CPU: server {100 * r['server_cpu_share']:.0f}% of a core, client "
+        f"{100 * r['client_cpu_share']:.0f}%; load average {r['load_average'][0]:.1f} at the "
+        f"start, {r['load_average'][1]:.1f} at the end",
         f"  send lateness (ms)            p50 {_fmt(late['p50'])}  p99 {_fmt(late['p99'])}  "
         f"max {_fmt(late['max'])}",
         f"  TTFT client - engine (ms)     p50 {_fmt(t['p50'])}  p99 {_fmt(t['p99'])}  "
         f"max {_fmt(t['max'])}",
+        f"  token seen by client - its time (ms)  p50 {_fmt(r['token_seen_late_ms']['p50'])}  "
+        f"p99 {_fmt(r['token_seen_late_ms']['p99'])}",
         f"  ITL client - engine (ms)      p1 {_fmt(i['p1'])}  p50 {_fmt(i['p50'])}  "
         f"p99 {_fmt(i['p99'])}  p99 |.| {_fmt(i['p99_abs'])}",
     ])

@@ -12,6 +12,7 @@ a fixed template, `<|role|>\\ncontent\\n` per message then `<|assistant|>\\n`.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -301,12 +302,12 @@ class ChunkWriter:
     def token(self, index: int, text: str, finish_reason: str | None = None,
               usage_: dict | None = None) -> bytes:
         """One choice's text delta (and its finish reason, on its last token)."""
-        reason = "null" if finish_reason is None else json.dumps(finish_reason)
+        reason = "null" if finish_reason is None else _js(finish_reason)
         if self.chat:
-            delta = f'"delta": {{"content": {json.dumps(text)}}}'
+            delta = f'"delta": {{"content": {_js(text)}}}'
             body = f'{index}, {delta}, "logprobs": null, "finish_reason": {reason}}}]'
         else:
-            body = (f'{index}, "text": {json.dumps(text)}, "logprobs": null, '
+            body = (f'{index}, "text": {_js(text)}, "logprobs": null, '
                     f'"finish_reason": {reason}, "stop_reason": null}}]')
         tail = "}" if usage_ is None else f', "usage": {json.dumps(usage_)}}}'
         return self._head + body.encode() + tail.encode() + b"\n\n"
@@ -322,6 +323,12 @@ class ChunkWriter:
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+@functools.lru_cache(maxsize=4096)
+def _js(text: str) -> str:
+    """A JSON string literal; cached, as token texts repeat (filler words, single bytes)."""
+    return json.dumps(text)
 
 
 def created_now() -> int:
