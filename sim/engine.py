@@ -326,10 +326,11 @@ class Engine:
         """Re-apply a recorded user action (replay)."""
         if action == "inject":
             text = args.get("prompt_text")
+            # (only an engine's own injections carry these; a deployment's `inject` has none)
+            extra = {k: args[k] for k in ("arrival_time", "tag") if k in args}
             self.inject(args["prompt_len"], args["max_output_tokens"],
                         priority=args.get("priority", 0), count=args.get("count", 1),
-                        prompt_text=None if text is None else text.encode("latin-1"),
-                        arrival_time=args.get("arrival_time"), tag=args.get("tag"))
+                        prompt_text=None if text is None else text.encode("latin-1"), **extra)
         elif action == "cancel":
             self.cancel(args["req_id"])
         elif action == "cancel_waiting":
