@@ -19,6 +19,8 @@ import asyncio
 import codecs
 import heapq
 import math
+import sys
+import threading
 import time
 import uuid
 from array import array
@@ -175,8 +177,6 @@ class Frontend:
 
     def __init__(self, engine, *, model_name: str, speed: float = 1.0, lock=None,
                  max_waiting: int | None = None, record_timing: bool = False) -> None:
-        import threading
-
         if not engine.record_events:
             raise ServesimError("serve: the engine must record events")
         self.engine = engine
@@ -280,7 +280,10 @@ class Frontend:
         """The pump (see the module docstring); runs until cancelled."""
         loop = asyncio.get_running_loop()
         while True:
-            self.turn()
+            try:
+                self.turn()
+            except Exception as err:  # noqa: BLE001 - a bug must not leave clients hanging
+                self._crash(err)
             wake_at = min(self.clock.wall_at(self._next_time()), time.monotonic() + MAX_SLEEP_S)
             if wake_at <= time.monotonic():
                 await asyncio.sleep(0)  # let the handlers run, then go on
@@ -323,6 +326,10 @@ class Frontend:
         pending, self._pending = self._pending, []
         for call in pending:
             if call.abandoned:
+                continue
+            if self.error:
+                call.accepted.set_exception(APIError(f"the engine stopped: {self.error}",
+                                                     HTTPStatus.INTERNAL_SERVER_ERROR))
                 continue
             try:
                 self._inject(call)
@@ -387,6 +394,37 @@ class Frontend:
         if limit is not None and out >= limit:
             return limit, "length"
         return out, "stop"
+
+    def _crash(self, err: Exception) -> None:
+        """An unexpected error in the pump: say so on stderr and in /health, and end every
+        open call now (a stream gets an `abort` frame where it can), refusing new ones."""
+        if self.error is None:
+            self.error = f"{type(err).__name__}: {err}"
+            print(f"servesim serve: the engine stopped: {self.error}", file=sys.stderr)
+        calls = {tr.choice.call for tr in self._tracks.values() if tr.choice is not None}
+        calls.update(c.call for entries in self._due.values() for _, c, _, _ in entries)
+        self._tracks.clear()
+        self._due.clear()
+        self._due_times.clear()
+        for call in calls:
+            if call.complete:
+                continue
+            for c in call.choices:
+                if not c.done:
+                    c.done, c.reason = True, "abort"
+                    if call.writer is not None:
+                        self._write(call, call.writer.token(c.index, "", "abort"))
+            if call.writer is not None:
+                self._write(call, DONE)
+            call.complete = True
+            call.kick()
+            if not call.done.done():
+                call.done.set_result(None)
+        for call in self._pending:
+            if not call.accepted.done():
+                call.accepted.set_exception(APIError(
+                    f"the engine stopped: {self.error}", HTTPStatus.INTERNAL_SERVER_ERROR))
+        self._pending.clear()
 
     def _fail(self, message: str) -> None:
         self.error = message

@@ -310,3 +310,25 @@ def test_with_real_compute_the_text_is_the_tiny_models_bytes():
         assert r.choices[0].text == "".join(decoder.decode(bytes([t])) for t in ids)
         with pytest.raises(openai.BadRequestError, match="vocabulary"):
             client(s).completions.create(model=MODEL, prompt=[300, 1], max_tokens=1)
+
+
+def test_a_failure_in_the_engine_ends_every_stream_and_is_reported(server):
+    fe = server.frontend
+    stream = client(server).completions.create(model=MODEL, prompt="q", max_tokens=100_000,
+                                               stream=True)
+    it = iter(stream)
+    next(it)
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated bug")
+
+    server.call(lambda: setattr(fe.engine, "run_until", broken))
+    rest = list(it)  # the stream ends instead of hanging
+    assert rest[-1].choices[0].finish_reason == "abort"
+    code, err = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 1})
+    assert code == 500 and "simulated bug" in err["error"]["message"]
+    try:
+        urllib.request.urlopen(server.url + "/health", timeout=10)
+        raise AssertionError("healthy after a failure")
+    except urllib.error.HTTPError as e:
+        assert e.code == 503
