@@ -332,3 +332,22 @@ def test_a_failure_in_the_engine_ends_every_stream_and_is_reported(server):
         raise AssertionError("healthy after a failure")
     except urllib.error.HTTPError as e:
         assert e.code == 503
+
+
+def test_background_load_runs_beside_http_requests():
+    with serving(["workload.rate=50", "workload.duration_s=5"], background=True) as s:
+        r = client(s).completions.create(model=MODEL, prompt="a", max_tokens=20)
+        assert r.usage.completion_tokens == 20
+        with s.frontend.lock:
+            arrivals = [e for e in s.frontend.engine.events if e.kind == "arrival"]
+            admitted = {e.req_id for e in s.frontend.engine.events if e.kind == "admit"}
+        background = [a for a in arrivals if not a.injected]
+        assert len(background) >= 3 and background[0].req_id in admitted
+        assert sum(a.injected for a in arrivals) == 1
+
+
+def test_without_background_the_scenarios_workload_stays_off(server):
+    client(server).completions.create(model=MODEL, prompt="a", max_tokens=2)
+    with server.frontend.lock:
+        arrivals = [e for e in server.frontend.engine.events if e.kind == "arrival"]
+    assert [a.injected for a in arrivals] == [True]
