@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--duration", type=float, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
     s.add_argument("--json", action="store_true")
-    from serve import bench as serve_bench
+    from tui.serve import bench as serve_bench
 
     serve_bench.add_arguments(sub)
 
@@ -249,7 +249,7 @@ BENCHES = {
 
 
 def _serve_bench():
-    from serve.bench import bench_serve, text_serve
+    from tui.serve.bench import bench_serve, text_serve
 
     return bench_serve, text_serve
 

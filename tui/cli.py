@@ -230,7 +230,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from serve.app import build_frontend, serve_dashboard, serve_headless
+    from tui.serve.app import build_frontend, serve_dashboard, serve_headless
 
     if not 0 <= args.port <= 65535:
         raise ScenarioError(f"--port {args.port}: must be between 0 and 65535")

@@ -16,9 +16,9 @@ from http import HTTPStatus
 
 from aiohttp import web
 
-from serve.frontend import Frontend
-from serve.metrics import CONTENT_TYPE
-from serve.protocol import APIError, error_body, parse_body, parse_generate
+from tui.serve.frontend import Frontend
+from tui.serve.metrics import CONTENT_TYPE
+from tui.serve.protocol import APIError, error_body, parse_body, parse_generate
 
 FRONTEND = web.AppKey("frontend", Frontend)
 MAX_BODY = 64 * 1024 * 1024

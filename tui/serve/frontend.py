@@ -30,8 +30,8 @@ import numpy as np
 
 from sim import EngineError, ServesimError
 from sim.workload import sample_lengths
-from serve.metrics import ServeMetrics
-from serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
+from tui.serve.metrics import ServeMetrics
+from tui.serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
                             completion_body, created_now, usage)
 
 SERVE_STREAM = 0x5E  # seed stream of output lengths drawn for requests without max_tokens

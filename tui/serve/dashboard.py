@@ -13,8 +13,8 @@ from pathlib import Path
 
 import tui.app
 from tui.app import MAX_SPEED, MIN_SPEED, Dashboard
-from serve.app import banner
-from serve.frontend import Frontend
+from tui.serve.app import banner
+from tui.serve.frontend import Frontend
 
 
 class ServeDriver:
@@ -80,7 +80,7 @@ class ServeDashboard(Dashboard):
 
     def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".") -> None:
         super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
-        from serve.http import Server
+        from tui.serve.http import Server
 
         self.server = Server(frontend, host, port)
         self.listen_error: str | None = None

@@ -13,7 +13,7 @@ import numpy as np
 
 from sim import Engine, ScenarioError
 from sim.workload import Workload
-from serve.frontend import Frontend
+from tui.serve.frontend import Frontend
 
 
 def empty_workload() -> Workload:
@@ -63,7 +63,7 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
     """Serve until SIGINT/SIGTERM. `ready(server)` is called once listening. Returns 0.
     Raises ScenarioError when the address cannot be bound."""
-    from serve.http import Server
+    from tui.serve.http import Server
 
     async def main() -> None:
         server = Server(frontend, host, port)
@@ -93,7 +93,7 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
 
 def serve_dashboard(frontend: Frontend, host: str, port: int) -> int:
     """Serve under the live dashboard; `q` quits. Returns the exit code."""
-    from serve.dashboard import ServeDashboard
+    from tui.serve.dashboard import ServeDashboard
 
     app = ServeDashboard(frontend, host, port)
     app.run()

@@ -9,8 +9,8 @@ import aiohttp
 from sim import load_scenario
 from sim.log import read_log
 from sim.replay import verify
-from serve.app import build_frontend
-from serve.dashboard import ServeDashboard
+from tui.serve.app import build_frontend
+from tui.serve.dashboard import ServeDashboard
 from tests.tui.test_app import pilot_test
 
 

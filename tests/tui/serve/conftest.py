@@ -10,8 +10,8 @@ import threading
 import pytest
 
 from sim import load_scenario
-from serve.app import build_frontend
-from serve.http import Server
+from tui.serve.app import build_frontend
+from tui.serve.http import Server
 
 
 class Running:

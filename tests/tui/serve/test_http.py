@@ -13,8 +13,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve.protocol import FILLER
-from tests.serve.conftest import serving
+from tui.serve.protocol import FILLER
+from .conftest import serving
 
 MODEL = "llama-3.1-8b"
 
