@@ -208,7 +208,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from sim.metrics import summarize
 
     t0 = time.perf_counter()
-    engine = build(sc, record_events=False)
+    engine = build(sc, record_events=False, keep_history=False)
     engine.run()
     row = flatten(summarize(engine))
     row["wall_s"] = time.perf_counter() - t0
@@ -529,9 +529,9 @@ class ProgressBar:
         self._last = now
         elapsed = now - self.t0
         filled = self.WIDTH * done // max(total, 1)
-        left = f"~{_clock(elapsed / done * (total - done))} left" if 0 < done < total else ""
+        left = f"~{clock_text(elapsed / done * (total - done))} left" if 0 < done < total else ""
         line = (f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-                f"{done}/{total} runs  {_clock(elapsed)} elapsed  {left}")
+                f"{done}/{total} runs  {clock_text(elapsed)} elapsed  {left}")
         # pad over what a longer previous line left behind
         self.stream.write(f"\r{line.ljust(self._width)}")
         self.stream.flush()
@@ -543,7 +543,8 @@ class ProgressBar:
             self.stream.flush()
 
 
-def _clock(s: float) -> str:
+def clock_text(s: float) -> str:
+    """Seconds as m:ss, or h:mm:ss from an hour on."""
     s = int(round(s))
     h, m = divmod(s // 60, 60)
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
