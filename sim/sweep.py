@@ -348,6 +348,7 @@ class Table:
     columns: list[str]
     rows: list[dict[str, Any]]
     key_columns: list[str]  # the leading columns that say which run a row is
+    probes: "Table | None" = None  # find_max_rate: a row per probe run (its rate, its seed)
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -479,20 +480,23 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
                                 "needs synthetic arrivals (poisson, gamma, constant)")
     searches = [RateSearch(pt.scenario.workload.rate, target, tolerance) for pt in p.points]
     done = 0
+    probe_rows = []
     while True:
         probes = [(s, pt, s.next_rate()) for s, pt in zip(searches, p.points)]
         probes = [x for x in probes if x[2] is not None]
         if not probes:
             break
-        tasks = []
+        tasks, keys = [], []
         for _, pt, rate in probes:
             for seed in p.seeds if p.seeds is not None else [pt.scenario.seed]:
                 tasks.append((pt.label(**{"workload.rate": rate, "seed": seed}),
                               variant(pt.scenario, seed=seed, rate=rate)))
+                keys.append({**pt.values, "workload.rate": rate, "seed": seed})
         per_probe = len(tasks) // len(probes)
         later = per_probe * sum(s.probes_left() for s in searches) - len(tasks)
         report = (lambda d, n: progress(done + d, done + n + max(later, 0))) if progress else None
         rows = runner.run(tasks, report)
+        probe_rows += [{**k, **r} for k, r in zip(keys, rows)]
         done += len(tasks)
         for i, (search, _, rate) in enumerate(probes):
             got = rows[i * per_probe:(i + 1) * per_probe]
@@ -505,7 +509,9 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
                     "max_rate": s.passed and s.passed[0], "attainment": s.passed and s.passed[1],
                     "fail_rate": s.failed and s.failed[0],
                     "fail_attainment": s.failed and s.failed[1], "probes": s.probes})
-    return Table(columns, out, key_columns)
+    probe_keys = [a.key for a in p.axes] + ["workload.rate", "seed"]
+    probe_table = Table(probe_keys + [c for c, _ in METRICS] + ["wall_s"], probe_rows, probe_keys)
+    return Table(columns, out, key_columns, probes=probe_table)
 
 
 # --- progress ------------------------------------------------------------------------------------

@@ -328,6 +328,11 @@ def cmd_sweep(args) -> int:
         overrides += sweep.slo_overrides(args.slo)
     if args.output and not Path(args.output).expanduser().resolve().parent.is_dir():
         raise ServesimError(f"{args.output}: cannot write: no such directory")  # before, not after
+    if args.plot:
+        from tui import plot
+
+        plot.check_output(args.plot)
+        _check_writable(args.plot, "--plot")
     seeds = list(range(args.seeds)) if args.seeds is not None else None
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
@@ -348,6 +353,17 @@ def cmd_sweep(args) -> int:
         print(table.to_text())
     else:
         print(table.to_text(table.key_columns + sweep.TEXT_METRICS))
+    if args.plot is not None:
+        from tui import plot
+
+        cs, slos = plot.curves(table), plot.slo_bounds(plan)
+        if args.plot:
+            plot.write_plot(args.plot, cs, slos, title=f"{plan.points[0].scenario.name}: "
+                            "latency against achieved throughput")
+            print(f"plot written to {args.plot}", file=sys.stderr)
+        else:
+            print()
+            print(plot.text_plot(cs, slos))
     return 0
 
 
@@ -431,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative precision of the rate search (default 0.05)")
     s.add_argument("--progress", action="store_true",
                    help="draw the progress bar even when stderr is not a terminal")
+    s.add_argument("--plot", nargs="?", const="", metavar="FILE",
+                   help="TTFT and TPOT (p50, p99) against achieved throughput per configuration:"
+                        " to FILE.svg or FILE.png (needs servesim[plot]), or on the terminal")
     s.set_defaults(func=cmd_sweep)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")
