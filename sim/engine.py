@@ -881,12 +881,10 @@ class Engine:
         # the slots of blocks allocated later.
         empty_end = self._empty_slots()
         if k <= self.SCALAR_STEPS:
-            add = self.timeline.add_row
-            used_end = kv_used[-1]
-            for j in range(k):
-                empty = empty_end + b * (k - 1 - j) - bs * (used_end - kv_used[j])
-                add(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j], empty,
-                    energy[j], waiting)
+            e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
+            self.timeline.add_rows([
+                (ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
+                 e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)])
         else:
             itl = np.full(k, b, dtype=np.int64)
             itl[0] = itl0

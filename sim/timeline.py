@@ -121,6 +121,13 @@ class Timeline:
         if len(rows) >= _STAGE:
             self._flush()
 
+    def add_rows(self, rows: list[tuple]) -> None:
+        """Append steps, each a tuple of values in the order of COLUMNS."""
+        staged = self._rows
+        staged += rows
+        if len(staged) >= _STAGE:
+            self._flush()
+
     def append(self, **cols) -> int:
         """Append k rows (every column a scalar or an array of length k).
 

@@ -6,6 +6,9 @@
 - `bench kernel`: NumPy paged decode attention against a dense contiguous computation.
 - `bench compute`: engine steps per wall second on the default scenario with real attention.
 - `bench sweep`: a 16-point sweep of `chat` with 1 and with 2 local workers, and the speed-up.
+- `bench scale`: runs of N requests (wall, max RSS, memory after the run), the Azure trace's
+  wall time and the memory per request in flight, side by side (tui/bench_scale.py).
+- `bench hotpath`: a profiled run: time and calls per scheduling decision, by function.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("sweep", help="a 16-point sweep with 1 and with 2 local workers")
     s.add_argument("--duration", type=float, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("scale", help="wall time and memory against the number of requests")
+    s.add_argument("--scenario", default="chat")
+    s.add_argument("--requests", default="10000,100000,1000000", metavar="N1,N2,...",
+                   help="workload.num_requests of each run (default 10000,100000,1000000)")
+    s.add_argument("--with-history", type=int, default=0, metavar="N",
+                   help="also run those up to N requests keeping every request (the old way)")
+    s.add_argument("--repeat", type=int, default=3, help="Azure trace runs; the best counts")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("hotpath", help="where the time goes per scheduling decision")
+    s.add_argument("--scenario", default="azure-conv")
+    s.add_argument("--policy", default="chunked")
+    s.add_argument("--top", type=int, default=25, help="functions listed (default 25)")
     s.add_argument("--json", action="store_true")
 
 
@@ -234,6 +250,30 @@ def text_sweep(r: dict) -> str:
     ])
 
 
+def bench_scale(args) -> dict:
+    from tui.bench_scale import bench_scale as run
+
+    return run(args)
+
+
+def bench_hotpath(args) -> dict:
+    from tui.bench_scale import bench_hotpath as run
+
+    return run(args)
+
+
+def text_scale(r: dict) -> str:
+    from tui.bench_scale import text_scale as text
+
+    return text(r)
+
+
+def text_hotpath(r: dict) -> str:
+    from tui.bench_scale import text_hotpath as text
+
+    return text(r)
+
+
 BENCHES = {
     "sim": (bench_sim, text_sim),
     "log": (bench_log, text_log),
@@ -241,6 +281,8 @@ BENCHES = {
     "kernel": (bench_kernel, text_kernel),
     "compute": (bench_compute, text_compute),
     "sweep": (bench_sweep, text_sweep),
+    "scale": (bench_scale, text_scale),
+    "hotpath": (bench_hotpath, text_hotpath),
 }
 
 
