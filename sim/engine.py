@@ -146,6 +146,7 @@ class Engine:
     """
 
     RECENT = 64
+    ARRIVAL_WINDOW = 1 << 16  # arrival times held as a Python list at a time
     ROLLING_S = 60.0  # simulated seconds of first tokens and gaps kept for `sim.rolling`
 
     def __init__(self, scenario, *, policy: str | None = None, executor=None,
@@ -184,10 +185,13 @@ class Engine:
         self.record_events = record_events
         self.events: list[ev.Event] = []
         w = self.workload
-        # A Python list: scalar reads in the hot loop are several times faster than from an
-        # array. (The other columns are read once per arrival, from the arrays: lists of them
-        # would cost ~100 bytes a request.)
-        self._w_arrival = w.arrival.tolist()
+        # The next arrival times as a Python list (scalar reads in the hot loop are several
+        # times faster than from an array), a window of them at a time so that the list does
+        # not hold 32 bytes for every request of a long run; _w_next indexes the window, which
+        # holds workload rows from _w_base on. (The other columns are read once per arrival,
+        # from the arrays.)
+        self._w_base = 0
+        self._w_arrival = w.arrival[:self.ARRIVAL_WINDOW].tolist()
         self._w_next = 0
         self._next_id = len(w)
         self._cancels: list[tuple[float, int]] = []
@@ -503,12 +507,17 @@ class Engine:
 
     def _arrive(self, now: float) -> None:
         arr = self._w_arrival
+        w = self.workload
         while self._w_next < len(arr) and arr[self._w_next] <= now:
-            i = self._w_next
+            i = self._w_base + self._w_next  # the request's row in the workload
+            t = arr[self._w_next]
             self._w_next += 1
-            w = self.workload
+            if self._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
+                self._w_base = i + 1
+                self._w_arrival = arr = w.arrival[i + 1:i + 1 + self.ARRIVAL_WINDOW].tolist()
+                self._w_next = 0
             c = w.cancel_at[i].item()
-            req = Request(i, arr[i], w.prompt[i].item(), w.output[i].item(),
+            req = Request(i, t, w.prompt[i].item(), w.output[i].item(),
                           priority=w.priority[i].item(),
                           hash_ids=w.hash_ids[i] if w.hash_ids else None,
                           cancel_at=None if c != c else c)

@@ -211,3 +211,17 @@ def test_percentiles_past_the_exact_limit_are_within_the_bound(monkeypatch):
         for q in ("p50", "p90", "p95", "p99"):
             assert abs(b[fig][q] - a[fig][q]) <= quantiles.ALPHA * a[fig][q] * (1 + 1e-9), fig
     assert a["throughput"] == b["throughput"] and a["kv"] == b["kv"]
+
+
+def test_arrivals_read_a_window_at_a_time_give_the_same_run(monkeypatch):
+    sc = small_scenario("workload.cancel_fraction=0.2")
+    whole = Engine(sc)
+    whole.run()
+    monkeypatch.setattr(Engine, "ARRIVAL_WINDOW", 3)
+    windowed = Engine(sc)
+    assert len(windowed._w_arrival) == 3
+    windowed.run()
+    a, b = summarize(whole), summarize(windowed)
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b and a["requests"]["total"] > 50
+    assert [encode(x) for x in whole.events] == [encode(x) for x in windowed.events]
