@@ -28,6 +28,7 @@ from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
 from sim.kv import KVCacheManager, blocks_for
 from sim.policies import POLICIES
+from sim.quantiles import Samples
 from sim.request import Request, RequestState
 from sim.timeline import Timeline
 from sim.tokens import prompt_token_ids
@@ -122,8 +123,8 @@ def cancellable(requests: dict, req_id: int) -> Request:
 
 class _Continued:
     """The timeline of a request whose first tokens were sampled on another engine: this
-    engine's step end times, then those tokens' times and a pad, so that one list of token
-    segments names both (the earlier tokens are the segment [-k - 1, k])."""
+    engine's step end times, and those tokens' times, so that one list of token segments names
+    both (the earlier tokens are the segment [-k - 1, k], below every row here)."""
 
     __slots__ = ("timeline", "earlier")
 
@@ -131,8 +132,11 @@ class _Continued:
         self.timeline = timeline
         self.earlier = earlier
 
-    def end_times(self) -> np.ndarray:
-        return np.concatenate((self.timeline.end_times(), self.earlier, [np.nan]))
+    def ends(self, start: int, count: int) -> np.ndarray:
+        """End times of rows [start, start + count); a negative start names the earlier ones."""
+        if start < 0:
+            return self.earlier[:count]
+        return self.timeline.ends(start, count)
 
 
 class Engine:
@@ -143,15 +147,23 @@ class Engine:
     """
 
     RECENT = 64
+    ARRIVAL_WINDOW = 1 << 16  # arrival times held as a Python list at a time
+    ROLLING_S = 60.0  # simulated seconds of first tokens and gaps kept for `sim.rolling`
 
     def __init__(self, scenario, *, policy: str | None = None, executor=None,
                  workload: Workload | None = None, record_events: bool = True,
                  skip_ahead: bool = True, clock: str | None = None,
-                 record_timeline: bool = True) -> None:
+                 record_timeline: bool = True, keep_history: bool = True) -> None:
         """`record_timeline=False` keeps no per-step figures: the events are the same, but
-        metrics (`sim.summarize`, `sim.rolling`) cannot be computed; for verifying a replay."""
+        metrics (`sim.summarize`, `sim.rolling`) cannot be computed; for verifying a replay.
+
+        `keep_history=False` bounds memory by what is in flight: a request is dropped when it
+        ends (`requests` and `get` know only live ones; the last RECENT stay in `recent`) and
+        timeline rows once folded into the summary's totals (`rolling`, the token times of
+        ended requests and the exports need the default). The summary is the same either way."""
         self.scenario = scenario
         self.record_timeline = record_timeline
+        self.keep_history = keep_history
         self.cost = CostModel(scenario)
         self.workload = workload if workload is not None else build_workload(scenario)
         self.kv = KVCacheManager(
@@ -174,13 +186,13 @@ class Engine:
         self.record_events = record_events
         self.events: list[ev.Event] = []
         w = self.workload
-        # Python lists: scalar reads in the hot loop are several times faster than from arrays.
-        self._w_arrival = w.arrival.tolist()
-        self._w_prompt = w.prompt.tolist()
-        self._w_output = w.output.tolist()
-        self._w_priority = w.priority.tolist()
-        self._w_cancel = w.cancel_at.tolist()
-        self._w_group = w.prefix_group.tolist() if w.prefix_group is not None else None
+        # The next arrival times as a Python list (scalar reads in the hot loop are several
+        # times faster than from an array), a window of them at a time so that the list does
+        # not hold 32 bytes for every request of a long run; _w_next indexes the window, which
+        # holds workload rows from _w_base on. (The other columns are read once per arrival,
+        # from the arrays.)
+        self._w_base = 0
+        self._w_arrival = w.arrival[:self.ARRIVAL_WINDOW].tolist()
         self._w_next = 0
         self._next_id = len(w)
         self._cancels: list[tuple[float, int]] = []
@@ -190,7 +202,7 @@ class Engine:
         self.now = 0.0
         self.step_count = 0
         self.idle_time = 0.0
-        self.timeline = Timeline()
+        self.timeline = Timeline(keep=keep_history, pinned=self._first_token_row)
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
         self._freed: list[int] = []
@@ -200,14 +212,27 @@ class Engine:
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
                            swaps=0, output_tokens=0, injected=0, finished_samples=0,
                            cancelled_samples=0, fragmentation_stalls=0)
-        self.queue_waits: list[float] = []
-        self.ttfts: list[float] = []
-        self.ttft_times: list[float] = []
-        self.done_stats: list[tuple[float, float, float, float, int]] = []
-        self.itl_extra: list[tuple[float, float]] = []  # (time, gap) across non-adjacent steps
+        # Per-request figures, folded as they happen (sim.metrics reads them; sim.quantiles
+        # says when their percentiles stop being exact).
+        self.queue_wait = Samples()
+        self.ttft = Samples()  # of every request's first token (not further samples')
+        self.tpot = Samples()  # of finished requests with at least two tokens
+        self.e2e = Samples()   # of finished requests
+        self.itl_extra = Samples()  # ITL gaps across non-adjacent steps (the timeline has the rest)
+        self.finished_prompt_tokens = 0  # of finished requests and samples
+        self.finished_output_tokens = 0  # of finished requests
+        self.slo_met = 0  # finished requests that met every SLO
+        # (time, value) of the last ROLLING_S simulated seconds, for sim.rolling
+        self.recent_ttfts: deque[tuple[float, float]] = deque()
+        self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
 
     # ================================================================================ public API
+    @property
+    def queue_waits(self) -> np.ndarray:
+        """Every queue wait so far (s), in admission order (while they are held exactly)."""
+        return self.queue_wait.values()
+
     @property
     def done(self) -> bool:
         """True when no request is queued, running or still to arrive."""
@@ -464,7 +489,8 @@ class Engine:
             self.kv.free(req)
             req.num_computed_tokens = 0
             req.recomputing = True
-            self._freed.append(req.req_id)
+            if self.executor is not None:
+                self._freed.append(req.req_id)
             mode = "recompute"
         req.num_preemptions += 1
         self.counts["preemptions"] += 1
@@ -499,21 +525,27 @@ class Engine:
 
     def _arrive(self, now: float) -> None:
         arr = self._w_arrival
+        w = self.workload
         while self._w_next < len(arr) and arr[self._w_next] <= now:
-            i = self._w_next
+            i = self._w_base + self._w_next  # the request's row in the workload
+            t = arr[self._w_next]
             self._w_next += 1
-            c = self._w_cancel[i]
-            req = Request(i, arr[i], self._w_prompt[i], self._w_output[i],
-                          priority=self._w_priority[i],
-                          hash_ids=self.workload.hash_ids[i] if self.workload.hash_ids else None,
+            if self._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
+                self._w_base = i + 1
+                self._w_arrival = arr = w.arrival[i + 1:i + 1 + self.ARRIVAL_WINDOW].tolist()
+                self._w_next = 0
+            c = w.cancel_at[i].item()
+            req = Request(i, t, w.prompt[i].item(), w.output[i].item(),
+                          priority=w.priority[i].item(),
+                          hash_ids=w.hash_ids[i] if w.hash_ids else None,
                           cancel_at=None if c != c else c)
-            if self._w_group is not None:
-                req.shared_prefix = (self._w_group[i], self.workload.prefix_tokens)
+            if w.prefix_group is not None:
+                req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
             self._on_arrival(req)
         while self._cancels and self._cancels[0][0] <= now:
             _, rid = heapq.heappop(self._cancels)
-            req = self.requests[rid]
-            if not req.state.is_done:
+            req = self.requests.get(rid)  # (gone: it ended, and keep_history is off)
+            if req is not None and not req.state.is_done:
                 self._cancel(req, by="client")
 
     def _on_arrival(self, req: Request) -> None:
@@ -536,6 +568,8 @@ class Engine:
             req.finish_time = self.now
             self.counts["rejected"] += 1
             self.recent.append(req)
+            if not self.keep_history:
+                del self.requests[req.req_id]
             if self.record_events:
                 self.events.append(ev.Reject(self.now, req.req_id, reason))
             return
@@ -567,22 +601,53 @@ class Engine:
         self.policy.finished(req)
         self.recent.append(req)
         self._drop(req)
+        self.finished_prompt_tokens += req.prompt_len
         if req.parent_id is not None:  # a further sample: its tokens count, not its latency
             self.counts["finished_samples"] += 1
             if self.record_events:
                 self.events.append(ev.Finish(t, req.req_id))
             return
         self.counts["finished"] += 1
-        tpot = req.tpot
-        self.done_stats.append((t, req.first_token_time - req.arrival_time,
-                                t - req.arrival_time, -1.0 if tpot is None else tpot,
-                                req.num_output_tokens))
+        self._fold_finished(req, t)
         if self.record_events:
             self.events.append(ev.Finish(t, req.req_id))
 
+    def _fold_finished(self, req: Request, t: float) -> None:
+        """Add a finished request (not a further sample) to the run's latency figures."""
+        ttft = req.first_token_time - req.arrival_time
+        e2e = t - req.arrival_time
+        tpot = req.tpot
+        self.e2e.add(e2e)
+        if tpot is not None:
+            self.tpot.add(tpot)
+        self.finished_output_tokens += req.num_output_tokens
+        slo = self.scenario.slo
+        if ((not slo.ttft_ms or ttft * 1e3 <= slo.ttft_ms)
+                and (not slo.tpot_ms or tpot is None or tpot * 1e3 <= slo.tpot_ms)
+                and (not slo.e2e_ms or e2e * 1e3 <= slo.e2e_ms)):
+            self.slo_met += 1
+
+    def _gap(self, t: float, gap: float) -> None:
+        """An ITL gap across steps that are not adjacent, its token sampled at `t`."""
+        self.itl_extra.add(gap)
+        self._recent(self.recent_gaps, t, gap)
+
+    def _recent(self, q: deque, t: float, v: float) -> None:
+        q.append((t, v))
+        while q[0][0] < t - self.ROLLING_S:
+            q.popleft()
+
+    def _first_token_row(self) -> float:
+        """The first timeline row a live request's token times point into (math.inf: none)."""
+        return min((s for r in self.requests.values() for s, _ in r.token_segments[:2]
+                    if s >= 0), default=INF)
+
     def _drop(self, req: Request) -> None:
-        self._freed.append(req.req_id)
+        if self.executor is not None:  # it tells the executor, then forgets
+            self._freed.append(req.req_id)
         self._prompt_ids.pop(req.req_id, None)
+        if not self.keep_history:
+            self.requests.pop(req.req_id, None)
 
     def _admit(self, req: Request) -> None:
         resumed = req.state is not RS.WAITING
@@ -593,7 +658,7 @@ class Engine:
         req.transition(RS.RUNNING)
         if req.admitted_time is None:
             req.admitted_time = self.now
-            self.queue_waits.append(self.now - req.arrival_time)
+            self.queue_wait.add(self.now - req.arrival_time)
         if self.record_events:
             self.events.append(ev.Admit(self.now, req.req_id, resumed))
 
@@ -683,8 +748,8 @@ class Engine:
             if req.num_output_tokens == 1:
                 req.first_token_time = end
                 if req.parent_id is None:
-                    self.ttfts.append(end - req.arrival_time)
-                    self.ttft_times.append(end)
+                    self.ttft.add(end - req.arrival_time)
+                    self._recent(self.recent_ttfts, end, end - req.arrival_time)
                 first.append(req)
                 segs.append([g, 1])
             else:
@@ -693,7 +758,7 @@ class Engine:
                     last[1] += 1
                     itl += 1
                 else:
-                    self.itl_extra.append((end, end - req.last_token_time))
+                    self._gap(end, end - req.last_token_time)
                     segs.append([g, 1])
                 if req.recomputing:  # its re-prefill after a preemption is done
                     req.recomputing = False
@@ -817,7 +882,7 @@ class Engine:
                 last[1] += k
                 itl0 += 1
             else:
-                self.itl_extra.append((first_end, first_end - r.last_token_time))
+                self._gap(first_end, first_end - r.last_token_time)
                 r.token_segments.append([g, k])
             r.last_token_time = end
             if r.num_output_tokens >= r.max_output_tokens:
@@ -843,12 +908,10 @@ class Engine:
         # the slots of blocks allocated later.
         empty_end = self._empty_slots()
         if k <= self.SCALAR_STEPS:
-            add = self.timeline.add_row
-            used_end = kv_used[-1]
-            for j in range(k):
-                empty = empty_end + b * (k - 1 - j) - bs * (used_end - kv_used[j])
-                add(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j], empty,
-                    energy[j], waiting)
+            e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
+            self.timeline.add_rows([
+                (ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
+                 e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)])
         else:
             itl = np.full(k, b, dtype=np.int64)
             itl[0] = itl0

@@ -28,7 +28,8 @@ class Replayer:
     def __init__(self, log: SessionLog, make_executor=None, metrics: bool = True) -> None:
         """`make_executor(scenario)`, when given, builds the real-compute executor to replay
         with (needed to regenerate token ids). `metrics=False` regenerates the events only (a
-        single engine then keeps no timeline: faster, but nothing to summarize)."""
+        single engine then keeps no timeline and no ended request: faster, bounded memory,
+        but nothing to summarize or export)."""
         self.log = log
         try:
             sc = scenario_from_dict(log.header["scenario"], source=log.path, check_workload=False)
@@ -44,7 +45,7 @@ class Replayer:
         executor = make_executor(sc) if make_executor else None
         self.engine = Engine(sc, policy=log.header["policy"], workload=log.workload(),
                              executor=executor, clock=log.header["clock"],
-                             record_timeline=metrics)
+                             record_timeline=metrics, keep_history=metrics)
         if log.header["clock"] == "measured":
             self.engine.duration_override = _durations(log.records)
         self.actions = [decode(r) for r in log.records if r[0] == _ACTION]
@@ -206,13 +207,17 @@ def _show(rec) -> dict | None:
     return d
 
 
-def verify(log: SessionLog, make_executor=None) -> tuple[Replayer, Divergence | None]:
+def verify(log: SessionLog, make_executor=None,
+           watch=None) -> tuple[Replayer, Divergence | None]:
     """Replay `log` and compare the regenerated event stream with the recorded one.
 
     Returns the replayer and the first divergence (None when identical). The replayed engine
     regenerates events only: the summary of a verified session is the one recorded.
+    `watch(engine)`, when given, is called with the engine before it runs (a progress line).
     """
     r = Replayer(log, make_executor, metrics=False)
+    if watch is not None:
+        watch(r.engine)
     try:
         r.run()
     except ServesimError:

@@ -164,8 +164,8 @@ class Request:
 
         if not self.token_segments or self._timeline is None:
             return np.zeros(0)
-        ends = self._timeline.end_times()
-        return np.concatenate([ends[s : s + n] for s, n in self.token_segments])
+        tl = self._timeline
+        return np.concatenate([tl.ends(s, n) for s, n in self.token_segments])
 
     def itls(self):
         """The gaps between consecutive output tokens (seconds)."""

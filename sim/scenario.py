@@ -114,6 +114,9 @@ class WorkloadConfig:
     cv: float = _f(1.0, gt=0, doc="gamma: coefficient of variation of inter-arrival times")
     trace: str = _f("", doc="trace file (Azure CSV, Mooncake JSONL, length-pairs CSV)")
     time_scale: float = _f(1.0, gt=0, doc="trace timestamps are multiplied by this")
+    repeat: int = _f(1, min=1, max=100_000,
+                     doc="trace: replay it this many times, each copy one trace period "
+                         "(its span plus a mean gap) after the previous")
     prompt_tokens: Any = _f(512, kind="dist")
     output_tokens: Any = _f(128, kind="dist")
     num_requests: int = _f(0, min=0, doc="stop after this many requests (0 = no bound)")
@@ -456,6 +459,9 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
                             f"compute.num_heads = {c.num_heads}")
     if w.arrival == "trace" and not w.trace:
         raise ScenarioError(f"{src}: workload.trace: arrival = \"trace\" needs a trace file")
+    if w.repeat > 1 and w.arrival != "trace":
+        raise ScenarioError(f"{src}: workload.repeat = {w.repeat}: repeats a trace; it needs "
+                            f"arrival = \"trace\" (not {w.arrival!r})")
     if w.arrival != "trace" and not w.num_requests and not w.duration_s:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")

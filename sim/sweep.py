@@ -208,7 +208,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from sim.metrics import summarize
 
     t0 = time.perf_counter()
-    engine = build(sc, record_events=False)
+    engine = build(sc, record_events=False, keep_history=False)
     engine.run()
     row = flatten(summarize(engine))
     row["wall_s"] = time.perf_counter() - t0
@@ -348,6 +348,7 @@ class Table:
     columns: list[str]
     rows: list[dict[str, Any]]
     key_columns: list[str]  # the leading columns that say which run a row is
+    probes: "Table | None" = None  # find_max_rate: a row per probe run (its rate, its seed)
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -479,20 +480,23 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
                                 "needs synthetic arrivals (poisson, gamma, constant)")
     searches = [RateSearch(pt.scenario.workload.rate, target, tolerance) for pt in p.points]
     done = 0
+    probe_rows = []
     while True:
         probes = [(s, pt, s.next_rate()) for s, pt in zip(searches, p.points)]
         probes = [x for x in probes if x[2] is not None]
         if not probes:
             break
-        tasks = []
+        tasks, keys = [], []
         for _, pt, rate in probes:
             for seed in p.seeds if p.seeds is not None else [pt.scenario.seed]:
                 tasks.append((pt.label(**{"workload.rate": rate, "seed": seed}),
                               variant(pt.scenario, seed=seed, rate=rate)))
+                keys.append({**pt.values, "workload.rate": rate, "seed": seed})
         per_probe = len(tasks) // len(probes)
         later = per_probe * sum(s.probes_left() for s in searches) - len(tasks)
         report = (lambda d, n: progress(done + d, done + n + max(later, 0))) if progress else None
         rows = runner.run(tasks, report)
+        probe_rows += [{**k, **r} for k, r in zip(keys, rows)]
         done += len(tasks)
         for i, (search, _, rate) in enumerate(probes):
             got = rows[i * per_probe:(i + 1) * per_probe]
@@ -505,7 +509,9 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
                     "max_rate": s.passed and s.passed[0], "attainment": s.passed and s.passed[1],
                     "fail_rate": s.failed and s.failed[0],
                     "fail_attainment": s.failed and s.failed[1], "probes": s.probes})
-    return Table(columns, out, key_columns)
+    probe_keys = [a.key for a in p.axes] + ["workload.rate", "seed"]
+    probe_table = Table(probe_keys + [c for c, _ in METRICS] + ["wall_s"], probe_rows, probe_keys)
+    return Table(columns, out, key_columns, probes=probe_table)
 
 
 # --- progress ------------------------------------------------------------------------------------
@@ -529,9 +535,9 @@ class ProgressBar:
         self._last = now
         elapsed = now - self.t0
         filled = self.WIDTH * done // max(total, 1)
-        left = f"~{_clock(elapsed / done * (total - done))} left" if 0 < done < total else ""
+        left = f"~{clock_text(elapsed / done * (total - done))} left" if 0 < done < total else ""
         line = (f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-                f"{done}/{total} runs  {_clock(elapsed)} elapsed  {left}")
+                f"{done}/{total} runs  {clock_text(elapsed)} elapsed  {left}")
         # pad over what a longer previous line left behind
         self.stream.write(f"\r{line.ljust(self._width)}")
         self.stream.flush()
@@ -543,7 +549,8 @@ class ProgressBar:
             self.stream.flush()
 
 
-def _clock(s: float) -> str:
+def clock_text(s: float) -> str:
+    """Seconds as m:ss, or h:mm:ss from an hour on."""
     s = int(round(s))
     h, m = divmod(s // 60, 60)
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"

@@ -301,6 +301,18 @@ def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
     return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
 
 
+def repeat_trace(arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray,
+                 times: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sorted trace played `times` times in a row: copy k arrives k trace periods later, the
+    period being the span from first to last arrival plus the mean gap between arrivals (1 s
+    for a trace of one request), so the copies keep the trace's own rate across the seams."""
+    n = len(arrival)
+    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    period = span + span / (n - 1) if n > 1 else 1.0
+    shifts = np.repeat(np.arange(times, dtype=np.float64) * period, n)
+    return np.tile(arrival, times) + shifts, np.tile(prompt, times), np.tile(output, times)
+
+
 def build_workload(scenario) -> Workload:
     """Materialize the scenario's requests. Raises ScenarioError / TraceError."""
     w, seed = scenario.workload, scenario.seed
@@ -318,6 +330,9 @@ def build_workload(scenario) -> Workload:
         if trace.hash_ids is not None:
             hashes = [trace.hash_ids[i] for i in order]
             hash_block = trace.hash_block_size
+        if w.repeat > 1:
+            arrival, prompt, output = repeat_trace(arrival, prompt, output, w.repeat)
+            hashes = None if hashes is None else hashes * w.repeat
         keep = np.ones(len(arrival), dtype=bool)
         if w.duration_s:
             keep &= arrival < w.duration_s

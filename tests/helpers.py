@@ -117,3 +117,22 @@ def expand_steps(engine: Engine) -> list[tuple]:
             d = e.to_dict()
             out.append(tuple(sorted((k, str(v)) for k, v in d.items())))
     return out
+
+
+def run_with_and_without_history(monkeypatch, sc, chunk: int, itl_rows: int, exact: int):
+    """Run `sc` keeping its history and not, with timeline chunks of `chunk` rows, ITL exact
+    for `itl_rows` steps and other figures for `exact` values (small: a short run then seals,
+    drops rows and sketches). Returns both deployments and their summaries (no wall time)."""
+    from sim import build, quantiles, summarize, timeline
+
+    monkeypatch.setattr(timeline, "CHUNK", chunk)
+    monkeypatch.setattr(timeline, "ITL_EXACT_ROWS", itl_rows)
+    monkeypatch.setattr(quantiles, "EXACT_LIMIT", exact)
+    full, bounded = build(sc), build(sc, keep_history=False)
+    full.run()
+    bounded.run()
+    a, b = summarize(full), summarize(bounded)
+    for s in (a, b, *a.get("replicas", ()), *b.get("replicas", ())):
+        s.pop("wall_s")
+    return full, bounded, a, b
+

@@ -7,6 +7,9 @@
 - `bench compute`: engine steps per wall second on the default scenario with real attention.
 - `bench sweep`: a 16-point sweep of `chat` with 1 and with 2 local workers, and the speed-up.
 - `bench serve`: `servesim serve` under many concurrent streams (see `serve.bench`).
+- `bench scale`: runs of N requests (wall, max RSS, memory after the run), the Azure trace's
+  wall time and the memory per request in flight, side by side (tui/bench_scale.py).
+- `bench hotpath`: a profiled run: time and calls per scheduling decision, by function.
 """
 
 from __future__ import annotations
@@ -50,6 +53,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from tui.serve import bench as serve_bench
 
     serve_bench.add_arguments(sub)
+    s = sub.add_parser("scale", help="wall time and memory against the number of requests")
+    s.add_argument("--scenario", default="chat")
+    s.add_argument("--requests", default="10000,100000,1000000", metavar="N1,N2,...",
+                   help="workload.num_requests of each run (default 10000,100000,1000000)")
+    s.add_argument("--with-history", type=int, default=0, metavar="N",
+                   help="also run those up to N requests keeping every request (the old way)")
+    s.add_argument("--repeat", type=int, default=3, help="Azure trace runs; the best counts")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("hotpath", help="where the time goes per scheduling decision")
+    s.add_argument("--scenario", default="azure-conv")
+    s.add_argument("--policy", default="chunked")
+    s.add_argument("--top", type=int, default=25, help="functions listed (default 25)")
+    s.add_argument("--json", action="store_true")
 
 
 def _machine() -> str:
@@ -238,6 +254,30 @@ def text_sweep(r: dict) -> str:
     ])
 
 
+def bench_scale(args) -> dict:
+    from tui.bench_scale import bench_scale as run
+
+    return run(args)
+
+
+def bench_hotpath(args) -> dict:
+    from tui.bench_scale import bench_hotpath as run
+
+    return run(args)
+
+
+def text_scale(r: dict) -> str:
+    from tui.bench_scale import text_scale as text
+
+    return text(r)
+
+
+def text_hotpath(r: dict) -> str:
+    from tui.bench_scale import text_hotpath as text
+
+    return text(r)
+
+
 BENCHES = {
     "sim": (bench_sim, text_sim),
     "log": (bench_log, text_log),
@@ -245,6 +285,8 @@ BENCHES = {
     "kernel": (bench_kernel, text_kernel),
     "compute": (bench_compute, text_compute),
     "sweep": (bench_sweep, text_sweep),
+    "scale": (bench_scale, text_scale),
+    "hotpath": (bench_hotpath, text_hotpath),
 }
 
 

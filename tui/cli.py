@@ -37,6 +37,11 @@ def _add_scenario_args(p: argparse.ArgumentParser, optional: bool = False) -> No
                    metavar="SECTION.KEY=VALUE", help="override any scenario field (repeatable)")
 
 
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress line on stderr (drawn on a terminal after 2 s)")
+
+
 def _scenario(args) -> "object":
     overrides = list(args.overrides)
     if args.seed is not None:
@@ -152,6 +157,19 @@ def format_table(summaries: dict[str, dict]) -> str:
 
 
 # --- commands -----------------------------------------------------------------------------------
+def _is_terminal(stream) -> bool:
+    return stream.isatty()
+
+
+def _progress(args):
+    """The progress line of a long headless run (tui.progress): on stderr when it is a
+    terminal, unless --quiet, or --json goes to a pipe."""
+    from tui.progress import RunProgress
+
+    quiet = args.quiet or (getattr(args, "json", False) and not _is_terminal(sys.stdout))
+    return RunProgress(sys.stderr, enabled=not quiet and _is_terminal(sys.stderr))
+
+
 def _check_writable(path: str | None, what: str) -> None:
     """Fail before a long run, not after it, when its output cannot be written."""
     if path:
@@ -163,8 +181,11 @@ def _check_writable(path: str | None, what: str) -> None:
 def cmd_sim(args) -> int:
     _check_writable(args.log, "--log")
     sc = _scenario(args)
-    engine = build_engine(sc, record_events=bool(args.log))
-    engine.run()
+    # (no per-request history: memory stays bounded by what is in flight)
+    engine = build_engine(sc, record_events=bool(args.log), keep_history=False)
+    with _progress(args) as progress:
+        progress.watch(engine, f"sim {sc.name}")
+        engine.run()
     summary = summarize(engine)
     if args.log:
         from sim.log import write_log
@@ -189,13 +210,16 @@ def cmd_compare(args) -> int:
 
     workload = build_workload(sc)  # one trace, every policy
     out = {}
-    for n in names:
-        # A disaggregated pair is one prefill and one decode instance whatever cluster.replicas
-        # says, so that it can be compared with that many replicas of another policy.
-        run_sc = _one_pair(sc) if n == "disaggregated" else sc
-        engine = build_engine(run_sc, policy=n, workload=workload, record_events=False)
-        engine.run()
-        out[n] = summarize(engine)
+    with _progress(args) as progress:
+        for k, n in enumerate(names, start=1):
+            # A disaggregated pair is one prefill and one decode instance whatever
+            # cluster.replicas says, so that it compares with that many replicas of another.
+            run_sc = _one_pair(sc) if n == "disaggregated" else sc
+            engine = build_engine(run_sc, policy=n, workload=workload, record_events=False,
+                                  keep_history=False)
+            progress.watch(engine, f"compare {sc.name}: {n} ({k}/{len(names)})")
+            engine.run()
+            out[n] = summarize(engine)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -251,12 +275,15 @@ def cmd_replay(args) -> int:
 
     log = read_log(args.log)
     make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
-    if args.verify:
-        replayer, div = verify(log, make)
-    else:
-        replayer = Replayer(log)
-        replayer.run()
-        div = None
+    with _progress(args) as progress:
+        if args.verify:
+            replayer, div = verify(log, make,
+                                   watch=lambda e: progress.watch(e, f"verify {args.log}"))
+        else:
+            replayer = Replayer(log)
+            progress.watch(replayer.engine, f"replay {args.log}")
+            replayer.run()
+            div = None
     engine = replayer.engine
     # A verified replay regenerated the recorded events exactly, so the recorded summary is its.
     summary = log.footer["summary"] if args.verify else summarize(engine)
@@ -290,7 +317,9 @@ def cmd_export(args) -> int:
         text = export.to_jsonl(log)
     else:
         replayer = Replayer(log)
-        replayer.run()
+        with _progress(args) as progress:
+            progress.watch(replayer.engine, f"export {args.log}")
+            replayer.run()
         text = (export.to_csv(replayer.engine) if args.format == "csv"
                 else export.to_chrome(log, replayer.engine))
     if args.output:
@@ -315,6 +344,11 @@ def cmd_sweep(args) -> int:
         overrides += sweep.slo_overrides(args.slo)
     if args.output and not Path(args.output).expanduser().resolve().parent.is_dir():
         raise ServesimError(f"{args.output}: cannot write: no such directory")  # before, not after
+    if args.plot:
+        from tui import plot
+
+        plot.check_output(args.plot)
+        _check_writable(args.plot, "--plot")
     seeds = list(range(args.seeds)) if args.seeds is not None else None
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
@@ -335,6 +369,17 @@ def cmd_sweep(args) -> int:
         print(table.to_text())
     else:
         print(table.to_text(table.key_columns + sweep.TEXT_METRICS))
+    if args.plot is not None:
+        from tui import plot
+
+        cs, slos = plot.curves(table), plot.slo_bounds(plan)
+        if args.plot:
+            plot.write_plot(args.plot, cs, slos, title=f"{plan.points[0].scenario.name}: "
+                            "latency against achieved throughput")
+            print(f"plot written to {args.plot}", file=sys.stderr)
+        else:
+            print()
+            print(plot.text_plot(cs, slos))
     return 0
 
 
@@ -388,12 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override compute.backend")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--log", metavar="FILE", help="write the session log (msgpack)")
+    _add_quiet(s)
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("compare", help="run one trace under several policies, side by side")
     _add_scenario_args(s)
     s.add_argument("--policies", required=True, help="comma-separated policy names")
     s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
+    _add_quiet(s)
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("replay", help="re-run a session log (and check it matches)")
@@ -401,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true",
                    help="exit 1 naming the first event that differs from the recording")
     s.add_argument("--json", action="store_true")
+    _add_quiet(s)
     s.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("export", help="convert a session log for other tools")
@@ -408,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", required=True, choices=["chrome", "csv", "jsonl"],
                    help="chrome: trace events for Perfetto; csv: a row per request; jsonl: events")
     s.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    _add_quiet(s)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("scenarios", help="list the bundled scenarios")
@@ -434,6 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative precision of the rate search (default 0.05)")
     s.add_argument("--progress", action="store_true",
                    help="draw the progress bar even when stderr is not a terminal")
+    s.add_argument("--plot", nargs="?", const="", metavar="FILE",
+                   help="TTFT and TPOT (p50, p99) against achieved throughput per configuration:"
+                        " to FILE.svg or FILE.png (needs servesim[plot]), or on the terminal")
     s.set_defaults(func=cmd_sweep)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")

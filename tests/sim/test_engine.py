@@ -5,7 +5,8 @@ from sim import Engine, summarize
 from sim.errors import EngineError, UnknownRequestError
 from sim.log import encode
 from sim.request import RequestState as S
-from tests.helpers import check_invariants, expand_steps, small_scenario, workload_of
+from tests.helpers import (check_invariants, expand_steps, run_with_and_without_history,
+                           small_scenario, workload_of)
 
 
 @pytest.mark.parametrize("policy", ["static", "fcfs", "chunked"])
@@ -197,3 +198,55 @@ def test_hand_timeline_through_the_engine():
     assert s["queue_ms"]["max"] == pytest.approx(30.0)
     assert s["e2e_ms"]["max"] == pytest.approx(580.0)
     assert s["ttft_ms"]["max"] == pytest.approx(80.0)
+
+
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("workload.num_samples=3", "workload.duration_s=10"),
+    ("workload.cancel_fraction=0.3", "kv.num_blocks=400", "scheduler.preemption=\"swap\""),
+])
+def test_a_run_without_history_has_the_same_summary_in_bounded_memory(monkeypatch, overrides):
+    full, bounded, a, b = run_with_and_without_history(
+        monkeypatch, small_scenario(*overrides), chunk=256, itl_rows=1000, exact=20)
+    assert a == b
+    assert not bounded.ttft.exact and not bounded.timeline.itl.exact
+    assert [encode(x) for x in full.events] == [encode(x) for x in bounded.events]
+    assert bounded.requests == {} and len(bounded.recent) == Engine.RECENT
+    assert len(full.requests) == full.counts["arrived"] + full.counts["finished_samples"] \
+        + full.counts["cancelled_samples"]
+    assert bounded.timeline.first >= bounded.timeline.n // 2  # only the last rows are held
+    with pytest.raises(EngineError):
+        bounded.timeline.column("end")
+
+
+def test_percentiles_past_the_exact_limit_are_within_the_bound(monkeypatch):
+    from sim import quantiles, timeline
+
+    sc = small_scenario()
+    exact = Engine(sc)
+    exact.run()
+    monkeypatch.setattr(timeline, "ITL_EXACT_ROWS", 500)
+    monkeypatch.setattr(quantiles, "EXACT_LIMIT", 50)
+    sketched = Engine(sc)
+    sketched.run()
+    a, b = summarize(exact), summarize(sketched)
+    for fig in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+        assert a[fig]["count"] == b[fig]["count"] and a[fig]["max"] == b[fig]["max"], fig
+        assert b[fig]["mean"] == pytest.approx(a[fig]["mean"], rel=1e-9), fig
+        for q in ("p50", "p90", "p95", "p99"):
+            assert abs(b[fig][q] - a[fig][q]) <= quantiles.ALPHA * a[fig][q] * (1 + 1e-9), fig
+    assert a["throughput"] == b["throughput"] and a["kv"] == b["kv"]
+
+
+def test_arrivals_read_a_window_at_a_time_give_the_same_run(monkeypatch):
+    sc = small_scenario("workload.cancel_fraction=0.2")
+    whole = Engine(sc)
+    whole.run()
+    monkeypatch.setattr(Engine, "ARRIVAL_WINDOW", 3)
+    windowed = Engine(sc)
+    assert len(windowed._w_arrival) == 3
+    windowed.run()
+    a, b = summarize(whole), summarize(windowed)
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b and a["requests"]["total"] > 50
+    assert [encode(x) for x in whole.events] == [encode(x) for x in windowed.events]

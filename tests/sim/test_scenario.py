@@ -116,3 +116,17 @@ def test_every_bundled_scenario_loads():
 def test_unknown_scenario_suggests_a_name():
     with pytest.raises(ScenarioError, match="did you mean 'chat'"):
         load_scenario("chta")
+
+
+@pytest.mark.parametrize("base, override, message", [
+    ("azure-conv", "workload.repeat=0", "workload.repeat = 0: must be at least 1"),
+    ("azure-conv", "workload.repeat=2.5", "workload.repeat = 2.5: expected an integer"),
+    ("azure-conv", "workload.repeat=true", "workload.repeat = True: expected an integer"),
+    ("azure-conv", "workload.repeat=1000000", "workload.repeat = 1000000: must be at most"),
+    ("chat", "workload.repeat=3", "workload.repeat = 3: repeats a trace; it needs "
+                                  "arrival = \"trace\" (not 'poisson')"),
+])
+def test_repeat_is_checked_like_every_field(base, override, message):
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(base, [override])
+    assert message in str(e.value) and f"{base}.toml" in str(e.value)

@@ -93,3 +93,29 @@ def test_cancellations_and_priorities():
     # the other draws do not move when cancellations are switched on
     base = build_workload(sc())
     assert np.array_equal(base.arrival, w.arrival) and np.array_equal(base.prompt, w.prompt)
+
+
+def test_repeat_plays_a_trace_again_at_its_own_rate(tmp_path):
+    one = build_workload(load_scenario("azure-conv"))
+    three = build_workload(load_scenario("azure-conv", ["workload.repeat=3"]))
+    n = len(one)
+    span = one.arrival[-1] - one.arrival[0]
+    period = span + span / (n - 1)
+    assert len(three) == 3 * n and np.all(np.diff(three.arrival) > 0)
+    for k in range(3):
+        assert np.array_equal(three.prompt[k * n:(k + 1) * n], one.prompt)
+        assert np.array_equal(three.output[k * n:(k + 1) * n], one.output)
+        assert np.allclose(three.arrival[k * n:(k + 1) * n], one.arrival + k * period)
+    # the seam keeps the trace's mean gap; duration and num_requests cut the repeated trace
+    assert three.arrival[n] - three.arrival[n - 1] == pytest.approx(span / (n - 1))
+    day = build_workload(load_scenario("azure-conv", ["workload.repeat=30",
+                                                      "workload.duration_s=86400"]))
+    assert day.arrival[-1] < 86400 < day.arrival[-1] + 60 and len(day) > 24 * n
+    first = build_workload(load_scenario("azure-conv", ["workload.repeat=2",
+                                                        f"workload.num_requests={n + 5}"]))
+    assert len(first) == n + 5
+    p = tmp_path / "m.toml"
+    p.write_text('name="m"\n[workload]\narrival="trace"\ntrace="%s"\nnum_requests=40\n'
+                 'repeat=2\n' % (TRACES / "mooncake_conversation_trace.jsonl"))
+    w = build_workload(load_scenario(str(p)))  # (num_requests cuts after the repeat)
+    assert len(w) == 40 and len(w.hash_ids) == 40
