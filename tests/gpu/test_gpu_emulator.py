@@ -7,6 +7,7 @@ chain, misuse; several minutes) and the mutation check (planted bugs must be cau
 Skipped where the emulator cannot be built (not x86-64 Linux, no g++ >= 12, no nm).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -75,3 +76,22 @@ def test_planted_bugs_are_caught():
     r = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "mutate.py")], cwd=ROOT, capture_output=True,
                        text=True, timeout=3600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def test_selfcheck_runs_with_only_numpy_and_cupy(tmp_path):
+    # The real `python -m gpu.selfcheck` over the fake CuPy, with textual, msgpack, sim, tui...
+    # made unimportable: correctness, timings and tokens all go through the emulated kernels.
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "selfcheck_main.py"), "--tiny", "--json-out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["backend"] == "cupy" and "CPU emulator" in report["device"]
+    kernels = {(c["kernel"], c.get("split_k"), c.get("source_offset")) for c in report["correctness"]}
+    assert {("decode", None, None), ("decode", False, None), ("decode", True, None), ("prefill", None, None),
+            ("write_kv", None, None), ("write_kv", None, 1)} <= kernels
+    models = report["decode_timings"]["models"]
+    assert [m["model"] for m in models] == ["tiny-gqa4", "tiny-gqa8"]
+    assert all(r["paged_gbps"] > 0 and r["max_rel_error_vs_dense"] < 1e-2 for m in models for r in m["rows"])
+    (tokens,) = report["token_identity"]
+    assert all(req["batched_equals_alone"] for req in tokens["requests"]), tokens
