@@ -58,7 +58,7 @@ def find_tool(name: str) -> str:
                 return str(candidate)
     except ImportError:
         pass
-    raise ToolMissing(f"{name} not found (on PATH, or pip install nvidia-cuda-{name.replace('nvcc', 'nvcc')})")
+    raise ToolMissing(f"{name} not found: put it on PATH or pip install nvidia-cuda-{name}")
 
 
 def load_backend_at(ref: str, repo: Path, workdir: Path):
@@ -80,10 +80,12 @@ def load_backend_at(ref: str, repo: Path, workdir: Path):
     return importlib.import_module(f"{name}.cupy_backend")
 
 
-def instantiations(backend) -> list[str]:
-    """Every kernel template instantiation the backend module compiles (its name expressions)."""
+def instantiations(backend, block_sizes=(16,)) -> list[str]:
+    """Every kernel template instantiation the backend module compiles (its name expressions),
+    for the given block sizes where the kernels take the block size as a template argument."""
     names = []
-    for key in backend.module_keys() if hasattr(backend, "module_keys") else _old_module_keys(backend):
+    keys = backend.module_keys(block_sizes) if hasattr(backend, "module_keys") else _old_module_keys(backend)
+    for key in keys:
         names += backend.write_kv_name_expressions() if key[0] == "write_kv" else backend.name_expressions(*key)
     return list(dict.fromkeys(names))
 
@@ -232,11 +234,11 @@ def _threads_for(backend):
     return threads_of
 
 
-def side(ref: str, repo: Path, decode_only: bool = False) -> list[dict]:
+def side(ref: str, repo: Path, decode_only: bool = False, block_sizes=(16,)) -> list[dict]:
     """analyse() for the kernels at git `ref` ("." = the working tree)."""
     with tempfile.TemporaryDirectory(prefix="servesim-static-") as tmp:
         backend = load_backend_at(ref, repo, Path(tmp))
-        names = instantiations(backend)
+        names = instantiations(backend, block_sizes)
         if decode_only:
             names = [n for n in names if n.startswith("paged_decode_kernel")]
         return analyse(backend, names, Path(tmp), _threads_for(backend))
@@ -248,10 +250,10 @@ def decode_shape(name: str) -> tuple:
     return args[0], int(args[1]), int(args[2])
 
 
-def compare(before: str, after: str, repo: Path) -> dict:
+def compare(before: str, after: str, repo: Path, block_sizes=(16,)) -> dict:
     """Both sides' rows and, per decode (storage, head_dim, heads per block), before vs after
     (after: the worst of its block-size variants)."""
-    rows_before, rows_after = side(before, repo), side(after, repo)
+    rows_before, rows_after = side(before, repo), side(after, repo, block_sizes=block_sizes)
     pairs = []
     after_decode: dict[tuple, list[dict]] = {}
     for r in rows_after:
@@ -268,3 +270,25 @@ def compare(before: str, after: str, repo: Path) -> dict:
                       "ratio": worst.get("instructions_per_16B", float("nan")) / r["instructions_per_16B"]})
     return {"before_ref": before, "after_ref": after, "arch": ARCH, "before": rows_before, "after": rows_after,
             "decode_pairs": pairs}
+
+
+def format_comparison(result: dict) -> str:
+    """The comparison as text: decode side by side, then every other instantiation of `after`."""
+    lines = [f"bench kernel --static: {result['arch']}, before = {result['before_ref']}, "
+             f"after = {'working tree' if result['after_ref'] == '.' else result['after_ref']}",
+             "decode main loop: SASS instructions per 16 bytes of K/V loaded (after: worst block size)",
+             f"{'storage':<7} {'hd':>4} {'G':>2} | {'regs':>4} {'spill':>5} {'occ':>5} {'ins/16B':>7} | "
+             f"{'regs':>4} {'spill':>5} {'occ':>5} {'ins/16B':>7} | {'ratio':>5}"]
+    for p in result["decode_pairs"]:
+        b, a = p["before"], p["after"]
+        lines.append(f"{p['shape'][0]:<7} {p['shape'][1]:>4} {p['shape'][2]:>2} | {b['registers']:>4} "
+                     f"{b['spill_bytes']:>5} {b['occupancy']:>5.3f} {b['instructions_per_16B']:>7.1f} | "
+                     f"{a['registers']:>4} {a['spill_bytes']:>5} {a['occupancy']:>5.3f} "
+                     f"{a.get('instructions_per_16B', float('nan')):>7.1f} | {p['ratio']:>5.2f}")
+    lines.append("every instantiation, after:")
+    lines.append(f"{'kernel':<44} {'regs':>4} {'spill':>5} {'smem':>6} {'occ':>5} {'ins/16B':>7}")
+    for r in result["after"]:
+        per = r.get("instructions_per_16B")
+        lines.append(f"{r['kernel']:<44} {r['registers']:>4} {r['spill_bytes']:>5} {r['smem']:>6} "
+                     f"{r['occupancy']:>5.3f} {'' if per is None else f'{per:7.1f}':>7}")
+    return "\n".join(lines)

@@ -42,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
     s.add_argument("--repeat", type=int, default=5)
+    s.add_argument("--static", action="store_true",
+                   help="CUDA kernels without a GPU: registers, spills, occupancy, main-loop SASS "
+                        "instructions per 16 B (needs nvcc and cuobjdump)")
+    s.add_argument("--before", default="main", help="git ref of the kernels to compare with (--static)")
+    s.add_argument("--block-sizes", default="16", help="block sizes to instantiate (--static)")
     s = sub.add_parser("sweep", help="a 16-point sweep with 1 and with 2 local workers")
     s.add_argument("--duration", type=float, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
@@ -176,7 +181,11 @@ def text_tui(r: dict) -> str:
     return "\n".join(lines)
 
 
-def text_kernel(rows: list) -> str:
+def text_kernel(rows) -> str:
+    if isinstance(rows, dict):  # --static
+        from gpu.kernel_static import format_comparison
+
+        return format_comparison(rows)
     lines = [f"bench kernel: NumPy paged decode attention vs dense, {_machine()}",
              f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'dense GB/s':>11} {'ratio':>6}"]
     for r in rows:
@@ -191,7 +200,24 @@ def bench_tui(args) -> dict:
     return run(args)
 
 
-def bench_kernel(args) -> list:
+def bench_kernel(args):
+    if args.static:
+        from pathlib import Path
+
+        from gpu import kernel_static
+
+        from subprocess import CalledProcessError
+
+        from sim.errors import ServesimError
+
+        try:
+            sizes = tuple(int(s) for s in args.block_sizes.split(","))
+            return kernel_static.compare(args.before, ".", Path(__file__).resolve().parents[1], sizes)
+        except ValueError:
+            raise ServesimError(f"bench kernel --block-sizes {args.block_sizes!r}: want integers like 8,16") from None
+        except (kernel_static.ToolMissing, RuntimeError, CalledProcessError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ServesimError(f"bench kernel --static: {first}") from None
     from gpu.bench import kernel_bench
 
     return kernel_bench(repeat=args.repeat)

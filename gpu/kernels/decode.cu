@@ -63,8 +63,15 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
     static_assert(HEAD_DIM >= 32 && HEAD_DIM <= 256, "head_dim in [32, 256]");
     static_assert(G >= 1 && G <= 8, "heads per block in [1, 8]");
     static_assert(BLOCK_SIZE >= 1 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block_size a power of two");
-    constexpr int LANES_PER_TOKEN = VECS_PER_ROW < 32 ? VECS_PER_ROW : 32;
-    constexpr int NV = VECS_PER_ROW / LANES_PER_TOKEN;  // vectors per lane per row
+    // Vectors per lane per row: as many as keep q and acc (G x ELEMS floats each) near 32
+    // registers. More elements per lane means fewer lanes per token, hence fewer shuffle
+    // rounds per score and the per-token softmax work shared by more bytes.
+    constexpr int NV_RAW = (32 / G) / VEC > 1 ? (32 / G) / VEC : 1;
+    constexpr int NV_WANT = NV_RAW < 4 ? NV_RAW : 4;  // K/V buffers stay <= 64 registers
+    constexpr int NV_MIN = VECS_PER_ROW > 32 ? VECS_PER_ROW / 32 : 1;
+    constexpr int NV_FIT = NV_WANT < VECS_PER_ROW ? NV_WANT : VECS_PER_ROW;
+    constexpr int NV = NV_FIT > NV_MIN ? NV_FIT : NV_MIN;
+    constexpr int LANES_PER_TOKEN = VECS_PER_ROW / NV;
     constexpr int ELEMS = NV * VEC;                     // head_dim elements one lane owns
     constexpr int SLOTS_PER_WARP = 32 / LANES_PER_TOKEN;
     // Tokens per slot per tile: two register buffers of UNROLL x NV vectors each for K and V;
