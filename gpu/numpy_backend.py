@@ -112,10 +112,11 @@ def _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
         vt = _take_blocks(v_cache, ids, v_buf)
         key_pos = np.arange(b0 * block_size, b0 * block_size + kt.shape[1])
         if key_pos[-1] >= min_len:
-            # Slots past a sequence's end were never written for it: zero them so that stale
-            # (even NaN) data cannot leak into the output through 0 * NaN.
+            # Slots past a sequence's end were never written for it: zero V there so that stale
+            # (even NaN) data cannot leak into the output through 0 * NaN. Their scores are
+            # masked to -inf below (a slot past the end is past every row's limit), so stale K
+            # needs no zeroing.
             stale = (key_pos[None, :] >= seq_lens[:, None])[:, :, None, None]
-            np.copyto(kt, 0, where=stale)
             np.copyto(vt, 0, where=stale)
         if kt.dtype != qg.dtype:
             # NumPy's matmul of mixed dtypes leaves BLAS for a slow generic loop (4x slower

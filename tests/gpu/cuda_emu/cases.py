@@ -75,6 +75,12 @@ class Runner:
                     err_vs_numpy=err_np if finite else math.inf, max_ulps=ulps if finite else math.inf,
                     nonfinite=int((~np.isfinite(got)).sum()))
 
+    def _judge(self, entry: dict, storage_name, got, same, ref64, ref_np) -> None:
+        """Passed: finite, within the self-check's tolerance, identical under every schedule."""
+        entry.update(self._metrics(storage_name, got, ref64, ref_np))
+        entry["schedules_identical"] = same
+        entry["passed"] = entry["finite"] and entry["err"] <= TOLERANCE[storage_name] and same
+
     def _record(self, entry: dict):
         self.results.append(entry)
         if self.verbose:
@@ -142,9 +148,7 @@ class Runner:
             launches = self.emu.launch_log[n_launch:]
             launches = launches[:len(launches) // len(self.schedules)]  # the first schedule's
             entry["launches"] = [(l["name"], l["grid"]) for l in launches]
-            entry.update(self._metrics(storage_name, got, ref64, ref_np))
-            entry["schedules_identical"] = same
-            entry["passed"] = entry["finite"] and entry["err"] <= TOLERANCE[storage_name] and same
+            self._judge(entry, storage_name, got, same, ref64, ref_np)
         except Exception as exc:  # noqa: BLE001
             entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
         entry["seconds"] = time.time() - t0
@@ -218,9 +222,7 @@ class Runner:
                 return cupy_backend.paged_prefill_attention(dq, dk, dv, dt, dcu, dl, scale)
             got, same = self._run_schedules(run)
             entry["launches"] = [(l["name"], l["grid"]) for l in self.emu.launch_log[n_launch:n_launch + 1]]
-            entry.update(self._metrics(storage_name, got, ref64, ref_np))
-            entry["schedules_identical"] = same
-            entry["passed"] = entry["finite"] and entry["err"] <= TOLERANCE[storage_name] and same
+            self._judge(entry, storage_name, got, same, ref64, ref_np)
         except Exception as exc:  # noqa: BLE001
             entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
         entry["seconds"] = time.time() - t0
