@@ -252,7 +252,13 @@ def decode_shape(name: str) -> tuple:
 
 def compare(before: str, after: str, repo: Path, block_sizes=(16,)) -> dict:
     """Both sides' rows and, per decode (storage, head_dim, heads per block), before vs after
-    (after: the worst of its block-size variants)."""
+    (after: the worst of its block-size variants).
+
+    Raises:
+        ToolMissing: nvcc, cuobjdump or nvdisasm cannot be found (checked before any work).
+    """
+    for tool in ("nvcc", "cuobjdump", "nvdisasm"):
+        find_tool(tool)
     rows_before, rows_after = side(before, repo), side(after, repo, block_sizes=block_sizes)
     pairs = []
     after_decode: dict[tuple, list[dict]] = {}

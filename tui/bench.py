@@ -222,7 +222,7 @@ def bench_kernel(args):
             return kernel_static.compare(args.before, ".", Path(__file__).resolve().parents[1], sizes)
         except ValueError:
             raise ServesimError(f"bench kernel --block-sizes {args.block_sizes!r}: want integers like 8,16") from None
-        except (kernel_static.ToolMissing, RuntimeError, CalledProcessError) as e:
+        except (kernel_static.ToolMissing, RuntimeError, CalledProcessError, OSError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ServesimError(f"bench kernel --static: {first}") from None
     from gpu.bench import kernel_bench
