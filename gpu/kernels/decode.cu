@@ -5,7 +5,7 @@
 // heads that share one kv head, so each K/V row is read once and used by all G heads.
 //
 // Inside a warp a "slot" is LANES_PER_TOKEN lanes that together hold one token's head_dim row,
-// 16 bytes each (one vector load). A warp works on tiles of TILE = slots x UNROLL consecutive
+// NV 16-byte vectors each (NV grows as G shrinks, see below). A warp works on tiles of TILE = slots x UNROLL consecutive
 // tokens, aligned to TILE in the sequence; the block's warps take tiles in turn. The loads of a
 // warp's next tile are issued before the math of its current one (two register buffers, used
 // alternately), so a warp always has a tile's K and V in flight. BLOCK_SIZE is a compile-time
