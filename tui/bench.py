@@ -46,6 +46,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
     s.add_argument("--repeat", type=int, default=5)
+    s.add_argument("--static", action="store_true",
+                   help="CUDA kernels without a GPU: registers, spills, occupancy, main-loop SASS "
+                        "instructions per 16 B (needs nvcc and cuobjdump)")
+    s.add_argument("--before", default="main", help="git ref of the kernels to compare with (--static)")
+    s.add_argument("--block-sizes", default="16", help="block sizes to instantiate (--static)")
     s = sub.add_parser("sweep", help="a 16-point sweep with 1 and with 2 local workers")
     s.add_argument("--duration", type=float, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
@@ -145,11 +150,16 @@ def bench_compute(args) -> dict:
     executor = make_executor(sc)
     engine = Engine(sc, executor=executor, record_events=False)
     engine.run_until(math.inf, args.warmup)
-    t0 = time.perf_counter()
+    sim_start = engine.now
+    t0, c0 = time.perf_counter(), time.process_time()
     steps = engine.run_until(math.inf, args.steps)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    # x1 needs as many steps per wall second as the run took per simulated second.
+    needed = steps / max(engine.now - sim_start, 1e-9)
     return {"scenario": sc.name, "machine": _machine(), "executor": executor.describe(),
             "steps": steps, "wall_s": wall, "steps_per_s": steps / wall,
+            "cpu_s": cpu, "steps_per_cpu_s": steps / cpu if cpu else 0.0,
+            "steps_per_simulated_s": needed, "headroom_at_x1": steps / wall / needed,
             "running_at_end": len(engine.policy.running), "simulated_s": engine.now}
 
 
@@ -159,6 +169,8 @@ def text_compute(r: dict) -> str:
         f"  {r['executor']}",
         f"  {r['steps']} steps in {r['wall_s']:.2f} s: {r['steps_per_s']:.1f} engine steps per "
         f"wall second ({r['running_at_end']} requests running, {r['simulated_s']:.1f} s simulated)",
+        f"  {r['steps_per_cpu_s']:.1f} steps per CPU second of this process; x1 needs "
+        f"{r['steps_per_simulated_s']:.1f} steps per second here: headroom {r['headroom_at_x1']:.2f}x",
     ])
 
 
@@ -196,7 +208,11 @@ def text_tui(r: dict) -> str:
     return "\n".join(lines)
 
 
-def text_kernel(rows: list) -> str:
+def text_kernel(rows) -> str:
+    if isinstance(rows, dict):  # --static
+        from gpu.kernel_static import format_comparison
+
+        return format_comparison(rows)
     lines = [f"bench kernel: NumPy paged decode attention vs dense, {_machine()}",
              f"{'batch':>6} {'context':>8} {'paged GB/s':>11} {'dense GB/s':>11} {'ratio':>6}"]
     for r in rows:
@@ -211,7 +227,24 @@ def bench_tui(args) -> dict:
     return run(args)
 
 
-def bench_kernel(args) -> list:
+def bench_kernel(args):
+    if args.static:
+        from pathlib import Path
+
+        from gpu import kernel_static
+
+        from subprocess import CalledProcessError
+
+        from sim.errors import ServesimError
+
+        try:
+            sizes = tuple(int(s) for s in args.block_sizes.split(","))
+            return kernel_static.compare(args.before, ".", Path(__file__).resolve().parents[1], sizes)
+        except ValueError:
+            raise ServesimError(f"bench kernel --block-sizes {args.block_sizes!r}: want integers like 8,16") from None
+        except (kernel_static.ToolMissing, RuntimeError, CalledProcessError, OSError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ServesimError(f"bench kernel --static: {first}") from None
     from gpu.bench import kernel_bench
 
     return kernel_bench(repeat=args.repeat)
