@@ -762,8 +762,10 @@ class Engine:
         comp = [r.num_computed_tokens for r in reqs]
         kmax = min(max_steps, min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
-        # a request needs a new block at step j when (computed + j) is a multiple of bs.
-        first_cross = [(-c) % bs or bs for c in comp]
+        # a request needs a new block at step j when its token computed + j lies past the end
+        # of its table, which holds at least step 0's token (a contiguous reservation holds
+        # far more), then every bs steps.
+        first_cross = [len(r.block_table) * bs - c for r, c in zip(reqs, comp)]
         if kmax > 1:
             free = self.kv.num_free_blocks
             if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:

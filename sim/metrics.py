@@ -172,8 +172,8 @@ def _summary(whole, parts: list) -> dict:
                 1.0 - float((col("kv_empty") * dur).sum())
                 / float((used * dur).sum() * whole.block_size)
                 if float((used * dur).sum()) > 0 else None),
-            # admissions refused for want of a long enough run of free blocks although enough
-            # were free in total (contiguous reservations: external fragmentation)
+            # requests refused admission at least once for want of a long enough run of free
+            # blocks although enough were free in total (contiguous: external fragmentation)
             "fragmentation_stalls": c["fragmentation_stalls"],
         },
         "batch": {"mean": float(batch.mean()) if len(batch) else 0.0,
