@@ -27,6 +27,7 @@ from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
 from sim.kv import KVCacheManager, blocks_for
+from sim.limits import MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
 from sim.policies import POLICIES
 from sim.request import Request, RequestState
 from sim.timeline import Timeline
@@ -92,18 +93,26 @@ def _view(r: Request, with_tokens: bool = False) -> RequestView:
 
 
 def checked_injection(prompt_len: int | None, max_output_tokens: int,
-                      prompt_text: str | bytes | None, count: int) -> tuple[int, bytes | None]:
+                      prompt_text: str | bytes | None, count: int,
+                      priority: int = 0) -> tuple[int, bytes | None]:
     """The prompt length and bytes of an injection (a typed prompt gives its length).
 
-    Raises EngineError on a non-positive length or count."""
+    Raises EngineError on a length, count or priority that is not an integer in its range
+    (lengths 1 to MAX_TOKENS, count 1 to MAX_INJECT_COUNT)."""
     if isinstance(prompt_text, str):
         prompt_text = prompt_text.encode()
+    if prompt_text is not None and not isinstance(prompt_text, bytes):
+        raise EngineError(f"inject: prompt_text = {prompt_text!r:.40}: must be text")
     if prompt_text is not None and prompt_len is None:
         prompt_len = len(prompt_text)
-    for name, v in (("prompt_len", prompt_len), ("max_output_tokens", max_output_tokens),
-                    ("count", count)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise EngineError(f"inject: {name} = {v!r}: must be a positive integer")
+    for name, v, lo, hi in (("prompt_len", prompt_len, 1, MAX_TOKENS),
+                            ("max_output_tokens", max_output_tokens, 1, MAX_TOKENS),
+                            ("count", count, 1, MAX_INJECT_COUNT),
+                            ("priority", priority, *PRIORITY_RANGE)):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            shown = f"{v!r:.40}"
+            raise EngineError(f"inject: {name} = {shown}: must be an integer from {lo:,} "
+                              f"to {hi:,}")
     return prompt_len, prompt_text
 
 
@@ -268,7 +277,7 @@ class Engine:
         Raises EngineError on a non-positive length or count.
         """
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
-                                                    count)
+                                                    count, priority)
         self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
                      priority=priority, count=count,
                      prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))
@@ -586,6 +595,10 @@ class Engine:
         Returns the number of engine steps taken.
         """
         now = self.now
+        if now > MAX_TIME_S:  # a service-time model whose steps outrun any session
+            raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {self.step_count} "
+                              f"(t = {now:.3g} s): steps or hand-offs take too long under this "
+                              "scenario's [hardware] and [model]")
         if ((self._w_next < len(self._w_arrival) and self._w_arrival[self._w_next] <= now)
                 or (self._cancels and self._cancels[0][0] <= now)):
             self._arrive(now)
