@@ -14,7 +14,7 @@ import numpy as np
 from sim.engine import Engine
 from sim.errors import LogError, ServesimError
 from sim.gcpause import paused_gc
-from sim.log import KIND_CODE, SessionLog, decode, encode
+from sim.log import KIND_CODE, SessionLog, check_record, decode, encode
 from sim.scenario import scenario_from_dict
 
 _ACTION = KIND_CODE["action"]
@@ -199,7 +199,7 @@ class Divergence:
 def _show(rec) -> dict | None:
     if rec is None:
         return None
-    d = decode(rec).to_dict()
+    d = decode(rec, check=False).to_dict()  # (a recorded one is checked before)
     for k in ("ends", "durs"):
         if isinstance(d.get(k), list) and len(d[k]) > 6:
             d[k] = d[k][:3] + ["..."] + d[k][-2:]
@@ -230,5 +230,10 @@ def verify(log: SessionLog, make_executor=None) -> tuple[Replayer, Divergence | 
         if a is not None and b is not None and not compare_tokens and a[0] == _STEPS:
             a = a[:6] + [None] + a[7:]  # recorded with real compute, replayed without
         if a != b:
+            if a is not None:  # a record that cannot be an event is a damaged log, not a
+                try:           # session that replays differently
+                    check_record(want[i])
+                except ValueError as e:
+                    raise LogError(f"{log.path}: event {i}: {e}") from None
             return r, Divergence(i, _show(a), _show(b))
     return r, None
