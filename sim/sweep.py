@@ -248,6 +248,8 @@ class Runner:
 
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
+            if exc[0] is not None:  # Ctrl-C, SIGTERM, a failed run: stop the workers now
+                _stop_workers(self._pool)
             self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
             self._pool = None
         if self._ray_started:
@@ -286,7 +288,9 @@ class Runner:
                 ctx.set_forkserver_preload(["sim.engine", "sim.metrics", "sim.sweep"])
             else:
                 ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,
+                                             initializer=_worker_init,
+                                             initargs=(os.getpid(),))
         index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
         try:
             return _collect(index, len(scenarios), progress,
@@ -323,6 +327,40 @@ class Runner:
         index = {self._remote.remote(sc): i for i, sc in enumerate(scenarios)}
         return _collect(index, len(scenarios), progress,
                         lambda pending: ray.wait(list(pending), num_returns=1)[0], ray.get)
+
+
+def _worker_init(sweep_pid: int) -> None:
+    """In a pool worker: leave Ctrl-C to the sweep (which stops every worker itself), and exit
+    within half a second of the sweep's process ending however it ends (even SIGKILL), so
+    that no worker outlives it holding its pipes. (The forkserver that forked the worker lives
+    as long as its workers do, so the worker watches the sweep itself.)"""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(sweep_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except OSError:
+                pass  # there, but not ours to signal
+
+    threading.Thread(target=watch, name="sweep-watch", daemon=True).start()
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's workers mid-run (they hold no state worth saving) and reap them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=1.0)
 
 
 def _collect(index: dict, n: int, progress: Progress | None, next_done, result) -> list:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
-from pathlib import Path
 
 from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
@@ -155,9 +156,9 @@ def format_table(summaries: dict[str, dict]) -> str:
 def _check_writable(path: str | None, what: str) -> None:
     """Fail before a long run, not after it, when its output cannot be written."""
     if path:
-        parent = Path(path).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise ScenarioError(f"{what} {path}: directory {parent} does not exist")
+        from sim.fileio import check_writable
+
+        check_writable(path, what)
 
 
 def cmd_sim(args) -> int:
@@ -182,6 +183,11 @@ def cmd_compare(args) -> int:
     sc = _scenario(args)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = [*POLICIES, *DEPLOYMENT_POLICIES]
+    if not names:
+        raise ScenarioError(f"--policies {args.policies!r}: name at least one policy "
+                            f"(known: {', '.join(known)})")
+    if len(set(names)) != len(names):
+        raise ScenarioError(f"--policies {args.policies}: a policy is listed twice")
     for n in names:
         if n not in known:
             raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
@@ -233,7 +239,7 @@ def cmd_replay(args) -> int:
     from sim.log import read_log
     from sim.replay import Replayer, verify
 
-    log = read_log(args.log)
+    log = read_log(args.log, check_events=not args.verify)  # (verify checks what differs)
     make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
     if args.verify:
         replayer, div = verify(log, make)
@@ -285,8 +291,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from pathlib import Path
-
     from sim import sweep
     from sim.fileio import write_atomic
 
@@ -297,8 +301,7 @@ def cmd_sweep(args) -> int:
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     if args.slo:
         overrides += sweep.slo_overrides(args.slo)
-    if args.output and not Path(args.output).expanduser().resolve().parent.is_dir():
-        raise ServesimError(f"{args.output}: cannot write: no such directory")  # before, not after
+    _check_writable(args.output, "-o")  # before the sweep, not after it
     seeds = list(range(args.seeds)) if args.seeds is not None else None
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
@@ -408,18 +411,83 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt: the same
+    clean-up runs (temporary files removed, sweep workers stopped) and the exit is quiet."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+class _Output:
+    """Standard output that turns a failed write (a full disk, `> /dev/full`) into one line."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise ServesimError(f"standard output: cannot write: {e.strerror or e}") from None
+
+    def flush(self) -> None:
+        self.write("")
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise ServesimError(f"standard output: cannot write: {e.strerror or e}") from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what could not be
+    written does not print a second error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.__stdout__.fileno())
+        os.close(fd)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    real = sys.stdout
+    if args.func is not cmd_run:  # (the dashboard draws on the terminal itself)
+        sys.stdout = _Output(real)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
     except ServesimError as e:
+        if str(e).startswith("standard output:"):
+            _drop_stdout()
         print(f"servesim: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    finally:
+        sys.stdout = real
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":  # pragma: no cover
