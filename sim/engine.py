@@ -27,7 +27,8 @@ from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
 from sim.kv import KVCacheManager, blocks_for
-from sim.limits import MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
+from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS,
+                        PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
 from sim.request import Request, RequestState
 from sim.timeline import Timeline
@@ -113,6 +114,8 @@ def checked_injection(prompt_len: int | None, max_output_tokens: int,
             shown = f"{v!r:.40}"
             raise EngineError(f"inject: {name} = {shown}: must be an integer from {lo:,} "
                               f"to {hi:,}")
+    check_memory(f"inject: max_output_tokens = {max_output_tokens}",
+                 max_output_tokens * BYTES_PER_STEP, " for its per-step records")
     return prompt_len, prompt_text
 
 
@@ -766,6 +769,9 @@ class Engine:
     # rest: most runs end within a few steps (at the next arrival), where NumPy's per-call cost
     # would dominate.
     SCALAR_STEPS = 24
+    # Steps of one decode run at most (its NumPy columns stay a few MB); a longer stretch is
+    # several runs, whose events and timeline rows are the same as one run's.
+    RUN_STEPS_MAX = 1 << 20
 
     def _decode_run(self, sched, until: float, max_steps: int) -> int:
         """Run identical decode-only steps, up to the next event, all at once."""
@@ -773,7 +779,8 @@ class Engine:
         reqs = [r for r, _ in sched]
         b = len(reqs)
         comp = [r.num_computed_tokens for r in reqs]
-        kmax = min(max_steps, min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
+        kmax = min(max_steps, self.RUN_STEPS_MAX,
+                   min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
         # a request needs a new block at step j when its token computed + j lies past the end
         # of its table, which holds at least step 0's token (a contiguous reservation holds

@@ -36,6 +36,9 @@ MAX_ENERGY_J = 1e300
 # and a request's (workload columns, the engine's lists, the Request object, its events).
 BYTES_PER_BLOCK = 160
 BYTES_PER_REQUEST = 1600
+# An engine step's records (a timeline row, its end time in the events), with the slack of
+# growing arrays: a request of n output tokens takes at least n steps.
+BYTES_PER_STEP = 220
 
 
 def available_memory() -> float | None:

@@ -185,17 +185,23 @@ _CHECKS = {code: [(n, FIELD_CHECKS.get(n) or _BY_TYPE.get(f.type, is_plain))
            for code, names in FIELDS.items()}
 
 
+def _shown(v, n: int = 40) -> str:
+    """A value as a message shows it: its repr (one line whatever it holds), cut to n."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
 def check_record(rec) -> None:
     """Raise ValueError naming the field when `rec` is not a well-formed event record."""
     if type(rec) is not list or not rec or type(rec[0]) is not int or rec[0] not in CODE_CLASS:
-        raise ValueError(f"not an event record: {str(rec)[:60]}")
+        raise ValueError(f"not an event record: {_shown(rec, 60)}")
     checks = _CHECKS[rec[0]]
     if len(rec) != len(checks) + 1:
         raise ValueError(f"{CODE_CLASS[rec[0]].kind} record has {len(rec) - 1} fields, "
                          f"expected {len(checks)}")
     for (name, ok), v in zip(checks, rec[1:]):
         if not ok(v):
-            raise ValueError(f"{CODE_CLASS[rec[0]].kind} field {name} = {str(v)[:40]}: "
+            raise ValueError(f"{CODE_CLASS[rec[0]].kind} field {name} = {_shown(v)}: "
                              "of the wrong type or out of range")
 
 
@@ -234,10 +240,11 @@ def header_for(engine) -> dict:
     return header
 
 
-def write_log(path, engine, summary: dict | None = None) -> Path:
+def write_log(path, engine, summary: dict | None = None, exclusive: bool = False) -> Path:
     """Write `engine`'s session so far to `path` (atomically). Returns the path.
 
-    Raises LogError with one line naming the file when it cannot be written.
+    Raises LogError with one line naming the file when it cannot be written; FileExistsError
+    when `exclusive` and `path` exists (it is never replaced then).
     """
     path = Path(path)
     if summary is None:
@@ -246,7 +253,7 @@ def write_log(path, engine, summary: dict | None = None) -> Path:
         summary = summarize(engine)
     packer = msgpack.Packer(use_bin_type=True)
     try:
-        with atomic_open(path, "wb") as fh, paused_gc():
+        with atomic_open(path, "wb", exclusive=exclusive) as fh, paused_gc():
             chunk = [packer.pack(header_for(engine))]
             n = 0
             streams = getattr(engine, "log_events", None)
@@ -329,7 +336,7 @@ def _check_header(path: str, header) -> None:
     from sim.scenario import DEPLOYMENT_POLICIES
 
     def bad(key, why):
-        raise LogError(f"{path}: header: {key} = {str(header.get(key))[:60]}: {why}")
+        raise LogError(f"{path}: header: {key} = {_shown(header.get(key), 60)}: {why}")
 
     if header["policy"] not in (*POLICIES, *DEPLOYMENT_POLICIES):
         bad("policy", "not a policy")
@@ -403,7 +410,7 @@ def _check_workload(path: str, w) -> None:
 
 def _check_footer(path: str, footer: dict, n: int) -> None:
     def bad(key, why):
-        raise LogError(f"{path}: footer: {key} = {str(footer.get(key))[:60]}: {why}")
+        raise LogError(f"{path}: footer: {key} = {_shown(footer.get(key), 60)}: {why}")
 
     if footer.get("n") != n:
         bad("n", f"expected {n} (the events before it)")
@@ -442,15 +449,15 @@ def _check_action(path: str, i: int, rec: list) -> None:
     action, args = rec[3], rec[4]
     spec = _ACTION_ARGS.get(action)
     if spec is None:
-        raise LogError(f"{path}: event {i}: unknown action {str(action)[:40]!r}")
+        raise LogError(f"{path}: event {i}: unknown action {_shown(action)}")
     for k, v in args.items():
         if k == "at":
             if not (type(v) is list and all(type(p) is list and len(p) == 2 and _COUNT(p[0])
                                             and _is_time(p[1]) for p in v)):
-                raise LogError(f"{path}: event {i}: {action} at = {str(v)[:40]}: expected "
+                raise LogError(f"{path}: event {i}: {action} at = {_shown(v)}: expected "
                                "[step, time] per instance")
         elif k not in spec or not spec[k](v):
-            raise LogError(f"{path}: event {i}: {action} {k} = {str(v)[:40]}: unknown or "
+            raise LogError(f"{path}: event {i}: {action} {k} = {_shown(v)}: unknown or "
                            "out of range")
     missing = [k for k in spec if k not in args and k not in ("priority", "count",
                                                                   "prompt_text", "previous")]

@@ -151,7 +151,16 @@ class Replayer:
         return e.step()
 
     def run(self) -> None:
-        """Replay the whole recorded session."""
+        """Replay the whole recorded session. Raises LogError naming the log when the recorded
+        actions cannot be applied where they were recorded."""
+        try:
+            self._run()
+        except LogError:
+            raise
+        except ServesimError as e:
+            raise LogError(f"{self.log.path}: the session does not replay: {e}") from None
+
+    def _run(self) -> None:
         if self.end_at is not None:
             while self._next < len(self.actions):
                 a = self.actions[self._next]

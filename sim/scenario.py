@@ -294,6 +294,12 @@ def apply_override(raw: dict, text: str, source: str = "--set") -> None:
     d[parts[-1]] = value
 
 
+def _key(key) -> str:
+    """A key as a message shows it: as written when it is a plain name, else quoted (so that a
+    key holding a newline or nothing at all still makes one readable line)."""
+    return key if isinstance(key, str) and key.replace("-", "_").isidentifier() else repr(key)
+
+
 def _suggest(key: str, names) -> str:
     hint = difflib.get_close_matches(key, list(names), n=1, cutoff=0.5)
     return f" (did you mean {hint[0]!r}?)" if hint else ""
@@ -357,7 +363,7 @@ def _check_dist(where: str, value, top: float) -> Any:
     for k, v in value.items():
         if k not in allowed:
             raise ScenarioError(
-                f"{where}.{k}: unknown key for dist = {dist!r} (allowed: "
+                f"{where}.{_key(k)}: unknown key for dist = {dist!r} (allowed: "
                 f"{', '.join(sorted(allowed - {'dist'}))}){_suggest(k, allowed)}"
             )
         if k in ("file", "column", "dist"):
@@ -429,7 +435,7 @@ def _section(source: str, name: str, cls: type, raw: Any):
     for key, value in raw.items():
         if key not in fields:
             raise ScenarioError(
-                f"{source}: {name}.{key}: unknown key{_suggest(key, fields)}")
+                f"{source}: {name}.{_key(key)}: unknown key{_suggest(key, fields)}")
         kwargs[key] = _check_field(f"{source}: {name}.{key}", fields[key], value)
     return cls(**kwargs)
 
@@ -452,7 +458,7 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
             kwargs[key] = _section(source, key, SECTIONS[key], value)
         else:
             raise ScenarioError(
-                f"{source}: {key}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
+                f"{source}: {_key(key)}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
     sc = Scenario(**kwargs, base_dir=base_dir or BUNDLED_DIR, source=source)
     _fill_presets(sc)
     _check_whole(sc, check_workload)

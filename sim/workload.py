@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ScenarioError, TraceError
-from sim.limits import BYTES_PER_REQUEST, INT64_MAX, MAX_TIME_S, MAX_TOKENS, check_memory
+from sim.limits import (BYTES_PER_REQUEST, BYTES_PER_STEP, INT64_MAX, MAX_TIME_S, MAX_TOKENS,
+                        check_memory)
 
 # Seed-stream ids: one per kind of draw.
 _ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX = range(8)
@@ -442,6 +443,10 @@ def build_workload(scenario) -> Workload:
                             "clock can hold")
     check_memory(f"{scenario.source}: workload", n * BYTES_PER_REQUEST,
                  f" for its {n:,} requests")
+    if n:  # the longest request alone takes a step per output token
+        longest = int(output.max())
+        check_memory(f"{scenario.source}: workload.output_tokens", longest * BYTES_PER_STEP,
+                     f" for the per-step records of a request of {longest:,} output tokens")
     prompt = np.maximum(prompt, 1)
     output = np.maximum(output, 1)
     priority = sample(scenario, "priority", n, _rng(seed, _PRIORITY))

@@ -290,12 +290,12 @@ def _set_arg(objs, action, key, value):
 
 
 CRAFTED = {
-    "footer step of the wrong type": (lambda o: o[-2].update(step="many"), "footer: step = many"),
+    "footer step of the wrong type": (lambda o: o[-2].update(step="many"), "footer: step = 'many'"),
     "absurd footer step": (lambda o: o[-2].update(step=2**64 - 1), "footer: step = 1844674"),
     "footer time not finite": (lambda o: o[-2].update(now=float("nan")), "footer: now = nan"),
     "summary not plain": (lambda o: o[-2].update(summary={"x": b"\x00"}), "footer: summary"),
-    "unknown policy": (lambda o: o[0].update(policy="fifo"), "header: policy = fifo"),
-    "unknown clock": (lambda o: o[0].update(clock="sundial"), "header: clock = sundial"),
+    "unknown policy": (lambda o: o[0].update(policy="fifo"), "header: policy = 'fifo'"),
+    "unknown clock": (lambda o: o[0].update(clock="sundial"), "header: clock = 'sundial'"),
     "scenario not a table": (lambda o: o[0].update(scenario=[1, 2]), "header: scenario"),
     "workload lengths of zero": (
         lambda o: o[0]["workload"].update(prompt=b"\x00" * len(o[0]["workload"]["prompt"])),
@@ -316,7 +316,7 @@ CRAFTED = {
                                  "inject prompt_text"),
     "inject lacking its length": (lambda o: _first(o, 9, "inject")[4].pop("max_output_tokens"),
                                   "inject lacks max_output_tokens"),
-    "cancel of a string id": (lambda o: _set_arg(o, "cancel", "req_id", "3"), "cancel req_id = 3"),
+    "cancel of a string id": (lambda o: _set_arg(o, "cancel", "req_id", "3"), "cancel req_id = '3'"),
     "switch to an unknown policy": (lambda o: _set_arg(o, "switch_policy", "policy", "fifo"),
                                     None),
     "action at an absurd step": (lambda o: _first(o, 9).__setitem__(2, 2**63 + 5),
@@ -324,7 +324,7 @@ CRAFTED = {
     "action at a time not finite": (lambda o: _first(o, 9).__setitem__(1, float("inf")),
                                     "action field t = inf"),
     "event of an unknown kind": (lambda o: _first(o, 7).__setitem__(0, 99), "not an event record"),
-    "steps with a string time": (lambda o: _first(o, 4).__setitem__(1, "soon"), "steps field t"),
+    "steps with a string time": (lambda o: _first(o, 4).__setitem__(1, "soon"), "steps field t = 'soon'"),
 }
 
 

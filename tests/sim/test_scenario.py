@@ -177,18 +177,29 @@ def test_a_pool_too_large_for_this_machine_says_how_much_it_needs(tmp_path, monk
     assert load_scenario(path, ["kv.num_blocks=10000000"]).kv.num_blocks == 10**7  # 1.6 GB
 
 
-def test_draws_stay_within_the_fields_bounds(tmp_path):
+def test_draws_stay_within_the_fields_bounds(tmp_path, monkeypatch):
     from sim.limits import MAX_TOKENS
     from sim.workload import build_workload
 
+    import numpy as np
+
+    from sim.workload import sample
+
     path = write(tmp_path, BASE)
-    w = build_workload(load_scenario(path, [
+    sc = load_scenario(path, [
         'workload.prompt_tokens={dist="lognormal", mean=1e9, cv=100}',
         'workload.output_tokens={dist="normal", mean=1e9, std=1e9}',
-        'workload.priority={dist="exponential", mean=2e9}', "kv.num_blocks=1000"]))
-    for col in (w.prompt, w.output):
-        assert col.min() >= 1 and col.max() <= MAX_TOKENS
-    assert 0 <= w.priority.min() and w.priority.max() <= 2**31 - 1
+        'workload.priority={dist="exponential", mean=2e9}', "kv.num_blocks=1000"])
+    rng = np.random.default_rng(0)
+    for field in ("prompt_tokens", "output_tokens"):
+        x = sample(sc, field, 10000, rng)
+        assert x.min() >= 0 and x.max() == MAX_TOKENS  # the wide draws are clipped
+    p = sample(sc, "priority", 10000, rng)
+    assert 0 <= p.min() and p.max() == 2**31 - 1
+    # a request of 1e9 output tokens takes 1e9 steps: their records would not fit in memory
+    monkeypatch.setattr(__import__("sim.limits").limits, "available_memory", lambda: 8e9)
+    with pytest.raises(ScenarioError, match="workload.output_tokens: needs about"):
+        build_workload(sc)
 
 
 def test_setting_dist_keeps_only_what_the_new_distribution_takes(tmp_path):

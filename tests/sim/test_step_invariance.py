@@ -234,3 +234,14 @@ class Lockstep(RuleBasedStateMachine):
 TestLockstep = Lockstep.TestCase
 TestLockstep.settings = fuzz_settings(25, stateful_step_count=30)
 TestLockstep = pytest.mark.fuzz(TestLockstep)
+
+
+def test_decode_runs_cut_at_their_longest_give_the_same_session(monkeypatch):
+    # A stretch of decode steps longer than RUN_STEPS_MAX is several runs (bounded memory).
+    sc = small_scenario('scheduler.policy="chunked"', *PRESSURE)
+    whole = scripted(Engine(sc), "whole", [])
+    monkeypatch.setattr(Engine, "RUN_STEPS_MAX", 7)
+    cut = scripted(Engine(sc), "whole", [])
+    assert events_of(cut) == events_of(whole) and state_of(cut) == state_of(whole)
+    for col in ("end", "kv_used", "itl_count", "energy"):
+        assert np.array_equal(cut.timeline.column(col), whole.timeline.column(col)), col
