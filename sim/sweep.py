@@ -341,16 +341,29 @@ def _worker_init(sweep_pid: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def watch() -> None:
-        while True:
+        while not _ended(sweep_pid):
             time.sleep(0.5)
-            try:
-                os.kill(sweep_pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except OSError:
-                pass  # there, but not ours to signal
+        os._exit(1)
 
     threading.Thread(target=watch, name="sweep-watch", daemon=True).start()
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited: gone, or a zombie its parent has not reaped yet (a
+    killed process closes its pipes at once, but its pid lives on until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
