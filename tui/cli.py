@@ -331,6 +331,16 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def _speed(text: str) -> float:
+    """--speed: a number from 1/64 to 4096 (argparse shows the error as one line)."""
+    from tui.app import check_speed
+
+    try:
+        return check_speed(text)
+    except ServesimError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speed ")) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="servesim", description="A live simulator of an LLM serving engine.")
     p.add_argument("--version", action="version", version="servesim 0.1.0")
@@ -340,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scenario_args(s, optional=True)
     s.add_argument("--policy", choices=[*POLICIES, *DEPLOYMENT_POLICIES],
                    help="override scheduler.policy")
-    s.add_argument("--speed", type=float, default=1.0,
-                   help="simulated seconds per wall second (default 1)")
+    s.add_argument("--speed", type=_speed, default=1.0,
+                   help="simulated seconds per wall second, 1/64 to 4096 (default 1)")
     s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"], default="auto",
                    help="real attention each step (default auto: CuPy on a GPU, else NumPy)")
     s.add_argument("--replay", metavar="LOG", help="play a session log back")
@@ -475,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     except ServesimError as e:
         if str(e).startswith("standard output:"):
             _drop_stdout()
-        print(f"servesim: error: {e}", file=sys.stderr)
+        one_line = " ".join(str(e).split("\n"))  # whatever a message quotes, one line
+        print(f"servesim: error: {one_line}", file=sys.stderr)
         return 2
     except Terminated:
         return 128 + signal.SIGTERM
