@@ -99,7 +99,8 @@ def checked_injection(prompt_len: int | None, max_output_tokens: int,
     """The prompt length and bytes of an injection (a typed prompt gives its length).
 
     Raises EngineError on a length, count or priority that is not an integer in its range
-    (lengths 1 to MAX_TOKENS, count 1 to MAX_INJECT_COUNT)."""
+    (lengths 1 to MAX_TOKENS, count 1 to MAX_INJECT_COUNT); ScenarioError (sim.limits) when
+    the output's per-step records would not fit in memory."""
     if isinstance(prompt_text, str):
         prompt_text = prompt_text.encode()
     if prompt_text is not None and not isinstance(prompt_text, bytes):
@@ -277,7 +278,8 @@ class Engine:
                count: int = 1) -> list[int]:
         """Add `count` requests arriving now. Returns their ids.
 
-        Raises EngineError on a non-positive length or count.
+        Raises EngineError on a length, count or priority out of range (`checked_injection`),
+        ScenarioError on an output so long its per-step records would not fit in memory.
         """
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
                                                     count, priority)
@@ -305,7 +307,8 @@ class Engine:
         ids = [r.req_id for r in self.policy.waiting_in_order()]
         self._action("cancel_waiting")
         for i in ids:
-            self._cancel(self.requests[i], by="user")
+            if not self.requests[i].state.is_done:  # (a sample goes with its request)
+                self._cancel(self.requests[i], by="user")
         return ids
 
     def switch_policy(self, name: str) -> None:

@@ -156,3 +156,24 @@ def test_cancel_in_any_state_returns_every_block_once(data, preemption, caching,
     assert e.kv.num_used_blocks == 0
     if e.kv.host is not None:
         assert e.kv.host.num_used == 0
+
+
+def test_cancelling_the_queue_cancels_a_request_and_its_waiting_samples_once():
+    # Found by the lockstep fuzzer: a request's samples queued after it were cancelled with it,
+    # then again on their own.
+    sc = small_scenario("kv.num_blocks=202", "kv.block_size=4", "workload.num_samples=3",
+                        "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8",
+                        "kv.enable_prefix_caching=true", "seed=0", "workload.duration_s=3",
+                        "workload.rate=8",
+                        'workload.prompt_tokens={dist="uniform", min=1, max=200}',
+                        'workload.output_tokens={dist="uniform", min=1, max=150}')
+    e = Engine(sc)
+    e.run_until(float("inf"), 100)
+    waiting = e.policy.waiting_in_order()
+    assert any(r.parent_id is not None and e.get(r.parent_id) in waiting for r in waiting)
+    ids = e.cancel_waiting()
+    assert sorted(ids) == sorted(r.req_id for r in waiting)
+    assert all(e.get(i).state is S.CANCELLED for i in ids) and not e.policy.waiting
+    check_invariants(e)
+    e.run()
+    assert e.kv.num_free_blocks == e.kv.num_blocks

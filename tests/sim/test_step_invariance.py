@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import event, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
@@ -139,7 +139,7 @@ class Lockstep(RuleBasedStateMachine):
     After every rule they must agree exactly and every block must be accounted for."""
 
     @initialize(policy=st.sampled_from(POLICY_NAMES),
-                blocks=st.integers(48, 400), block_size=st.sampled_from([4, 16, 32]),
+                blocks=st.integers(24, 240), block_size=st.sampled_from([4, 16, 16, 32]),
                 preemption=st.sampled_from(["recompute", "swap"]),
                 caching=st.booleans(), samples=st.sampled_from([1, 1, 3]),
                 budget=st.sampled_from([64, 512, 2048]), seqs=st.sampled_from([2, 8, 256]),
@@ -151,9 +151,9 @@ class Lockstep(RuleBasedStateMachine):
             "kv.swap_space_gb=0.05", f"kv.enable_prefix_caching={str(caching).lower()}",
             f"workload.num_samples={samples}", f"scheduler.max_num_batched_tokens={budget}",
             f"scheduler.max_num_seqs={seqs}", "scheduler.reserve_output_tokens=64",
-            f"seed={seed}", "workload.duration_s=3", "workload.rate=5",
-            'workload.prompt_tokens={dist="uniform", min=1, max=300}',
-            'workload.output_tokens={dist="uniform", min=1, max=80}',
+            f"seed={seed}", "workload.duration_s=3", "workload.rate=8",
+            'workload.prompt_tokens={dist="uniform", min=1, max=200}',
+            'workload.output_tokens={dist="uniform", min=1, max=150}',
             "workload.cancel_fraction=0.2",
             'workload.cancel_after_s={dist="uniform", min=0, max=2}')
         self.whole, self.stepped, self.sliced = (Engine(sc), Engine(sc, skip_ahead=False),
@@ -217,6 +217,16 @@ class Lockstep(RuleBasedStateMachine):
     @rule(name=st.sampled_from(POLICY_NAMES))
     def switch(self, name):
         self._each(lambda e: e.switch_policy(name))
+
+    def teardown(self):
+        if hasattr(self, "all"):  # what the run went through, for --hypothesis-show-statistics
+            c = self.whole.counts
+            for k in ("preemptions", "swaps", "cancelled", "rejected", "finished_samples",
+                      "fragmentation_stalls"):
+                if c.get(k):
+                    event(f"had {k}")
+            if any(x.kind == "action" and x.action == "switch_policy" for x in self.whole.events):
+                event("switched policy")
 
     @invariant()
     def agree(self):
