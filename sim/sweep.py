@@ -25,18 +25,23 @@ import dataclasses
 import difflib
 import io
 import itertools
+import math
 import multiprocessing
 import os
+import signal
 import time
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from sim.errors import ScenarioError, ServesimError
+from sim.limits import check_memory
 from sim.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)
+BYTES_PER_RUN = 16_000  # a planned run: its checked scenario (about 4 KB), task and row
 
 
 class SweepError(ServesimError):
@@ -147,6 +152,10 @@ def plan(spec: str | None, axes: list[Axis], *, seeds: list[int] | None = None,
     values). Raises ScenarioError naming the point at the first one that does not load."""
     if seeds is not None and any(a.key == "seed" for a in axes):
         raise ScenarioError("--grid seed: cannot be combined with --seeds (use one)")
+    points = math.prod(len(a.values) for a in axes)
+    runs = points * (len(seeds) if seeds is not None else 1)
+    check_memory(f"--grid ({points:,} points) x --seeds", runs * BYTES_PER_RUN,
+                 f" for the {runs:,} runs planned up front")
     find_scenario(spec)  # a missing file is named once, not as the first point's problem
     points = []
     for combo in itertools.product(*(range(len(a.values)) for a in axes)):
@@ -291,7 +300,8 @@ class Runner:
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,
                                              initializer=_worker_init,
                                              initargs=(os.getpid(),))
-        index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
+        with _signals_held():  # workers start inside submit(): none may escape the clean-up
+            index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
         try:
             return _collect(index, len(scenarios), progress,
                             lambda pending: wait(pending, return_when=FIRST_COMPLETED)[0],
@@ -329,16 +339,35 @@ class Runner:
                         lambda pending: ray.wait(list(pending), num_returns=1)[0], ray.get)
 
 
+@contextmanager
+def _signals_held():
+    """Hold Ctrl-C and SIGTERM until the block ends (they arrive then), so that a worker the
+    pool is starting is registered before the interrupt's clean-up looks for workers to stop."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _worker_init(sweep_pid: int) -> None:
     """In a pool worker: leave Ctrl-C to the sweep (which stops every worker itself), and exit
     within half a second of the sweep's process ending however it ends (even SIGKILL), so
     that no worker outlives it holding its pipes. (The forkserver that forked the worker lives
     as long as its workers do, so the worker watches the sweep itself.)"""
-    import signal
     import threading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:  # (a forkserver started while the sweep held them passes the mask on)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):
+        pass
 
     def watch() -> None:
         while not _ended(sweep_pid):
@@ -516,8 +545,8 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
     trace, or `target` / `tolerance` are out of range."""
     if not 0 < target <= 1:
         raise ScenarioError(f"--attainment {target}: must be in (0, 1]")
-    if not 0 < tolerance < 1:
-        raise ScenarioError(f"--tolerance {tolerance}: must be in (0, 1)")
+    if not 1e-3 <= tolerance < 1:  # (finer would bisect for ever at no gain)
+        raise ScenarioError(f"--tolerance {tolerance}: must be from 0.001 to below 1")
     if any(a.key == "workload.rate" for a in p.axes):
         raise ScenarioError("--grid workload.rate: --find-max-rate searches the rate itself")
     for point in p.points:
