@@ -19,37 +19,79 @@ import platform
 import time
 
 
+def _count(text: str) -> int:
+    """A positive whole number (argparse turns the error into one line)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v}: must be at least 1")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of seconds")
+    return v
+
+
+def _list(kind):
+    """A comma-separated list of `kind` (a type function) or of policy names."""
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list")
+        if kind == "policy":
+            from sim.policies import POLICIES
+
+            bad = [x for x in items if x not in POLICIES]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"{bad[0]!r}: not a policy (known: {', '.join(POLICIES)})")
+            return items
+        return [kind(x) for x in items]
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
     s = sub.add_parser("sim", help="simulate the full Azure conversation trace")
     s.add_argument("--scenario", default="azure-conv")
     s.add_argument("--policy", default="chunked")
-    s.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
+    s.add_argument("--repeat", type=_count, default=3, help="runs; the best is reported")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("log", help="session log size and write / replay-verify speed")
     s.add_argument("--scenario", default="azure-conv")
-    s.add_argument("--repeat", type=int, default=3, help="rounds; the best time of each phase")
+    s.add_argument("--repeat", type=_count, default=3, help="rounds; the best time of each phase")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("tui", help="the dashboard, headless, on the default scenario")
-    s.add_argument("--sim-seconds", type=float, default=60.0,
+    s.add_argument("--sim-seconds", type=_seconds, default=60.0,
                    help="simulated seconds to run (default 60)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("compute", help="engine steps per second with real attention")
     s.add_argument("--scenario", default="chat")
     s.add_argument("--backend", default="numpy", choices=["numpy", "cupy", "auto"])
-    s.add_argument("--warmup", type=int, default=600, help="steps before measuring")
-    s.add_argument("--steps", type=int, default=600, help="steps measured")
+    s.add_argument("--warmup", type=_count, default=600, help="steps before measuring")
+    s.add_argument("--steps", type=_count, default=600, help="steps measured")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--repeat", type=int, default=5)
+    s.add_argument("--repeat", type=_count, default=5)
     s = sub.add_parser("sweep", help="a 16-point sweep with 1 and with 2 local workers")
-    s.add_argument("--duration", type=float, default=300.0,
+    s.add_argument("--duration", type=_seconds, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("queue", help="runs with 10k and 50k requests queued at once")
-    s.add_argument("--queued", default="10000,50000", help="queue lengths (comma-separated)")
-    s.add_argument("--policies", default="chunked,sjf", help="policies (comma-separated)")
+    s.add_argument("--queued", type=_list(_count), default=[10000, 50000],
+                   help="queue lengths (comma-separated; default 10000,50000)")
+    s.add_argument("--policies", type=_list("policy"), default=["chunked", "sjf"],
+                   help="policies (comma-separated; default chunked,sjf)")
     s.add_argument("--json", action="store_true")
 
 
@@ -244,19 +286,40 @@ def bench_queue(args) -> dict:
     from sim.workload import build_workload
 
     rows = []
-    for n in (int(x) for x in args.queued.split(",")):
+    for n in args.queued:
         # every request arrives within a few milliseconds: the queue starts n long and drains
         sc = load_scenario("chat", [f"workload.num_requests={n}", "workload.rate=1e6",
                                     'workload.arrival="constant"'])
         workload = build_workload(sc)
-        for policy in args.policies.split(","):
+        for policy in args.policies:
             engine = Engine(sc, policy=policy, workload=workload, record_events=False)
+            spent = _time_decisions(engine.policy)
             t0 = time.perf_counter()
             engine.run()
             wall = time.perf_counter() - t0
             rows.append({"queued": n, "policy": policy, "wall_s": wall,
-                         "steps": engine.step_count, "finished": engine.counts["finished"]})
+                         "steps": engine.step_count, "finished": engine.counts["finished"],
+                         "decisions": spent[1], "decision_us": 1e6 * spent[0] / max(1, spent[1])})
     return {"machine": _machine(), "scenario": "chat", "rows": rows}
+
+
+def _time_decisions(policy) -> list:
+    """Time every scheduling decision of `policy` (schedule() and the aging look-ahead) into
+    the returned [seconds, decisions]."""
+    spent = [0.0, 0]
+
+    def timed(fn, count):
+        def run():
+            t0 = time.perf_counter()
+            out = fn()
+            spent[0] += time.perf_counter() - t0
+            spent[1] += count
+            return out
+        return run
+
+    policy.schedule = timed(policy.schedule, 1)
+    policy.next_change_time = timed(policy.next_change_time, 0)
+    return spent
 
 
 def text_queue(r: dict) -> str:
@@ -264,7 +327,8 @@ def text_queue(r: dict) -> str:
     base = {x["queued"]: x["wall_s"] for x in r["rows"] if x["policy"] == r["rows"][0]["policy"]}
     for x in r["rows"]:
         lines.append(f"  {x['queued']:>7,} queued  {x['policy']:<10} {x['wall_s']:8.2f} s wall "
-                     f"({x['wall_s'] / base[x['queued']]:.2f} x), {x['steps']:,} steps")
+                     f"({x['wall_s'] / base[x['queued']]:.2f} x), {x['steps']:,} steps, "
+                     f"{x['decision_us']:,.0f} us a decision ({x['decisions']:,})")
     return "\n".join(lines)
 
 
