@@ -22,6 +22,7 @@ from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DEFAULT_SCENARIO = "chat"
+MAX_SCENARIO_BYTES = 16 << 20  # a scenario is a page of TOML; traces are separate files
 # `scheduler.policy` values that name a deployment of several instances rather than one policy
 # (sim.cluster builds them).
 DEPLOYMENT_POLICIES = ("disaggregated",)
@@ -244,6 +245,9 @@ def load_scenario(spec: str | None = None, overrides: list[str] | None = None) -
     """Read, override and check a scenario. Raises ScenarioError on any problem."""
     path = find_scenario(spec)
     try:
+        if path.stat().st_size > MAX_SCENARIO_BYTES:  # (not read into memory first)
+            raise ScenarioError(f"{path}: larger than {MAX_SCENARIO_BYTES >> 20} MiB, not a "
+                                "scenario file")
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path}: not valid TOML: {e}") from None

@@ -67,6 +67,7 @@ def make_executor(scenario):
         sizes["dtype"] = c.dtype
     host = (CostModel(scenario).num_host_blocks()
             if scenario.scheduler.preemption == "swap" else 0)
+    _check_kv_memory(scenario, sizes, host)
     try:
         return ModelExecutor.with_defaults(
             scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
@@ -80,6 +81,29 @@ def make_executor(scenario):
         raise ScenarioError(
             f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
             "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
+
+
+def _check_kv_memory(scenario, sizes: dict, host_blocks: int) -> None:
+    """With NumPy, the tiny model's K/V pool (and its host swap slots) lives in this process's
+    memory, allocated lazily: check it fits before the run fills it, not when the OOM killer
+    comes. (A CUDA pool that does not fit fails at once, as a MemoryError.)"""
+    from gpu import BackendUnavailable, get_backend
+    from gpu.executor import CPU_MODEL, ModelExecutor
+    from sim.limits import check_memory
+
+    try:
+        name = get_backend(scenario.compute.backend).name
+    except (BackendUnavailable, ValueError):
+        return  # reported as one line when the executor is built
+    if name != "numpy":
+        return
+    dims = {**CPU_MODEL, **sizes}
+    per = ModelExecutor.block_bytes(scenario.kv.block_size, num_layers=dims["num_layers"],
+                                    num_kv_heads=dims["num_kv_heads"],
+                                    head_dim=dims["head_dim"], dtype=dims["dtype"])
+    n = scenario.kv.num_blocks
+    check_memory(f"compute.backend = \"numpy\" with kv.num_blocks = {n}", (n + host_blocks) * per,
+                 f" for the tiny model's K/V ({per:,} bytes a block)")
 
 
 def build_engine(scenario, policy: str | None = None, **kw):
@@ -161,9 +185,34 @@ def _check_writable(path: str | None, what: str) -> None:
         check_writable(path, what)
 
 
+def _not_an_input(path: str | None, what: str, inputs) -> None:
+    """Refuse an output that is one of the files the command reads (it would replace it)."""
+    for inp in inputs:
+        try:
+            same = bool(path) and os.path.samefile(path, inp)
+        except OSError:  # one of them is not there
+            same = False
+        if same:
+            raise ScenarioError(f"{what} {path}: is {inp}, which this command reads; "
+                                "writing it would replace it")
+
+
+def _scenario_inputs(sc) -> list[str]:
+    """The files a scenario is read from: its own, its trace and its length files."""
+    files = [sc.source]
+    w = sc.workload
+    if w.trace:
+        files.append(str(sc.resolve_path(w.trace)))
+    for spec in (w.prompt_tokens, w.output_tokens, w.cancel_after_s, w.priority):
+        if isinstance(spec, dict) and spec.get("file"):
+            files.append(str(sc.resolve_path(spec["file"])))
+    return files
+
+
 def cmd_sim(args) -> int:
     _check_writable(args.log, "--log")
     sc = _scenario(args)
+    _not_an_input(args.log, "--log", _scenario_inputs(sc))
     engine = build_engine(sc, record_events=bool(args.log))
     engine.run()
     summary = summarize(engine)
@@ -275,6 +324,7 @@ def cmd_export(args) -> int:
     from sim.replay import Replayer
 
     _check_writable(args.output, "-o")
+    _not_an_input(args.output, "-o", [args.log])
     log = read_log(args.log)
     if args.format == "jsonl":
         text = export.to_jsonl(log)
@@ -302,7 +352,10 @@ def cmd_sweep(args) -> int:
     if args.slo:
         overrides += sweep.slo_overrides(args.slo)
     _check_writable(args.output, "-o")  # before the sweep, not after it
-    seeds = list(range(args.seeds)) if args.seeds is not None else None
+    from sim.scenario import find_scenario
+
+    _not_an_input(args.output, "-o", [str(find_scenario(args.scenario))])
+    seeds = range(args.seeds) if args.seeds is not None else None  # (checked before listed)
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
     bar = sweep.ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None

@@ -4,13 +4,14 @@ import json
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import assume, given, strategies as st
 
 from sim import Engine
 from sim.errors import LogError
 from sim.export import to_chrome, to_csv
 from sim.log import FORMAT, encode, read_log, write_log
 from sim.replay import Replayer, verify
+from tests.fuzz import fuzz_settings
 from tests.helpers import small_scenario, workload_of
 from tui.cli import main
 
@@ -153,7 +154,8 @@ def _small_log() -> bytes:
         return write_log(f"{d}/s.msgpack", e).read_bytes()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.fuzz
+@fuzz_settings(40)
 @given(data=st.data())
 def test_truncated_or_flipped_logs_fail_cleanly(tmp_path_factory, data):
     original = _small_log()
