@@ -19,6 +19,7 @@ import asyncio
 import datetime as _dt
 import functools
 import math
+import re
 import signal
 import sys
 import tempfile
@@ -318,7 +319,9 @@ class Dashboard(App[int]):
         from sim.log import write_log
 
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        base = f"servesim-{self.engine.scenario.name}-{kind + '-' if kind else ''}{stamp}"
+        # the scenario's name is the user's text: in a file name only its plain characters
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.engine.scenario.name)[:48].strip(".") or "x"
+        base = f"servesim-{name}-{kind + '-' if kind else ''}{stamp}"
         for n in range(1, 1000):
             path = self.log_dir / (f"{base}.msgpack" if n == 1 else f"{base}-{n}.msgpack")
             try:

@@ -313,6 +313,18 @@ async def test_c_cancels_only_a_request_the_user_selected():
 
 
 @pilot_test
+async def test_an_export_stays_in_its_directory_whatever_the_scenario_is_called(tmp_path):
+    app = make_app(tmp_path)
+    app.engine.scenario.name = "../../escape/\n evil" + "x" * 300
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("e")
+        await pilot.pause()
+    [log] = tmp_path.iterdir()
+    assert log.name.startswith("servesim-_.._escape_evilxxx") and len(log.name) < 100
+    assert read_log(log).footer["step"] == app.engine.step_count
+
+
+@pilot_test
 async def test_two_exports_in_one_second_keep_both(tmp_path):
     app = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
@@ -418,3 +430,19 @@ async def test_sigterm_quits_as_q_does():
         os.kill(os.getpid(), signal.SIGTERM)
         await pilot.pause(0.2)
     assert app.return_code == 128 + signal.SIGTERM and not app.driver.alive
+
+
+@pytest.mark.parametrize("size", [(1, 1), (12, 5), (40, 12)])
+@pilot_test
+async def test_every_key_works_in_a_tiny_terminal(size):
+    app = make_app()
+    notes = notes_of(app)
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("n", "down", "right", "i", "b", "question_mark")
+        await pilot.pause(0.05)
+        await pilot.press("escape", "I")
+        await pilot.pause(0.05)
+        await pilot.press("escape", "r", "p", "plus", "minus", "c", "C", "space", "space")
+        await pilot.pause(0.1)
+        assert app.is_running and app.engine.counts["injected"] == 1 + keymap.BURST_SIZE
+    assert not any("failed" in n for n in notes), notes
