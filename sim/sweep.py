@@ -152,10 +152,11 @@ def plan(spec: str | None, axes: list[Axis], *, seeds: list[int] | None = None,
     values). Raises ScenarioError naming the point at the first one that does not load."""
     if seeds is not None and any(a.key == "seed" for a in axes):
         raise ScenarioError("--grid seed: cannot be combined with --seeds (use one)")
-    points = math.prod(len(a.values) for a in axes)
-    runs = points * (len(seeds) if seeds is not None else 1)
-    check_memory(f"--grid ({points:,} points) x --seeds", runs * BYTES_PER_RUN,
-                 f" for the {runs:,} runs planned up front")
+    n_points = math.prod(len(a.values) for a in axes)
+    runs = n_points * (len(seeds) if seeds is not None else 1)
+    check_memory(f"--grid ({n_points:,} points)"
+                 + (f" x --seeds {len(seeds):,}" if seeds is not None else ""),
+                 runs * BYTES_PER_RUN, f" for the {runs:,} runs planned up front")
     find_scenario(spec)  # a missing file is named once, not as the first point's problem
     points = []
     for combo in itertools.product(*(range(len(a.values)) for a in axes)):

@@ -276,6 +276,11 @@ def cmd_scenarios(args) -> int:
 
 
 def cmd_run(args) -> int:
+    # The dashboard reads keys from stdin and draws on the terminal Textual writes to (stderr):
+    # without one it would draw into a file and wait for keys that never come.
+    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
+        raise ScenarioError("run: the dashboard needs a terminal (stdin and stderr); "
+                            "`servesim sim` runs headless")
     sc = _scenario(args)
     try:
         from tui.app import run_dashboard

@@ -123,7 +123,8 @@ def test_sigterm_stops_a_run_as_ctrl_c_does_and_leaves_no_temporary(tmp_path):
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=20)
-    assert p.returncode == 143 and err == "" and time.time() - t0 < 2, err
+    took = time.time() - t0
+    assert p.returncode == 143 and err == "" and took < 5, (p.returncode, err, took)
     assert list(tmp_path.iterdir()) == []  # no log, no temporary
 
 
@@ -171,3 +172,9 @@ def test_sigterm_restores_the_terminal_as_q_does():
     tail = out[mark:]
     assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
     assert b"\x1b[?1049l" in tail and b"\x1b[?1000l" in tail, tail[-300:]
+
+
+def test_the_dashboard_without_a_terminal_is_one_line():
+    p = subprocess.run(SERVESIM + ["run", "--compute", "none"], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs a terminal" in p.stderr
