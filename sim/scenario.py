@@ -522,6 +522,7 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     from sim.workload import min_length  # smallest request the workload can produce
 
     smallest = min_length(sc, "prompt_tokens") + max(1, min_length(sc, "output_tokens")) - 1
+    smallest += w.shared_prefix_tokens  # every prompt starts with the shared system prompt
     if m.max_model_len and smallest + 1 > m.max_model_len:
         raise ScenarioError(
             f"{src}: model.max_model_len = {m.max_model_len}: no request could ever fit (the "

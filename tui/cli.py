@@ -480,12 +480,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the program is, as Ctrl-C raises KeyboardInterrupt: the same
-    clean-up runs (temporary files removed, sweep workers stopped) and the exit is quiet."""
+    """SIGTERM (or SIGHUP), raised where the program is, as Ctrl-C raises KeyboardInterrupt:
+    the same clean-up runs (temporary files removed, sweep workers stopped), the exit is quiet
+    and its code is 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
 
 
 def _terminate(signum, frame):
-    raise Terminated()
+    raise Terminated(signum)
 
 
 class _Output:
@@ -531,8 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import threading
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:  # (not one ignored, as under nohup)
+                previous[sig] = signal.signal(sig, _terminate)
     real = sys.stdout
     if args.func is not cmd_run:  # (the dashboard draws on the terminal itself)
         sys.stdout = _Output(real)
@@ -546,8 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         one_line = " ".join(str(e).split("\n"))  # whatever a message quotes, one line
         print(f"servesim: error: {one_line}", file=sys.stderr)
         return 2
-    except Terminated:
-        return 128 + signal.SIGTERM
+    except Terminated as t:
+        return 128 + t.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -555,8 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         sys.stdout = real
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

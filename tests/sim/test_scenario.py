@@ -212,3 +212,9 @@ def test_setting_dist_keeps_only_what_the_new_distribution_takes(tmp_path):
     assert sc.workload.prompt_tokens == {"dist": "uniform", "min": 16, "max": 512}
     with pytest.raises(ScenarioError, match="dist = 'uniform' needs max, min"):
         load_scenario("chat", ['workload.prompt_tokens.dist="uniform"'])
+
+
+def test_a_shared_system_prompt_counts_toward_the_smallest_request(tmp_path):
+    with pytest.raises(ScenarioError, match="kv.num_blocks = 100: no request could ever fit"):
+        load_scenario(write(tmp_path, BASE), ["kv.num_blocks=100",
+                                              "workload.shared_prefix_tokens=5000"])

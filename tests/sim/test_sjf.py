@@ -3,6 +3,7 @@ minimum of the queue by (aged first, oldest first; else smallest, then oldest)."
 
 from collections import deque
 
+import pytest
 from hypothesis import given, strategies as st
 
 from sim import Engine
@@ -50,6 +51,7 @@ def pair(*overrides):
     return fast, ref
 
 
+@pytest.mark.fuzz
 @fuzz_settings(15)
 @given(aging=st.sampled_from([0.05, 0.5, 3.0, 1000.0]), key=st.sampled_from(["prompt", "total"]),
        blocks=st.integers(80, 600), preemption=st.sampled_from(["recompute", "swap"]),
