@@ -428,7 +428,8 @@ class Dashboard(App[int]):
         return int(prompt[0]), int(output[0])
 
     def inject(self, spec: InjectSpec) -> str | None:
-        """Inject through the engine. Returns the engine's error message, or None."""
+        """Inject through the engine. Returns the engine's error message, or None (an
+        unexpected error too is returned, and shown, rather than ending the session)."""
         with self.driver.lock:
             try:
                 self.engine.inject(spec.prompt_len, spec.max_output_tokens,
@@ -436,6 +437,9 @@ class Dashboard(App[int]):
                                    count=spec.count)
             except ServesimError as e:
                 return str(e)
+            except Exception as e:  # noqa: BLE001 - shown; the session goes on
+                self.action_failed("inject", e)
+                return f"{type(e).__name__}: {e}"
         self._changed()
         return None
 
