@@ -155,7 +155,8 @@ class Lockstep(RuleBasedStateMachine):
             'workload.prompt_tokens={dist="uniform", min=1, max=200}',
             'workload.output_tokens={dist="uniform", min=1, max=150}',
             "workload.cancel_fraction=0.2",
-            'workload.cancel_after_s={dist="uniform", min=0, max=2}')
+            'workload.cancel_after_s={dist="uniform", min=0, max=2}',
+            'workload.priority={dist="choice", values=[0, 1, 2]}')  # (priority preempts)
         self.whole, self.stepped, self.sliced = (Engine(sc), Engine(sc, skip_ahead=False),
                                                  Engine(sc))
         self.all = (self.whole, self.stepped, self.sliced)
