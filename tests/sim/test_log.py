@@ -341,3 +341,11 @@ def test_crafted_logs_with_valid_checksums_exit_2_with_one_line(tmp_path, capsys
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(p) in err and "Traceback" not in err, (argv, err)
         assert needle is None or needle in err, (argv, err)
+
+
+def test_a_record_whose_time_is_a_list_is_refused_by_verify(tmp_path, capsys):
+    # Found by the log fuzzer: the regenerated time (a NumPy number) compared with a list.
+    p = _crafted(tmp_path, "t.msgpack", lambda o: _first(o, 7).__setitem__(1, []))
+    assert main(["replay", str(p), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "finish field t = []" in err and err.count("\n") == 1
