@@ -382,7 +382,7 @@ class Cluster:
         """Add `count` requests arriving now, each routed at once. Returns their ids.
         Raises EngineError on a non-positive length or count."""
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
-                                                    count)
+                                                    count, priority)
         self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
                      priority=priority, count=count,
                      prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))

@@ -27,6 +27,8 @@ from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
 from sim.kv import KVCacheManager, blocks_for
+from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS,
+                        PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
 from sim.quantiles import Samples
 from sim.request import Request, RequestState
@@ -94,18 +96,29 @@ def _view(r: Request, with_tokens: bool = False) -> RequestView:
 
 
 def checked_injection(prompt_len: int | None, max_output_tokens: int,
-                      prompt_text: str | bytes | None, count: int) -> tuple[int, bytes | None]:
+                      prompt_text: str | bytes | None, count: int,
+                      priority: int = 0) -> tuple[int, bytes | None]:
     """The prompt length and bytes of an injection (a typed prompt gives its length).
 
-    Raises EngineError on a non-positive length or count."""
+    Raises EngineError on a length, count or priority that is not an integer in its range
+    (lengths 1 to MAX_TOKENS, count 1 to MAX_INJECT_COUNT); ScenarioError (sim.limits) when
+    the output's per-step records would not fit in memory."""
     if isinstance(prompt_text, str):
         prompt_text = prompt_text.encode()
+    if prompt_text is not None and not isinstance(prompt_text, bytes):
+        raise EngineError(f"inject: prompt_text = {prompt_text!r:.40}: must be text")
     if prompt_text is not None and prompt_len is None:
         prompt_len = len(prompt_text)
-    for name, v in (("prompt_len", prompt_len), ("max_output_tokens", max_output_tokens),
-                    ("count", count)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise EngineError(f"inject: {name} = {v!r}: must be a positive integer")
+    for name, v, lo, hi in (("prompt_len", prompt_len, 1, MAX_TOKENS),
+                            ("max_output_tokens", max_output_tokens, 1, MAX_TOKENS),
+                            ("count", count, 1, MAX_INJECT_COUNT),
+                            ("priority", priority, *PRIORITY_RANGE)):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            shown = f"{v!r:.40}"
+            raise EngineError(f"inject: {name} = {shown}: must be an integer from {lo:,} "
+                              f"to {hi:,}")
+    check_memory(f"inject: max_output_tokens = {max_output_tokens}",
+                 max_output_tokens * BYTES_PER_STEP, " for its per-step records")
     return prompt_len, prompt_text
 
 
@@ -295,10 +308,12 @@ class Engine:
         latencies timed from when it arrived). `tag` names who sent them (shown on screens).
         Returns their ids.
 
-        Raises EngineError on a non-positive length or count, or an arrival time after now.
+        Raises EngineError on a length, count or priority out of range (`checked_injection`),
+        or an arrival time after now; ScenarioError on an output so long its per-step records
+        would not fit in memory.
         """
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
-                                                    count)
+                                                    count, priority)
         extra = {}
         if arrival_time is not None:
             if not 0.0 <= arrival_time <= self.now:
@@ -334,7 +349,8 @@ class Engine:
         ids = [r.req_id for r in self.policy.waiting_in_order()]
         self._action("cancel_waiting")
         for i in ids:
-            self._cancel(self.requests[i], by="user")
+            if not self.requests[i].state.is_done:  # (a sample goes with its request)
+                self._cancel(self.requests[i], by="user")
         return ids
 
     def switch_policy(self, name: str) -> None:
@@ -669,6 +685,10 @@ class Engine:
         Returns the number of engine steps taken.
         """
         now = self.now
+        if now > MAX_TIME_S:  # a service-time model whose steps outrun any session
+            raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {self.step_count} "
+                              f"(t = {now:.3g} s): steps or hand-offs take too long under this "
+                              "scenario's [hardware] and [model]")
         if ((self._w_next < len(self._w_arrival) and self._w_arrival[self._w_next] <= now)
                 or (self._cancels and self._cancels[0][0] <= now)):
             self._arrive(now)
@@ -836,6 +856,9 @@ class Engine:
     # rest: most runs end within a few steps (at the next arrival), where NumPy's per-call cost
     # would dominate.
     SCALAR_STEPS = 24
+    # Steps of one decode run at most (its NumPy columns stay a few MB); a longer stretch is
+    # several runs, whose events and timeline rows are the same as one run's.
+    RUN_STEPS_MAX = 1 << 20
 
     def _decode_run(self, sched, until: float, max_steps: int) -> int:
         """Run identical decode-only steps, up to the next event, all at once."""
@@ -843,10 +866,13 @@ class Engine:
         reqs = [r for r, _ in sched]
         b = len(reqs)
         comp = [r.num_computed_tokens for r in reqs]
-        kmax = min(max_steps, min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
+        kmax = min(max_steps, self.RUN_STEPS_MAX,
+                   min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
-        # a request needs a new block at step j when (computed + j) is a multiple of bs.
-        first_cross = [(-c) % bs or bs for c in comp]
+        # a request needs a new block at step j when its token computed + j lies past the end
+        # of its table, which holds at least step 0's token (a contiguous reservation holds
+        # far more), then every bs steps.
+        first_cross = [len(r.block_table) * bs - c for r, c in zip(reqs, comp)]
         if kmax > 1:
             free = self.kv.num_free_blocks
             if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:

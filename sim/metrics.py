@@ -128,8 +128,8 @@ def _summary(whole, parts: list) -> dict:
             "token_state_share": (
                 1.0 - float(sum(t.empty_dur for t in tot)) / float(used_dur * whole.block_size)
                 if float(used_dur) > 0 else None),
-            # admissions refused for want of a long enough run of free blocks although enough
-            # were free in total (contiguous reservations: external fragmentation)
+            # requests refused admission at least once for want of a long enough run of free
+            # blocks although enough were free in total (contiguous: external fragmentation)
             "fragmentation_stalls": c["fragmentation_stalls"],
         },
         "batch": {"mean": sum(t.batch_sum for t in tot) / rows if rows else 0.0,

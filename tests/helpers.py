@@ -46,10 +46,10 @@ def check_invariants(engine: Engine, held=()) -> None:
             assert r.block_table == [] and need <= len(r.host_table) <= need + 1, r
         else:
             assert r.host_table == [], r
-            # a contiguous reservation covers the request's whole future
             assert need <= len(r.block_table), (r, need)
-            if engine.policy.name != "contiguous":
-                assert len(r.block_table) <= need + 1, (r, need)
+            t = r.block_table
+            if len(t) > need + 1:  # only a contiguous reservation covers the request's future
+                assert t == list(range(t[0], t[0] + len(t))), (r, need)
     host = engine.kv.host
     if host is not None:
         for b in range(host.num_blocks):

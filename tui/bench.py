@@ -10,6 +10,7 @@
 - `bench scale`: runs of N requests (wall, max RSS, memory after the run), the Azure trace's
   wall time and the memory per request in flight, side by side (tui/bench_scale.py).
 - `bench hotpath`: a profiled run: time and calls per scheduling decision, by function.
+- `bench queue`: whole runs with 10k and 50k requests queued at once, per queue policy.
 """
 
 from __future__ import annotations
@@ -22,37 +23,77 @@ import platform
 import time
 
 
+def _count(text: str) -> int:
+    """A positive whole number (argparse turns the error into one line)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v}: must be at least 1")
+    return v
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not 0 < v < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of seconds")
+    return v
+
+
+def _list(kind):
+    """A comma-separated list of `kind` (a type function) or of policy names."""
+    def parse(text: str) -> list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list")
+        if kind == "policy":
+            from sim.policies import POLICIES
+
+            bad = [x for x in items if x not in POLICIES]
+            if bad:
+                raise argparse.ArgumentTypeError(
+                    f"{bad[0]!r}: not a policy (known: {', '.join(POLICIES)})")
+            return items
+        return [kind(x) for x in items]
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="bench", required=True, parser_class=type(p))
     s = sub.add_parser("sim", help="simulate the full Azure conversation trace")
     s.add_argument("--scenario", default="azure-conv")
     s.add_argument("--policy", default="chunked")
-    s.add_argument("--repeat", type=int, default=3, help="runs; the best is reported")
+    s.add_argument("--repeat", type=_count, default=3, help="runs; the best is reported")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("log", help="session log size and write / replay-verify speed")
     s.add_argument("--scenario", default="azure-conv")
-    s.add_argument("--repeat", type=int, default=3, help="rounds; the best time of each phase")
+    s.add_argument("--repeat", type=_count, default=3, help="rounds; the best time of each phase")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("tui", help="the dashboard, headless, on the default scenario")
-    s.add_argument("--sim-seconds", type=float, default=60.0,
+    s.add_argument("--sim-seconds", type=_seconds, default=60.0,
                    help="simulated seconds to run (default 60)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("compute", help="engine steps per second with real attention")
     s.add_argument("--scenario", default="chat")
     s.add_argument("--backend", default="numpy", choices=["numpy", "cupy", "auto"])
-    s.add_argument("--warmup", type=int, default=600, help="steps before measuring")
-    s.add_argument("--steps", type=int, default=600, help="steps measured")
+    s.add_argument("--warmup", type=_count, default=600, help="steps before measuring")
+    s.add_argument("--steps", type=_count, default=600, help="steps measured")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("kernel", help="NumPy paged decode attention vs dense")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--repeat", type=int, default=5)
+    s.add_argument("--repeat", type=_count, default=5)
     s.add_argument("--static", action="store_true",
                    help="CUDA kernels without a GPU: registers, spills, occupancy, main-loop SASS "
                         "instructions per 16 B (needs nvcc and cuobjdump)")
     s.add_argument("--before", default="main", help="git ref of the kernels to compare with (--static)")
     s.add_argument("--block-sizes", default="16", help="block sizes to instantiate (--static)")
     s = sub.add_parser("sweep", help="a 16-point sweep with 1 and with 2 local workers")
-    s.add_argument("--duration", type=float, default=300.0,
+    s.add_argument("--duration", type=_seconds, default=300.0,
                    help="simulated seconds of arrivals per point (default 300)")
     s.add_argument("--json", action="store_true")
     from tui.serve import bench as serve_bench
@@ -62,14 +103,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--scenario", default="chat")
     s.add_argument("--requests", default="10000,100000,1000000", metavar="N1,N2,...",
                    help="workload.num_requests of each run (default 10000,100000,1000000)")
-    s.add_argument("--with-history", type=int, default=0, metavar="N",
+    s.add_argument("--with-history", type=_count, default=0, metavar="N",
                    help="also run those up to N requests keeping every request (the old way)")
-    s.add_argument("--repeat", type=int, default=3, help="Azure trace runs; the best counts")
+    s.add_argument("--repeat", type=_count, default=3, help="Azure trace runs; the best counts")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("hotpath", help="where the time goes per scheduling decision")
     s.add_argument("--scenario", default="azure-conv")
     s.add_argument("--policy", default="chunked")
-    s.add_argument("--top", type=int, default=25, help="functions listed (default 25)")
+    s.add_argument("--top", type=_count, default=25, help="functions listed (default 25)")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("queue", help="runs with 10k and 50k requests queued at once")
+    s.add_argument("--queued", type=_list(_count), default=[10000, 50000],
+                   help="queue lengths (comma-separated; default 10000,50000)")
+    s.add_argument("--policies", type=_list("policy"), default=["chunked", "sjf"],
+                   help="policies (comma-separated; default chunked,sjf)")
     s.add_argument("--json", action="store_true")
 
 
@@ -128,7 +175,7 @@ def bench_log(args) -> dict:
             t_write = min(t_write, time.perf_counter() - t0)
             del engine
             t0 = time.perf_counter()
-            log = read_log(path)
+            log = read_log(path, check_events=False)  # as `replay --verify` reads it
             _, div = verify(log)
             t_verify = min(t_verify, time.perf_counter() - t0)
     tokens = summary["output_tokens"]
@@ -311,6 +358,57 @@ def text_hotpath(r: dict) -> str:
     return text(r)
 
 
+def bench_queue(args) -> dict:
+    from sim import Engine, load_scenario
+    from sim.workload import build_workload
+
+    rows = []
+    for n in args.queued:
+        # every request arrives within a few milliseconds: the queue starts n long and drains
+        sc = load_scenario("chat", [f"workload.num_requests={n}", "workload.rate=1e6",
+                                    'workload.arrival="constant"'])
+        workload = build_workload(sc)
+        for policy in args.policies:
+            engine = Engine(sc, policy=policy, workload=workload, record_events=False)
+            spent = _time_decisions(engine.policy)
+            t0 = time.perf_counter()
+            engine.run()
+            wall = time.perf_counter() - t0
+            rows.append({"queued": n, "policy": policy, "wall_s": wall,
+                         "steps": engine.step_count, "finished": engine.counts["finished"],
+                         "decisions": spent[1], "decision_us": 1e6 * spent[0] / max(1, spent[1])})
+    return {"machine": _machine(), "scenario": "chat", "rows": rows}
+
+
+def _time_decisions(policy) -> list:
+    """Time every scheduling decision of `policy` (schedule() and the aging look-ahead) into
+    the returned [seconds, decisions]."""
+    spent = [0.0, 0]
+
+    def timed(fn, count):
+        def run():
+            t0 = time.perf_counter()
+            out = fn()
+            spent[0] += time.perf_counter() - t0
+            spent[1] += count
+            return out
+        return run
+
+    policy.schedule = timed(policy.schedule, 1)
+    policy.next_change_time = timed(policy.next_change_time, 0)
+    return spent
+
+
+def text_queue(r: dict) -> str:
+    lines = [f"bench queue: chat, every request queued at once, on {r['machine']}"]
+    base = {x["queued"]: x["wall_s"] for x in r["rows"] if x["policy"] == r["rows"][0]["policy"]}
+    for x in r["rows"]:
+        lines.append(f"  {x['queued']:>7,} queued  {x['policy']:<10} {x['wall_s']:8.2f} s wall "
+                     f"({x['wall_s'] / base[x['queued']]:.2f} x), {x['steps']:,} steps, "
+                     f"{x['decision_us']:,.0f} us a decision ({x['decisions']:,})")
+    return "\n".join(lines)
+
+
 BENCHES = {
     "sim": (bench_sim, text_sim),
     "log": (bench_log, text_log),
@@ -320,6 +418,7 @@ BENCHES = {
     "sweep": (bench_sweep, text_sweep),
     "scale": (bench_scale, text_scale),
     "hotpath": (bench_hotpath, text_hotpath),
+    "queue": (bench_queue, text_queue),
 }
 
 

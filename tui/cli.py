@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
-from pathlib import Path
 
 from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
@@ -71,6 +72,7 @@ def make_executor(scenario):
         sizes["dtype"] = c.dtype
     host = (CostModel(scenario).num_host_blocks()
             if scenario.scheduler.preemption == "swap" else 0)
+    _check_kv_memory(scenario, sizes, host)
     try:
         return ModelExecutor.with_defaults(
             scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
@@ -84,6 +86,29 @@ def make_executor(scenario):
         raise ScenarioError(
             f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
             "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
+
+
+def _check_kv_memory(scenario, sizes: dict, host_blocks: int) -> None:
+    """With NumPy, the tiny model's K/V pool (and its host swap slots) lives in this process's
+    memory, allocated lazily: check it fits before the run fills it, not when the OOM killer
+    comes. (A CUDA pool that does not fit fails at once, as a MemoryError.)"""
+    from gpu import BackendUnavailable, get_backend
+    from gpu.executor import CPU_MODEL, ModelExecutor
+    from sim.limits import check_memory
+
+    try:
+        name = get_backend(scenario.compute.backend).name
+    except (BackendUnavailable, ValueError):
+        return  # reported as one line when the executor is built
+    if name != "numpy":
+        return
+    dims = {**CPU_MODEL, **sizes}
+    per = ModelExecutor.block_bytes(scenario.kv.block_size, num_layers=dims["num_layers"],
+                                    num_kv_heads=dims["num_kv_heads"],
+                                    head_dim=dims["head_dim"], dtype=dims["dtype"])
+    n = scenario.kv.num_blocks
+    check_memory(f"compute.backend = \"numpy\" with kv.num_blocks = {n}", (n + host_blocks) * per,
+                 f" for the tiny model's K/V ({per:,} bytes a block)")
 
 
 def build_engine(scenario, policy: str | None = None, **kw):
@@ -173,14 +198,39 @@ def _progress(args):
 def _check_writable(path: str | None, what: str) -> None:
     """Fail before a long run, not after it, when its output cannot be written."""
     if path:
-        parent = Path(path).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise ScenarioError(f"{what} {path}: directory {parent} does not exist")
+        from sim.fileio import check_writable
+
+        check_writable(path, what)
+
+
+def _not_an_input(path: str | None, what: str, inputs) -> None:
+    """Refuse an output that is one of the files the command reads (it would replace it)."""
+    for inp in inputs:
+        try:
+            same = bool(path) and os.path.samefile(path, inp)
+        except OSError:  # one of them is not there
+            same = False
+        if same:
+            raise ScenarioError(f"{what} {path}: is {inp}, which this command reads; "
+                                "writing it would replace it")
+
+
+def _scenario_inputs(sc) -> list[str]:
+    """The files a scenario is read from: its own, its trace and its length files."""
+    files = [sc.source]
+    w = sc.workload
+    if w.trace:
+        files.append(str(sc.resolve_path(w.trace)))
+    for spec in (w.prompt_tokens, w.output_tokens, w.cancel_after_s, w.priority):
+        if isinstance(spec, dict) and spec.get("file"):
+            files.append(str(sc.resolve_path(spec["file"])))
+    return files
 
 
 def cmd_sim(args) -> int:
     _check_writable(args.log, "--log")
     sc = _scenario(args)
+    _not_an_input(args.log, "--log", _scenario_inputs(sc))
     # (no per-request history: memory stays bounded by what is in flight)
     engine = build_engine(sc, record_events=bool(args.log), keep_history=False)
     with _progress(args) as progress:
@@ -203,6 +253,11 @@ def cmd_compare(args) -> int:
     sc = _scenario(args)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = [*POLICIES, *DEPLOYMENT_POLICIES]
+    if not names:
+        raise ScenarioError(f"--policies {args.policies!r}: name at least one policy "
+                            f"(known: {', '.join(known)})")
+    if len(set(names)) != len(names):
+        raise ScenarioError(f"--policies {args.policies}: a policy is listed twice")
     for n in names:
         if n not in known:
             raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
@@ -245,6 +300,11 @@ def cmd_scenarios(args) -> int:
 
 
 def cmd_run(args) -> int:
+    # The dashboard reads keys from stdin and draws on the terminal Textual writes to (stderr):
+    # without one it would draw into a file and wait for keys that never come.
+    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
+        raise ScenarioError("run: the dashboard needs a terminal (stdin and stderr); "
+                            "`servesim sim` runs headless")
     sc = _scenario(args)
     try:
         from tui.app import run_dashboard
@@ -273,7 +333,7 @@ def cmd_replay(args) -> int:
     from sim.log import read_log
     from sim.replay import Replayer, verify
 
-    log = read_log(args.log)
+    log = read_log(args.log, check_events=not args.verify)  # (verify checks what differs)
     make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
     with _progress(args) as progress:
         if args.verify:
@@ -312,6 +372,7 @@ def cmd_export(args) -> int:
     from sim.replay import Replayer
 
     _check_writable(args.output, "-o")
+    _not_an_input(args.output, "-o", [args.log])
     log = read_log(args.log)
     if args.format == "jsonl":
         text = export.to_jsonl(log)
@@ -330,8 +391,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from pathlib import Path
-
     from sim import sweep
     from sim.fileio import write_atomic
 
@@ -342,14 +401,17 @@ def cmd_sweep(args) -> int:
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     if args.slo:
         overrides += sweep.slo_overrides(args.slo)
-    if args.output and not Path(args.output).expanduser().resolve().parent.is_dir():
-        raise ServesimError(f"{args.output}: cannot write: no such directory")  # before, not after
+    _check_writable(args.output, "-o")  # before the sweep, not after it
+    from sim.scenario import find_scenario
+
+    _not_an_input(args.output, "-o", [str(find_scenario(args.scenario))])
     if args.plot:
         from tui import plot
 
         plot.check_output(args.plot)
         _check_writable(args.plot, "--plot")
-    seeds = list(range(args.seeds)) if args.seeds is not None else None
+        _not_an_input(args.plot, "--plot", [str(find_scenario(args.scenario))])
+    seeds = range(args.seeds) if args.seeds is not None else None  # (checked before listed)
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
     bar = sweep.ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
@@ -389,6 +451,16 @@ def cmd_bench(args) -> int:
     return bench.main(args)
 
 
+def _speed(text: str) -> float:
+    """--speed: a number from 1/64 to 4096 (argparse shows the error as one line)."""
+    from tui.app import check_speed
+
+    try:
+        return check_speed(text)
+    except ServesimError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speed ")) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="servesim", description="A live simulator of an LLM serving engine.")
     p.add_argument("--version", action="version", version="servesim 0.1.0")
@@ -398,8 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scenario_args(s, optional=True)
     s.add_argument("--policy", choices=[*POLICIES, *DEPLOYMENT_POLICIES],
                    help="override scheduler.policy")
-    s.add_argument("--speed", type=float, default=1.0,
-                   help="simulated seconds per wall second (default 1)")
+    s.add_argument("--speed", type=_speed, default=1.0,
+                   help="simulated seconds per wall second, 1/64 to 4096 (default 1)")
     s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"], default="auto",
                    help="real attention each step (default auto: CuPy on a GPU, else NumPy)")
     s.add_argument("--replay", metavar="LOG", help="play a session log back")
@@ -496,18 +568,92 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP), raised where the program is, as Ctrl-C raises KeyboardInterrupt:
+    the same clean-up runs (temporary files removed, sweep workers stopped), the exit is quiet
+    and its code is 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+class _Output:
+    """Standard output that turns a failed write (a full disk, `> /dev/full`) into one line."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise ServesimError(f"standard output: cannot write: {e.strerror or e}") from None
+
+    def flush(self) -> None:
+        self.write("")
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise ServesimError(f"standard output: cannot write: {e.strerror or e}") from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what could not be
+    written does not print a second error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.__stdout__.fileno())
+        os.close(fd)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import threading
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:  # (not one ignored, as under nohup)
+                previous[sig] = signal.signal(sig, _terminate)
+    real = sys.stdout
+    if args.func is not cmd_run:  # (the dashboard draws on the terminal itself)
+        sys.stdout = _Output(real)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
     except ServesimError as e:
-        print(f"servesim: error: {e}", file=sys.stderr)
+        if str(e).startswith("standard output:"):
+            _drop_stdout()
+        one_line = " ".join(str(e).split("\n"))  # whatever a message quotes, one line
+        print(f"servesim: error: {one_line}", file=sys.stderr)
         return 2
+    except Terminated as t:
+        return 128 + t.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    finally:
+        sys.stdout = real
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -44,6 +44,7 @@ async def test_http_requests_on_the_dashboard_cancel_key_and_export_replays(tmp_
             short = await stream(5)
             assert short[-1] == b"data: [DONE]\n" and len(short) == 5 + 1
             # `c` on the selected (running) request ends its stream: finish_reason abort
+            await pilot.press("home")  # nothing is selected until the user moves
             await until(pilot, lambda: app.selected_id == row.req_id)
             await pilot.press("c")
             lines = await asyncio.wait_for(long, 5)
