@@ -38,6 +38,12 @@ class BatchPlan:
     prefill: AttentionBatch | None
     sample_rows: np.ndarray    # [N] int64: last token row of each sequence that samples
     sample_req_ids: list[int]
+    sample: AttentionBatch | None  # each sampling sequence's last row as a decode query
+    tables: list[np.ndarray]   # per sequence: int64 block ids covering its positions
+    seq_lens: np.ndarray       # [num_seqs] int64: tokens cached after the step
+    offsets: np.ndarray        # [num_seqs] int64: first row of each sequence's tokens
+    lengths: np.ndarray        # [num_seqs] int64: its number of new tokens
+    sample_seqs: np.ndarray    # [N] int64: the sampling sequences' indices
 
 
 def _padded_tables(tables: list[np.ndarray]) -> np.ndarray:
@@ -109,6 +115,7 @@ def plan_batch(seqs, block_size: int, num_blocks: int) -> BatchPlan:
     prefill_rows = np.concatenate([np.arange(offsets[s], offsets[s] + lengths_a[s]) for s in prefill_seqs]) \
         if len(prefill_seqs) else np.zeros(0, dtype=np.int64)
     samples = [i for i, seq in enumerate(seqs) if seq.sample]
+    sample_rows = (offsets + lengths_a - 1)[samples]
     return BatchPlan(
         req_ids=req_ids,
         token_ids=np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int64),
@@ -118,6 +125,13 @@ def plan_batch(seqs, block_size: int, num_blocks: int) -> BatchPlan:
                                 seq_lens[decode_seqs], lengths_a[decode_seqs]),
         prefill=_attention_batch(prefill_rows, [tables[s] for s in prefill_seqs],
                                  seq_lens[prefill_seqs], lengths_a[prefill_seqs]),
-        sample_rows=(offsets + lengths_a - 1)[samples],
+        sample_rows=sample_rows,
         sample_req_ids=[req_ids[i] for i in samples],
+        sample=_attention_batch(sample_rows, [tables[s] for s in samples], seq_lens[samples],
+                                np.ones(len(samples), dtype=np.int64)),
+        tables=tables,
+        seq_lens=seq_lens,
+        offsets=offsets,
+        lengths=lengths_a,
+        sample_seqs=np.array(samples, dtype=np.int64),
     )
