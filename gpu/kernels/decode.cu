@@ -311,28 +311,27 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
 // Tensor-core decode for fp16 / bf16 storage (same grid, arguments, split rule and outputs as
 // paged_decode_kernel; the host picks it for 16-bit storage).
 //
-// Per warp, a tile is TOK consecutive tokens (8, or 16 for head_dim <= 64) and the math is two
-// mma.sync products over the block's G query heads, as the 16 rows of the A operand (rows G..15
-// are zero registers): S = Q K^T (m16n8k16: 8 tokens per n-tile, 16 dims per k-step) and
-// O += P V (m16n8k8 over 8 tokens, or m16n8k16 over 16; 8 dims per n-tile), fp32 accumulation.
-// Each lane loads its K and V straight from global memory into the fragment registers:
-//   - K (B operand of S, k = dims, n = tokens): lane (g, t) = (lane / 4, lane % 4) loads token g
-//     of each n-tile, 16-byte vectors t, t + 4, ... of its row. The dims of a k-step are any 16
-//     of the row as long as Q uses the same ones, so the vector's four words go to the b
-//     registers of two k-steps as they are, and Q's A fragments are loaded the same way.
-//   - V (B operand of O, k = tokens, n = dims): a b register holds one dim of two tokens, so lane
-//     (g, t) loads tokens 2t, 2t + 1 (and 2t + 8, 2t + 9 for 16-token tiles), chunk g (+ 8, ...)
-//     of their rows, and pairs them with one byte permute per register; n-tile e of chunk i then
-//     holds dims CE * (c + 8 i) + e in its column c, which is where the output is written.
-// P (A operand of O) is the S accumulator converted in place: the C fragment of S n-tile 0
-// (and 1) is exactly the A fragment of the tokens of the tile. The online softmax runs on the
-// fragments: a lane holds two scores per n-tile of one head, so a row's maximum is two
-// shuffles; l is kept per lane and summed at the end. Scores are scaled inside the exp2
-// (fma(s, scale, -m * scale)): Q stays in the storage format, unrounded.
+// Per warp, a tile is TOK consecutive tokens (8, or 16 for head_dim <= 64), and the math is two
+// mma.sync products with fp32 accumulation, lane (g, t) = (lane / 4, lane % 4) in the PTX
+// fragment layouts:
+//   - S = Q K^T (m16n8k16; M = the block's G heads, padded to 16 rows with zeros; N = 8 tokens;
+//     K = 16 dims per step). Lane (g, t) loads token g of each n-tile, 16-byte vectors t, t + 4,
+//     ... of its row, straight into B registers: a k-step's 16 dims may be any 16 as long as Q
+//     uses the same, so a vector's four words serve two k-steps as they are. Q's A fragments
+//     (built the same way) sit in shared memory, one 16-byte quad per lane and k-step.
+//   - O^T += V^T P^T (m16n8k8 over 8 tokens, or m16n8k16 over 16; M = 16 dims, N = 8 heads):
+//     P^T's B fragment (tokens 2t, 2t + 1 of head g) is S's accumulator fragment as it is, no
+//     shuffle; V^T's A fragment holds one dim of two tokens per register, so lane (g, t) loads
+//     tokens 2t, 2t + 1 (+ 8, + 9), chunk g (+ 8, ...) of their rows and pairs them with byte
+//     permutes. The accumulators have no padding: all 16 rows are dims, all 8 columns heads.
+// The online softmax runs on S's fragments: a lane holds two scores per n-tile of head g, so a
+// head's maximum is two shuffles, l stays per lane until the end, and the corrections of the
+// two heads whose O^T columns a lane holds are two more shuffles. Scores are scaled inside the
+// exp2 (fma(s, scale, -m * scale)): Q stays in the storage format, unrounded.
 // Tiles entirely inside the partition run without masks in the main loop; the at most two
-// partial tiles at its edges run afterwards with per-token load predicates and masked scores.
-// K and V of the next tile are loaded while the current one is computed: next K after the S
-// product (the K registers are free), next V after the O product.
+// partial tiles at its edges run afterwards, with per-token load predicates and masked scores.
+// The next tile's K is loaded once S has consumed this one's, its V once O has: every lane
+// keeps one tile's loads in flight.
 template <typename T, int HEAD_DIM, int G, int BLOCK_SIZE>
 __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     const typename T::raw* __restrict__ q, const typename T::raw* __restrict__ k_cache,
@@ -349,9 +348,9 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     constexpr int NT_S = TOK / 8;                 // n-tiles of S
     constexpr int KSTEPS = HEAD_DIM / 16;         // k-steps of S
     constexpr int KVEC = HEAD_DIM / 32;           // 16-byte K vectors per lane per token
-    constexpr int NT_O = HEAD_DIM / 8;            // n-tiles of O
+    constexpr int NT_O = HEAD_DIM / 16;           // m-tiles of O^T
     constexpr int CE = HEAD_DIM >= 64 ? 8 : 4;    // dims per V load (16 or 8 bytes)
-    constexpr int VCH = NT_O / CE;                // V chunks per lane per token
+    constexpr int VCH = HEAD_DIM / (8 * CE);      // V chunks per lane per token
     constexpr int VTOK = TOK / 4;                 // V tokens per lane
     constexpr int LOG2_BS = Log2<BLOCK_SIZE>::value;
     typedef typename T::raw raw;
@@ -377,40 +376,58 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     const raw* k_base = k_cache + kv_head * HEAD_DIM + 8 * t;   // + row * row_stride + 32 m
     const raw* v_base = v_cache + kv_head * HEAD_DIM + CE * g;  // + row * row_stride + 8 CE i
 
-    // Q as A fragments: row g = head head0 + g (zero past G), k-step 2m + h: words 2h, 2h + 1
-    // of its vector t + 4m (the K vectors' dims).
-    unsigned qa[KSTEPS][2];
+    // Q as A fragments, one 16-byte quad per lane and k-step, in shared memory (re-read each
+    // tile rather than held in 4 * KSTEPS registers): row g = head head0 + g (zero past G),
+    // k-step 2m + h takes words 2h, 2h + 1 of its vector t + 4m (the K vectors' dims); rows
+    // 8..15 are zero.
+    __shared__ uint4 sm_q[KSTEPS][32];
+    if (warp == 0) {
 #pragma unroll
-    for (int m = 0; m < KVEC; ++m) {
-        uint4 w = make_uint4(0u, 0u, 0u, 0u);
-        if (g < G)
-            w = *reinterpret_cast<const uint4*>(q + ((long long)seq * num_heads + head0 + g) * HEAD_DIM + 8 * (t + 4 * m));
-        qa[2 * m][0] = w.x;
-        qa[2 * m][1] = w.y;
-        qa[2 * m + 1][0] = w.z;
-        qa[2 * m + 1][1] = w.w;
+        for (int m = 0; m < KVEC; ++m) {
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (g < G)
+                w = *reinterpret_cast<const uint4*>(q + ((long long)seq * num_heads + head0 + g) * HEAD_DIM +
+                                                    8 * (t + 4 * m));
+            sm_q[2 * m][lane] = make_uint4(w.x, 0u, w.y, 0u);
+            sm_q[2 * m + 1][lane] = make_uint4(w.z, 0u, w.w, 0u);
+        }
     }
+    __syncthreads();
 
     float m_run = SERVESIM_NO_SCORE, l_run = 0.f;  // head g's running max (raw units) and this lane's sum
-    float acc[NT_O][2];                            // O rows g, columns 2t, 2t + 1 of each n-tile
+    // O^T accumulators, one C fragment per m-tile of 16 dims: [0], [1] = dim row g, heads 2t,
+    // 2t + 1; [2], [3] = dim row g + 8, the same heads (dims: see `accumulate`).
+    float acc[NT_O][4];
 #pragma unroll
-    for (int j = 0; j < NT_O; ++j) acc[j][0] = acc[j][1] = 0.f;
+    for (int j = 0; j < NT_O; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     unsigned kw[NT_S][KVEC][4];           // K words: token 8 nt + g, vector t + 4 m
     unsigned vw[VTOK][VCH][CE / 2];       // V words: token 2t + e + 8 p (index 2p + e), chunk g + 8 i
 
-    // Row (slot) of a position in the cache; one lookup per tile when the tile fits in a block.
+    // Element offsets of this lane's rows within a tile (token part only when a tile fits in
+    // one KV block: then the tile's base row is one block-table lookup).
+    int k_off[NT_S], v_off[VTOK];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+        k_off[nt] = (TOK <= BLOCK_SIZE ? (8 * nt + g) * row_stride : 0) + kv_head * HEAD_DIM + 8 * t;
+#pragma unroll
+    for (int x = 0; x < VTOK; ++x)
+        v_off[x] = (TOK <= BLOCK_SIZE ? (2 * t + (x & 1) + 8 * (x >> 1)) * row_stride : 0) + kv_head * HEAD_DIM + CE * g;
     auto row_of = [&](int pos) -> long long {
         return ((long long)table[pos >> LOG2_BS] << LOG2_BS) + (pos & (BLOCK_SIZE - 1));
     };
-    auto load_k = [&](int tile, bool masked) {
+    // First element of row `i` of tile `tile` (minus the lane offsets above).
+    auto tile_base = [&](int tile, int i) -> long long {
         const int first = tile * TOK;
-        const long long tile_row = TOK <= BLOCK_SIZE ? row_of(first) : 0;
+        return (TOK <= BLOCK_SIZE ? row_of(first) : row_of(first + i)) * row_stride;
+    };
+    auto load_k = [&](int tile, bool masked) {
+        const long long base = tile_base(tile, 0);
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
-            const int i = 8 * nt + g, pos = first + i;
+            const int i = 8 * nt + g, pos = tile * TOK + i;
             if (!masked || (pos >= start && pos < end)) {
-                const long long row = TOK <= BLOCK_SIZE ? tile_row + i : row_of(pos);
-                const uint4* p = reinterpret_cast<const uint4*>(k_base + row * row_stride);
+                const long long row = TOK <= BLOCK_SIZE ? base : tile_base(tile, i);
+                const uint4* p = reinterpret_cast<const uint4*>(k_cache + row + k_off[nt]);
 #pragma unroll
                 for (int m = 0; m < KVEC; ++m) {
                     const uint4 w = p[4 * m];
@@ -423,14 +440,13 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         }
     };
     auto load_v = [&](int tile, bool masked) {
-        const int first = tile * TOK;
-        const long long tile_row = TOK <= BLOCK_SIZE ? row_of(first) : 0;
+        const long long base = tile_base(tile, 0);
 #pragma unroll
         for (int x = 0; x < VTOK; ++x) {
-            const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = first + i;
+            const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = tile * TOK + i;
             const bool live = !masked || (pos >= start && pos < end);
-            const long long row = TOK <= BLOCK_SIZE ? tile_row + i : (live ? row_of(pos) : 0);
-            const raw* p = v_base + row * row_stride;
+            const long long row = TOK <= BLOCK_SIZE ? base : (live ? tile_base(tile, i) : 0);
+            const raw* p = v_cache + row + v_off[x];
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {
                 if (CE == 8) {
@@ -443,23 +459,23 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
             }
         }
     };
-    // S = Q K^T for the tile: s[nt][e] = score of head g and token 8 nt + 2t + e.
-    auto scores = [&](float (&s)[NT_S][2]) {
+    // S = Q K^T for the tile: s[nt][e] = score of head g and token 8 nt + 2t + e ([2], [3]:
+    // the zero rows).
+    auto scores = [&](float (&s)[NT_S][4]) {
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ++ks) {
-                const unsigned a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
+                const uint4 qv = sm_q[ks][lane];
+                const unsigned a[4] = {qv.x, qv.y, qv.z, qv.w};
                 const unsigned b[2] = {kw[nt][ks / 2][2 * (ks & 1)], kw[nt][ks / 2][2 * (ks & 1) + 1]};
-                T::mma16816(c, a, b, c);
+                T::mma16816(s[nt], a, b, s[nt]);
             }
-            s[nt][0] = c[0];
-            s[nt][1] = c[1];
         }
     };
     // Online softmax on the scores; returns P as the A registers of the O product.
-    auto softmax = [&](float (&s)[NT_S][2], int tile, bool masked, unsigned (&pa)[NT_S]) {
+    auto softmax = [&](float (&s)[NT_S][4], int tile, bool masked, unsigned (&pa)[NT_S]) {
         if (masked) {
 #pragma unroll
             for (int nt = 0; nt < NT_S; ++nt)
@@ -487,40 +503,45 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
             pa[nt] = T::pack2(p0, p1);
         }
         l_run = fmaf(l_run, corr, p_sum);
+        // This lane's O^T columns are heads 2t and 2t + 1, whose corrections lanes 8t, 8t + 4 hold.
+        const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t);
+        const float corr_hi = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t + 4);
 #pragma unroll
-        for (int j = 0; j < NT_O; ++j) acc[j][0] *= corr, acc[j][1] *= corr;
+        for (int j = 0; j < NT_O; ++j) acc[j][0] *= corr_lo, acc[j][2] *= corr_lo, acc[j][1] *= corr_hi, acc[j][3] *= corr_hi;
     };
-    // O += P V. The b register of n-tile CE i + e pairs dim e of chunk i of two tokens.
-    auto accumulate = [&](const unsigned (&pa)[NT_S]) {
+    // O^T += V^T P^T. P^T's B fragment (k = tokens 2t, 2t + 1 [+ 8], n = head g) is the S
+    // accumulator as it is. V^T's A fragment of m-tile j = (CE / 2) c + w pairs, per register,
+    // one dim of two tokens: dims CE (g + 8c) + 2w (row g) and + 1 (row g + 8) of chunk c.
+    auto accumulate = [&](const unsigned (&pb)[NT_S]) {
 #pragma unroll
         for (int j = 0; j < NT_O; ++j) {
-            const int c = j / CE, e = j % CE;
-            const unsigned sel = (e & 1) ? 0x7632u : 0x5410u;
-            float d[4];
-            const float cin[4] = {acc[j][0], acc[j][1], 0.f, 0.f};
+            const int c = j / (CE / 2), w = j % (CE / 2);
             if (TOK == 8) {
-                const unsigned a[2] = {pa[0], 0u};
-                const unsigned b[1] = {__byte_perm(vw[0][c][e / 2], vw[1][c][e / 2], sel)};
-                T::mma1688(d, a, b, cin);
+                const unsigned a[2] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
+                                       __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u)};
+                const unsigned b[1] = {pb[0]};
+                T::mma1688(acc[j], a, b, acc[j]);
             } else {
-                const unsigned a[4] = {pa[0], 0u, pa[NT_S - 1], 0u};
-                const unsigned b[2] = {__byte_perm(vw[0][c][e / 2], vw[1][c][e / 2], sel),
-                                       __byte_perm(vw[VTOK - 2][c][e / 2], vw[VTOK - 1][c][e / 2], sel)};
-                T::mma16816(d, a, b, cin);
+                const unsigned a[4] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
+                                       __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u),
+                                       __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x5410u),
+                                       __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x7632u)};
+                const unsigned b[2] = {pb[0], pb[NT_S - 1]};
+                T::mma16816(acc[j], a, b, acc[j]);
             }
-            acc[j][0] = d[0];
-            acc[j][1] = d[1];
         }
     };
     auto process = [&](int tile, bool masked) {  // a tile whose K and V are loaded
-        float s[NT_S][2];
+        float s[NT_S][4];
         unsigned pa[NT_S];
         scores(s);
         softmax(s, tile, masked, pa);
         accumulate(pa);
     };
 
-    // Full tiles [full_lo, full_hi): warp w takes full_lo + w, + 4, ...
+    // Full tiles [full_lo, full_hi): warp w takes full_lo + w, + 4, ... The next tile's loads
+    // are issued unconditionally (the last iteration reloads its own tile) so that the loop
+    // body has no branch around them.
     const int full_lo = (start + TOK - 1) / TOK;
     const int full_hi = end / TOK;
     int tile = full_lo + warp;
@@ -529,14 +550,14 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         load_v(tile, false);
     }
     for (; tile < full_hi; tile += DECODE_WARPS) {
-        const int next = tile + DECODE_WARPS;
-        float s[NT_S][2];
+        const int next = min(tile + DECODE_WARPS, full_hi - 1);
+        float s[NT_S][4];
         unsigned pa[NT_S];
         scores(s);
-        if (next < full_hi) load_k(next, false);
+        load_k(next, false);
         softmax(s, tile, false, pa);
         accumulate(pa);
-        if (next < full_hi) load_v(next, false);
+        load_v(next, false);
     }
     // Partial tiles at the partition's edges (one when start and end share a tile).
     if (warp == 0 && start < end) {
@@ -558,17 +579,23 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     __shared__ float sm_acc[DECODE_WARPS][G][HEAD_DIM];
     __shared__ float sm_m[DECODE_WARPS][G];
     __shared__ float sm_l[DECODE_WARPS][G];
-    if (g < G) {
-        // Column 2t + e2 of n-tile CE c + e is dim CE (2t + e2 + 8c) + e; the m used by the
-        // epilogue is in log2 units, like paged_decode_kernel's.
+    // Row g (+ 8) of O^T m-tile (CE / 2) c + w is dim CE (g + 8c) + 2w (+ 1); columns are
+    // heads 2t, 2t + 1. The m the epilogue merges with is in log2 units, as in
+    // paged_decode_kernel.
 #pragma unroll
-        for (int j = 0; j < NT_O; ++j)
+    for (int j = 0; j < NT_O; ++j) {
+        const int dim = CE * (g + 8 * (j / (CE / 2))) + 2 * (j % (CE / 2));
 #pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2) sm_acc[warp][g][CE * (2 * t + e2 + 8 * (j / CE)) + j % CE] = acc[j][e2];
-        if (t == 0) {
-            sm_m[warp][g] = m_run * scale_log2;
-            sm_l[warp][g] = l_run;
+        for (int h = 0; h < 2; ++h) {
+            if (2 * t + h < G) {
+                sm_acc[warp][2 * t + h][dim] = acc[j][h];
+                sm_acc[warp][2 * t + h][dim + 1] = acc[j][2 + h];
+            }
         }
+    }
+    if (g < G && t == 0) {
+        sm_m[warp][g] = m_run * scale_log2;
+        sm_l[warp][g] = l_run;
     }
     __syncthreads();
     decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
