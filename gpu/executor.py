@@ -194,7 +194,8 @@ class ModelExecutor:
         kernels = backend.kernels
         slot_mapping = xp.asarray(plan.slot_mapping)
         calls = []
-        for batch, kind in ((plan.decode, "decode"), (plan.prefill, "prefill")):
+        # The kernel batches (built lazily by the plan) are for CuPy: NumPy attends per request.
+        for batch, kind in ((plan.decode, "decode"), (plan.prefill, "prefill")) if backend.name != "numpy" else ():
             if batch is not None:
                 calls.append((kind, batch, xp.asarray(batch.rows), xp.asarray(batch.block_tables),
                               xp.asarray(batch.seq_lens), xp.asarray(batch.cu_seqlens_q)))
