@@ -14,8 +14,10 @@ grid; float32/float16 storage holds such values exactly). For one query row:
    weights) it computes the exact score in float64 and rounds it to float32, which is what the
    float32 path would give when exact: either way s is fl32(exact score).
 2. m = max_j s_j is exact. The weight of key j is p_j = rint(2**24 * exp((s_j - m) * scale))
-   (float32 subtraction and product, float64 exp, all element-wise): an integer in [0, 2**24]
-   that depends only on (s_j, m), never on where the row sits in an array.
+   (float32 subtraction and product, float32 exp, all element-wise): an integer in [0, 2**24]
+   that depends only on (s_j, m), never on where the row sits in an array. (NumPy's float32
+   exp is element-wise in that sense; `_exp32_is_elementwise` checks it at import and the
+   weights fall back to float64 exp where it does not hold.)
 3. l = sum_j p_j and o = sum_j p_j v_j are computed in float64 in one GEMM (V carries a column
    of ones for l). In units of 2**-8 every term is an integer below 2**24 * 2**8 * max|v|, so
    every partial sum is exact while n * max|v| < 2**21 (e.g. 262,144 tokens with |v| < 8): any
@@ -80,15 +82,42 @@ def attend(q, k_t, v_e, kmax: float, scale: float, row_end=None):
     return out.reshape(num_kv_heads, num_rows, group, head_dim).transpose(1, 0, 2, 3)
 
 
+def _exp32_is_elementwise(exp=np.exp) -> bool:
+    """Whether NumPy's float32 exp gives every element the bits it gives that value alone,
+    wherever it sits in a contiguous array (SIMD body, masked tail, in place or not). NumPy's
+    kernels are written that way; this probe checks it on this machine, so that `_weights` never
+    relies on it where it does not hold."""
+    x = -np.linspace(0.0, 20.0, 67, dtype=np.float32)
+    alone = np.concatenate([exp(x[i:i + 1]) for i in range(len(x))])
+    for start in range(0, 9):
+        for stop in (start + 1, start + 7, start + 17, len(x)):
+            y = x[start:stop].copy()
+            exp(y, out=y)
+            if not (np.array_equal(exp(x[start:stop]).view(np.int32), alone[start:stop].view(np.int32))
+                    and np.array_equal(y.view(np.int32), alone[start:stop].view(np.int32))):
+                return False
+    return True
+
+
+# float32 exp is ~3x faster than float64 exp, and exp is the largest element-wise cost of a step.
+_EXP32 = _exp32_is_elementwise()
+
+
 def _weights(shifted, scale: float, out=None) -> np.ndarray:
-    """Softmax weights rint(2**24 * exp(t * scale)) of float32 scores already shifted by their
-    row maximum, as float64 (element-wise only: a weight never depends on its neighbours);
-    into `out` (float64, shifted's size) when given."""
+    """Softmax weights rint(2**24 * exp(t)), t = fl32(shifted * scale), of float32 scores already
+    shifted by their row maximum (contiguous; overwritten), as float64: element-wise only, so a
+    weight never depends on its neighbours. exp is NumPy's float32 exp (an element-wise function
+    of t, probed at import) or, where that probe fails, float64 exp. Into `out` (float64,
+    shifted's size) when given."""
     shifted *= np.float32(scale)
     p = np.empty(shifted.shape) if out is None else out.reshape(shifted.shape)
-    np.copyto(p, shifted)
-    np.exp(p, out=p)
-    p *= _P_SCALE
+    if _EXP32:
+        np.exp(shifted, out=shifted)
+        np.multiply(shifted, _P_SCALE, out=p)
+    else:
+        np.copyto(p, shifted)
+        np.exp(p, out=p)
+        p *= _P_SCALE
     np.rint(p, out=p)
     return p
 
@@ -114,17 +143,26 @@ def attend_last(q, kvs, scale: float):
     """
     num, num_kv_heads, group, head_dim = q.shape
     rows = num_kv_heads * group
-    lens = np.array([k_t.shape[2] for k_t, _, _ in kvs], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lens * rows)])
-    scores = _workspace.get("scores", int(starts[-1]), np.float32)
+    lens = [k_t.shape[2] for k_t, _, _ in kvs]
+    starts = [0, *np.cumsum(np.repeat(np.array(lens, dtype=np.int64), rows)).tolist()]
+    total = starts[-1]
+    scores = _workspace.get("scores", total, np.float32)
     bounds = np.abs(q).sum(axis=-1).max(axis=(1, 2)).tolist() if num else []
+    q32 = q.astype(np.float32)
     for i, (k_t, _, kmax) in enumerate(kvs):
-        s = _scores(q[i], k_t, kmax, bounds[i], out=scores[starts[i]:starts[i + 1]].reshape(num_kv_heads, group, -1))
-        s -= s.max(axis=-1, keepdims=True)
-    p = _weights(scores, scale, _workspace.get("weights", len(scores), np.float64))
+        out = scores[starts[i * rows]:starts[(i + 1) * rows]].reshape(num_kv_heads, group, -1)
+        if bounds[i] * kmax < SCORE_LIMIT:  # `_scores`, inlined: this loop runs per sequence
+            np.matmul(q32[i], k_t, out=out)
+        else:
+            _scores(q[i], k_t, kmax, bounds[i], out=out)
+    if total:
+        # Every row's maximum in one pass: rows are consecutive runs of their sequence's length.
+        row_max = np.maximum.reduceat(scores, starts[:-1])
+        scores -= np.repeat(row_max, np.diff(starts))
+    p = _weights(scores, scale, _workspace.get("weights", total, np.float64))
     o = np.empty((num, num_kv_heads, group, head_dim + 1))
     for i, (_, v_e, _) in enumerate(kvs):
-        np.matmul(p[starts[i]:starts[i + 1]].reshape(num_kv_heads, group, -1), v_e, out=o[i])
+        np.matmul(p[starts[i * rows]:starts[(i + 1) * rows]].reshape(num_kv_heads, group, -1), v_e, out=o[i])
     return o[..., :head_dim] / o[..., head_dim:]
 
 
@@ -176,8 +214,7 @@ class _LayerCopy:
     v_e: np.ndarray                # [KVH, capacity, D + 1] float64, last column ones
     n: int = 0
     kmax: float = 0.0              # upper bound of |k| over [0, n)
-    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))       # blocks copied
-    versions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # their versions then
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # blocks copied
     seen: int = 0                  # the cache's version counter at the copy
 
 
@@ -212,14 +249,15 @@ class SequenceKV:
         c = layers[layer]
         if c is None or c.k_t.shape[2] < seq_len:
             c = layers[layer] = self._grow(c, seq_len)
-        # First block that must be read again: its id or its content changed since the copy.
-        # Usually only the blocks from the one holding position c.n on (new tokens) need it.
+        # First block that must be read again: its id or its content changed since the copy
+        # (versions only grow, so a block written since has a version above `seen`). Usually only
+        # the blocks from the one holding position c.n on (new tokens) need it.
         first = min(c.n // block_size, num_blocks)
-        if first and (c.ids[first - 1] != table[first - 1] or not np.array_equal(c.ids[:first], table[:first])
-                      or int(cache.versions[table[:first]].max()) > c.seen):
-            same = min(len(c.ids), num_blocks)
-            stale = (c.ids[:same] != table[:same]) | (c.versions[:same] != cache.versions[table[:same]])
-            first = int(stale.argmax()) if stale.any() else same
+        if first:
+            head = table[:first]
+            stale = (c.ids[:first] != head) | (cache.versions[head] > c.seen)
+            if stale.any():
+                first = int(stale.argmax())
         start = first * block_size
         if start < seq_len:
             _, _, _, num_kv_heads, head_dim = cache.k.shape
@@ -231,7 +269,6 @@ class SequenceKV:
             c.kmax = kmax if start == 0 else max(c.kmax, kmax)
         c.n = seq_len
         c.ids = table.copy()
-        c.versions = cache.versions[table]
         c.seen = cache.version
         return c.k_t[:, :, :seq_len], c.v_e[:, :seq_len], c.kmax
 
@@ -243,5 +280,5 @@ class SequenceKV:
         if c is not None and c.n:
             new.k_t[:, :, :c.n] = c.k_t[:, :, :c.n]
             new.v_e[:, :c.n] = c.v_e[:, :c.n]
-            new.n, new.kmax, new.ids, new.versions, new.seen = c.n, c.kmax, c.ids, c.versions, c.seen
+            new.n, new.kmax, new.ids, new.seen = c.n, c.kmax, c.ids, c.seen
         return new
