@@ -239,38 +239,64 @@ class SequenceKV:
     def get(self, req_id: int, layer: int, block_table: np.ndarray, seq_len: int) -> tuple:
         """(k_t, v_e, kmax) of positions [0, seq_len) of `req_id` in `layer`, as read through
         `block_table` (int64 ids, at least ceil(seq_len / block_size) of them) right now."""
+        return self.get_many([req_id], layer, [block_table], [seq_len])[0]
+
+    def get_many(self, req_ids, layer: int, block_tables, seq_lens) -> list[tuple]:
+        """`get` for several requests (distinct ids) at once: the staleness check and the
+        gather of what must be read again run once for all of them."""
         cache = self.cache
         block_size = cache.k.shape[2]
-        num_blocks = -(-seq_len // block_size)
-        table = block_table[:num_blocks]
-        layers = self._copies.get(req_id)
-        if layers is None:
-            layers = self._copies[req_id] = [None] * cache.k.shape[0]
-        c = layers[layer]
-        if c is None or c.k_t.shape[2] < seq_len:
-            c = layers[layer] = self._grow(c, seq_len)
-        # First block that must be read again: its id or its content changed since the copy
-        # (versions only grow, so a block written since has a version above `seen`). Usually only
-        # the blocks from the one holding position c.n on (new tokens) need it.
-        first = min(c.n // block_size, num_blocks)
-        if first:
-            head = table[:first]
-            stale = (c.ids[:first] != head) | (cache.versions[head] > c.seen)
+        copies, tables, firsts = [], [], []
+        for req_id, block_table, seq_len in zip(req_ids, block_tables, seq_lens):
+            layers = self._copies.get(req_id)
+            if layers is None:
+                layers = self._copies[req_id] = [None] * cache.k.shape[0]
+            c = layers[layer]
+            if c is None or c.k_t.shape[2] < seq_len:
+                c = layers[layer] = self._grow(c, seq_len)
+            table = block_table[:-(-seq_len // block_size)]
+            copies.append(c)
+            tables.append(table)
+            # Blocks before the one holding position c.n were copied whole; usually all of them
+            # are still valid and only that block on (new tokens) is read.
+            firsts.append(min(c.n // block_size, len(table)))
+        # A copied block must be read again when its id or its content changed since the copy
+        # (versions only grow, so a block written since has a version above the copy's `seen`).
+        if any(firsts):
+            old = np.concatenate([c.ids[:f] for c, f in zip(copies, firsts)])
+            new = np.concatenate([t[:f] for t, f in zip(tables, firsts)])
+            seen = np.repeat(np.array([c.seen for c in copies], dtype=np.int64), firsts)
+            stale = (old != new) | (cache.versions[new] > seen)
             if stale.any():
-                first = int(stale.argmax())
-        start = first * block_size
-        if start < seq_len:
+                offset = 0
+                for i, f in enumerate(firsts):
+                    hit = stale[offset:offset + f]
+                    offset += f
+                    if hit.any():
+                        firsts[i] = int(hit.argmax())
+        # Every position from block `first` on, for all requests in one gather.
+        counts = [len(t) - f for t, f in zip(tables, firsts)]
+        if sum(counts):
+            blocks = np.concatenate([t[f:] for t, f in zip(tables, firsts)])
             _, _, _, num_kv_heads, head_dim = cache.k.shape
-            k = cache.k[layer][table[first:]].reshape(-1, num_kv_heads, head_dim)[:seq_len - start]
-            v = cache.v[layer][table[first:]].reshape(-1, num_kv_heads, head_dim)[:seq_len - start]
-            c.k_t[:, :, start:seq_len] = k.transpose(1, 2, 0)
-            c.v_e[:, start:seq_len, :head_dim] = v.transpose(1, 0, 2)
-            kmax = float(np.abs(k).max())
-            c.kmax = kmax if start == 0 else max(c.kmax, kmax)
-        c.n = seq_len
-        c.ids = table.copy()
-        c.seen = cache.version
-        return c.k_t[:, :, :seq_len], c.v_e[:, :seq_len], c.kmax
+            k = cache.k[layer][blocks].reshape(-1, num_kv_heads, head_dim)
+            v = cache.v[layer][blocks].reshape(-1, num_kv_heads, head_dim)
+        out, row = [], 0
+        for c, table, first, count, seq_len in zip(copies, tables, firsts, counts, seq_lens):
+            start = first * block_size
+            if count:
+                n = seq_len - start
+                kk, vv = k[row:row + n], v[row:row + n]
+                row += count * block_size
+                c.k_t[:, :, start:seq_len] = kk.transpose(1, 2, 0)
+                c.v_e[:, start:seq_len, :head_dim] = vv.transpose(1, 0, 2)
+                kmax = float(np.abs(kk).max())
+                c.kmax = kmax if start == 0 else max(c.kmax, kmax)
+            c.n = seq_len
+            c.ids = table.copy()
+            c.seen = cache.version
+            out.append((c.k_t[:, :, :seq_len], c.v_e[:, :seq_len], c.kmax))
+        return out
 
     def _grow(self, c: _LayerCopy | None, seq_len: int) -> _LayerCopy:
         _, _, _, num_kv_heads, head_dim = self.cache.k.shape

@@ -234,13 +234,14 @@ class ModelExecutor:
         out = np.empty_like(q4)
         copies = self._kv_copies
         if sampled_only:
-            kvs = [copies.get(plan.req_ids[i], layer, plan.tables[i], int(plan.seq_lens[i]))
-                   for i in plan.sample_seqs.tolist()]
+            seqs = plan.sample_seqs.tolist()
+            kvs = copies.get_many([plan.req_ids[i] for i in seqs], layer, [plan.tables[i] for i in seqs],
+                                  plan.seq_lens[seqs].tolist())
             return attend_last(q4, kvs, scale).reshape(q.shape)
         else:
-            for i, req_id in enumerate(plan.req_ids):
+            kvs = copies.get_many(plan.req_ids, layer, plan.tables, plan.seq_lens.tolist())
+            for i, (k_t, v_e, kmax) in enumerate(kvs):
                 r0, r1 = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
-                k_t, v_e, kmax = copies.get(req_id, layer, plan.tables[i], int(plan.seq_lens[i]))
                 out[r0:r1] = attend_rows(q4[r0:r1], k_t, v_e, kmax, scale, plan.positions[r0:r1])
         return out.reshape(q.shape)
 

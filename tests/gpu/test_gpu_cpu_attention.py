@@ -97,3 +97,21 @@ def test_sequence_kv_copy_is_always_what_the_block_table_reads(change):
         _assert_is_gather(copies.get(0, 0, table, 5), cache, table, 5)
         cache.write(rng, 7)
     _assert_is_gather(copies.get(0, 0, table, 14), cache, table, 14)
+
+
+def test_get_many_refreshes_each_request_from_its_own_table():
+    rng = np.random.default_rng(11)
+    cache = _Cache(rng, blocks=12)
+    copies = ca.SequenceKV(cache)
+    tables = [np.array([0, 1, 2], dtype=np.int64), np.array([3, 4, 5], dtype=np.int64),
+              np.array([6, 7, 8], dtype=np.int64)]
+    copies.get_many([1, 2], 0, tables[:2], [9, 9])
+    cache.write(rng, 3)                  # request 2's first block rewritten
+    lens = [10, 10, 5]                   # request 3 is new
+    for kv, table, n in zip(copies.get_many([1, 2, 3], 0, tables, lens), tables, lens):
+        _assert_is_gather(kv, cache, table, n)
+    tables[2] = np.array([6, 9, 8], dtype=np.int64)  # request 3's second block replaced
+    cache.write(rng, 9)
+    lens = [11, 11, 6]
+    for kv, table, n in zip(copies.get_many([1, 2, 3], 0, tables, lens), tables, lens):
+        _assert_is_gather(kv, cache, table, n)
