@@ -251,8 +251,10 @@ class ModelExecutor:
             history = self._history[seq.req_id] = _History()
         elif history is None or len(history.tokens) < seq.start_pos:
             history = self._history[seq.req_id] = _History(complete=False)
-        del history.tokens[seq.start_pos:]
-        history.tokens.extend(np.asarray(seq.token_ids).reshape(-1).tolist())
+        if len(history.tokens) > seq.start_pos:
+            del history.tokens[seq.start_pos:]
+        ids = seq.token_ids
+        history.tokens.extend(ids.tolist() if getattr(ids, "ndim", 0) == 1 else np.asarray(ids).reshape(-1).tolist())
 
     # -- hand-off between executors (prefill/decode disaggregation) -------------------------
 
