@@ -276,3 +276,16 @@ def test_snapshot_main_screen_80x24(snap_compare):
 
 def test_snapshot_help_screen(snap_compare):
     assert snap_compare(make_app(), terminal_size=SIZE, press=["question_mark"])
+
+
+def test_frames_thin_out_while_the_engine_is_behind_its_clock(monkeypatch):
+    app = make_app(paused=False)
+    drawn = []
+    monkeypatch.setattr(app, "refresh_frame", lambda: drawn.append(app.driver.lag))
+    for _ in range(6):
+        app._frame_tick()
+    assert len(drawn) == 6  # on time: every frame
+    app.driver.target = app.engine.now + 1.5  # 1.5 s behind
+    for _ in range(6):
+        app._frame_tick()
+    assert len(drawn) == 6 + 6 // app.LAGGING_FRAME_DIVISOR
