@@ -135,8 +135,9 @@ _LOAD64 = re.compile(r"\bLDG\.E(?:\.[A-Z0-9_]+)*\.64\b|\bLDGSTS\.E(?:\.[A-Z0-9_]
 
 
 def main_loop(sass_lines: list[str]) -> dict | None:
-    """The main loop of one function's SASS: instructions, 128- and 64-bit global loads, and
-    instructions per 16 bytes they load (a 64-bit load is half a 16-byte unit).
+    """The main loop of one function's SASS: instructions, 128- and 64-bit global loads,
+    instructions per 16 bytes they load (a 64-bit load is half a 16-byte unit), and local-memory
+    (spill) instructions.
 
     Returns None when no loop holds such a load.
     """
@@ -157,10 +158,11 @@ def main_loop(sass_lines: list[str]) -> dict | None:
         loads = sum(1 for t in body if _LOAD128.search(t))
         loads_64 = sum(1 for t in body if _LOAD64.search(t))
         units = loads + loads_64 / 2  # 16-byte units of K/V loaded per lane
+        local = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))  # spilled registers
         if units and (best is None or units > best["units_16B"]
                       or (units == best["units_16B"] and len(body) < best["instructions"])):
             best = {"instructions": len(body), "loads_128": loads, "loads_64": loads_64, "units_16B": units,
-                    "start": hex(target), "end": hex(addr)}
+                    "local_memory": local, "start": hex(target), "end": hex(addr)}
     if best:
         best["instructions_per_16B"] = best["instructions"] / best["units_16B"]
     return best
@@ -223,7 +225,7 @@ def analyse(backend, names: list[str], workdir: Path, threads_of) -> list[dict]:
         loop = main_loop(functions.get(mangled, []))
         if loop:
             row.update(loop_instructions=loop["instructions"], loop_loads_128=loop["loads_128"],
-                       instructions_per_16B=loop["instructions_per_16B"])
+                       loop_local_memory=loop["local_memory"], instructions_per_16B=loop["instructions_per_16B"])
         rows.append(row)
     return sorted(rows, key=lambda r: names.index(r["kernel"]))
 
