@@ -20,8 +20,10 @@ KERNELS = HERE.parents[2] / "gpu" / "kernels"
 
 # name: (file, text that must occur exactly once, replacement, run.py arguments)
 MUTATIONS = {
-    "decode_no_syncthreads": ("decode.cu", "    __syncthreads();\n", "", ["--suite", "ci"]),
-    "decode_mask_off_by_one": ("decode.cu", "if (pos < start || pos >= end)", "if (pos < start || pos > end)",
+    # (The CUDA-core kernel's copies of text the tensor-core kernel repeats: targets must be unique.)
+    "decode_no_syncthreads": ("decode.cu", "sm_l[warp][g] = l[g];\n            }\n        }\n    }\n    __syncthreads();\n",
+                              "sm_l[warp][g] = l[g];\n            }\n        }\n    }\n", ["--suite", "ci"]),
+    "decode_mask_off_by_one": ("decode.cu", "if (pos < start || pos >= end)\n", "if (pos < start || pos > end)\n",
                                ["--suite", "ci"]),
     "decode_loads_past_end": ("decode.cu", "            if (pos >= start && pos < end) {",
                               "            if (pos >= start && pos <= end) {", ["--suite", "ci"]),
@@ -31,12 +33,14 @@ MUTATIONS = {
                                        "block_base = (long long)table[start >> LOG2_BS] << LOG2_BS;",
                                        ["--suite", "ci"]),
     "decode_last_partition_not_extended": (
-        "decode.cu", "const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);",
-        "const int end = min(start + ds.part, seq_len);", ["--suite", "misuse"]),
+        "decode.cu", "grid has\n    const int start = split * ds.part;\n"
+        "    const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);",
+        "grid has\n    const int start = split * ds.part;\n    const int end = min(start + ds.part, seq_len);",
+        ["--suite", "misuse"]),
     "split_count_not_clamped": ("decode.cu", "        n = n < num_splits ? n : num_splits;\n", "",
                                 ["--suite", "misuse"]),
-    "split_depends_on_batch": ("decode.cu", "if (split >= ds.n) return;",
-                               "if (split >= num_splits) return;", ["--suite", "ci"]),
+    "split_depends_on_batch": ("decode.cu", "if (split >= ds.n) return;  //",
+                               "if (split >= num_splits) return;  //", ["--suite", "ci"]),
     "prefill_no_syncwarp_before_pv": ("prefill.cu", "            if (lane < BK) p_s[warp][lane] = p;\n            __syncwarp();\n",
                                       "            if (lane < BK) p_s[warp][lane] = p;\n", ["--suite", "ci"]),
     "prefill_no_top_syncthreads": ("prefill.cu",
