@@ -116,3 +116,41 @@ def test_every_bundled_scenario_loads():
 def test_unknown_scenario_suggests_a_name():
     with pytest.raises(ScenarioError, match="did you mean 'chat'"):
         load_scenario("chta")
+
+
+def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
+    from sim.presets import ENGINES
+
+    sc = load_scenario(write(tmp_path, BASE))
+    assert sc.engine.preset == "vllm-v1"
+    for k, v in ENGINES["vllm-v1"].items():
+        assert getattr(sc.engine, k) == v, k
+    sc = load_scenario(write(tmp_path, BASE + '[engine]\npreset = "tensorrt-llm-0.6"\n'
+                                              'cpu_base_us = 5.0\n'))
+    assert sc.engine.cpu_base_us == 5.0
+    assert sc.engine.gqa_shared_kv is False  # the rest from the profile
+    with pytest.raises(ScenarioError, match=r"engine.preset = 'sglang3': unknown engine .*"
+                                            r"did you mean 'sglang"):
+        load_scenario(write(tmp_path, BASE + '[engine]\npreset = "sglang3"\n'))
+
+
+def test_engine_profile_from_a_calibrated_file(tmp_path):
+    from sim.scenario import scenario_from_dict
+
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "sglang"\ncpu_base_us = 1234.0\n'
+                                        '[calibration]\nrows = 3\n')
+    path = write(tmp_path, BASE + '[engine]\npreset = "mine.toml"\n')
+    sc = load_scenario(path)
+    assert sc.engine.cpu_base_us == 1234.0 and sc.engine.cpu_overlap  # sglang's flag
+    # a resolved scenario (a session log's) reloads without the file
+    (tmp_path / "mine.toml").unlink()
+    again = scenario_from_dict(sc.to_dict(), source="log", base_dir=tmp_path)
+    assert again.engine == sc.engine
+    with pytest.raises(ScenarioError, match="mine.toml.*cannot read"):
+        load_scenario(path)
+    (tmp_path / "mine.toml").write_text("[model]\nx = 1\n")
+    with pytest.raises(ScenarioError, match=r"no \[engine\] table"):
+        load_scenario(path)
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "nope"\n')
+    with pytest.raises(ScenarioError, match="must name a built-in engine"):
+        load_scenario(path)
