@@ -174,6 +174,8 @@ class CostModel:
             busy = maximum(t_compute, t_memory)
             dur = busy + self._comm * tokens + self.overhead
             return dur, self._idle * dur + self._dyn * busy
+        # (The order of operations is part of the contract: `decode_step_fn` folds the terms a
+        # run of decode steps shares and must add them exactly as here.)
         c = self._blk_c * tokens
         busy = sqrt(c * c + self._blk_m * self._blk_m)
         c = self._head_c * sampled
@@ -182,7 +184,7 @@ class CostModel:
         busy = busy + maximum(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
         busy = busy + maximum(self._attn_f * (d_cached + d_seqs),
                               self._kv_read * d_cached + self._kv * d_seqs)
-        gpu = busy + self._fixed + self._ar_tok * tokens
+        gpu = busy + (self._fixed + self._ar_tok * tokens)
         cpu = self._cpu0 + self._cpu1 * num_seqs
         dur = maximum(gpu, cpu) if self._overlap else gpu + cpu
         return dur, self._idle * dur + self._dyn * busy
@@ -191,6 +193,32 @@ class CostModel:
         """`step` over NumPy arrays (any argument may be a scalar)."""
         return self.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
                          maximum=np.maximum, sqrt=np.sqrt)
+
+    def decode_step_fn(self, b: int):
+        """`f(d_cached) -> (duration, energy)` of a decode-only step of `b` sequences, equal
+        bit for bit to `step(0, 0, 0, b, d_cached, b, b)` with what the steps of a run share
+        computed once (the engine times runs of identical decode steps with it)."""
+        if self.roofline:
+            step = self.step
+            return lambda d_cached: step(0, 0, 0, b, d_cached, b, b)
+        c = self._blk_c * b
+        base = math.sqrt(c * c + self._blk_m * self._blk_m)
+        c = self._head_c * b
+        m = self._head_m * (b > 0)
+        base = base + math.sqrt(c * c + m * m) + self._elem * b
+        base = base + max(self._attn_f * 0, self._kv * (0 + 0))
+        af, kv_read, kv_b = self._attn_f, self._kv_read, self._kv * b
+        fixed = self._fixed + self._ar_tok * b
+        cpu = self._cpu0 + self._cpu1 * b
+        overlap, idle, dyn = self._overlap, self._idle, self._dyn
+
+        def f(d_cached):
+            busy = base + max(af * (d_cached + b), kv_read * d_cached + kv_b)
+            gpu = busy + fixed
+            dur = max(gpu, cpu) if overlap else gpu + cpu
+            return dur, idle * dur + dyn * busy
+
+        return f
 
     def decode_steps(self, b, d_cached):
         """`steps` of decode-only steps of `b` sequences holding `d_cached` cached tokens

@@ -876,12 +876,12 @@ class Engine:
         Step j reads c0 + b*j cached tokens. The clock advances by sequential addition in both
         the scalar and the NumPy part, so the times equal those of single steps exactly.
         """
-        step = self.cost.step
+        step = self.cost.decode_step_fn(b)
         t = self.now
         ends, durs, ens = [], [], []
         j = 0
         while j < kmax and j < self.SCALAR_STEPS:
-            d, en = step(0, 0, 0, b, c0 + b * j, b, b)
+            d, en = step(c0 + b * j)
             t = t + d
             ends.append(t)
             durs.append(d)

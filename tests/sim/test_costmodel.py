@@ -189,8 +189,9 @@ def test_scalar_and_array_paths_are_bit_identical(preset, rows):
     # and the decode-run helper with a scalar batch
     b = int(ds[0])
     dr, er = m.decode_steps(b, dc)
+    f = m.decode_step_fn(b)
     for i, kv in enumerate(dc.tolist()):
-        assert m.step(0, 0, 0, b, kv, b, b) == (dr[i], er[i])
+        assert m.step(0, 0, 0, b, kv, b, b) == (dr[i], er[i]) == f(kv)
 
 
 def test_presets_change_speed():
