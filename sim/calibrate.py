@@ -425,6 +425,9 @@ def fit_bench(run: BenchRun, scenario) -> Fit:
     names = [gemm, "bandwidth_efficiency", "cpu_base_us", "cpu_per_seq_us"]
     start = {k: getattr(e, k) for k in names}
     measured = _distribution(run.ttft, run.tpot)
+    # Each statistic summarises many requests: its noise shrinks as the run grows (a decile of
+    # 1,000 requests is a hundred measurements), so a long run outweighs the priors more.
+    spread = POINT_SPREAD * min(1.0, math.sqrt(len(measured) / max(len(run.ttft), 1)))
 
     def predicted(c):
         ttft, tpot, _ = replay_bench(run, _engine_with(scenario, c))
@@ -432,7 +435,7 @@ def fit_bench(run: BenchRun, scenario) -> Fit:
 
     def objective(c):
         p = predicted(c)
-        r = np.array([math.log(p[k] / v) for k, v in measured.items()]) / POINT_SPREAD
+        r = np.array([math.log(p[k] / v) for k, v in measured.items()]) / spread
         return float(r @ r) + float(np.sum(np.square(_prior_terms(c))))
 
     # The latencies still move in small jumps as steps shift: a simplex search rather than

@@ -86,17 +86,17 @@ def test_calibrate_writes_a_preset_a_scenario_can_name(tmp_path, capsys):
     assert sc.engine.cpu_base_us == 7
 
 
-def bench_result(tmp_path, coeffs, n=80, name="bench.json"):
+def bench_result(tmp_path, coeffs, n=80, name="bench.json", rate=6):
     """What `vllm bench serve --save-result --save-detailed` would have written for a
     deployment behaving as the chat scenario with `coeffs`: every request's lengths, TTFT and
     inter-token gaps, and its start time."""
-    sc = _with(load_scenario("chat", [f"workload.num_requests={n}", "workload.rate=6",
+    sc = _with(load_scenario("chat", [f"workload.num_requests={n}", f"workload.rate={rate}",
                                       "workload.duration_s=0"]), **coeffs)
     eng = build(sc, record_events=False)
     eng.run()
     reqs = sorted(eng.requests.values(), key=lambda r: r.req_id)
     data = {"backend": "vllm", "model_id": "meta-llama/Llama-3.1-8B-Instruct",
-            "request_rate": 6.0, "burstiness": 1.0, "max_concurrency": None,
+            "request_rate": float(rate), "burstiness": 1.0, "max_concurrency": None,
             "duration": float(eng.now), "completed": n,
             "input_lens": [r.prompt_len for r in reqs],
             "output_lens": [r.num_output_tokens for r in reqs],
@@ -110,22 +110,29 @@ def bench_result(tmp_path, coeffs, n=80, name="bench.json"):
 
 
 def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path):
-    truth = dict(gemm_efficiency=0.55, bandwidth_efficiency=0.7, cpu_base_us=3000.0,
-                 cpu_per_seq_us=40.0)
-    path, true_sc = bench_result(tmp_path, truth)
+    # A serial engine (CPU time added to every step): with the CPU overlapped, a step's time is
+    # max(GPU, CPU) and whichever is shorter leaves no trace in the latencies to recover.
+    # The truth lies within the priors' reach (bandwidth efficiency 0.85 +- 10%): the fit is
+    # the most probable profile, priors included, not the least-squares one.
+    truth = dict(gemm_efficiency=0.6, bandwidth_efficiency=0.78, cpu_base_us=3000.0,
+                 cpu_per_seq_us=40.0, cpu_overlap=False)
+    path, true_sc = bench_result(tmp_path, truth, n=120, rate=30)
     run = read_bench_json(path)
-    assert len(run.ttft) == 80 and run.arrival[0] == 0.0
-    fit = fit_bench(run, load_scenario("chat"))
+    assert len(run.ttft) == 120 and run.arrival[0] == 0.0
+    serial = load_scenario("chat", ["engine.cpu_overlap=false"])
+    fit = fit_bench(run, serial)
     assert np.median(fit.errors()) < 0.03
     assert {"ttft p5", "ttft p95", "tpot p55", "tpot mean"} <= {r["what"] for r in fit.residuals}
-    got = CostModel(_with(load_scenario("chat"), **fit.coeffs))
+    got = CostModel(_with(serial, **fit.coeffs))
     want = CostModel(true_sc)
     # End-to-end latencies pin down how long the steps this load ran take (not how that time
     # splits between per-step and per-sequence costs): re-time the true run's steps.
     steps = record_run(true_sc)
     d_got, d_want = steps.durations(got), steps.durations(want)
-    assert d_got.sum() == pytest.approx(d_want.sum(), rel=0.03)
-    assert np.median(d_got / d_want) == pytest.approx(1.0, abs=0.05)
+    # (a loaded run, so that batches of many sizes separate the per-step from the per-sequence
+    # CPU time; what the priors still pull moves the busy time a few percent)
+    assert d_got.sum() == pytest.approx(d_want.sum(), rel=0.05)
+    assert np.median(d_got / d_want) == pytest.approx(1.0, abs=0.1)
     prefill_1k = (1024, 1024 * 1025 // 2, 0, 0, 0, 1, 1)
     assert got.step(*prefill_1k)[0] == pytest.approx(want.step(*prefill_1k)[0], rel=0.1)
 

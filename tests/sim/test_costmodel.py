@@ -121,7 +121,8 @@ def test_tensor_parallel_all_reduce_is_latency_plus_bytes():
 
 
 def test_cpu_time_adds_to_the_step_unless_it_overlaps():
-    serial = model("engine.cpu_base_us=2000", "engine.cpu_per_seq_us=50")
+    serial = model("engine.cpu_base_us=2000", "engine.cpu_per_seq_us=50",
+                   "engine.cpu_overlap=false")
     overlap = model("engine.cpu_base_us=2000", "engine.cpu_per_seq_us=50",
                     "engine.cpu_overlap=true")
     bare = model("engine.cpu_base_us=0", "engine.cpu_per_seq_us=0")
