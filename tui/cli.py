@@ -350,9 +350,11 @@ def cmd_validate(args) -> int:
         for i, p in enumerate(points):
             if not args.json:
                 print(f"\r[{i + 1}/{len(points)}] {p.id} ", end="", file=sys.stderr, flush=True)
-            results.append(V.run_point(p, args.engine, args.overrides))
-        if not args.json:
-            print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+            try:
+                results.append(V.run_point(p, args.engine, args.overrides))
+            finally:  # the progress line goes before a result or an error's one line
+                if not args.json:
+                    print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
     stats = V.summary(results)
     if args.plot:
         _check_writable(args.plot, "--plot")
@@ -375,7 +377,12 @@ def _fit_profiles(points, args) -> int:
 
     rows = P.prepare([p for p in points if p.use == "fit"])
     c = P.fit(rows, log=log)
-    out = {"coefficients": c, "profiles": P.profiles(c)}
+    profiles = P.profiles(c)
+    if not args.loo:  # the derived profiles need the fitted ones as their reference
+        from sim.presets import ENGINES
+
+        profiles = P.fit_ratios({**ENGINES, **profiles}, log=log)
+    out = {"coefficients": c, "profiles": profiles}
     if args.loo:
         loo = P.leave_one_out(rows, c, log=log)
         out["leave_one_out"] = {p.id: ratio for p, ratio in loo}

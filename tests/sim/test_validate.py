@@ -49,6 +49,7 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("vLLM v0.6.3", "vllm-0.6"),
     ("vLLM V1 (0.7.3, VLLM_USE_V1=1)", "vllm-v1"),
     ("vLLM 0.10.1", "vllm-v1"),
+    ("vLLM 0.9.2 V0 engine (VLLM_USE_V1=0)", "vllm-0.6"),
     ("vLLM", "vllm-v1"),
     ("SGLang 0.3.0", "sglang-0.3"),
     ("SGLang v0.4.1", "sglang"),
