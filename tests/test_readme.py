@@ -92,8 +92,9 @@ def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
             for w in shlex.split(cmd)][1:]
     if len(argv) == 1 and argv[0] not in ("scenarios", "run"):
         return  # the name of a command in a sentence ("`servesim compare` shows both")
-    if argv[0] in ("run", "bench"):
-        build_parser().parse_args(argv)  # (interactive, or minutes of measuring)
+    if argv[0] in ("run", "bench", "calibrate"):
+        # (interactive, minutes of measuring, or the user's own measurement file)
+        build_parser().parse_args(argv)
         return
     if argv[0] in ("sim", "compare", "sweep"):
         argv += ["--set", "workload.num_requests=40"]
