@@ -289,8 +289,10 @@ def chat_body(rid: str, created: int, model: str, choices: list[tuple[str, str]]
 
 
 class ChunkWriter:
-    """Server-sent-event frames of one streamed response, built from a prefix rendered once so
-    that a token costs one small `json.dumps` (the server sends hundreds per engine step)."""
+    """Server-sent-event frames of one streamed response, built from a prefix rendered once.
+    A token frame is that prefix and a tail shared by every stream (the same index and text
+    give the same bytes), so the usual token costs a dict look-up and one concatenation: the
+    server sends hundreds per engine step."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool) -> None:
         self.chat = chat
@@ -298,10 +300,24 @@ class ChunkWriter:
         head = json.dumps({"id": rid, "object": obj, "created": created, "model": model})
         self._prefix = b"data: " + head[:-1].encode() + b', "choices": '
         self._head = self._prefix + b'[{"index": '
+        self._tails = _CHAT_TAILS if chat else _TEXT_TAILS
 
     def token(self, index: int, text: str, finish_reason: str | None = None,
               usage_: dict | None = None) -> bytes:
         """One choice's text delta (and its finish reason, on its last token)."""
+        if finish_reason is None and usage_ is None:
+            tail = self._tails.get((index, text))
+            if tail is None:
+                tail = self._tail(index, text, None, None)
+                if len(self._tails) >= MAX_TAILS:  # bounded: texts of real compute vary
+                    self._tails.clear()
+                self._tails[(index, text)] = tail
+            return self._head + tail
+        return self._head + self._tail(index, text, finish_reason, usage_)
+
+    def _tail(self, index: int, text: str, finish_reason: str | None,
+              usage_: dict | None) -> bytes:
+        """A token frame after `{"index": `."""
         reason = "null" if finish_reason is None else _js(finish_reason)
         if self.chat:
             delta = f'"delta": {{"content": {_js(text)}}}'
@@ -310,7 +326,7 @@ class ChunkWriter:
             body = (f'{index}, "text": {_js(text)}, "logprobs": null, '
                     f'"finish_reason": {reason}, "stop_reason": null}}]')
         tail = "}" if usage_ is None else f', "usage": {json.dumps(usage_)}}}'
-        return self._head + body.encode() + tail.encode() + b"\n\n"
+        return body.encode() + tail.encode() + b"\n\n"
 
     def role(self, index: int) -> bytes:
         """A chat stream's first frame for a choice: the assistant role, empty content."""
@@ -323,6 +339,10 @@ class ChunkWriter:
 
 
 DONE = b"data: [DONE]\n\n"
+# Token frame tails (after the stream's own prefix) by (index, text), per endpoint.
+_TEXT_TAILS: dict[tuple[int, str], bytes] = {}
+_CHAT_TAILS: dict[tuple[int, str], bytes] = {}
+MAX_TAILS = 4096
 
 
 @functools.lru_cache(maxsize=4096)

@@ -379,3 +379,38 @@ def test_a_bounded_server_holds_only_what_is_in_flight():
         ok = sum(x.value for x in fams["vllm:request_success"].samples
                  if x.name.endswith("_total"))
         assert ok >= 300
+
+
+def test_a_stream_is_vllms_frames_byte_for_byte(server):
+    """The whole body of a streamed call with two choices and continuous usage: each token's
+    frame in step order, the finish reason folded into each choice's last token, the usage
+    frame, [DONE]."""
+    req = urllib.request.Request(
+        server.url + "/v1/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": "abc", "max_tokens": 3, "n": 2, "stream": True,
+                         "stream_options": {"include_usage": True,
+                                            "continuous_usage_stats": True}}).encode())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        body = r.read()
+    head = json.loads(body.split(b"\n\n", 1)[0][len(b"data: "):])
+    rid, created = head["id"], head["created"]
+
+    def chunk(choices, usage) -> bytes:
+        return b"data: " + json.dumps({"id": rid, "object": "text_completion",
+                                       "created": created, "model": MODEL,
+                                       "choices": choices, "usage": usage}).encode() + b"\n\n"
+
+    def usage(n):
+        return {"prompt_tokens": 3, "total_tokens": 3 + n, "completion_tokens": n,
+                "prompt_tokens_details": None}
+
+    want, sent = [], 0
+    for k in range(3):
+        for i in range(2):
+            sent += 1
+            want.append(chunk([{"index": i, "text": FILLER[k], "logprobs": None,
+                                "finish_reason": "length" if k == 2 else None,
+                                "stop_reason": None}], usage(sent)))
+    want.append(chunk([], usage(6)))
+    want.append(b"data: [DONE]\n\n")
+    assert body == b"".join(want)
