@@ -77,7 +77,7 @@ class Choice:
     """One engine request serving one choice of an HTTP call."""
 
     __slots__ = ("call", "index", "req_id", "reason", "n_out", "parts", "decoder", "done",
-                 "times")
+                 "times", "head", "tails")
 
     def __init__(self, call: "Call", index: int, req_id: int, reason: str,
                  decode_bytes: bool) -> None:
@@ -87,6 +87,12 @@ class Choice:
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace") if decode_bytes else None
         self.done = False
         self.times: list[float] | None = None
+        # A streamed token's frame is `head + tails[text]` (shared bytes), unless the call
+        # sends usage with every token.
+        w = call.writer
+        plain = w is not None and not call.spec.continuous_usage
+        self.head = w.head if plain else None
+        self.tails = w.tails(index) if plain else None
 
     def text(self, token: int) -> str:
         """The text of output token number `n_out`: the tiny model's byte `token` (UTF-8
@@ -117,6 +123,10 @@ class Call:
         self.transport = None
         self.chunked = False
         self.backlog: list[bytes] = []
+        # What a pass of the pump sends it: frames, the wall time each token was due.
+        self.frames: list[bytes] = []
+        self.walls: list[float] = []
+        self.mark = -1  # the last pass that sent it something
         self._kick: asyncio.Future | None = None
         self.done = loop.create_future()  # set when complete (the non-streamed response)
 
@@ -212,6 +222,7 @@ class Frontend:
         self._tracks: dict[int, _Track] = {}
         self._due: dict[float, _Due] = {}
         self._due_times: list[float] = []
+        self._pass = 0
         self._event_i = len(engine.events)
         self._open_steps = None  # the last `steps` event read, which may still grow
         self._open_n = 0
@@ -576,54 +587,61 @@ class Frontend:
         now = clock.now()
         if not times or times[0] > now:
             return
-        # call -> (its frames, the wall time each of its tokens was due)
-        out: dict[Call, tuple[list[bytes], list[float]]] = {}
+        self._pass = mark = self._pass + 1
+        sent: list[Call] = []  # each call sent something in this pass, once
         ended: list[Call] = []
-        real = self.real_compute
+        real, record = self.real_compute, self.record_timing
         n_filler = len(FILLER)
         while times and times[0] <= now:
             t = heapq.heappop(times)
             due = dues.pop(t)
             wall_t = clock.wall_at(t)
             ends = due.ends
-            toks = due.toks if real else None
+            toks = due.toks
             for i, c in enumerate(due.choices):
                 call = c.call
                 if call.closed:
                     continue
-                slot = out.get(call)
-                if slot is None:
-                    out[call] = slot = ([], [])
-                slot[1].append(wall_t)
-                c.n_out += 1
-                text = c.text(toks[i]) if real else FILLER[(c.n_out - 1) % n_filler]
-                if c.times is not None:
-                    c.times.append(t)
-                reason = ends.pop(c, None) if ends else None
-                if reason is not None:
-                    self._frame(c, text, reason, slot[0], ended)
+                if call.mark != mark:
+                    call.mark = mark
+                    sent.append(call)
+                n = c.n_out = c.n_out + 1
+                text = c.text(toks[i]) if real else FILLER[(n - 1) % n_filler]
+                if record:
+                    call.walls.append(wall_t)
+                    if c.times is not None:
+                        c.times.append(t)
+                if ends and c in ends:
+                    self._frame(c, text, ends.pop(c), call.frames, ended)
+                elif c.tails is not None and n > 1:  # the usual token: mostly shared bytes
+                    tail = c.tails.get(text)
+                    call.frames.append(c.head + tail if tail is not None
+                                       else call.writer.token(c.index, text))
                 elif call.writer is None:
                     c.parts.append(text)
-                elif c.n_out == 1 or call.spec.continuous_usage:
-                    self._frame(c, text, None, slot[0], ended)
-                else:  # the usual token: its frame is mostly shared bytes
-                    slot[0].append(call.writer.token(c.index, text))
-            for c, reason in ends.items():  # ends without a token at this time
-                if not c.call.closed:
-                    slot = out.get(c.call)
-                    if slot is None:
-                        out[c.call] = slot = ([], [])
-                    self._frame(c, None, reason, slot[0], ended)
-        record, lateness = self.record_timing, self.lateness
-        for call, (frames, due_walls) in out.items():
-            if frames and call.writer is not None:
-                self._write(call, frames[0] if len(frames) == 1 else b"".join(frames))
-            if record and due_walls:
-                sent = time.monotonic()
-                if len(due_walls) == 1:
-                    lateness.append(sent - due_walls[0])
                 else:
-                    lateness.extend([sent - w for w in due_walls])
+                    self._frame(c, text, None, call.frames, ended)
+            for c, reason in ends.items():  # ends without a token at this time
+                call = c.call
+                if not call.closed:
+                    if call.mark != mark:
+                        call.mark = mark
+                        sent.append(call)
+                    self._frame(c, None, reason, call.frames, ended)
+        lateness = self.lateness
+        for call in sent:
+            frames = call.frames
+            if frames:
+                self._write(call, frames[0] if len(frames) == 1 else b"".join(frames))
+                frames.clear()
+            walls = call.walls
+            if walls:
+                sent_at = time.monotonic()
+                if len(walls) == 1:
+                    lateness.append(sent_at - walls[0])
+                else:
+                    lateness.extend([sent_at - w for w in walls])
+                walls.clear()
         for call in ended:
             if record:
                 self._record(call)

@@ -299,21 +299,30 @@ class ChunkWriter:
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = json.dumps({"id": rid, "object": obj, "created": created, "model": model})
         self._prefix = b"data: " + head[:-1].encode() + b', "choices": '
-        self._head = self._prefix + b'[{"index": '
-        self._tails = _CHAT_TAILS if chat else _TEXT_TAILS
+        self.head = self._prefix + b'[{"index": '
+
+    def tails(self, index: int) -> dict[str, bytes]:
+        """Choice `index`'s token frames after `head`, by text, shared by every stream (no
+        finish reason, no usage); `token` fills it. A frame is `head + tails(index)[text]`."""
+        key = (self.chat, index)
+        tails = _TAILS.get(key)
+        if tails is None:
+            _TAILS[key] = tails = {}
+        return tails
 
     def token(self, index: int, text: str, finish_reason: str | None = None,
               usage_: dict | None = None) -> bytes:
         """One choice's text delta (and its finish reason, on its last token)."""
         if finish_reason is None and usage_ is None:
-            tail = self._tails.get((index, text))
+            tails = self.tails(index)
+            tail = tails.get(text)
             if tail is None:
                 tail = self._tail(index, text, None, None)
-                if len(self._tails) >= MAX_TAILS:  # bounded: texts of real compute vary
-                    self._tails.clear()
-                self._tails[(index, text)] = tail
-            return self._head + tail
-        return self._head + self._tail(index, text, finish_reason, usage_)
+                if len(tails) >= MAX_TAILS:  # bounded: texts of real compute vary
+                    tails.clear()
+                tails[text] = tail
+            return self.head + tail
+        return self.head + self._tail(index, text, finish_reason, usage_)
 
     def _tail(self, index: int, text: str, finish_reason: str | None,
               usage_: dict | None) -> bytes:
@@ -330,7 +339,7 @@ class ChunkWriter:
 
     def role(self, index: int) -> bytes:
         """A chat stream's first frame for a choice: the assistant role, empty content."""
-        return (self._head + f'{index}, "delta": {{"role": "assistant", "content": ""}}, '
+        return (self.head + f'{index}, "delta": {{"role": "assistant", "content": ""}}, '
                 f'"logprobs": null, "finish_reason": null}}]}}\n\n'.encode())
 
     def usage(self, usage_: dict) -> bytes:
@@ -339,9 +348,8 @@ class ChunkWriter:
 
 
 DONE = b"data: [DONE]\n\n"
-# Token frame tails (after the stream's own prefix) by (index, text), per endpoint.
-_TEXT_TAILS: dict[tuple[int, str], bytes] = {}
-_CHAT_TAILS: dict[tuple[int, str], bytes] = {}
+# Token frame tails (after a stream's own head) by (chat, choice index), then by text.
+_TAILS: dict[tuple[bool, int], dict[str, bytes]] = {}
 MAX_TAILS = 4096
 
 
