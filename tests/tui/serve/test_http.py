@@ -4,6 +4,7 @@ timing, cancellation by disconnect, errors, /metrics, and exact replay of a serv
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -414,3 +415,60 @@ def test_a_stream_is_vllms_frames_byte_for_byte(server):
     want.append(chunk([], usage(6)))
     want.append(b"data: [DONE]\n\n")
     assert body == b"".join(want)
+
+
+def _read_chunked(sock) -> bytes:
+    """The body of one chunked HTTP response read from `sock`, headers dropped."""
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        got = sock.recv(1 << 16)
+        assert got, "the server closed the stream early"
+        data += got
+    head, rest = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200")
+    body = b""
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        if int(size, 16) == 0:
+            return body
+        body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+
+
+def test_a_client_that_stops_reading_holds_up_nobody_and_gets_its_whole_stream():
+    """The pump writes to a socket only while its buffer is short; a stalled client's frames
+    wait, in order, for its own task to write them with flow control."""
+    n = 6000
+    with serving(speed=20.0) as s:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", int(s.url.rsplit(":", 1)[1])))
+        body = json.dumps({"prompt": "s", "max_tokens": n, "stream": True}).encode()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        fe = s.frontend
+
+        def calls():
+            with fe.lock:
+                return [tr.choice.call for tr in fe._tracks.values() if tr.choice]
+
+        deadline = time.monotonic() + 20
+        while not any(c.transport for c in calls()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        [call] = calls()
+        # A small kernel buffer on the server's side (loopback autotunes it to megabytes,
+        # which would take the whole stream): the stall reaches the server at once.
+        s.call(lambda: call.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096))
+        while not call.backlog and not call.complete and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert call.backlog and not call.complete  # frames held for it, none lost
+        # another client is served meanwhile
+        texts = [ch.choices[0].text for ch in client(s).completions.create(
+            model=MODEL, prompt="f", max_tokens=30, stream=True) if ch.choices]
+        assert "".join(texts) == filler(30)
+        frames = _read_chunked(slow).split(b"\n\n")
+        slow.close()
+    assert frames[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == filler(n)
+    assert len(chunks) == n and chunks[-1]["choices"][0]["finish_reason"] == "length"
