@@ -159,7 +159,10 @@ class Engine:
                              if scenario.scheduler.preemption == "swap" else 0),
             prefix_caching=scenario.kv.enable_prefix_caching,
             hash_block_size=self.workload.hash_block_size,
-            sharing=scenario.workload.num_samples > 1)
+            sharing=scenario.workload.num_samples > 1,
+            register_at_allocation=scenario.kv.register_at_allocation,
+            uncached_first=scenario.kv.free_uncached_first,
+            duplicates=scenario.kv.duplicate_cached_blocks)
         self.num_samples = scenario.workload.num_samples
         self._copies: list[tuple[int, int]] = []  # copy-on-write block copies of the coming step
         self.prefix_caching = scenario.kv.enable_prefix_caching
@@ -193,6 +196,9 @@ class Engine:
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
         self._freed: list[int] = []
+        # Async scheduling: requests finished by the last step, whose blocks and seats come back
+        # once the next step is scheduled (vLLM processes step k's output after scheduling k+1).
+        self._releasing: list[Request] = []
         self._prompt_ids: dict[int, np.ndarray] = {}
         self.duration_override = None  # an iterator of step durations (replay of measured runs)
         # Running figures for the summary.
@@ -283,7 +289,14 @@ class Engine:
         return ids
 
     def cancel(self, req_id: int) -> None:
-        """Cancel a request in any live state. Raises UnknownRequestError / EngineError."""
+        """Cancel a request in any live state. Raises UnknownRequestError / EngineError.
+        (A request that finished in the last step but still holds its blocks, under async
+        scheduling, gives them back now, as vLLM's abort of it would.)"""
+        req = self.requests.get(req_id)
+        if req is not None and req in self._releasing:
+            self._action("cancel", req_id=req_id)
+            self._release_now(req)
+            return
         req = cancellable(self.requests, req_id)
         self._action("cancel", req_id=req_id)
         self._cancel(req, by="user")
@@ -302,6 +315,7 @@ class Engine:
             raise EngineError(f"switch_policy: unknown policy {name!r} "
                               f"(known: {', '.join(POLICIES)})")
         self._action("switch_policy", policy=name, previous=self.policy.name)
+        self._release()
         new = POLICIES[name](self)
         new.adopt(self.policy)
         self.policy = new
@@ -340,7 +354,7 @@ class Engine:
         refs = np.asarray(pool.ref_cnt, dtype=np.int32)
         cached = np.zeros(nb, dtype=bool)
         if pool.cached:
-            cached[list(pool.cached.values())] = True
+            cached[pool.cached_block_ids()] = True
             cached &= refs == 0  # free, but still holding a reusable prefix
         waiting = self.policy.waiting_in_order()
         shown = waiting if waiting_limit is None else waiting[:waiting_limit]
@@ -428,13 +442,18 @@ class Engine:
         req.transition(RS.RUNNING)
         self.policy.running.append(req)
         if self.prefix_caching:
-            self.kv.cache_full_blocks(req)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
 
     # ============================================================ transitions used by policies
     def preempt(self, req: Request) -> None:
         """Preempt a running request: by swap (its blocks go to host memory and come back
         when it resumes) when `scheduler.preemption = "swap"` and the host pool has room,
-        else by recompute (its blocks are freed; it re-prefills every token it had)."""
+        else by recompute (its blocks are freed; it re-prefills every token it had). A request
+        that finished in the last step, still holding its blocks (async scheduling), frees
+        them and stays finished (vLLM counts a preemption; it is none here)."""
+        if req.state is RS.FINISHED:
+            self._release_now(req)
+            return
         pairs = self.kv.swap_out(req) if self.preemption == "swap" else None
         if pairs is not None:
             req.transition(RS.SWAPPED)
@@ -497,6 +516,8 @@ class Engine:
             req = self.requests[rid]
             if not req.state.is_done:
                 self._cancel(req, by="client")
+            elif req in self._releasing:  # finished, its output not yet processed: freed now
+                self._release_now(req)
 
     def _on_arrival(self, req: Request) -> None:
         req._timeline = self.timeline
@@ -545,8 +566,11 @@ class Engine:
     def _finish(self, req: Request, t: float) -> None:
         req.transition(RS.FINISHED)
         req.finish_time = t
-        self.kv.free(req)
-        self.policy.finished(req)
+        if self.policy.async_scheduling:
+            self._releasing.append(req)
+        else:
+            self.kv.free(req)
+            self.policy.finished(req)
         self.recent.append(req)
         self._drop(req)
         if req.parent_id is not None:  # a further sample: its tokens count, not its latency
@@ -561,6 +585,36 @@ class Engine:
                                 req.num_output_tokens))
         if self.record_events:
             self.events.append(ev.Finish(t, req.req_id))
+
+    def _finish_step(self, finished: list[Request], t: float) -> None:
+        """The requests whose last token the step ending at `t` computed end."""
+        for req in finished:
+            self._finish(req, t)
+        if (self._releasing and not self.policy.waiting
+                and len(self.policy.running) == len(self._releasing)):
+            # Nothing else runs or waits: the next step would schedule nothing but let vLLM
+            # process this one's output, at once (short of an arrival at exactly `t`).
+            self._release()
+
+    def _release(self) -> None:
+        """Async scheduling: the step scheduled after the one that finished these requests
+        has been; their output is processed now, their blocks freed and seats given back."""
+        if not self._releasing:
+            return
+        done, self._releasing = self._releasing, []
+        for req in done:
+            if self.kv.register_at_allocation:  # the blocks its last step filled
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            self.kv.free(req)
+            self.policy.finished(req)
+
+    def _release_now(self, req: Request) -> None:
+        """Free a finished request's blocks and seat before its output is processed (it was
+        preempted, or its client went away)."""
+        self._releasing.remove(req)
+        self.kv.free(req)
+        if req in self.policy.running:  # (a victim has left it already)
+            self.policy.finished(req)
 
     def _drop(self, req: Request) -> None:
         self._freed.append(req.req_id)
@@ -597,6 +651,13 @@ class Engine:
             return 0
         out = policy.schedule()
         sched = out.scheduled
+        if not sched and self._releasing:
+            # Only requests finishing (async scheduling): their output is processed now, and
+            # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
+            # would (nothing else arrives meanwhile).
+            self._release()
+            out = policy.schedule()
+            sched = out.scheduled
         if not sched:
             return 0  # everything was preempted; the next decision admits again
         for req, _ in sched:
@@ -640,13 +701,13 @@ class Engine:
         sampled = itl = prefill_tokens = 0
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
-        caching = self.prefix_caching
+        caching = self.prefix_caching and not self.kv.register_at_allocation
         for req, n in sched:
             c = req.num_computed_tokens
             total = req.num_tokens
             req.num_computed_tokens = c + n
-            if caching:
-                self.kv.cache_full_blocks(req)
+            if caching:  # blocks enter the cache once computed (else when scheduled)
+                self.kv.cache_blocks(req, c + n)
             if n > 1 or req.num_output_tokens == 0 or c + n < total or req.recomputing:
                 req.prefill_chunks.append((end, c, n))
                 prefill_chunks.append((req.req_id, c, n))
@@ -702,8 +763,8 @@ class Engine:
                 self.events.append(ev.FirstToken(end, req.req_id))
             for req in recomputed:
                 self.events.append(ev.Recomputed(end, req.req_id))
-        for req in finished:
-            self._finish(req, end)
+        self._release()
+        self._finish_step(finished, end)
         return 1
 
     def _fork(self, parent: Request, t: float, g: int) -> int:
@@ -789,11 +850,14 @@ class Engine:
         itl0 = 0
         finished = []
         caching = self.prefix_caching
+        # Registered when scheduled, a block holding the run's last token waits, under async
+        # scheduling, for the next step (the scheduler has not seen that token yet).
+        unseen = 1 if self.kv.register_at_allocation and self.policy.async_scheduling else 0
         for r in reqs:
             r.num_computed_tokens += k
             r.num_output_tokens += k
             if caching:
-                self.kv.cache_full_blocks(r)
+                self.kv.cache_blocks(r, r.num_computed_tokens - unseen)
             last = r.token_segments[-1]
             if last[0] + last[1] == g:
                 last[1] += k
@@ -812,8 +876,7 @@ class Engine:
         self.now = end
         self.step_count += k
         self.counts["output_tokens"] += b * k
-        for r in finished:
-            self._finish(r, end)
+        self._finish_step(finished, end)
         return k
 
     def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int) -> None:

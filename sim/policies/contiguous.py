@@ -36,7 +36,5 @@ class ContiguousPolicy(FCFSPolicy):
                     # refused although enough blocks are free: external fragmentation
                     self.engine.counts["fragmentation_stalls"] += 1
                 break
-            self.take_waiting(req)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            self.schedule_admitted(out, req, n)
             budget -= n

@@ -1,9 +1,12 @@
-"""`priority`: vLLM's priority scheduling on top of chunked prefill.
+"""`priority`: vLLM V1's priority scheduling on top of chunked prefill.
 
-The queue is ordered by priority (lower value first), ties by arrival. When blocks run short,
-the lowest-priority running request (latest arrival among equals) is preempted; and when the
-request at the head of the queue cannot be admitted for lack of blocks while a running request
-of strictly lower priority holds some, that request is preempted to make room.
+The queue is ordered by priority (lower value first), ties by arrival, then id. When blocks run
+short for a running request, the running request with the largest (priority, arrival time) is
+preempted, the first such in the batch; when that is the request itself, the requests after it
+in the batch still try (`scheduler.continue_after_self_preemption`). No request is preempted to
+admit a waiting one unless `scheduler.preempt_for_waiting` (vLLM V0's priority scheduling):
+then, when the head of the queue does not fit while a running request of strictly lower
+priority holds blocks, that request is preempted to make room.
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ def _key(r):
     return (r.priority, r.arrival_time, r.req_id)
 
 
+def _victim_key(r):
+    return (r.priority, r.arrival_time)
+
+
 class PriorityPolicy(ChunkedPolicy):
     name = "priority"
-    description = "lower priority value first; preempts lower-priority requests for higher ones"
+    description = "lower priority value first; preempts the lowest-priority request for room"
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
@@ -49,21 +56,15 @@ class PriorityPolicy(ChunkedPolicy):
         self._drop(req)
 
     def pick_victim(self):
-        return max(self.running, key=_key)
+        # max() keeps the first of equals: among equal keys, the earliest in the batch
+        return max(self.running, key=_victim_key)
 
-    def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            n, hits = self.plan_waiting(req, budget)
-            if not self.kv.allocate_slots(req, n, prefix=hits):
-                lower = [r for r in self.running if _key(r) > _key(req)
-                         and r.priority > req.priority]
-                if not lower:
-                    break
-                _, given_back = self.preempt_one(out, max(lower, key=_key))
-                budget += given_back
-                continue
-            self.take_waiting(req)
-            self.running.append(req)
-            out.scheduled.append((req, n))
-            budget -= n
+    def make_room(self, out: SchedulerOutput, req) -> int | None:
+        if not self.cfg.preempt_for_waiting:
+            return None
+        lower = [r for r in self.running if not r.state.is_done and _key(r) > _key(req)
+                 and r.priority > req.priority]
+        if not lower:
+            return None
+        _, given_back = self.preempt_one(out, max(lower, key=_key))
+        return given_back

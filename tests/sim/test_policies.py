@@ -3,6 +3,7 @@
 import numpy as np
 
 from sim import Engine, summarize
+from sim.request import RequestState
 from tests.helpers import check_invariants, small_scenario, workload_of
 
 
@@ -109,7 +110,8 @@ def test_priority_admits_lower_values_first_then_by_arrival():
 
 
 def test_priority_preempts_lower_priority_for_a_waiting_higher_one():
-    sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20", "kv.block_size=16")
+    sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20", "kv.block_size=16",
+                        "scheduler.preempt_for_waiting=true")
     # request 0 (priority 5) fills most of the pool; request 1 (priority 0) cannot fit
     w = workload_of([(0.0, 200, 60, 5), (0.05, 150, 10, 0)])
     e = Engine(sc, workload=w)
@@ -117,6 +119,12 @@ def test_priority_preempts_lower_priority_for_a_waiting_higher_one():
     pre = [x for x in e.events if x.kind == "preempt"]
     assert pre and pre[0].req_id == 0
     assert e.get(1).finish_time < e.get(0).finish_time
+    # vLLM V1 (the default) never preempts for a waiting request: request 1 waits its turn
+    e = Engine(small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20",
+                              "kv.block_size=16"), workload=w)
+    run_steps(e)
+    assert e.counts["preemptions"] == 0
+    assert e.get(1).admitted_time >= e.get(0).finish_time
 
 
 def test_priority_victim_is_the_lowest_priority_running():
@@ -126,6 +134,22 @@ def test_priority_victim_is_the_lowest_priority_running():
     run_steps(e)
     pre = [x.req_id for x in e.events if x.kind == "preempt"]
     assert pre and pre[0] == 1
+
+
+def test_chunked_keeps_the_watermark_free_only_when_admitting_beside_others():
+    w = workload_of([(0.0, 100, 30), (0.001, 140, 5)])  # 7 blocks (growing to 9), then 9
+    admitted = {}
+    for wm in (0.0, 0.25):  # 0.25 of 20 blocks and vLLM's null block: 5 kept free
+        sc = small_scenario("kv.num_blocks=20", "kv.block_size=16", f"scheduler.watermark={wm}")
+        e = Engine(sc, workload=w)
+        run_steps(e)
+        admitted[wm] = e.get(1).admitted_time >= e.get(0).finish_time
+    assert admitted == {0.0: False, 0.25: True}
+    # alone, a request is admitted whatever the watermark
+    e = Engine(small_scenario("kv.num_blocks=20", "kv.block_size=16", "scheduler.watermark=0.25"),
+               workload=workload_of([(0.0, 300, 4)]))
+    run_steps(e)
+    assert e.get(0).state is RequestState.FINISHED
 
 
 def test_sjf_shortest_first_until_aged():
