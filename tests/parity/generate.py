@@ -57,15 +57,17 @@ def make_stream(kind: str, seed: int, n: int) -> dict:
     reqs = []
     t = 0.0
     for i in range(n):
-        if kind in ("staggered", "mixed", "aborts") and rng.random() > 0.25:
+        if kind in ("staggered", "mixed", "aborts", "abort-storm") and rng.random() > 0.25:
             # real-valued times never meet the clock's step ends (integers from the last
             # idle jump), so nothing hangs on which side of a step boundary an arrival falls
-            t += rng.uniform(0.0, 3.0)
+            t += rng.uniform(0.0, 12.0 if kind == "abort-storm" else 3.0)
         if rng.random() < 0.6:
             prompt = rng.randint(20, 600)
         else:
             prompt = rng.randint(600, 3000)
         output = rng.randint(1, 40) if rng.random() < 0.3 else rng.randint(1, 500)
+        if kind == "abort-storm":  # short outputs, most aborted: aborts meet every state
+            prompt, output = rng.randint(20, 1200), rng.randint(1, 60)
         group = -1
         if prefix and rng.random() < 0.8:
             group = rng.randrange(groups)
@@ -76,6 +78,9 @@ def make_stream(kind: str, seed: int, n: int) -> dict:
         if kind in ("aborts", "mixed") and rng.random() < 0.25:
             cancel = t + rng.choice([0.0, rng.uniform(0, 3), rng.uniform(3, 50),
                                      rng.uniform(50, 500)])
+        if kind == "abort-storm" and rng.random() < 0.7:
+            # near the step computing the last token: aborts of requests just finishing
+            cancel = t + max(0.0, output + prompt // 512 + rng.uniform(-3.0, 2.0))
         reqs.append([i, t, prompt, output, prio, group, cancel])
     return {"kind": kind, "seed": seed, "prefix_tokens": prefix, "requests": reqs}
 
@@ -103,6 +108,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                      "num_blocks": 2000}),
     "staggered-512": ("staggered", {"prefix_caching": True}),
     "aborts-2048": ("aborts", {"max_num_batched_tokens": 2048}),
+    "abort-storm-512": ("abort-storm", {"prefix_caching": True, "num_blocks": 300}),
     "priority-512": ("priority", {"policy": "priority"}),
     "mixed-2048": ("mixed", {"prefix_caching": True, "max_num_batched_tokens": 2048,
                              "policy": "priority"}),

@@ -21,7 +21,7 @@ TRACES = sorted((Path(__file__).parent / "traces").glob("*.json.gz"))
 def test_the_traces_are_there():
     assert len(TRACES) >= 20
     kinds = {load(p)["stream"]["kind"] for p in TRACES}
-    assert {"burst", "shared", "staggered", "aborts", "priority", "mixed"} <= kinds
+    assert {"burst", "shared", "staggered", "aborts", "abort-storm", "priority", "mixed"} <= kinds
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name.removesuffix(".json.gz") for p in TRACES])
