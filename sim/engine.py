@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -445,6 +445,11 @@ class Engine:
             self.kv.cache_blocks(req, req.num_computed_tokens)
 
     # ============================================================ transitions used by policies
+    def has_finishing(self) -> bool:
+        """Whether requests finished by the last step still hold blocks and seats in the batch
+        (async scheduling: vLLM processes a step's output after scheduling the next)."""
+        return bool(self._releasing)
+
     def preempt(self, req: Request) -> None:
         """Preempt a running request: by swap (its blocks go to host memory and come back
         when it resumes) when `scheduler.preemption = "swap"` and the host pool has room,
@@ -608,6 +613,14 @@ class Engine:
             self.kv.free(req)
             self.policy.finished(req)
 
+    def _blocks_freed_by(self, reqs: list[Request]) -> int:
+        """How many blocks freeing `reqs` would return (those no other request shares)."""
+        if not self.kv.pool.sharing:
+            return sum([len(r.block_table) for r in reqs])
+        ref = self.kv.pool.ref_cnt
+        held = Counter([blk for r in reqs for blk in r.block_table])
+        return sum([1 for blk, c in held.items() if ref[blk] == c])
+
     def _release_now(self, req: Request) -> None:
         """Free a finished request's blocks and seat before its output is processed (it was
         preempted, or its client went away)."""
@@ -763,8 +776,10 @@ class Engine:
                 self.events.append(ev.FirstToken(end, req.req_id))
             for req in recomputed:
                 self.events.append(ev.Recomputed(end, req.req_id))
-        self._release()
-        self._finish_step(finished, end)
+        if self._releasing:
+            self._release()
+        if finished:
+            self._finish_step(finished, end)
         return 1
 
     def _fork(self, parent: Request, t: float, g: int) -> int:
@@ -825,9 +840,15 @@ class Engine:
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
         # a request needs a new block at step j when (computed + j) is a multiple of bs.
         first_cross = [(-c) % bs or bs for c in comp]
+        # Requests that finished in the last step (async scheduling) give their blocks back
+        # once this run's first step is scheduled: before step 1 allocates.
+        pending = self._releasing
         if kmax > 1:
             free = self.kv.num_free_blocks
-            if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:
+            need = sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax])
+            if need > free and pending:
+                free += self._blocks_freed_by(pending)
+            if need > free:
                 cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
         if kmax == 1:
@@ -835,6 +856,12 @@ class Engine:
         t_ext = min(self._next_external(), until, self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
         k = len(ends)
+        used_first = self.kv.num_used_blocks
+        empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
+        if pending:
+            empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens for r in pending])
+            self._release()
+            empty_first -= bs * (used_first - self.kv.num_used_blocks)
         # Allocate the blocks of steps 1..k-1 in the order step-by-step scheduling would.
         used = self.kv.num_used_blocks
         kv_used = [used] * k
@@ -844,6 +871,7 @@ class Engine:
             for (j, i), blk in zip(cross, blocks):
                 reqs[i].block_table.append(blk)
             kv_used = (used + np.cumsum(np.bincount([j for j, _ in cross], minlength=k))).tolist()
+        kv_used[0] = used_first
         g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
         first_end = ends[0]
@@ -869,19 +897,22 @@ class Engine:
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
         if self.record_timeline:
-            self._record_run(ends, dur, energy, kv_used, b, itl0)
+            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_first)
         if self.record_events:
             self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
                                       tuple([r.req_id for r in reqs]), None, kv_used[-1]))
         self.now = end
         self.step_count += k
         self.counts["output_tokens"] += b * k
-        self._finish_step(finished, end)
+        if finished:
+            self._finish_step(finished, end)
         return k
 
-    def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int) -> None:
+    def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
+                    empty_first: int = 0) -> None:
         """The timeline rows of a decode run of `len(ends)` steps of `b` sequences (after the
-        run: the requests' counters are already advanced)."""
+        run: the requests' counters are already advanced; `empty_first` more empty slots in
+        its first step, held by requests released after it)."""
         k, bs = len(ends), self.block_size
         waiting = len(self.policy.waiting)
         # Empty slots after step j: those at the end, plus the tokens of later steps, minus
@@ -892,6 +923,8 @@ class Engine:
             used_end = kv_used[-1]
             for j in range(k):
                 empty = empty_end + b * (k - 1 - j) - bs * (used_end - kv_used[j])
+                if j == 0:
+                    empty += empty_first
                 add(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j], empty,
                     energy[j], waiting)
         else:
@@ -899,6 +932,7 @@ class Engine:
             itl[0] = itl0
             used = np.asarray(kv_used, dtype=np.int64)
             empty = empty_end + b * np.arange(k - 1, -1, -1) - bs * (used[-1] - used)
+            empty[0] += empty_first
             self.timeline.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
                                  sampled=b, itl_count=itl, kv_used=used, kv_empty=empty,
                                  energy=energy, waiting=waiting)

@@ -163,13 +163,17 @@ class Policy:
         # Async scheduling: a request that sampled in the last step has a token the scheduler
         # has not seen yet, and one that finished then is skipped (it holds its seat).
         lagging = self.async_scheduling
-        g = self.engine.step_count
+        engine = self.engine
+        g = engine.step_count if register and lagging else 0
+        skip_finished = lagging and engine.has_finishing()
+        finished = RequestState.FINISHED
         all_decode = True
+        finishing = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if lagging and req.state is RequestState.FINISHED:
-                all_decode = False
+            if skip_finished and req.state is finished:
+                finishing += 1
                 i += 1
                 continue
             c = req.num_computed_tokens
@@ -206,7 +210,11 @@ class Policy:
             # the blocks its tokens filled for requests this step leaves out.
             for req in running[i:]:
                 kv.cache_blocks(req, req.num_computed_tokens)
-        out.decode_only = all_decode and not out.preempted and len(sched) == len(running)
+        # (Requests finishing may stay beside a run of decode steps, which gives their blocks
+        # back after its first step, unless that could let a waiting request in.)
+        out.decode_only = (all_decode and not out.preempted
+                           and len(sched) + finishing == len(running)
+                           and not (finishing and self.waiting))
         return budget
 
     def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
