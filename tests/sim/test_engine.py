@@ -245,3 +245,26 @@ def test_a_client_abort_frees_a_finished_request_at_once():
     e.run()
     assert e.get(0).state is S.FINISHED and e.counts["cancelled"] == 0
     assert _admit_step(e, 2) == late - 1
+
+
+def test_skip_ahead_beside_finishing_requests_equals_step_by_step(monkeypatch):
+    """Under async scheduling a run of decode steps may start while requests that finished in
+    the step before still hold their blocks: it gives them back after its first step."""
+    beside = []
+    run = Engine._decode_run
+
+    def counting(self, sched, until, max_steps):
+        beside.append(bool(self._releasing))
+        return run(self, sched, until, max_steps)
+
+    monkeypatch.setattr(Engine, "_decode_run", counting)
+    sc = small_scenario("workload.rate=2", "workload.duration_s=40", *SHARED)
+    fast, slow = Engine(sc), Engine(sc, skip_ahead=False)
+    fast.run()
+    slow.run()
+    assert sum(beside) > 10
+    assert expand_steps(fast) == expand_steps(slow)
+    for col in ("end", "kv_used", "kv_empty", "itl_count", "batch"):
+        assert np.array_equal(fast.timeline.column(col), slow.timeline.column(col)), col
+    assert fast.kv.pool.free_block_ids() == slow.kv.pool.free_block_ids()
+    assert fast.kv.pool.block_hash == slow.kv.pool.block_hash
