@@ -36,6 +36,7 @@ import gzip
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 from collections import deque
@@ -292,13 +293,43 @@ def vllm_version() -> str:
     return vllm.__version__
 
 
+# The releases whose `vllm/v1/core` `version_behaviours` was written from: traces were recorded
+# and replayed with 0.23.0, 0.32.0 and 0.33.0, and the changes between them were read in vLLM's
+# history. Outside this range a release may behave in ways servesim has no switch for.
+OLDEST_KNOWN, NEWEST_KNOWN = "0.23.0", "0.33.0"
+
+
+def release(version: str) -> tuple[int, int, int]:
+    """(major, minor, patch) of a vLLM version string ("0.33.0", "0.34.0rc1", "0.6.4.post1").
+
+    Raises ValueError if it does not start with three numbers."""
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)", version)  # a suffix (rc1, .post1, +cpu) is ignored
+    if m is None:
+        raise ValueError(f"vLLM version {version!r}: not of the form X.Y.Z")
+    return tuple(int(g) for g in m.groups())
+
+
+def is_known(version: str) -> bool:
+    """Whether `version_behaviours` was written from this release's code (see OLDEST_KNOWN)."""
+    return release(OLDEST_KNOWN) <= release(version) <= release(NEWEST_KNOWN)
+
+
 def version_behaviours(version: str) -> dict:
     """The behaviours that have no setting in vLLM, as the given release has them (found by
     reading each release's `vllm/v1/core`): freed blocks without a cached prefix go to the head
     of the free queue from 0.24.0 on (all to the tail before); a priority-scheduled request that
     preempts itself lets later ones try from 0.33.0 on (the pass ended before). Blocks have
-    been cached at allocation, with duplicate holders, since V1's prefix caching (0.6.4)."""
-    v = tuple(int(x) for x in version.split(".")[:2])
+    been cached at allocation, with duplicate holders, since V1's prefix caching (0.6.4).
+
+    Raises ValueError for a release outside OLDEST_KNOWN..NEWEST_KNOWN: its behaviours are not
+    known, and a trace recorded under a guess would test the guess."""
+    if not is_known(version):
+        raise ValueError(
+            f"vLLM {version}: its scheduler's behaviours are known only for releases "
+            f"{OLDEST_KNOWN} to {NEWEST_KNOWN}; read its vllm/v1/core (block_pool.py, "
+            f"kv_cache_manager.py, sched/scheduler.py) against {NEWEST_KNOWN}'s, extend "
+            f"version_behaviours, or record with --behaviours-of X.Y.Z to assume a known one's")
+    v = release(version)[:2]
     return {"free_uncached_first": v >= (0, 24), "continue_after_self_preemption": v >= (0, 33),
             "register_at_allocation": True, "duplicate_cached_blocks": True}
 
@@ -320,9 +351,30 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens")
     ap.add_argument("--only", nargs="+", default=None, help="configuration names")
+    ap.add_argument("--behaviours-of", default=None, metavar="X.Y.Z",
+                    help=f"record a release outside {OLDEST_KNOWN}..{NEWEST_KNOWN} with this "
+                    "known release's behaviours (the traces then test that assumption)")
     a = ap.parse_args(argv)
+    unknown = sorted(set(a.only or ()) - set(CONFIGS))
+    if unknown:
+        print(f"generate.py: --only {' '.join(unknown)}: no such configuration (there are "
+              f"{', '.join(CONFIGS)})", file=sys.stderr)
+        return 2
+    try:
+        version = vllm_version()
+    except ImportError as e:
+        print(f"generate.py: vLLM cannot be imported by {sys.executable} ({e}); run this in "
+              f"the vLLM virtualenv (see the module docstring)", file=sys.stderr)
+        return 2
+    try:  # a release whose behaviours are not known is refused before any trace is written
+        behaviours = version_behaviours(a.behaviours_of or version)
+    except ValueError as e:
+        print(f"generate.py: {e}", file=sys.stderr)
+        return 2
+    if a.behaviours_of:
+        print(f"generate.py: recording vLLM {version}'s traces with {a.behaviours_of}'s "
+              f"behaviours (assumed, not read from its code)", file=sys.stderr)
     a.out.mkdir(parents=True, exist_ok=True)
-    version = vllm_version()
     use_cpu_platform()
     from vllm.config import SchedulerConfig
 
@@ -334,7 +386,7 @@ def main(argv=None) -> int:
             continue
         for seed in a.seeds:
             for blocks in a.blocks or [None]:
-                cfg = {**DEFAULTS, **over, **version_behaviours(version)}
+                cfg = {**DEFAULTS, **over, **behaviours}
                 label = name
                 if blocks is not None:
                     cfg["num_blocks"] = blocks
@@ -352,6 +404,8 @@ def main(argv=None) -> int:
                 steps = run(stream, cfg)
                 doc = {"vllm_version": version, "config": cfg, "name": label,
                        "block_size": cfg["block_size"], "stream": stream, "steps": steps}
+                if a.behaviours_of:
+                    doc["behaviours_of"] = a.behaviours_of
                 path = a.out / trace_name(version, label, seed)
                 with gzip.open(path, "wt", compresslevel=9) as f:
                     json.dump(doc, f, separators=(",", ":"))

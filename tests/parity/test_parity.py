@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from sim.scenario import KVConfig, SchedulerConfig
-from tests.parity.compare import describe, first_divergence, load, replay
-from tests.parity.generate import version_behaviours
+from tests.parity.compare import describe, first_divergence, load, provenance, replay
+from tests.parity.generate import NEWEST_KNOWN, release, version_behaviours
 
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.json.gz"))
 
@@ -66,11 +66,10 @@ def test_servesim_defaults_are_the_newest_vllm_of_the_traces():
     from an older release names its behaviours as that release has them."""
     docs = [load(p) for p in TRACES]
     versions = {d["vllm_version"] for d in docs}
-    assert max(versions, key=lambda v: tuple(map(int, v.split(".")))) == "0.33.0"
+    assert max(versions, key=release) == NEWEST_KNOWN == "0.33.0"
     assert {"0.32.0", "0.23.0"} <= versions
-    for d in docs:
-        for k, v in version_behaviours(d["vllm_version"]).items():
-            assert d["config"][k] == v, (d["name"], k)
+    for d in docs:  # every stored trace has its own release's behaviours, none assumed
+        assert provenance(d) is None, (d["name"], provenance(d))
     s, kv = SchedulerConfig(), KVConfig()
     assert s.reserve_full_sequence and s.async_scheduling and s.watermark == 0.0
     assert s.continue_after_self_preemption and not s.preempt_for_waiting
@@ -87,3 +86,35 @@ def test_each_behaviour_shows_in_the_traces(override):
     behaviour that stopped matching vLLM's."""
     doc = load(Path(__file__).parent / "traces" / "0.33.0-mixed-2048-s1.json.gz")
     assert first_divergence(doc["steps"], replay(doc, [override])) is not None
+
+
+def test_a_release_whose_behaviours_are_unknown_is_refused_or_flagged():
+    """The generator records only releases whose behaviours were read from their code (or says
+    whose it assumed), and a trace that names behaviours its release lacks is flagged."""
+    assert release("0.34.0rc1") == (0, 34, 0) and release("0.6.4.post1") == (0, 6, 4)
+    with pytest.raises(ValueError, match="0.34.0.*known only for releases 0.23.0 to 0.33.0"):
+        version_behaviours("0.34.0")
+    with pytest.raises(ValueError, match="not of the form"):
+        release("main")
+    assert version_behaviours("0.23.0")["free_uncached_first"] is False
+    assert version_behaviours("0.24.0")["free_uncached_first"] is True
+    assert version_behaviours("0.32.0")["continue_after_self_preemption"] is False
+    doc = load(TRACES[0])
+    assumed = {**doc, "vllm_version": "0.34.0", "behaviours_of": "0.33.0"}
+    assert "outside 0.23.0..0.33.0" in provenance(assumed)
+    assert "0.33.0's behaviours, assumed" in provenance(assumed)
+    wrong = {**doc, "config": {**doc["config"],
+                               "free_uncached_first": not doc["config"]["free_uncached_first"]}}
+    assert "free_uncached_first" in provenance(wrong)
+
+
+def test_the_generator_refuses_an_unknown_release_before_writing(tmp_path, monkeypatch, capsys):
+    from tests.parity import generate
+
+    monkeypatch.setattr(generate, "vllm_version", lambda: "0.34.0")
+    assert generate.main(["--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vLLM 0.34.0" in err and "--behaviours-of" in err
+    assert not (tmp_path / "t").exists()
+    assert generate.main(["--only", "nosuch"]) == 2
+    assert "--only nosuch: no such configuration" in capsys.readouterr().err
