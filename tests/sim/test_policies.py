@@ -109,6 +109,39 @@ def test_priority_admits_lower_values_first_then_by_arrival():
     assert admitted_order(e) == [0, 2, 4, 3, 1]
 
 
+def test_priority_queue_keeps_vllms_order_through_adds_takes_and_cancels():
+    """The heap gives the same head and order as a list sorted by (priority, arrival, id),
+    vLLM's order, through random mixes of arrivals (with ties in priority and arrival),
+    admissions of the head and cancellations from anywhere in the queue."""
+    import random
+    from types import SimpleNamespace
+
+    from sim.policies.priority import WaitingHeap
+
+    def key(r):
+        return (r.priority, r.arrival_time, r.req_id)
+
+    for seed in range(400):
+        rng = random.Random(seed)
+        q, ref = WaitingHeap(), []
+        for i in range(150):
+            op = rng.choice("aatc")
+            if op == "a" or not ref:
+                r = SimpleNamespace(priority=rng.randrange(4),
+                                    arrival_time=float(rng.randrange(5)), req_id=i)
+                q.push(r)
+                ref.append(r)
+            else:
+                r = min(ref, key=key) if op == "t" else rng.choice(ref)
+                q.discard(r)
+                ref.remove(r)
+            assert len(q) == len(ref) and bool(q) == bool(ref)
+            if ref:
+                assert q.head() is min(ref, key=key), (seed, i)
+        assert q.in_order() == sorted(ref, key=key)
+        assert sorted(x.req_id for x in q) == sorted(x.req_id for x in ref)
+
+
 def test_priority_preempts_lower_priority_for_a_waiting_higher_one():
     sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20", "kv.block_size=16",
                         "scheduler.preempt_for_waiting=true")
