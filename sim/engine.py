@@ -292,8 +292,10 @@ class Engine:
         """Cancel a request in any live state. Raises UnknownRequestError / EngineError.
         (A request that finished in the last step but still holds its blocks, under async
         scheduling, gives them back now, as vLLM's abort of it would.)"""
-        req = self.requests.get(req_id)
-        if req is not None and req in self._releasing:
+        # (looked up among them, not in `requests`: a run that keeps no history has
+        # forgotten a finished request, blocks or not)
+        req = next((r for r in self._releasing if r.req_id == req_id), None)
+        if req is not None:
             self._action("cancel", req_id=req_id)
             self._release_now(req)
             return
