@@ -114,8 +114,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     q: [num_seqs, num_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim];
     block_tables: [num_seqs, max_blocks_per_seq] int32; seq_lens: [num_seqs] int32 (tokens in the
     cache, the query's own included). `scale` defaults to 1/sqrt(head_dim). Options: `out` (a
-    buffer to fill), `max_seq_len` (saves a device sync on CuPy), `split_k` (None = by length,
-    True / False to force; CuPy only), `partition_size` (CuPy split-K tokens).
+    buffer to fill), `max_seq_len` (saves a device sync on CuPy), `split_k` (None = decode.cu's
+    per-sequence rule, False = never, True = from short lengths on; CuPy only), `partition_size`
+    (CuPy: fixed split-K partitions of that many tokens instead of the rule).
 
     Returns [num_seqs, num_heads, head_dim] in q's dtype.
     """

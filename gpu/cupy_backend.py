@@ -3,8 +3,10 @@
 CuPy is imported on first use, never at module import, so this module (and its source helpers,
 which the tests use to compile the kernels with nvcc) loads on a machine without CUDA.
 
-Kernels are templates instantiated per (storage, head_dim): `name_expressions` lists them, and
-one RawModule per pair is compiled the first time it is needed (CuPy caches the binary on disk).
+Kernels are templates instantiated per (storage, head_dim, block_size): `name_expressions` lists
+them, and one RawModule per triple is compiled the first time it is needed (CuPy caches the
+binary on disk). block_size must be a power of two (BLOCK_SIZES): the decode kernel's position
+arithmetic is a shift and a mask.
 Every launch goes through `_launch`, which checks the grid against CUDA's limits and turns a
 launch failure into a `KernelError` naming the kernel; with `set_sync_check(True)` (or
 SERVESIM_CUDA_SYNC=1) it also synchronises after each launch so that a fault is pinned on the
@@ -26,11 +28,17 @@ from .errors import BackendUnavailable, KernelError
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_FILES = ("decode.cu", "prefill.cu", "write_kv.cu")
 HEAD_DIMS = (32, 64, 128, 256)
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Query heads one decode block serves; the largest that divides the GQA group is used.
 HEADS_PER_BLOCK = (8, 4, 2, 1)
-# Split-K partition in tokens. Fixed (not tuned per batch) so that a sequence's decode result
-# depends only on its own length: see the note in decode.cu.
-PARTITION_SIZE = 512
+# Split-K (see decode.cu): a sequence is cut into at most target_splits partitions of at least
+# MIN_PARTITION tokens, rounded up to PARTITION_GRANULE; target_splits is sized so that one
+# sequence alone keeps SPLIT_BLOCKS_PER_SM thread blocks per SM busy. The rule reads only the
+# sequence's own length and the device, so a sequence's result never depends on its batch.
+MIN_PARTITION = 256
+PARTITION_GRANULE = 64
+SPLIT_BLOCKS_PER_SM = 2
+MAX_SPLITS = 64
 DECODE_THREADS = 128
 PREFILL_THREADS = 128
 LOG2E = 1.4426950408889634
@@ -39,7 +47,8 @@ _TAGS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 _sync_check = os.environ.get("SERVESIM_CUDA_SYNC", "") == "1"
-_modules: dict[tuple[str, int], object] = {}
+_modules: dict[tuple, object] = {}
+_device_info: dict[str, int] = {}
 
 
 def set_sync_check(enabled: bool) -> None:
@@ -61,10 +70,10 @@ def kernel_source() -> str:
     return "\n".join(inline((KERNEL_DIR / name).read_text()) for name in KERNEL_FILES)
 
 
-def name_expressions(storage_name: str, head_dim: int) -> list[str]:
-    """Returns the template instantiations compiled for one (storage, head_dim) module."""
+def name_expressions(storage_name: str, head_dim: int, block_size: int = 16) -> list[str]:
+    """Returns the template instantiations compiled for one (storage, head_dim, block_size) module."""
     tag = _TAGS[storage_name]
-    names = [f"paged_decode_kernel<{tag}, {head_dim}, {g}>" for g in HEADS_PER_BLOCK]
+    names = [f"paged_decode_kernel<{tag}, {head_dim}, {g}, {block_size}>" for g in HEADS_PER_BLOCK]
     names.append(f"paged_decode_reduce_kernel<{tag}>")
     names.append(f"paged_prefill_kernel<{tag}, {head_dim}>")
     return names
@@ -76,6 +85,16 @@ WRITE_KV_WORDS = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}
 def write_kv_name_expressions() -> list[str]:
     """Returns the write_kv instantiations, one per copy word size."""
     return [f"write_kv_kernel<{w}>" for w in WRITE_KV_WORDS.values()]
+
+
+def module_keys(block_sizes=(16,)) -> list[tuple]:
+    """The modules a run may compile: write_kv, and (storage, head_dim, block_size) for each
+    storage and head_dim and the given block sizes (the static bench and the tests list
+    every instantiation from here)."""
+    keys: list[tuple] = [("write_kv", 0, 0)]
+    for storage_name in _TAGS:
+        keys += [(storage_name, hd, bs) for hd in HEAD_DIMS for bs in block_sizes]
+    return keys
 
 
 def _cupy():
@@ -119,14 +138,24 @@ def _launch(kernel, name: str, grid: tuple[int, int, int], block: int, args: tup
             raise KernelError(f"{name} grid={grid} block={block}: faulted: {exc}") from exc
 
 
+def _num_sms() -> int:
+    """The current device's SM count (cached): sizes split-K so one sequence fills the GPU."""
+    if "sms" not in _device_info:
+        cp = _cupy()
+        device = cp.cuda.Device().id
+        _device_info["sms"] = int(cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    return _device_info["sms"]
+
+
 def _check_cache(k_cache, v_cache) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} {v_cache.dtype} differ")
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not a.flags.c_contiguous or a.data.ptr % 16:
             raise ValueError(f"{name} must be C-contiguous and 16-byte aligned")
-    if k_cache.ndim != 4 or k_cache.shape[3] not in HEAD_DIMS:
-        raise ValueError(f"cache shape {k_cache.shape}: want [num_blocks, block_size, num_kv_heads, head_dim], head_dim in {HEAD_DIMS}")
+    if k_cache.ndim != 4 or k_cache.shape[3] not in HEAD_DIMS or k_cache.shape[1] not in BLOCK_SIZES:
+        raise ValueError(f"cache shape {k_cache.shape}: want [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"head_dim in {HEAD_DIMS}, block_size a power of two up to {BLOCK_SIZES[-1]}")
 
 
 def _device(cp, a, dtype=None):
@@ -149,15 +178,45 @@ def _attention_inputs(cp, q, k_cache, v_cache, block_tables):
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     if q.shape[2] != k_cache.shape[3] or num_heads % num_kv_heads:
         raise ValueError(f"q {q.shape} does not fit cache {k_cache.shape} (head_dim, or heads not a multiple of kv heads)")
-    return _device(cp, q), _device(cp, block_tables, cp.int32), storage_of(k_cache).name
+    q = _device(cp, q)
+    if q.data.ptr % 16:  # the kernels read q rows as 16-byte vectors
+        q = q.copy()
+    return q, _device(cp, block_tables, cp.int32), storage_of(k_cache).name
+
+
+def split_plan(max_seq_len: int, num_kv_heads: int, tiles_per_kv: int, *, split_k=None,
+               partition_size=None) -> tuple[int, int, int, int]:
+    """Returns (num_splits, target_splits, min_partition, granule) for decode.cu's split rule.
+
+    num_splits (the grid's z) bounds every sequence's partition count when max_seq_len is at
+    least the longest sequence. Default: target_splits from the SM count; partition_size: fixed
+    partitions of that many tokens; split_k=False: one partition per sequence.
+    """
+    if split_k is False:
+        return 1, 1, _NO_SPLIT_PARTITION, 1
+    if partition_size is not None:
+        if partition_size < 1:
+            raise ValueError(f"partition_size {partition_size} must be >= 1")
+        target, min_part, granule = _NO_SPLIT_PARTITION, int(partition_size), 1
+    else:
+        blocks = max(1, num_kv_heads * tiles_per_kv)
+        target = max(1, min(MAX_SPLITS, -(-SPLIT_BLOCKS_PER_SM * _num_sms() // blocks)))
+        min_part, granule = MIN_PARTITION, PARTITION_GRANULE
+        if split_k is True:
+            min_part = granule = PARTITION_GRANULE
+    num_splits = max(1, min(target, -(-max(max_seq_len, 1) // min_part)))
+    return num_splits, target, min_part, granule
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=None, *, out=None,
-                           max_seq_len=None, split_k=None, partition_size=PARTITION_SIZE):
+                           max_seq_len=None, split_k=None, partition_size=None):
     """Decode attention over the paged cache; see `gpu` for shapes. Returns `out`.
 
-    `max_seq_len` (at least max(seq_lens)) saves a device sync when given. `split_k`: None picks
-    split-K when max_seq_len > partition_size, True / False force it on / off.
+    `max_seq_len` (at least max(seq_lens)) saves a device sync when given; a smaller value
+    still gives right results (the kernels clamp) but may not be batch-invariant, and raises
+    ValueError when sync checks are on. `split_k`: None splits long sequences as decode.cu's
+    rule says, False never splits, True splits from PARTITION_GRANULE tokens on;
+    `partition_size` fixes the partition length instead.
     """
     cp = _cupy()
     q, block_tables, sname = _attention_inputs(cp, q, k_cache, v_cache, block_tables)
@@ -169,30 +228,31 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    elif _sync_check and int(seq_lens.max()) > max_seq_len:
+        raise ValueError(f"max_seq_len {max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    use_split = max_seq_len > partition_size if split_k is None else bool(split_k)
-    num_splits = max(1, -(-max_seq_len // partition_size)) if use_split else 1
-    partition = partition_size if num_splits > 1 else _NO_SPLIT_PARTITION
-
     group = num_heads // num_kv_heads
     per_block = next(g for g in HEADS_PER_BLOCK if group % g == 0)
+    tiles = group // per_block
+    num_splits, target, min_part, granule = split_plan(max_seq_len, num_kv_heads, tiles, split_k=split_k,
+                                                       partition_size=partition_size)
     if num_splits > 1:
         part_acc = cp.empty((num_seqs, num_heads, num_splits, head_dim), dtype=cp.float32)
         part_ml = cp.empty((num_seqs, num_heads, num_splits, 2), dtype=cp.float32)
     else:
         part_acc = part_ml = cp.empty((1,), dtype=cp.float32)
-    name = f"paged_decode_kernel<{_TAGS[sname]}, {head_dim}, {per_block}>"
-    grid = (num_seqs, num_kv_heads * (group // per_block), num_splits)
+    key = (sname, head_dim, block_size)
+    name = f"paged_decode_kernel<{_TAGS[sname]}, {head_dim}, {per_block}, {block_size}>"
+    grid = (num_seqs, num_kv_heads * tiles, num_splits)
+    split_args = (np.int32(num_splits), np.int32(target), np.int32(min_part), np.int32(granule))
     args = (q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
-            np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
-            np.int32(block_tables.shape[1]), np.int32(num_splits), np.int32(partition),
+            np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_tables.shape[1]), *split_args,
             np.float32(scale * LOG2E))
-    _launch(_kernel((sname, head_dim), name), name, grid, DECODE_THREADS, args)
+    _launch(_kernel(key, name), name, grid, DECODE_THREADS, args)
     if num_splits > 1:
         name = f"paged_decode_reduce_kernel<{_TAGS[sname]}>"
-        args = (part_acc, part_ml, seq_lens, out, np.int32(num_heads), np.int32(head_dim),
-                np.int32(num_splits), np.int32(partition))
-        _launch(_kernel((sname, head_dim), name), name, (num_seqs, num_heads, 1), head_dim, args)
+        args = (part_acc, part_ml, seq_lens, out, np.int32(num_heads), np.int32(head_dim), *split_args)
+        _launch(_kernel(key, name), name, (num_seqs, num_heads, 1), head_dim, args)
     return out
 
 
@@ -222,7 +282,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
             np.int32(num_heads), np.int32(num_kv_heads), np.int32(block_size),
             np.int32(block_tables.shape[1]), np.float32(scale * LOG2E))
-    _launch(_kernel((sname, head_dim), name), name, grid, PREFILL_THREADS, args)
+    _launch(_kernel((sname, head_dim, block_size), name), name, grid, PREFILL_THREADS, args)
     return out
 
 
@@ -239,10 +299,13 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     k, v = _device(cp, k), _device(cp, v)
     slot_mapping = _device(cp, slot_mapping, cp.int64)
     row_bytes = row * k.itemsize
-    aligned = all(a.data.ptr % 16 == 0 for a in (k, v))
-    word = next(w for w in WRITE_KV_WORDS if row_bytes % w == 0 and (w < 16 or aligned))
+    # The widest word that divides the row and to which both sources are aligned (the caches are
+    # 16-byte aligned): a view at an odd element offset of fp16 data is only 2-byte aligned, and
+    # a wider word there is a misaligned-address fault that kills the CUDA context.
+    word = next(w for w in WRITE_KV_WORDS
+                if row_bytes % w == 0 and all(a.data.ptr % w == 0 for a in (k, v)))
     name = f"write_kv_kernel<{WRITE_KV_WORDS[word]}>"
     row_words = row_bytes // word
     block = min(256, 32 * -(-row_words // 32))
     args = (k, v, k_cache, v_cache, slot_mapping, np.int32(row_words))
-    _launch(_kernel(("write_kv", 0), name), name, (num_tokens, 1, 1), block, args)
+    _launch(_kernel(("write_kv", 0, 0), name), name, (num_tokens, 1, 1), block, args)

@@ -9,7 +9,7 @@ token of every sequence that samples. `work` is read by attribute only (`seqs`, 
 
 Default model sizes (block_size 16; bytes per block are K and V over all layers):
 
-    CPU_MODEL  2 layers,  2 heads, 1 kv head,  head_dim  32, float32:   8 KiB per block
+    CPU_MODEL  1 layer,   2 heads, 1 kv head,  head_dim  16, float32:   2 KiB per block
     GPU_MODEL  4 layers,  8 heads, 2 kv heads, head_dim 128, float16:  64 KiB per block
 
 `ModelExecutor.with_defaults` picks the one that fits the backend it resolves to.
@@ -33,9 +33,11 @@ from .errors import VerifyError
 from .kv_cache import PagedKVCache, kv_bytes_per_block
 from .model import ModelConfig, TinyModel
 
-# CPU: small enough that the default scenario's steps (batches of ~30 requests with ~3k-token
-# contexts) run at about 20 per second in NumPy with float64 accumulation.
-CPU_MODEL = {"num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32, "dtype": "float32"}
+# CPU: small enough that the default scenario (`chat`: batches of ~25 requests with ~4k-token
+# contexts, ~42 steps per simulated second) runs at x1 on two cores with headroom, NumPy with
+# float64 accumulation: decode reads every context's K/V each step, so bytes per token (layers x
+# kv heads x head_dim) set the pace. Still grouped-query (2 heads share a kv head).
+CPU_MODEL = {"num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "dtype": "float32"}
 GPU_MODEL = {"num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "dtype": "float16"}
 # CuPy verification tolerates float32-accumulation noise in deeper layers; NumPy must match exactly.
 CUPY_VERIFY_ATOL = 0.125
@@ -92,6 +94,9 @@ class ModelExecutor:
         self.storage = storage_named(dtype)
         if self.storage.name == "bfloat16" and self.backend.name != "cupy":
             raise ValueError("executor: dtype bfloat16 needs the cupy backend")
+        if self.backend.name == "cupy" and block_size not in self.backend.kernels.BLOCK_SIZES:
+            raise ValueError(f"executor: block_size {block_size}: the CUDA kernels take a power of two up to "
+                             f"{self.backend.kernels.BLOCK_SIZES[-1]}")
         self.config = ModelConfig(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
                                   head_dim=head_dim, vocab_size=vocab_size, mlp=mlp, seed=seed)
         self.model = TinyModel(self.config, self.backend.xp)
@@ -133,7 +138,7 @@ class ModelExecutor:
     def describe(self) -> str:
         """One line: model sizes, storage, pool size and backend."""
         c = self.config
-        return (f"tiny model: {c.num_layers} layers, {c.num_heads} heads ({c.num_kv_heads} kv), head_dim "
+        return (f"tiny model: {c.num_layers} layer{'s' if c.num_layers != 1 else ''}, {c.num_heads} heads ({c.num_kv_heads} kv), head_dim "
                 f"{c.head_dim}, d_model {c.d_model}, vocab {c.vocab_size}, {'mlp' if c.mlp else 'no mlp'}, "
                 f"seed {c.seed}; {self.storage.name} KV, {self.num_blocks} blocks x {self.block_size} tokens, "
                 f"{_format_bytes(self.bytes_per_block)}/block, "

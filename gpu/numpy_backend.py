@@ -29,6 +29,10 @@ BLAS_SINGLE_THREAD_WORK = 4 * 65536
 MIN_TILE_TOKENS = 256
 # Upper bound on one tile's score matrix, which matters for long prefill chunks.
 SCORE_BYTES = 8 << 20
+# Prefill query tokens per call of `_attend`: each block of a chunk reads keys only up to its
+# own last position (the causal mask hides the rest), and a sequence whose chunk ended before
+# the block is left out, not padded. Halves a fresh prompt's attention work.
+PREFILL_ROW_BLOCK = 256
 
 
 class _Workspace(threading.local):
@@ -73,6 +77,13 @@ def _take_blocks(cache, ids, buf):
     return tile.reshape(ids.shape[0], -1, *cache.shape[2:])
 
 
+def _cast(a, dtype, name):
+    """`a` converted to `dtype` in the workspace buffer `name` (no fresh allocation)."""
+    out = _workspace.get(name, a.size, np.dtype(dtype))[:a.size].reshape(a.shape)
+    np.copyto(out, a, casting="same_kind")
+    return out
+
+
 def _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
     """Softmax attention of grouped query rows over each sequence's paged keys.
 
@@ -101,11 +112,17 @@ def _attend(qg, row_pos, k_cache, v_cache, block_tables, seq_lens):
         vt = _take_blocks(v_cache, ids, v_buf)
         key_pos = np.arange(b0 * block_size, b0 * block_size + kt.shape[1])
         if key_pos[-1] >= min_len:
-            # Slots past a sequence's end were never written for it: zero them so that stale
-            # (even NaN) data cannot leak into the output through 0 * NaN.
+            # Slots past a sequence's end were never written for it: zero V there so that stale
+            # (even NaN) data cannot leak into the output through 0 * NaN. Their scores are
+            # masked to -inf below (a slot past the end is past every row's limit), so stale K
+            # needs no zeroing.
             stale = (key_pos[None, :] >= seq_lens[:, None])[:, :, None, None]
-            np.copyto(kt, 0, where=stale)
             np.copyto(vt, 0, where=stale)
+        if kt.dtype != qg.dtype:
+            # NumPy's matmul of mixed dtypes leaves BLAS for a slow generic loop (4x slower
+            # than a cast into a reused buffer followed by the BLAS product).
+            kt = _cast(kt, qg.dtype, "k_acc")
+            vt = _cast(vt, qg.dtype, "v_acc")
         s = np.matmul(qg, kt.transpose(0, 2, 3, 1))  # [S, KVH, R, tokens]
         if key_pos[-1] > min_pos:
             visible = key_pos[None, None, :] <= row_pos[:, :, None]  # [S, R, tokens]
@@ -223,7 +240,13 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     # Padded rows get a harmless in-range limit; their results are discarded below.
     pos = np.minimum((seq_lens - q_lens)[:, None] + j[None, :], (seq_lens - 1)[:, None])
     row_pos = np.repeat(pos, group, axis=1)
-    o = _attend(qg, row_pos, k_cache, v_cache, np.asarray(block_tables), seq_lens)
+    block_tables = np.asarray(block_tables)
+    o = np.empty_like(qg)
+    for j0 in range(0, width, PREFILL_ROW_BLOCK):
+        live = np.flatnonzero(q_lens > j0)
+        r0, r1 = j0 * group, min(width, j0 + PREFILL_ROW_BLOCK) * group
+        o[live, :, r0:r1] = _attend(qg[live, :, r0:r1], row_pos[live, r0:r1], k_cache, v_cache,
+                                    block_tables[live], seq_lens[live])
     o = o.reshape(num_seqs, num_kv_heads, width, group, head_dim).transpose(0, 2, 1, 3, 4)
     out[rows[is_query]] = o.reshape(num_seqs, width, num_heads, head_dim)[is_query]
     return out

@@ -1,9 +1,15 @@
-"""GPU self-check: `python -m gpu.selfcheck [--json-out PATH] [--quick]`.
+"""GPU self-check: `python -m gpu.selfcheck [--json-out PATH] [--quick | --tiny]`.
 
-1. Correctness: every CUDA kernel (decode with split-K off and on, prefill, write_kv) against the
-   NumPy backend on random scattered batches, in float32, float16 and bfloat16.
-2. Decode timings at Llama-3-8B shapes (32 query heads, 8 kv heads, head_dim 128, float16,
-   block_size 16) for batch 1/32/128/256 x context 512/2k/8k: CUDA-event medians, achieved GB/s
+Needs only NumPy, CuPy (cupy-cuda12x or cupy-cuda13x: `pip install -e ".[gpu-cuda13]"` or a
+plain `pip install cupy-cuda13x numpy`) and this repository: `gpu` imports nothing else, and the
+full run stays under 5 minutes on one H200.
+
+1. Correctness: every CUDA kernel (decode with split-K by the default rule, off, and with fixed
+   partitions; prefill; write_kv, including sources at a 2-byte offset) against the NumPy
+   backend on random scattered batches, in float32, float16 and bfloat16.
+2. Decode timings at Llama-3-8B (32 query heads, 8 kv heads) and Llama-3-70B (64 query heads,
+   8 kv heads) shapes, head_dim 128, float16, block_size 16, for batch 1/32/128/256 x context
+   512/2k/8k: CUDA-event medians, achieved GB/s
    (K/V read plus q and out) against a device-to-device copy measured in the same run, and
    against the same attention over a contiguous layout (torch SDPA when torch imports, else a
    dense CuPy matmul/softmax version).
@@ -12,7 +18,8 @@
 Prints a table; the full report goes to --json-out. Exit 0 when every correctness check passes,
 1 when one fails, 2 (one line on stderr, no traceback) when no CUDA device is usable. Each
 timing section stops starting new shapes once the time budget is spent, so the whole run stays
-within a few minutes on one H200; `--quick` runs a smaller set.
+within a few minutes on one H200; `--quick` runs a smaller set, `--tiny` the smallest shapes
+(for checking the self-check itself, e.g. under the tests' CPU emulator of CuPy).
 
 Everything takes a `Backend`, so the plumbing also runs on NumPy (the tests do that, with tiny
 shapes); only the CUDA events, the copy engine and torch are CuPy-specific.
@@ -58,14 +65,14 @@ class Plan:
         (4, 1, 256, 16, [40, 600]),
     ])
     split_partitions: tuple[int, ...] = (512, 128)
-    heads: int = 32
-    kv_heads: int = 8
-    head_dim: int = 128
+    # Decode timing shapes: (label, query heads, kv heads, head_dim).
+    timing_models: tuple = (("llama-3-8b", 32, 8, 128), ("llama-3-70b", 64, 8, 128))
     block_size: int = 16
     timing_dtype: str = "float16"
     batches: tuple[int, ...] = (1, 32, 128, 256)
     contexts: tuple[int, ...] = (512, 2048, 8192)
-    timing_budget_s: float = 120.0
+    timing_budget_s: float = 150.0  # shared by the timing models
+    copy_bytes: int = 1 << 30
     token_dtypes: tuple[str, ...] = ("float16", "float32")
     token_model: dict = field(default_factory=lambda: dict(GPU_MODEL))
     token_prompts: tuple[int, ...] = (7, 40, 130, 300)
@@ -77,6 +84,13 @@ QUICK = Plan(
     kernel_cases=[(4, 2, 128, 16, [1, 16, 100, 1500]), (1, 4, 64, 32, [64, 700]), (16, 2, 64, 16, [200, 1])],
     batches=(1, 32), contexts=(512, 2048), timing_budget_s=30.0, token_dtypes=("float16",),
     token_prompts=(7, 40), new_tokens=16,
+)
+TINY = Plan(
+    kernel_cases=[(4, 2, 64, 16, [1, 9, 300]), (8, 1, 32, 8, [70, 3])], split_partitions=(128,),
+    timing_models=(("tiny-gqa4", 8, 2, 64), ("tiny-gqa8", 8, 1, 64)), batches=(1, 3), contexts=(64, 256),
+    timing_budget_s=30.0, copy_bytes=1 << 20, token_dtypes=("float16",),
+    token_model={"num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}, token_prompts=(5, 9),
+    new_tokens=3,
 )
 
 
@@ -147,14 +161,14 @@ def check_kernels(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
             q = random_values(rng, (len(lens), num_heads, head_dim), storage_name)
             ref = numpy_backend.paged_decode_attention(_decoded(storage_name, q), host_k, host_v,
                                                        batch.block_tables, batch.seq_lens)
-            for split in (False, True):
-                for partition in (plan.split_partitions if split else plan.split_partitions[:1]):
-                    def decode(split=split, partition=partition):
-                        # The NumPy backend accepts and ignores split_k / partition_size.
-                        out = kernels.paged_decode_attention(backend.asarray(q), k_dev, v_dev, tables, seq_lens,
-                                                             split_k=split, partition_size=partition)
-                        return _rel_error(_decoded(storage_name, backend.to_host(out)), ref)
-                    record("decode", decode, split_k=split, partition_size=partition if split else None)
+            modes = [(None, None), (False, None)] + [(True, p) for p in plan.split_partitions]
+            for split, partition in modes:
+                def decode(split=split, partition=partition):
+                    # The NumPy backend accepts and ignores split_k / partition_size.
+                    out = kernels.paged_decode_attention(backend.asarray(q), k_dev, v_dev, tables, seq_lens,
+                                                         split_k=split, partition_size=partition)
+                    return _rel_error(_decoded(storage_name, backend.to_host(out)), ref)
+                record("decode", decode, split_k=split, partition_size=partition)
 
             q_lens = [int(rng.integers(1, n + 1)) for n in lens]
             cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -168,7 +182,7 @@ def check_kernels(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
                 return _rel_error(_decoded(storage_name, backend.to_host(out)), ref_p)
             record("prefill", prefill)
 
-            def write():
+            def write(offset=0):
                 n = 9
                 slots = rng.permutation(batch.k_cache.shape[0] * block_size)[:n].astype(np.int64)
                 slots[::3] = -1
@@ -179,11 +193,20 @@ def check_kernels(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
                 expect_k.reshape(-1, num_kv_heads, head_dim)[slots[keep]] = k_new[keep]
                 expect_v.reshape(-1, num_kv_heads, head_dim)[slots[keep]] = v_new[keep]
                 kc, vc = backend.asarray(batch.k_cache), backend.asarray(batch.v_cache)
-                kernels.write_kv(backend.asarray(k_new), backend.asarray(v_new), kc, vc, backend.asarray(slots))
+                k_dev_new, v_dev_new = backend.asarray(k_new), backend.asarray(v_new)
+                if offset:  # sources that start `offset` elements into a buffer (2-byte aligned)
+                    def shifted(a):
+                        flat = backend.xp.zeros(a.size + offset, dtype=a.dtype)
+                        flat[offset:] = a.reshape(-1)
+                        return flat[offset:].reshape(a.shape)
+                    k_dev_new, v_dev_new = shifted(k_dev_new), shifted(v_dev_new)
+                kernels.write_kv(k_dev_new, v_dev_new, kc, vc, backend.asarray(slots))
                 same = [np.array_equal(backend.to_host(got).view(np.uint8), want.view(np.uint8))
                         for got, want in ((kc, expect_k), (vc, expect_v))]
                 return 0.0 if all(same) else math.inf
             record("write_kv", write)
+            if storage_name != "float32":
+                record("write_kv", lambda: write(offset=1), source_offset=1)
     return results
 
 
@@ -249,15 +272,29 @@ def _copy_gbps(backend: Backend, timer: _Timer, nbytes: int) -> float:
 
 
 def time_decode(backend: Backend, plan: Plan, seed: int = 0) -> dict:
-    """Decode timings over the plan's batches x contexts; see the module docstring."""
-    xp, timer = backend.xp, _Timer(backend)
-    rng = np.random.default_rng(seed)
-    st = storage(plan.timing_dtype)
-    deadline = time.monotonic() + plan.timing_budget_s
-    copy_gbps = _copy_gbps(backend, timer, 1 << 30 if backend.name == "cupy" else 1 << 24)
+    """Decode timings for each of the plan's models over its batches x contexts; see the module
+    docstring. The time budget is shared: each model gets what the ones before it left."""
+    timer = _Timer(backend)
+    started = time.monotonic()
+    copy_gbps = _copy_gbps(backend, timer, plan.copy_bytes if backend.name == "cupy" else min(plan.copy_bytes, 1 << 24))
     sdpa = _torch_sdpa(backend)
     baseline = sdpa[0] if sdpa else f"dense {backend.name} matmul + softmax"
-    bs, kvh, d, h = plan.block_size, plan.kv_heads, plan.head_dim, plan.heads
+    models = []
+    for i, (label, heads, kv_heads, head_dim) in enumerate(plan.timing_models):
+        left = plan.timing_budget_s - (time.monotonic() - started)
+        deadline = time.monotonic() + left / (len(plan.timing_models) - i)
+        rows = _time_model(backend, plan, timer, heads, kv_heads, head_dim, deadline, copy_gbps, sdpa, seed)
+        models.append({"model": label, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "rows": rows})
+    return {"copy_gbps": copy_gbps, "baseline": baseline, "dtype": plan.timing_dtype, "block_size": plan.block_size,
+            "models": models}
+
+
+def _time_model(backend: Backend, plan: Plan, timer: _Timer, h: int, kvh: int, d: int, deadline: float,
+                copy_gbps: float, sdpa, seed: int) -> list[dict]:
+    xp = backend.xp
+    rng = np.random.default_rng(seed)
+    st = storage(plan.timing_dtype)
+    bs = plan.block_size
     max_blocks = max(plan.batches) * max(plan.contexts) // bs
     shape = (max_blocks, bs, kvh, d)
     k_cache = xp.empty(shape, dtype=st.array_dtype)
@@ -315,8 +352,8 @@ def time_decode(backend: Backend, plan: Plan, seed: int = 0) -> dict:
                 del k_dense, v_dense
             except Exception as exc:
                 row["error_text"] = f"{type(exc).__name__}: {exc}"
-    return {"copy_gbps": copy_gbps, "baseline": baseline, "dtype": plan.timing_dtype, "heads": h,
-            "kv_heads": kvh, "head_dim": d, "block_size": bs, "rows": rows}
+    del k_cache, v_cache
+    return rows
 
 
 def check_tokens(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
@@ -396,17 +433,19 @@ def format_report(report: dict) -> str:
         lines.append(f"  FAILED {r['kernel']} {r['storage']} group {r['group']} head_dim {r['head_dim']} "
                      f"block {r['block_size']}: {r.get('error_text', r['error'])}")
     t = report["decode_timings"]
-    lines.append(f"decode attention, {t['heads']} heads / {t['kv_heads']} kv heads, head_dim {t['head_dim']}, "
-                 f"{t['dtype']}, block {t['block_size']}; copy bandwidth {t['copy_gbps']:.0f} GB/s; "
+    lines.append(f"decode attention, {t['dtype']}, block {t['block_size']}; copy bandwidth {t['copy_gbps']:.0f} GB/s; "
                  f"contiguous baseline: {t['baseline']}")
-    lines.append(f"{'batch':>6} {'context':>8} {'paged ms':>9} {'GB/s':>8} {'% copy':>7} {'dense ms':>9} {'ratio':>6}")
-    for r in t["rows"]:
-        if "paged_ms" not in r:
-            lines.append(f"{r['batch']:>6} {r['context']:>8}  {r.get('skipped') or r.get('error_text')}")
-            continue
-        dense = f"{r['dense_ms']:>9.3f} {r['ratio_to_dense']:>6.2f}" if "dense_ms" in r else r.get("error_text", "")
-        lines.append(f"{r['batch']:>6} {r['context']:>8} {r['paged_ms']:>9.3f} {r['paged_gbps']:>8.0f} "
-                     f"{100 * r['fraction_of_copy']:>6.0f}% {dense}")
+    for model in t["models"]:
+        lines.append(f"{model['model']}: {model['heads']} heads / {model['kv_heads']} kv heads, "
+                     f"head_dim {model['head_dim']}")
+        lines.append(f"{'batch':>6} {'context':>8} {'paged ms':>9} {'GB/s':>8} {'% copy':>7} {'dense ms':>9} {'ratio':>6}")
+        for r in model["rows"]:
+            if "paged_ms" not in r:
+                lines.append(f"{r['batch']:>6} {r['context']:>8}  {r.get('skipped') or r.get('error_text')}")
+                continue
+            dense = f"{r['dense_ms']:>9.3f} {r['ratio_to_dense']:>6.2f}" if "dense_ms" in r else r.get("error_text", "")
+            lines.append(f"{r['batch']:>6} {r['context']:>8} {r['paged_ms']:>9.3f} {r['paged_gbps']:>8.0f} "
+                         f"{100 * r['fraction_of_copy']:>6.0f}% {dense}")
     for entry in report["token_identity"]:
         if "error_text" in entry:
             lines.append(f"tokens {entry['dtype']}: {entry['error_text']}")
@@ -422,14 +461,16 @@ def format_report(report: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--json-out", help="write the full report here as JSON")
-    parser.add_argument("--quick", action="store_true", help="fewer cases and shapes")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer cases and shapes")
+    size.add_argument("--tiny", action="store_true", help="the smallest shapes: checks the self-check itself")
     args = parser.parse_args(argv)
     try:
         backend = get_backend("cupy")
     except BackendUnavailable as exc:
         print(f"gpu.selfcheck: {exc}", file=sys.stderr)
         return 2
-    report = run(backend, QUICK if args.quick else FULL)
+    report = run(backend, TINY if args.tiny else QUICK if args.quick else FULL)
     print(format_report(report))
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -49,7 +49,9 @@ from sim.costmodel import CostModel
 from sim.engine import Engine, EngineSnapshot, _view, cancellable, checked_injection
 from sim.errors import EngineError, ScenarioError, UnknownRequestError
 from sim.gcpause import paused_gc
+from sim.metrics import KVPeak
 from sim.policies import POLICIES
+from sim.quantiles import Samples
 from sim.request import Request, RequestState
 from sim.routers import ROUTERS
 from sim.workload import Workload, build_workload
@@ -60,7 +62,7 @@ INF = math.inf
 
 def build(scenario, *, policy: str | None = None, make_executor=None,
           workload: Workload | None = None, record_events: bool = True,
-          skip_ahead: bool = True, clock: str | None = None):
+          skip_ahead: bool = True, clock: str | None = None, keep_history: bool = True):
     """What the scenario deploys: a plain `Engine` for one instance, else a `Cluster`.
 
     `make_executor(scenario)`, when given, builds the real-compute executor of each instance.
@@ -69,10 +71,12 @@ def build(scenario, *, policy: str | None = None, make_executor=None,
     name = policy or scenario.scheduler.policy
     if name == "disaggregated" or scenario.cluster.replicas > 1:
         return Cluster(scenario, policy=policy, make_executor=make_executor, workload=workload,
-                       record_events=record_events, skip_ahead=skip_ahead, clock=clock)
+                       record_events=record_events, skip_ahead=skip_ahead, clock=clock,
+                       keep_history=keep_history)
     return Engine(scenario, policy=policy, workload=workload,
                   executor=make_executor(scenario) if make_executor else None,
-                  record_events=record_events, skip_ahead=skip_ahead, clock=clock)
+                  record_events=record_events, skip_ahead=skip_ahead, clock=clock,
+                  keep_history=keep_history)
 
 
 # ================================================================================ disaggregation
@@ -144,10 +148,13 @@ class Cluster:
     """
 
     RECENT = Engine.RECENT
+    PRUNE_AT = 4096  # (keep_history off) `requests` is swept of ended ones from this size on
 
     def __init__(self, scenario, *, policy: str | None = None, make_executor=None,
                  workload: Workload | None = None, record_events: bool = True,
-                 skip_ahead: bool = True, clock: str | None = None) -> None:
+                 skip_ahead: bool = True, clock: str | None = None,
+                 keep_history: bool = True) -> None:
+        """`keep_history=False` bounds memory by what is in flight, as for an Engine."""
         name = policy or scenario.scheduler.policy
         self.disaggregated = name == "disaggregated"
         n = 2 if self.disaggregated else scenario.cluster.replicas
@@ -174,7 +181,8 @@ class Cluster:
         for i in range(n):
             kw = dict(policy="chunked" if self.disaggregated else name, workload=empty,
                       executor=make_executor(scenario) if make_executor else None,
-                      record_events=record_events, skip_ahead=skip_ahead, clock=clock)
+                      record_events=record_events, skip_ahead=skip_ahead, clock=clock,
+                      keep_history=keep_history)
             if self.disaggregated and i == 0:
                 e = PrefillEngine(scenario, on_first_token=me._on_first_token, **kw)
             else:
@@ -192,6 +200,14 @@ class Cluster:
         self.block_size = scenario.kv.block_size
         self.events: list[ev.Event] = []
         self.requests: dict[int, Request] = {}
+        self.keep_history = keep_history
+        self._prune_at = self.PRUNE_AT
+        # The peak of blocks in use over all instances: their rows merged in time order.
+        self.kv_peak = KVPeak([e.timeline for e in self.instances])
+        self._merging = False
+        for e in self.instances:
+            e.timeline.hold_kv = True
+            e.timeline.on_seal = me._merge_kv
         self.routed = [0] * n  # requests sent to each instance (routed, or handed off)
         self.wall_s = 0.0
         self.focus = 0  # the instance whose block map a snapshot carries
@@ -207,7 +223,10 @@ class Cluster:
         self._inbound: list[tuple[float, int]] = []
         self._unsent: list[tuple[float, int]] = []
         self._cancels: list[tuple[float, int]] = []  # client cancels of requests in hand-off
-        self.transfers: list[tuple[float, float, float]] = []  # (ready, start, end) of each
+        # (ready, start, end) of each transfer (kept with the history); its figures
+        self.transfers: list[tuple[float, float, float]] = []
+        self.transfer_wait = Samples()
+        self.transfer_time = Samples()
         # (steps, clock) at which an instance found nothing it could schedule; cleared by any
         # delivery, after which it may again.
         self._stuck: list[tuple | None] = [None] * n
@@ -328,6 +347,20 @@ class Cluster:
         self.wall_s += time.perf_counter() - t0
         return self.step_count - start
 
+    def _merge_kv(self) -> None:
+        """Merge the instances' KV use up to where it is final, so that their timelines may
+        drop those rows (called when an instance's timeline seals a chunk)."""
+        if self._merging:  # (reading a timeline may seal another's chunk)
+            return
+        self._merging = True
+        busy = [e.now for i, e in enumerate(self.instances) if self._busy(i)]
+        # No instance adds a row ending before its clock; one idle now gets work no earlier
+        # than the next arrival, or a hand-off from a busy one.
+        try:
+            self.kv_peak.advance(min(busy + [self._next_arrival()]))
+        finally:
+            self._merging = False
+
     def _stalled(self):
         raise EngineError(f"deployment stalled at t={self.now:.6f}: {len(self._handoffs)} "
                           "requests between instances, nothing can move")
@@ -349,7 +382,7 @@ class Cluster:
         """Add `count` requests arriving now, each routed at once. Returns their ids.
         Raises EngineError on a non-positive length or count."""
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
-                                                    count)
+                                                    count, priority)
         self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
                      priority=priority, count=count,
                      prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))
@@ -596,6 +629,9 @@ class Cluster:
         self._route(req)
 
     def _route(self, req: Request) -> None:
+        if not self.keep_history and len(self.requests) >= self._prune_at:  # forget ended ones
+            self.requests = {k: r for k, r in self.requests.items() if not r.state.is_done}
+            self._prune_at = max(self.PRUNE_AT, 2 * len(self.requests))
         self.requests[req.req_id] = req
         if self.router is None:
             k, why = 0, "prefill"
@@ -678,7 +714,10 @@ class Cluster:
             d.executor.import_kv(req.req_id, h.dst, p.executor.export_kv(req.req_id, h.src))
         heapq.heappush(self._inbound, (h.end, req.req_id))
         heapq.heappush(self._unsent, (h.end, req.req_id))
-        self.transfers.append((h.ready, h.start, h.end))
+        if self.keep_history:
+            self.transfers.append((h.ready, h.start, h.end))
+        self.transfer_wait.add(h.start - h.ready)
+        self.transfer_time.add(h.end - h.start)
         if self.record_events:
             d.events.append(ev.Handoff(d.now, req.req_id, "start", len(h.dst), h.end))
 

@@ -27,7 +27,10 @@ from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
 from sim.kv import KVCacheManager, blocks_for
+from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS,
+                        PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
+from sim.quantiles import Samples
 from sim.request import Request, RequestState
 from sim.timeline import Timeline
 from sim.tokens import prompt_token_ids
@@ -57,6 +60,7 @@ class RequestView:
     is_prefill: bool
     tokens: tuple[int, ...] = ()
     replica: int = 0  # the instance it is on, in a deployment of several (sim.cluster)
+    tag: str | None = None  # who sent it (servesim serve: the client's address)
 
 
 @dataclass(slots=True)
@@ -87,23 +91,34 @@ def _view(r: Request, with_tokens: bool = False) -> RequestView:
         r.req_id, r.state.value, r.prompt_len, r.max_output_tokens, r.num_computed_tokens,
         r.num_output_tokens, len(r.block_table), r.priority, r.arrival_time, r.admitted_time,
         r.first_token_time, r.finish_time, r.num_preemptions, r.is_prefill,
-        tuple(r.output_token_ids[-16:]) if with_tokens else (), r.replica,
+        tuple(r.output_token_ids[-16:]) if with_tokens else (), r.replica, r.tag,
     )
 
 
 def checked_injection(prompt_len: int | None, max_output_tokens: int,
-                      prompt_text: str | bytes | None, count: int) -> tuple[int, bytes | None]:
+                      prompt_text: str | bytes | None, count: int,
+                      priority: int = 0) -> tuple[int, bytes | None]:
     """The prompt length and bytes of an injection (a typed prompt gives its length).
 
-    Raises EngineError on a non-positive length or count."""
+    Raises EngineError on a length, count or priority that is not an integer in its range
+    (lengths 1 to MAX_TOKENS, count 1 to MAX_INJECT_COUNT); ScenarioError (sim.limits) when
+    the output's per-step records would not fit in memory."""
     if isinstance(prompt_text, str):
         prompt_text = prompt_text.encode()
+    if prompt_text is not None and not isinstance(prompt_text, bytes):
+        raise EngineError(f"inject: prompt_text = {prompt_text!r:.40}: must be text")
     if prompt_text is not None and prompt_len is None:
         prompt_len = len(prompt_text)
-    for name, v in (("prompt_len", prompt_len), ("max_output_tokens", max_output_tokens),
-                    ("count", count)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise EngineError(f"inject: {name} = {v!r}: must be a positive integer")
+    for name, v, lo, hi in (("prompt_len", prompt_len, 1, MAX_TOKENS),
+                            ("max_output_tokens", max_output_tokens, 1, MAX_TOKENS),
+                            ("count", count, 1, MAX_INJECT_COUNT),
+                            ("priority", priority, *PRIORITY_RANGE)):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            shown = f"{v!r:.40}"
+            raise EngineError(f"inject: {name} = {shown}: must be an integer from {lo:,} "
+                              f"to {hi:,}")
+    check_memory(f"inject: max_output_tokens = {max_output_tokens}",
+                 max_output_tokens * BYTES_PER_STEP, " for its per-step records")
     return prompt_len, prompt_text
 
 
@@ -121,8 +136,8 @@ def cancellable(requests: dict, req_id: int) -> Request:
 
 class _Continued:
     """The timeline of a request whose first tokens were sampled on another engine: this
-    engine's step end times, then those tokens' times and a pad, so that one list of token
-    segments names both (the earlier tokens are the segment [-k - 1, k])."""
+    engine's step end times, and those tokens' times, so that one list of token segments names
+    both (the earlier tokens are the segment [-k - 1, k], below every row here)."""
 
     __slots__ = ("timeline", "earlier")
 
@@ -130,8 +145,11 @@ class _Continued:
         self.timeline = timeline
         self.earlier = earlier
 
-    def end_times(self) -> np.ndarray:
-        return np.concatenate((self.timeline.end_times(), self.earlier, [np.nan]))
+    def ends(self, start: int, count: int) -> np.ndarray:
+        """End times of rows [start, start + count); a negative start names the earlier ones."""
+        if start < 0:
+            return self.earlier[:count]
+        return self.timeline.ends(start, count)
 
 
 class Engine:
@@ -142,15 +160,23 @@ class Engine:
     """
 
     RECENT = 64
+    ARRIVAL_WINDOW = 1 << 16  # arrival times held as a Python list at a time
+    ROLLING_S = 60.0  # simulated seconds of first tokens and gaps kept for `sim.rolling`
 
     def __init__(self, scenario, *, policy: str | None = None, executor=None,
                  workload: Workload | None = None, record_events: bool = True,
                  skip_ahead: bool = True, clock: str | None = None,
-                 record_timeline: bool = True) -> None:
+                 record_timeline: bool = True, keep_history: bool = True) -> None:
         """`record_timeline=False` keeps no per-step figures: the events are the same, but
-        metrics (`sim.summarize`, `sim.rolling`) cannot be computed; for verifying a replay."""
+        metrics (`sim.summarize`, `sim.rolling`) cannot be computed; for verifying a replay.
+
+        `keep_history=False` bounds memory by what is in flight: a request is dropped when it
+        ends (`requests` and `get` know only live ones; the last RECENT stay in `recent`) and
+        timeline rows once folded into the summary's totals (`rolling`, the token times of
+        ended requests and the exports need the default). The summary is the same either way."""
         self.scenario = scenario
         self.record_timeline = record_timeline
+        self.keep_history = keep_history
         self.cost = CostModel(scenario)
         self.workload = workload if workload is not None else build_workload(scenario)
         self.kv = KVCacheManager(
@@ -176,13 +202,13 @@ class Engine:
         self.record_events = record_events
         self.events: list[ev.Event] = []
         w = self.workload
-        # Python lists: scalar reads in the hot loop are several times faster than from arrays.
-        self._w_arrival = w.arrival.tolist()
-        self._w_prompt = w.prompt.tolist()
-        self._w_output = w.output.tolist()
-        self._w_priority = w.priority.tolist()
-        self._w_cancel = w.cancel_at.tolist()
-        self._w_group = w.prefix_group.tolist() if w.prefix_group is not None else None
+        # The next arrival times as a Python list (scalar reads in the hot loop are several
+        # times faster than from an array), a window of them at a time so that the list does
+        # not hold 32 bytes for every request of a long run; _w_next indexes the window, which
+        # holds workload rows from _w_base on. (The other columns are read once per arrival,
+        # from the arrays.)
+        self._w_base = 0
+        self._w_arrival = w.arrival[:self.ARRIVAL_WINDOW].tolist()
         self._w_next = 0
         self._next_id = len(w)
         self._cancels: list[tuple[float, int]] = []
@@ -192,7 +218,7 @@ class Engine:
         self.now = 0.0
         self.step_count = 0
         self.idle_time = 0.0
-        self.timeline = Timeline()
+        self.timeline = Timeline(keep=keep_history, pinned=self._first_token_row)
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
         self._freed: list[int] = []
@@ -205,14 +231,27 @@ class Engine:
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
                            swaps=0, output_tokens=0, injected=0, finished_samples=0,
                            cancelled_samples=0, fragmentation_stalls=0)
-        self.queue_waits: list[float] = []
-        self.ttfts: list[float] = []
-        self.ttft_times: list[float] = []
-        self.done_stats: list[tuple[float, float, float, float, int]] = []
-        self.itl_extra: list[tuple[float, float]] = []  # (time, gap) across non-adjacent steps
+        # Per-request figures, folded as they happen (sim.metrics reads them; sim.quantiles
+        # says when their percentiles stop being exact).
+        self.queue_wait = Samples()
+        self.ttft = Samples()  # of every request's first token (not further samples')
+        self.tpot = Samples()  # of finished requests with at least two tokens
+        self.e2e = Samples()   # of finished requests
+        self.itl_extra = Samples()  # ITL gaps across non-adjacent steps (the timeline has the rest)
+        self.finished_prompt_tokens = 0  # of finished requests and samples
+        self.finished_output_tokens = 0  # of finished requests
+        self.slo_met = 0  # finished requests that met every SLO
+        # (time, value) of the last ROLLING_S simulated seconds, for sim.rolling
+        self.recent_ttfts: deque[tuple[float, float]] = deque()
+        self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
 
     # ================================================================================ public API
+    @property
+    def queue_waits(self) -> np.ndarray:
+        """Every queue wait so far (s), in admission order (while they are held exactly)."""
+        return self.queue_wait.values()
+
     @property
     def done(self) -> bool:
         """True when no request is queued, running or still to arrive."""
@@ -268,20 +307,37 @@ class Engine:
 
     def inject(self, prompt_len: int | None = None, max_output_tokens: int = 128, *,
                priority: int = 0, prompt_text: str | bytes | None = None,
-               count: int = 1) -> list[int]:
-        """Add `count` requests arriving now. Returns their ids.
+               count: int = 1, arrival_time: float | None = None,
+               tag: str | None = None) -> list[int]:
+        """Add `count` requests arriving now, or at `arrival_time` (not after now: a request
+        that arrived while a step was running joins the queue at this step boundary, its
+        latencies timed from when it arrived). `tag` names who sent them (shown on screens).
+        Returns their ids.
 
-        Raises EngineError on a non-positive length or count.
+        Raises EngineError on a length, count or priority out of range (`checked_injection`),
+        or an arrival time after now; ScenarioError on an output so long its per-step records
+        would not fit in memory.
         """
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
-                                                    count)
+                                                    count, priority)
+        extra = {}
+        if arrival_time is not None:
+            if not 0.0 <= arrival_time <= self.now:
+                raise EngineError(f"inject: arrival_time = {arrival_time!r}: must be between 0 "
+                                  f"and now ({self.now!r})")
+            extra["arrival_time"] = arrival_time
+        if tag is not None:
+            extra["tag"] = tag
         self._action("inject", prompt_len=prompt_len, max_output_tokens=max_output_tokens,
                      priority=priority, count=count,
-                     prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"))
+                     prompt_text=None if prompt_text is None else prompt_text.decode("latin-1"),
+                     **extra)
         ids = []
+        t = self.now if arrival_time is None else arrival_time
         for _ in range(count):
-            req = Request(self._next_id, self.now, prompt_len, max_output_tokens,
+            req = Request(self._next_id, t, prompt_len, max_output_tokens,
                           priority=priority, prompt_text=prompt_text, injected=True)
+            req.tag = tag
             self._next_id += 1
             self.counts["injected"] += 1
             self._on_arrival(req)
@@ -308,7 +364,8 @@ class Engine:
         ids = [r.req_id for r in self.policy.waiting_in_order()]
         self._action("cancel_waiting")
         for i in ids:
-            self._cancel(self.requests[i], by="user")
+            if not self.requests[i].state.is_done:  # (a sample goes with its request)
+                self._cancel(self.requests[i], by="user")
         return ids
 
     def switch_policy(self, name: str) -> None:
@@ -326,9 +383,11 @@ class Engine:
         """Re-apply a recorded user action (replay)."""
         if action == "inject":
             text = args.get("prompt_text")
+            # (only an engine's own injections carry these; a deployment's `inject` has none)
+            extra = {k: args[k] for k in ("arrival_time", "tag") if k in args}
             self.inject(args["prompt_len"], args["max_output_tokens"],
                         priority=args.get("priority", 0), count=args.get("count", 1),
-                        prompt_text=None if text is None else text.encode("latin-1"))
+                        prompt_text=None if text is None else text.encode("latin-1"), **extra)
         elif action == "cancel":
             self.cancel(args["req_id"])
         elif action == "cancel_waiting":
@@ -472,7 +531,8 @@ class Engine:
             self.kv.free(req)
             req.num_computed_tokens = 0
             req.recomputing = True
-            self._freed.append(req.req_id)
+            if self.executor is not None:
+                self._freed.append(req.req_id)
             mode = "recompute"
         req.num_preemptions += 1
         self.counts["preemptions"] += 1
@@ -507,21 +567,27 @@ class Engine:
 
     def _arrive(self, now: float) -> None:
         arr = self._w_arrival
+        w = self.workload
         while self._w_next < len(arr) and arr[self._w_next] <= now:
-            i = self._w_next
+            i = self._w_base + self._w_next  # the request's row in the workload
+            t = arr[self._w_next]
             self._w_next += 1
-            c = self._w_cancel[i]
-            req = Request(i, arr[i], self._w_prompt[i], self._w_output[i],
-                          priority=self._w_priority[i],
-                          hash_ids=self.workload.hash_ids[i] if self.workload.hash_ids else None,
+            if self._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
+                self._w_base = i + 1
+                self._w_arrival = arr = w.arrival[i + 1:i + 1 + self.ARRIVAL_WINDOW].tolist()
+                self._w_next = 0
+            c = w.cancel_at[i].item()
+            req = Request(i, t, w.prompt[i].item(), w.output[i].item(),
+                          priority=w.priority[i].item(),
+                          hash_ids=w.hash_ids[i] if w.hash_ids else None,
                           cancel_at=None if c != c else c)
-            if self._w_group is not None:
-                req.shared_prefix = (self._w_group[i], self.workload.prefix_tokens)
+            if w.prefix_group is not None:
+                req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
             self._on_arrival(req)
         while self._cancels and self._cancels[0][0] <= now:
             _, rid = heapq.heappop(self._cancels)
-            req = self.requests[rid]
-            if not req.state.is_done:
+            req = self.requests.get(rid)  # (gone: it ended, and keep_history is off)
+            if req is not None and not req.state.is_done:
                 self._cancel(req, by="client")
             elif req in self._releasing:  # finished, its output not yet processed: freed now
                 self._release_now(req)
@@ -546,6 +612,8 @@ class Engine:
             req.finish_time = self.now
             self.counts["rejected"] += 1
             self.recent.append(req)
+            if not self.keep_history:
+                del self.requests[req.req_id]
             if self.record_events:
                 self.events.append(ev.Reject(self.now, req.req_id, reason))
             return
@@ -580,18 +648,46 @@ class Engine:
             self.policy.finished(req)
         self.recent.append(req)
         self._drop(req)
+        self.finished_prompt_tokens += req.prompt_len
         if req.parent_id is not None:  # a further sample: its tokens count, not its latency
             self.counts["finished_samples"] += 1
             if self.record_events:
                 self.events.append(ev.Finish(t, req.req_id))
             return
         self.counts["finished"] += 1
-        tpot = req.tpot
-        self.done_stats.append((t, req.first_token_time - req.arrival_time,
-                                t - req.arrival_time, -1.0 if tpot is None else tpot,
-                                req.num_output_tokens))
+        self._fold_finished(req, t)
         if self.record_events:
             self.events.append(ev.Finish(t, req.req_id))
+
+    def _fold_finished(self, req: Request, t: float) -> None:
+        """Add a finished request (not a further sample) to the run's latency figures."""
+        ttft = req.first_token_time - req.arrival_time
+        e2e = t - req.arrival_time
+        tpot = req.tpot
+        self.e2e.add(e2e)
+        if tpot is not None:
+            self.tpot.add(tpot)
+        self.finished_output_tokens += req.num_output_tokens
+        slo = self.scenario.slo
+        if ((not slo.ttft_ms or ttft * 1e3 <= slo.ttft_ms)
+                and (not slo.tpot_ms or tpot is None or tpot * 1e3 <= slo.tpot_ms)
+                and (not slo.e2e_ms or e2e * 1e3 <= slo.e2e_ms)):
+            self.slo_met += 1
+
+    def _gap(self, t: float, gap: float) -> None:
+        """An ITL gap across steps that are not adjacent, its token sampled at `t`."""
+        self.itl_extra.add(gap)
+        self._recent(self.recent_gaps, t, gap)
+
+    def _recent(self, q: deque, t: float, v: float) -> None:
+        q.append((t, v))
+        while q[0][0] < t - self.ROLLING_S:
+            q.popleft()
+
+    def _first_token_row(self) -> float:
+        """The first timeline row a live request's token times point into (math.inf: none)."""
+        return min((s for r in self.requests.values() for s, _ in r.token_segments[:2]
+                    if s >= 0), default=INF)
 
     def _finish_step(self, finished: list[Request], t: float) -> None:
         """The requests whose last token the step ending at `t` computed end."""
@@ -632,8 +728,11 @@ class Engine:
             self.policy.finished(req)
 
     def _drop(self, req: Request) -> None:
-        self._freed.append(req.req_id)
+        if self.executor is not None:  # it tells the executor, then forgets
+            self._freed.append(req.req_id)
         self._prompt_ids.pop(req.req_id, None)
+        if not self.keep_history:
+            self.requests.pop(req.req_id, None)
 
     def _admit(self, req: Request) -> None:
         resumed = req.state is not RS.WAITING
@@ -644,7 +743,7 @@ class Engine:
         req.transition(RS.RUNNING)
         if req.admitted_time is None:
             req.admitted_time = self.now
-            self.queue_waits.append(self.now - req.arrival_time)
+            self.queue_wait.add(self.now - req.arrival_time)
         if self.record_events:
             self.events.append(ev.Admit(self.now, req.req_id, resumed))
 
@@ -655,6 +754,10 @@ class Engine:
         Returns the number of engine steps taken.
         """
         now = self.now
+        if now > MAX_TIME_S:  # a service-time model whose steps outrun any session
+            raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {self.step_count} "
+                              f"(t = {now:.3g} s): steps or hand-offs take too long under this "
+                              "scenario's [hardware] and [model]")
         if ((self._w_next < len(self._w_arrival) and self._w_arrival[self._w_next] <= now)
                 or (self._cancels and self._cancels[0][0] <= now)):
             self._arrive(now)
@@ -741,8 +844,8 @@ class Engine:
             if req.num_output_tokens == 1:
                 req.first_token_time = end
                 if req.parent_id is None:
-                    self.ttfts.append(end - req.arrival_time)
-                    self.ttft_times.append(end)
+                    self.ttft.add(end - req.arrival_time)
+                    self._recent(self.recent_ttfts, end, end - req.arrival_time)
                 first.append(req)
                 segs.append([g, 1])
             else:
@@ -751,7 +854,7 @@ class Engine:
                     last[1] += 1
                     itl += 1
                 else:
-                    self.itl_extra.append((end, end - req.last_token_time))
+                    self._gap(end, end - req.last_token_time)
                     segs.append([g, 1])
                 if req.recomputing:  # its re-prefill after a preemption is done
                     req.recomputing = False
@@ -831,6 +934,9 @@ class Engine:
     # rest: most runs end within a few steps (at the next arrival), where NumPy's per-call cost
     # would dominate.
     SCALAR_STEPS = 24
+    # Steps of one decode run at most (its NumPy columns stay a few MB); a longer stretch is
+    # several runs, whose events and timeline rows are the same as one run's.
+    RUN_STEPS_MAX = 1 << 20
 
     def _decode_run(self, sched, until: float, max_steps: int) -> int:
         """Run identical decode-only steps, up to the next event, all at once."""
@@ -838,10 +944,13 @@ class Engine:
         reqs = [r for r, _ in sched]
         b = len(reqs)
         comp = [r.num_computed_tokens for r in reqs]
-        kmax = min(max_steps, min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
+        kmax = min(max_steps, self.RUN_STEPS_MAX,
+                   min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
-        # a request needs a new block at step j when (computed + j) is a multiple of bs.
-        first_cross = [(-c) % bs or bs for c in comp]
+        # a request needs a new block at step j when its token computed + j lies past the end
+        # of its table, which holds at least step 0's token (a contiguous reservation holds
+        # far more), then every bs steps.
+        first_cross = [len(r.block_table) * bs - c for r, c in zip(reqs, comp)]
         # Requests that finished in the last step (async scheduling) give their blocks back
         # once this run's first step is scheduled: before step 1 allocates.
         pending = self._releasing
@@ -893,7 +1002,7 @@ class Engine:
                 last[1] += k
                 itl0 += 1
             else:
-                self.itl_extra.append((first_end, first_end - r.last_token_time))
+                self._gap(first_end, first_end - r.last_token_time)
                 r.token_segments.append([g, k])
             r.last_token_time = end
             if r.num_output_tokens >= r.max_output_tokens:
@@ -921,14 +1030,12 @@ class Engine:
         # the slots of blocks allocated later.
         empty_end = self._empty_slots()
         if k <= self.SCALAR_STEPS:
-            add = self.timeline.add_row
-            used_end = kv_used[-1]
-            for j in range(k):
-                empty = empty_end + b * (k - 1 - j) - bs * (used_end - kv_used[j])
-                if j == 0:
-                    empty += empty_first
-                add(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j], empty,
-                    energy[j], waiting)
+            e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
+            rows = [(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
+                     e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)]
+            if empty_first:  # step 0 also counts the finishing requests' slots
+                rows[0] = (*rows[0][:8], rows[0][8] + empty_first, *rows[0][9:])
+            self.timeline.add_rows(rows)
         else:
             itl = np.full(k, b, dtype=np.int64)
             itl[0] = itl0

@@ -93,6 +93,13 @@ def _streams(log: SessionLog, engine) -> list[tuple[int, list]]:
     return [(2 + i, streams.get(i, [])) for i in range(len(parts))] + [(2, streams.get(-1, []))]
 
 
+class _Phases(dict):
+    """req_id -> (phase, since): an unknown request is `queued` since time 0."""
+
+    def __missing__(self, req_id):
+        return ("queued", 0.0)
+
+
 def to_chrome(log: SessionLog, engine) -> str:
     """Chrome trace-event JSON for the session (engine: the replayed session, an Engine or a
     deployment of several, whose instances get an engine process each)."""
@@ -113,7 +120,9 @@ def to_chrome(log: SessionLog, engine) -> str:
         out.append(e)
 
     # Per-request phases from the event stream: where each request is at each transition.
-    phase_start: dict[int, tuple[str, float]] = {}
+    # (A transition of a request the stream never introduced, which only a hand-made log
+    # holds, opens its phase where it is.)
+    phase_start: dict[int, tuple[str, float]] = _Phases()
     events = [(pid, e) for pid, stream in _streams(log, engine) for e in stream]
     for pid, e in events:
         k = e.kind

@@ -1,35 +1,126 @@
-"""Atomic file writes: a temporary file beside the target, then a rename, so an interrupted
-write never leaves a half-written file under the final name."""
+"""Writing output files safely: never half-written, never replacing what is not a plain file.
+
+A regular file (or a new one) is written to a temporary file beside it and renamed into place,
+so an interrupted write (an error, Ctrl-C, SIGTERM) leaves the old file, or none, and no
+temporary file behind. A symbolic link is followed: the file it points to is replaced, the link
+stays. A FIFO, a device (`/dev/null`) or this process's own standard output (`-o /dev/stdout`,
+whatever stdout is) is written through in place, never replaced by a file.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
+import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 from sim.errors import ServesimError
 
 
+def _stat(path) -> os.stat_result | None:
+    """`path`'s status, following links; None when nothing is there (or a dangling link)."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ServesimError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+def _std_stream(st: os.stat_result):
+    """This process's stdout or stderr when `st` is the very file it writes to, else None."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fs = os.fstat(stream.fileno())
+        except (AttributeError, OSError, ValueError):
+            continue
+        if (fs.st_dev, fs.st_ino) == (st.st_dev, st.st_ino):
+            return stream
+    return None
+
+
+def check_writable(path, what: str = "") -> None:
+    """Raise ServesimError now when `path` could not be written later (before a long run):
+    a directory, a missing or unwritable directory, a read-only file. A FIFO or a device is
+    only checked for permission (opening a FIFO would wait for a reader)."""
+    where = f"{what} {path}" if what else str(path)
+    st = _stat(path)
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode):
+            raise ServesimError(f"{where}: is a directory")
+        if not os.access(path, os.W_OK):
+            raise ServesimError(f"{where}: cannot write: permission denied")
+        if not stat.S_ISREG(st.st_mode):
+            return
+    parent = Path(os.path.realpath(path)).parent
+    if not parent.is_dir():
+        raise ServesimError(f"{where}: directory {parent} does not exist")
+    try:  # a real probe: access() says yes to root on a read-only file system's files
+        fd, probe = tempfile.mkstemp(prefix=".servesim-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ServesimError(f"{where}: cannot write in {parent}: {e.strerror or e}") from None
+
+
 @contextmanager
-def atomic_open(path, mode: str = "wb"):
-    """Open a temporary file for writing that replaces `path` when the block exits cleanly.
+def atomic_open(path, mode: str = "wb", exclusive: bool = False):
+    """Open `path` for writing as the module says: a temporary file renamed over the target
+    (the target of a link) when the block exits cleanly, or the FIFO, device or standard
+    stream itself. `exclusive=True` never replaces an existing file (FileExistsError).
 
     Raises ServesimError (one line, naming the file) when it cannot be written.
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    st = _stat(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise ServesimError(f"{path}: cannot write: is a directory")
+    if exclusive and (st is not None or os.path.islink(path)):
+        raise FileExistsError(path)
+    stream = _std_stream(st) if st is not None else None
+    if stream is not None or (st is not None and not stat.S_ISREG(st.st_mode)):
+        with _written_through(path, mode, stream) as fh:
+            yield fh
+        return
+    target = Path(os.path.realpath(path))  # a link stays a link: its target is replaced
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, mode) as fh:
             yield fh
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        if exclusive:
+            os.link(tmp, target)  # fails, atomically, if the name was taken meanwhile
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, target)
+    except FileExistsError:
+        _discard(tmp)
+        raise
     except OSError as e:
         _discard(tmp)
         raise ServesimError(f"{path}: cannot write: {e.strerror or e}") from None
-    except BaseException:
+    except BaseException:  # an error in the block, Ctrl-C, SIGTERM (see tui.cli)
         _discard(tmp)
         raise
+
+
+@contextmanager
+def _written_through(path, mode: str, stream):
+    """The FIFO or device at `path`, or the standard `stream` it names, opened in place."""
+    try:
+        if stream is not None:
+            stream.flush()
+            fh = os.fdopen(os.dup(stream.fileno()), mode)  # its offset: an append stays one
+        else:
+            fh = open(path, mode)
+        with fh:
+            yield fh
+    except OSError as e:
+        raise ServesimError(f"{path}: cannot write: {e.strerror or e}") from None
 
 
 def _discard(tmp: Path) -> None:

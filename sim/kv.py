@@ -452,6 +452,9 @@ class KVCacheManager:
         """Move `req`'s blocks to host memory. Returns the (device, host) block pairs to copy,
         or None (nothing moved) when the host pool lacks room."""
         n = len(req.block_table)
+        need = blocks_for(req.num_computed_tokens, self.block_size)
+        if n > need + 1:  # a contiguous reservation: only the blocks holding its K/V move
+            n = need
         if self.host is None or n > self.host.num_free:
             return None
         host = self.host.allocate(n)

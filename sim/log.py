@@ -31,6 +31,9 @@ interrupted export never leaves a half-written log under the final name.
 
 from __future__ import annotations
 
+import math
+import os
+import stat
 import struct
 import zlib
 from operator import attrgetter
@@ -44,6 +47,7 @@ from sim import events as ev
 from sim.errors import LogError, ServesimError
 from sim.fileio import atomic_open
 from sim.gcpause import paused_gc
+from sim.limits import INT64_MAX, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
 
 MAGIC = "servesim-log"
 FORMAT = 2
@@ -60,6 +64,8 @@ CODE_CLASS = {code: ev.EVENT_TYPES[kind] for kind, code in KIND_CODE.items()}
 FIELDS = {code: [f.name for f in fields(cls)] for code, cls in CODE_CLASS.items()}
 _ARRAY_FIELDS = ("ends", "durs")  # stored as little-endian float64 bytes
 _LEN = {code: len(names) + 1 for code, names in FIELDS.items()}
+_ACTION_CODE, _STEPS_CODE = KIND_CODE["action"], KIND_CODE["steps"]
+_ACTED_ON = {_ACTION_CODE, KIND_CODE["stream"]}
 
 
 # --- events <-> records --------------------------------------------------------------------------
@@ -89,29 +95,114 @@ def encode(e: ev.Event) -> list:
     return _ENCODERS[type(e)](e)
 
 
-def decode(rec) -> ev.Event:
-    """A stored array back into an event. Raises ValueError when it has the wrong shape."""
-    if not isinstance(rec, list) or not rec or rec[0] not in CODE_CLASS:
-        raise ValueError(f"not an event record: {str(rec)[:60]}")
+def decode(rec, check: bool = True) -> ev.Event:
+    """A stored array back into an event. Raises ValueError naming the field when the record
+    has the wrong shape or a field of the wrong type or range (see `check_record`; `check=False`
+    for records the engine itself made)."""
+    if check:
+        check_record(rec)
     code = rec[0]
-    names = FIELDS[code]
-    if len(rec) != len(names) + 1:
-        raise ValueError(f"{CODE_CLASS[code].kind} record has {len(rec) - 1} fields, "
-                         f"expected {len(names)}")
     kw = {}
-    for name, v in zip(names, rec[1:]):
+    for name, v in zip(FIELDS[code], rec[1:]):
         if name in _ARRAY_FIELDS and v is not None:
-            if not isinstance(v, bytes) or len(v) % 8:
-                raise ValueError(f"field {name} is not a float64 array")
             v = np.frombuffer(v, dtype="<f8")
         elif name in ("prefill", "decode"):
-            if not isinstance(v, list):
-                raise ValueError(f"field {name} is not a list")
             v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
-        elif name == "t" and not isinstance(v, (int, float)):
-            raise ValueError("field t is not a number")
         kw[name] = v
     return CODE_CLASS[code](**kw)
+
+
+# --- what a record may hold ----------------------------------------------------------------------
+# Every field of every event is checked by type and range when a log is read, so that a crafted
+# log (valid checksums, wrong contents) is refused with one line instead of failing somewhere
+# downstream. Checks go by field name; a field added later is checked by its annotation.
+def _is_int(lo: int, hi: int):
+    return lambda v: type(v) is int and lo <= v <= hi
+
+
+def _is_time(v) -> bool:
+    return type(v) in (int, float) and 0 <= v <= 2 * MAX_TIME_S  # (NaN fails)
+
+
+def _is_str(v) -> bool:
+    return type(v) is str and len(v) <= 4096
+
+
+def _is_times(v) -> bool:
+    """Little-endian float64 times, each finite and in range."""
+    if type(v) is not bytes or not v or len(v) % 8:
+        return False
+    if len(v) == 8:  # one step: most records
+        return 0 <= _F64.unpack(v)[0] <= 2 * MAX_TIME_S
+    a = np.frombuffer(v, dtype="<f8")
+    return bool(a.min() >= 0) and bool(a.max() <= 2 * MAX_TIME_S)  # (NaN fails)
+
+
+def _is_ids(v) -> bool:
+    """A list of request ids (checked in C: a page of ids costs one pass)."""
+    return type(v) is list and (not v or (set(map(type, v)) == {int} and min(v) >= 0
+                                          and max(v) <= INT64_MAX))
+
+
+def is_plain(v, depth: int = 0) -> bool:
+    """Plain data (what JSON holds, plus int keys): None, bool, finite int/float, str, lists
+    and maps of those, nested at most 16 deep."""
+    t = type(v)
+    if v is None or t in (bool, str):
+        return True
+    if t is int:
+        return -INT64_MAX - 1 <= v <= INT64_MAX
+    if t is float:
+        return math.isfinite(v)
+    if depth >= 16:
+        return False
+    if t is list:
+        return all(is_plain(x, depth + 1) for x in v)
+    if t is dict:
+        return all(type(k) in (str, int) and is_plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+_ID = _is_int(0, INT64_MAX)
+_COUNT = _ID
+_LENGTH = _is_int(1, MAX_TOKENS)
+FIELD_CHECKS = {
+    "t": _is_time, "end": _is_time, "req_id": _ID, "parent": _ID, "child": _ID,
+    "prompt_len": _LENGTH, "max_output_tokens": _LENGTH, "priority": _is_int(*PRIORITY_RANGE),
+    "step": _COUNT, "kv_used": _COUNT, "blocks": _COUNT, "instance": _is_int(-1, INT64_MAX),
+    "ends": _is_times, "durs": lambda v: v is None or _is_times(v),
+    "prefill": lambda v: type(v) is list and all(
+        type(c) is list and len(c) == 3 and _is_ids(c) for c in v),
+    "decode": _is_ids,
+    "tokens": lambda v: v is None or (type(v) is dict and _is_ids(list(v)) and all(
+        _is_ids(x) for x in v.values())),
+    "args": lambda v: type(v) is dict and all(type(k) is str for k in v),  # (see _ACTION_ARGS)
+}
+_BY_TYPE = {"int": _is_int(-INT64_MAX - 1, INT64_MAX), "float": _is_time,
+            "str": _is_str, "bool": lambda v: type(v) is bool}
+_CHECKS = {code: [(n, FIELD_CHECKS.get(n) or _BY_TYPE.get(f.type, is_plain))
+                  for n, f in zip(names, fields(CODE_CLASS[code]))]
+           for code, names in FIELDS.items()}
+
+
+def _shown(v, n: int = 40) -> str:
+    """A value as a message shows it: its repr (one line whatever it holds), cut to n."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
+def check_record(rec) -> None:
+    """Raise ValueError naming the field when `rec` is not a well-formed event record."""
+    if type(rec) is not list or not rec or type(rec[0]) is not int or rec[0] not in CODE_CLASS:
+        raise ValueError(f"not an event record: {_shown(rec, 60)}")
+    checks = _CHECKS[rec[0]]
+    if len(rec) != len(checks) + 1:
+        raise ValueError(f"{CODE_CLASS[rec[0]].kind} record has {len(rec) - 1} fields, "
+                         f"expected {len(checks)}")
+    for (name, ok), v in zip(checks, rec[1:]):
+        if not ok(v):
+            raise ValueError(f"{CODE_CLASS[rec[0]].kind} field {name} = {_shown(v)}: "
+                             "of the wrong type or out of range")
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -149,10 +240,11 @@ def header_for(engine) -> dict:
     return header
 
 
-def write_log(path, engine, summary: dict | None = None) -> Path:
+def write_log(path, engine, summary: dict | None = None, exclusive: bool = False) -> Path:
     """Write `engine`'s session so far to `path` (atomically). Returns the path.
 
-    Raises LogError with one line naming the file when it cannot be written.
+    Raises LogError with one line naming the file when it cannot be written; FileExistsError
+    when `exclusive` and `path` exists (it is never replaced then).
     """
     path = Path(path)
     if summary is None:
@@ -161,7 +253,7 @@ def write_log(path, engine, summary: dict | None = None) -> Path:
         summary = summarize(engine)
     packer = msgpack.Packer(use_bin_type=True)
     try:
-        with atomic_open(path, "wb") as fh, paused_gc():
+        with atomic_open(path, "wb", exclusive=exclusive) as fh, paused_gc():
             chunk = [packer.pack(header_for(engine))]
             n = 0
             streams = getattr(engine, "log_events", None)
@@ -197,7 +289,14 @@ class SessionLog:
 
     @property
     def events(self) -> list[ev.Event]:
-        return [decode(r) for r in self.records]
+        """Every record decoded. Raises LogError naming the first malformed one."""
+        out = []
+        for i, r in enumerate(self.records):
+            try:
+                out.append(decode(r))
+            except ValueError as e:
+                raise LogError(f"{self.path}: event {i}: {e}") from None
+        return out
 
     def workload(self):
         from sim.workload import Workload
@@ -218,39 +317,205 @@ class SessionLog:
 
 
 def _check_header(path: str, header) -> None:
+    """Every field of the header by type and range; the workload's columns by length and
+    value. Raises LogError naming the field."""
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
         raise LogError(f"{path}: not a servesim session log (no header at byte 0)")
     fmt = header.get("format")
-    if not isinstance(fmt, int):
+    if type(fmt) is not int:
         raise LogError(f"{path}: header has no format version")
     if fmt > FORMAT:
         raise LogError(f"{path}: log format {fmt} is newer than this servesim reads ({FORMAT}); "
                        "upgrade servesim")
+    if fmt < 1:
+        raise LogError(f"{path}: header: format = {fmt}: no such log format")
     for key in ("scenario", "policy", "workload", "clock"):
         if key not in header:
             raise LogError(f"{path}: header lacks {key!r}")
-    w = header["workload"]
+    from sim.policies import POLICIES
+    from sim.scenario import DEPLOYMENT_POLICIES
+
+    def bad(key, why):
+        raise LogError(f"{path}: header: {key} = {_shown(header.get(key), 60)}: {why}")
+
+    if header["policy"] not in (*POLICIES, *DEPLOYMENT_POLICIES):
+        bad("policy", "not a policy")
+    if header["clock"] not in ("modeled", "measured"):
+        bad("clock", "expected 'modeled' or 'measured'")
+    for key in ("scenario", "compute"):
+        if key in header and not (type(header[key]) is dict and is_plain(header[key])):
+            bad(key, "expected a table of plain values")
+    if "seed" in header and not _ID(header["seed"]):
+        bad("seed", "expected a non-negative integer")
+    if "servesim" in header and not _is_str(header["servesim"]):
+        bad("servesim", "expected a version string")
+    _check_workload(path, header["workload"])
+    cluster = header.get("cluster")
+    if cluster is not None and not (
+            type(cluster) is dict and type(cluster.get("instances")) is list
+            and cluster["instances"]
+            and all(type(i) is dict and _is_str(i.get("role")) and _is_str(i.get("policy"))
+                    for i in cluster["instances"])
+            and _is_str(cluster.get("mode")) and is_plain(cluster)):
+        bad("cluster", "expected {mode, router, instances: [{role, policy}, ...]}")
+
+
+_COLUMNS = {"arrival": "<f8", "prompt": "<i8", "output": "<i8", "priority": "<i8",
+            "cancel_at": "<f8"}
+
+
+def _check_workload(path: str, w) -> None:
+    """The embedded workload: columns of one length and sane values (arrivals sorted times,
+    lengths 1 to MAX_TOKENS, priorities in range, cancellations after arrival or NaN)."""
+    def bad(why):
+        raise LogError(f"{path}: header's workload: {why}")
+
+    if type(w) is not dict:
+        bad("not a table")
+    cols = {}
+    for k, dt in _COLUMNS.items():
+        v = w.get(k)
+        if type(v) is not bytes or len(v) % 8:
+            bad(f"{k} is not an array of 8-byte values")
+        cols[k] = np.frombuffer(v, dtype=dt)
+    n = len(cols["arrival"])
+    if any(len(c) != n for c in cols.values()):
+        bad("its arrays differ in length")
+    a = cols["arrival"]
+    if n and not (((a >= 0) & (a <= MAX_TIME_S)).all() and (np.diff(a) >= 0).all()):
+        bad("arrival: not sorted times from 0 to 1e9 s")
+    for k in ("prompt", "output"):
+        if n and not ((cols[k] >= 1) & (cols[k] <= MAX_TOKENS)).all():
+            bad(f"{k}: lengths must be 1 to {MAX_TOKENS:,}")
+    p = cols["priority"]
+    if n and not ((p >= PRIORITY_RANGE[0]) & (p <= PRIORITY_RANGE[1])).all():
+        bad("priority: out of range")
+    c = cols["cancel_at"]
+    if n and not (np.isnan(c) | ((c >= a) & (c <= 2 * MAX_TIME_S))).all():
+        bad("cancel_at: not NaN or a time after the arrival")
+    h = w.get("hash_ids")
+    if h is not None and not (type(h) is list and len(h) == n and all(
+            type(x) is list and all(type(y) is int and -INT64_MAX - 1 <= y <= INT64_MAX
+                                    for y in x) for x in h)):
+        bad("hash_ids: expected a list of integer lists, one per request")
+    if not _is_int(1, MAX_TOKENS)(w.get("hash_block_size")):
+        bad("hash_block_size: expected a positive integer")
+    g = w.get("prefix_group")
+    if g is not None and (type(g) is not bytes or len(g) != 8 * n
+                          or (n and np.frombuffer(g, "<i8").min() < 0)):
+        bad("prefix_group: expected one non-negative integer per request")
+    if not _is_int(0, MAX_TOKENS)(w.get("prefix_tokens", 0)):
+        bad("prefix_tokens: expected a length")
+
+
+def _check_footer(path: str, footer: dict, n: int) -> None:
+    def bad(key, why):
+        raise LogError(f"{path}: footer: {key} = {_shown(footer.get(key), 60)}: {why}")
+
+    if footer.get("n") != n:
+        bad("n", f"expected {n} (the events before it)")
+    if not _COUNT(footer.get("step")):
+        bad("step", "expected a step count")
+    if not _is_time(footer.get("now")) or footer["now"] > MAX_TIME_S:
+        bad("now", "expected a time from 0 to 1e9 s")
+    if not (type(footer.get("summary")) is dict and is_plain(footer["summary"])):
+        bad("summary", "expected a table of plain values")
+    at = footer.get("at")
+    if at is not None and not (type(at) is list and all(
+            type(p) is list and len(p) == 2 and _COUNT(p[0]) and _is_time(p[1]) for p in at)):
+        bad("at", "expected [step, time] per instance")
+
+
+# What each user action carries (`at`: a deployment's instances' positions).
+_ACTION_ARGS = {
+    "inject": {"prompt_len": _LENGTH, "max_output_tokens": _LENGTH,
+               "priority": _is_int(*PRIORITY_RANGE), "count": _is_int(1, MAX_INJECT_COUNT),
+               "prompt_text": lambda v: v is None or (type(v) is str and len(v) <= MAX_TOKENS
+                                                      and max(v, default="\0") <= "\xff"),
+               # (served requests: when the HTTP request arrived, and who sent it)
+               "arrival_time": lambda v: _is_time(v) and v <= MAX_TIME_S,
+               "tag": lambda v: _is_str(v) and len(v) <= 256},
+    "cancel": {"req_id": _ID},
+    "cancel_waiting": {},
+    "switch_policy": {"policy": lambda v: _is_str(v) and v in _policies(),
+                      "previous": lambda v: _is_str(v) and v in _policies()},
+}
+
+
+def _policies():
+    from sim.policies import POLICIES
+
+    return POLICIES
+
+
+def _check_action(path: str, i: int, rec: list) -> None:
+    action, args = rec[3], rec[4]
+    spec = _ACTION_ARGS.get(action)
+    if spec is None:
+        raise LogError(f"{path}: event {i}: unknown action {_shown(action)}")
+    for k, v in args.items():
+        if k == "at":
+            if not (type(v) is list and all(type(p) is list and len(p) == 2 and _COUNT(p[0])
+                                            and _is_time(p[1]) for p in v)):
+                raise LogError(f"{path}: event {i}: {action} at = {_shown(v)}: expected "
+                               "[step, time] per instance")
+        elif k not in spec or not spec[k](v):
+            raise LogError(f"{path}: event {i}: {action} {k} = {_shown(v)}: unknown or "
+                           "out of range")
+    missing = [k for k in spec if k not in args and k not in ("priority", "count",
+                                                                  "prompt_text", "previous",
+                                                                  "arrival_time", "tag")]
+    if missing:
+        raise LogError(f"{path}: event {i}: {action} lacks {', '.join(missing)}")
+
+
+# A log is read whole; past this a file is not one servesim wrote (a full Azure trace's log
+# is 8.5 MB).
+MAX_LOG_BYTES = 4 << 30
+
+
+def _read_bytes(path: str) -> bytes:
+    """The file's bytes, refusing at once (from its first bytes) what cannot be a log: a
+    directory, a device such as /dev/zero, a foreign file; and anything past MAX_LOG_BYTES."""
     try:
-        sizes = {k: len(w[k]) for k in ("arrival", "prompt", "output", "priority", "cancel_at")}
-    except (KeyError, TypeError):
-        raise LogError(f"{path}: header's workload is malformed") from None
-    if len(set(sizes.values())) != 1 or sizes["arrival"] % 8:
-        raise LogError(f"{path}: header's workload arrays differ in length")
+        st = os.stat(path)
+        if stat.S_ISDIR(st.st_mode):
+            raise LogError(f"{path}: is a directory, not a servesim session log")
+        with open(path, "rb") as fh:
+            head = fh.read(64)
+            if not head:
+                raise LogError(f"{path}: empty file, not a servesim session log")
+            if MAGIC.encode() not in head:
+                raise LogError(f"{path}: not a servesim session log (no header at byte 0)")
+            rest = fh.read(MAX_LOG_BYTES)
+            if fh.read(1):
+                raise LogError(f"{path}: larger than {MAX_LOG_BYTES >> 30} GiB, not a session "
+                               "log servesim wrote")
+    except OSError as e:
+        raise LogError(f"{path}: cannot read: {e.strerror or e}") from None
+    return head + rest
 
 
-def read_log(path) -> SessionLog:
-    """Read and check a session log. Raises LogError naming the file and where it is wrong."""
+def read_log(path, check_events: bool = True) -> SessionLog:
+    """Read and check a session log: every field of every record by type and range. Raises
+    LogError naming the file and where it is wrong.
+
+    `check_events=False` (for `replay --verify`, which compares every record with the one it
+    regenerates and checks those that differ) checks in full only the records a replay acts
+    on: the header, footer, user actions, stream marks and measured step durations."""
     with paused_gc():
-        return _read_log(str(path))
+        log = _read_log(str(path))
+        if check_events:
+            for i, r in enumerate(log.records):
+                try:
+                    check_record(r)
+                except ValueError as e:
+                    raise LogError(f"{path}: event {i}: {e}") from None
+        return log
 
 
 def _read_log(path: str) -> SessionLog:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise LogError(f"{path}: cannot read: {e.strerror or e}") from None
-    if not data:
-        raise LogError(f"{path}: empty file, not a servesim session log")
+    data = _read_bytes(path)
     up = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data) + 16)
     up.feed(data)
 
@@ -313,15 +578,22 @@ def _read_log(path: str) -> SessionLog:
             footer = obj
             continue
         raise LogError(f"{path}: unexpected {type(obj).__name__} at byte {at} (event {i})")
+    # Every record's kind and length here; the fields of those a replay acts on (actions,
+    # stream marks, measured durations) too; `read_log` checks the others unless told not to.
     for i, r in enumerate(records):
         if not r or type(r[0]) is not int or _LEN.get(r[0]) != len(r):
             raise LogError(f"{path}: event {i}: not an event record")
+        if r[0] in _ACTED_ON or (r[0] == _STEPS_CODE and r[-1] is not None):
+            try:
+                check_record(r)
+            except ValueError as e:
+                raise LogError(f"{path}: event {i}: {e}") from None
+            if r[0] == _ACTION_CODE:
+                _check_action(path, i, r)
     if footer is None:
         raise LogError(f"{path}: no footer before the end mark")
     if up.tell() != len(data):
         raise LogError(f"{path}: {len(data) - up.tell()} unexpected bytes after the end "
                        f"at byte {up.tell()}")
-    for key in ("step", "now"):
-        if not isinstance(footer.get(key), (int, float)):
-            raise LogError(f"{path}: footer lacks {key!r}")
+    _check_footer(path, footer, len(records))
     return SessionLog(path, header, records, footer, len(data))

@@ -12,11 +12,9 @@ Percentiles are of the observed values (inverted CDF: p99 is the smallest value 
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
-from sim.request import RequestState
+from sim.quantiles import pooled_distribution_ms
 
 PCTS = (50, 90, 95, 99)
 
@@ -56,32 +54,6 @@ def distribution_ms(values, weights=None) -> dict:
             **{f"p{q}": x * 1e3 for q, x in zip(PCTS, qs)}, "max": vmax * 1e3}
 
 
-def pooled_itl(engine, t_from: float = -np.inf, t_to: float = np.inf):
-    """All ITL gaps with their token times in [t_from, t_to]: (values, weights)."""
-    tl = engine.timeline
-    ends = tl.column("end")
-    lo = int(np.searchsorted(ends, t_from, side="left"))
-    hi = int(np.searchsorted(ends, t_to, side="right"))
-    lo = max(lo, 1)  # a gap needs the step before it
-    if hi > lo:
-        gaps = ends[lo:hi] - ends[lo - 1:hi - 1]
-        counts = tl.column("itl_count")[lo:hi]
-    else:
-        gaps = np.zeros(0)
-        counts = np.zeros(0, dtype=np.int64)
-    extra = engine.itl_extra
-    if extra:
-        if t_from == -np.inf and t_to == np.inf:
-            sel = extra
-        else:
-            times = [t for t, _ in extra]
-            sel = extra[bisect.bisect_left(times, t_from):bisect.bisect_right(times, t_to)]
-        if sel:
-            gaps = np.concatenate((gaps, np.fromiter((g for _, g in sel), float, len(sel))))
-            counts = np.concatenate((counts, np.ones(len(sel), dtype=np.int64)))
-    return gaps, counts
-
-
 def summarize(engine) -> dict:
     """The run's summary, shaped as `servesim sim --json` documents it. For a deployment of
     several instances (`sim.cluster.Cluster`) the figures pool every instance's, and
@@ -99,10 +71,10 @@ def summarize(engine) -> dict:
     out["replicas"] = [{"instance": i, "role": role, "routed": n, **summarize(e), "wall_s": None}
                        for i, (e, role, n) in enumerate(zip(parts, engine.roles, engine.routed))]
     if engine.disaggregated:
-        t = np.asarray(engine.transfers, dtype=np.float64).reshape(-1, 3)
-        out["transfers"] = {"count": len(t), "cancelled": engine.cancelled_in_transfer,
-                            "wait_ms": distribution_ms(t[:, 1] - t[:, 0]),
-                            "transfer_ms": distribution_ms(t[:, 2] - t[:, 1])}
+        wait = pooled_distribution_ms([engine.transfer_wait])
+        out["transfers"] = {"count": wait["count"], "cancelled": engine.cancelled_in_transfer,
+                            "wait_ms": wait,
+                            "transfer_ms": pooled_distribution_ms([engine.transfer_time])}
     return out
 
 
@@ -111,33 +83,16 @@ def _summary(whole, parts: list) -> dict:
     sc = whole.scenario
     duration = whole.now
     c = whole.counts
-    done = np.asarray([x for e in parts for x in e.done_stats],
-                      dtype=np.float64).reshape(-1, 5)
-    ttft_f, e2e, tpot, nout = done[:, 1], done[:, 2], done[:, 3], done[:, 4]
     finished = c["finished"]
-    finished_prompt = sum(r.prompt_len for r in whole.requests.values()
-                          if r.state is RequestState.FINISHED)
-    slo = sc.slo
-    ok = np.ones(len(done), dtype=bool)
-    if slo.ttft_ms:
-        ok &= ttft_f * 1e3 <= slo.ttft_ms
-    if slo.tpot_ms:
-        ok &= (tpot < 0) | (tpot * 1e3 <= slo.tpot_ms)
-    if slo.e2e_ms:
-        ok &= e2e * 1e3 <= slo.e2e_ms
-
-    def col(name):
-        return np.concatenate([e.timeline.column(name) for e in parts])
-
-    dur = col("dur")
-    used = col("kv_used")
-    batch = col("batch")
-    energy = sum(float(e.timeline.column("energy").sum()) + e.cost.idle_energy(e.idle_time)
-                 for e in parts)
+    finished_prompt = sum(e.finished_prompt_tokens for e in parts)
+    slo_met = sum(e.slo_met for e in parts)
+    tot = [e.timeline.totals() for e in parts]
+    rows = sum(t.rows for t in tot)
+    used_dur = sum(t.used_dur for t in tot)
+    energy = sum(t.energy + e.cost.idle_energy(e.idle_time) for t, e in zip(tot, parts))
     out_tokens = c["output_tokens"]
-    itls = [pooled_itl(e) for e in parts]
-    itl_v = np.concatenate([v for v, _ in itls])
-    itl_w = np.concatenate([w for _, w in itls])
+    itl = pooled_distribution_ms(  # (in the order the gaps were pooled before: by engine)
+        [x for e in parts for x in (e.timeline.itl, e.timeline.tail_itl(), e.itl_extra)])
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     nb = sum(e.kv.num_blocks for e in parts)
     hit = sum(e.kv.hit_tokens for e in parts)
@@ -154,30 +109,31 @@ def _summary(whole, parts: list) -> dict:
         "throughput": {
             "requests_per_s": per_s(finished),
             "output_tokens_per_s": per_s(out_tokens),
-            "total_tokens_per_s": per_s(finished_prompt + float(nout.sum())),
+            "total_tokens_per_s": per_s(
+                finished_prompt + float(sum(e.finished_output_tokens for e in parts))),
         },
-        "ttft_ms": distribution_ms([x for e in parts for x in e.ttfts]),
-        "itl_ms": distribution_ms(itl_v, itl_w),
-        "tpot_ms": distribution_ms(tpot[tpot >= 0]),
-        "e2e_ms": distribution_ms(e2e),
-        "queue_ms": distribution_ms([x for e in parts for x in e.queue_waits]),
+        "ttft_ms": pooled_distribution_ms([e.ttft for e in parts]),
+        "itl_ms": itl,
+        "tpot_ms": pooled_distribution_ms([e.tpot for e in parts]),
+        "e2e_ms": pooled_distribution_ms([e.e2e for e in parts]),
+        "queue_ms": pooled_distribution_ms([e.queue_wait for e in parts]),
         "kv": {
             "total_blocks": nb,
             "block_size": whole.block_size,
-            "peak_used_blocks": _peak_used(parts),
-            "mean_usage": float((used * dur).sum() / nb / duration) if duration > 0 else 0.0,
+            "peak_used_blocks": (tot[0].used_max if len(parts) == 1
+                                 else whole.kv_peak.value()),
+            "mean_usage": float(used_dur / nb / duration) if duration > 0 else 0.0,
             "used_blocks_at_end": sum(e.kv.num_used_blocks for e in parts),
             # tokens held / slots reserved, averaged over time (PagedAttention paper, sec. 2.3)
             "token_state_share": (
-                1.0 - float((col("kv_empty") * dur).sum())
-                / float((used * dur).sum() * whole.block_size)
-                if float((used * dur).sum()) > 0 else None),
-            # admissions refused for want of a long enough run of free blocks although enough
-            # were free in total (contiguous reservations: external fragmentation)
+                1.0 - float(sum(t.empty_dur for t in tot)) / float(used_dur * whole.block_size)
+                if float(used_dur) > 0 else None),
+            # requests refused admission at least once for want of a long enough run of free
+            # blocks although enough were free in total (contiguous: external fragmentation)
             "fragmentation_stalls": c["fragmentation_stalls"],
         },
-        "batch": {"mean": float(batch.mean()) if len(batch) else 0.0,
-                  "max": int(batch.max()) if len(batch) else 0},
+        "batch": {"mean": sum(t.batch_sum for t in tot) / rows if rows else 0.0,
+                  "max": max(t.batch_max for t in tot) if rows else 0},
         "preemptions": c["preemptions"],
         "swaps": c["swaps"],
         "prefix_cache": {
@@ -187,48 +143,77 @@ def _summary(whole, parts: list) -> dict:
             "hit_rate": hit / query if query else 0.0,
         },
         "output_tokens": out_tokens,
-        "goodput_requests_per_s": per_s(int(ok.sum())),
-        "slo_attainment": float(ok.mean()) if len(ok) else None,
+        "goodput_requests_per_s": per_s(slo_met),
+        "slo_attainment": slo_met / finished if finished else None,
         "energy_j": energy,
         "energy_j_per_output_token": energy / out_tokens if out_tokens else None,
     }
 
 
-def _peak_used(parts) -> int:
-    """The most blocks in use at once over all `parts`, each holding its count from one step's
-    end to the next."""
-    if len(parts) == 1:
-        used = parts[0].timeline.column("kv_used")
-        return int(used.max()) if len(used) else 0
-    times, deltas = [], []
-    for e in parts:
-        used = e.timeline.column("kv_used").astype(np.int64)
-        times.append(e.timeline.column("end"))
-        deltas.append(np.diff(used, prepend=0))
-    order = np.argsort(np.concatenate(times), kind="stable")
-    total = np.cumsum(np.concatenate(deltas)[order])
-    return int(total.max()) if len(total) else 0
+class KVPeak:
+    """The most KV blocks in use at once over several engines (a deployment's instances), each
+    holding its count from one step's end to the next: their timelines' rows merged in time
+    order (ties: instance order, then row order), consumed as they become final so that the
+    rows can be dropped."""
+
+    def __init__(self, timelines: list) -> None:
+        self.timelines = timelines
+        self.cursor = [0] * len(timelines)  # first row of each not yet merged
+        self.last = [0] * len(timelines)    # kv_used of the last merged row of each
+        self.total = 0                       # blocks in use after the merged rows
+        self.peak = 0
+
+    def _merge(self, his: list[int]) -> tuple[int, int, list[int]]:
+        """(total, peak) after the rows before `his`, and the last kv_used of each."""
+        times, deltas, last = [], [], list(self.last)
+        for i, (tl, lo, hi) in enumerate(zip(self.timelines, self.cursor, his)):
+            if hi > lo:
+                used = tl.rows("kv_used", lo, hi).astype(np.int64)
+                times.append(tl.rows("end", lo, hi))
+                deltas.append(np.diff(used, prepend=last[i]))
+                last[i] = int(used[-1])
+        if not times:
+            return self.total, self.peak, last
+        order = np.argsort(np.concatenate(times), kind="stable")
+        run = self.total + np.cumsum(np.concatenate(deltas)[order])
+        return int(run[-1]), max(self.peak, int(run.max())), last
+
+    def advance(self, t: float) -> None:
+        """Merge every row ending at or before `t` (no row ending then may still be added)."""
+        his = [tl.index(t, "right") for tl in self.timelines]
+        self.total, self.peak, self.last = self._merge(his)
+        self.cursor = his
+        for tl, hi in zip(self.timelines, his):
+            tl.release_kv(hi)
+
+    def value(self) -> int:
+        """The peak over every row recorded so far."""
+        return self._merge([tl.n for tl in self.timelines])[1]
 
 
 def rolling(engine, window_s: float) -> dict:
     """Live figures over the last `window_s` simulated seconds (for charts), pooled over the
-    instances of a deployment."""
+    instances of a deployment. Needs window_s <= Engine.ROLLING_S, and the timeline rows of the
+    window (an engine that keeps its history: the dashboard's)."""
     now = engine.now
     t0 = now - window_s
     parts = getattr(engine, "instances", None) or [engine]
     ttft, itl_v, itl_w, sampled, batch = [], [], [], 0, []
     for e in parts:
-        i = bisect.bisect_left(e.ttft_times, t0)
-        ttft += e.ttfts[i:]
-        v, w = pooled_itl(e, t0, now)
-        itl_v.append(v)
-        itl_w.append(w)
+        if window_s > e.ROLLING_S:
+            raise ValueError(f"rolling: window {window_s} s is longer than {e.ROLLING_S} s")
+        ttft += [v for t, v in e.recent_ttfts if t >= t0]
         tl = e.timeline
-        ends = tl.column("end")
-        lo = int(np.searchsorted(ends, t0, side="left"))
-        hi = int(np.searchsorted(ends, now, side="right"))
-        sampled += int(tl.column("sampled")[lo:hi].sum())
-        batch.append(tl.column("batch")[lo:hi])
+        lo = tl.index(t0, "left")
+        hi = tl.index(now, "right")
+        glo = max(lo, 1)  # a gap needs the step before it
+        ends = tl.rows("end", glo - 1, hi)
+        gaps, counts = ends[1:] - ends[:-1], tl.rows("itl_count", glo, hi)
+        extra = [g for t, g in e.recent_gaps if t0 <= t <= now]
+        itl_v += [gaps, np.asarray(extra, dtype=np.float64)]
+        itl_w += [counts, np.ones(len(extra), dtype=np.int64)]
+        sampled += int(tl.rows("sampled", lo, hi).sum())
+        batch.append(tl.rows("batch", lo, hi))
     ttft = np.asarray(ttft, dtype=np.float64)
     itl_v, itl_w = np.concatenate(itl_v), np.concatenate(itl_w)
     batch = np.concatenate(batch)

@@ -64,7 +64,7 @@ class Request:
         "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
-        "cached_upto", "block_keys", "parent_id",
+        "cached_upto", "block_keys", "parent_id", "tag",
     )
 
     def __init__(
@@ -90,6 +90,7 @@ class Request:
         self.prompt_text = prompt_text
         self.injected = injected
         self.replica = 0
+        self.tag: str | None = None  # who sent it (servesim serve: the client's address)
 
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0
@@ -163,8 +164,8 @@ class Request:
 
         if not self.token_segments or self._timeline is None:
             return np.zeros(0)
-        ends = self._timeline.end_times()
-        return np.concatenate([ends[s : s + n] for s, n in self.token_segments])
+        tl = self._timeline
+        return np.concatenate([tl.ends(s, n) for s, n in self.token_segments])
 
     def itls(self):
         """The gaps between consecutive output tokens (seconds)."""

@@ -18,9 +18,11 @@ from typing import Any
 
 from sim import presets
 from sim.errors import ScenarioError
+from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_deployment
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 DEFAULT_SCENARIO = "chat"
+MAX_SCENARIO_BYTES = 16 << 20  # a scenario is a page of TOML; traces are separate files
 # `scheduler.policy` values that name a deployment of several instances rather than one policy
 # (sim.cluster builds them).
 DEPLOYMENT_POLICIES = ("disaggregated",)
@@ -132,17 +134,23 @@ class SchedulerConfig:
 class WorkloadConfig:
     arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace"])
     rate: float = _f(1.0, gt=0, doc="requests per second")
-    cv: float = _f(1.0, gt=0, doc="gamma: coefficient of variation of inter-arrival times")
+    cv: float = _f(1.0, gt=0, max=100, doc="gamma: coefficient of variation of inter-arrival times")
     trace: str = _f("", doc="trace file (Azure CSV, Mooncake JSONL, length-pairs CSV)")
     time_scale: float = _f(1.0, gt=0, doc="trace timestamps are multiplied by this")
-    prompt_tokens: Any = _f(512, kind="dist")
-    output_tokens: Any = _f(128, kind="dist")
+    repeat: int = _f(1, min=1, max=100_000,
+                     doc="trace: replay it this many times, each copy one trace period "
+                         "(its span plus a mean gap) after the previous")
+    prompt_tokens: Any = _f(512, kind="dist", max=MAX_TOKENS)
+    output_tokens: Any = _f(128, kind="dist", max=MAX_TOKENS)
     num_requests: int = _f(0, min=0, doc="stop after this many requests (0 = no bound)")
-    duration_s: float = _f(0.0, min=0, doc="stop arrivals after this time (0 = no bound)")
+    duration_s: float = _f(0.0, min=0, max=MAX_TIME_S,
+                           doc="stop arrivals after this time (0 = no bound)")
     cancel_fraction: float = _f(0.0, min=0, max=1)
-    cancel_after_s: Any = _f(5.0, kind="dist", doc="client cancels this long after arrival")
-    priority: Any = _f(0, kind="dist")
-    shared_prefix_tokens: int = _f(0, min=0, doc="synthetic: length of a shared system prompt")
+    cancel_after_s: Any = _f(5.0, kind="dist", max=MAX_TIME_S,
+                             doc="client cancels this long after arrival")
+    priority: Any = _f(0, kind="dist", max=PRIORITY_RANGE[1])
+    shared_prefix_tokens: int = _f(0, min=0, max=MAX_TOKENS,
+                                   doc="synthetic: length of a shared system prompt")
     shared_prefix_groups: int = _f(1, min=1, doc="synthetic: how many distinct system prompts")
     num_samples: int = _f(1, min=1, max=64, doc="parallel samples per request (n)")
 
@@ -261,6 +269,9 @@ def load_scenario(spec: str | None = None, overrides: list[str] | None = None) -
     """Read, override and check a scenario. Raises ScenarioError on any problem."""
     path = find_scenario(spec)
     try:
+        if path.stat().st_size > MAX_SCENARIO_BYTES:  # (not read into memory first)
+            raise ScenarioError(f"{path}: larger than {MAX_SCENARIO_BYTES >> 20} MiB, not a "
+                                "scenario file")
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path}: not valid TOML: {e}") from None
@@ -303,7 +314,18 @@ def apply_override(raw: dict, text: str, source: str = "--set") -> None:
                 raise ScenarioError(f"--set {text}: {'.'.join(parts[:-1])} is not a table")
             d[p] = nxt
         d = nxt
+    if parts[-1] == "dist" and isinstance(value, str) and value in DIST_KEYS:
+        # Another distribution: drop what the old one had that the new one does not take
+        # (`file` of an empirical table when switching to uniform), keep the rest (min, max).
+        for k in [k for k in d if k not in DIST_KEYS[value]]:
+            del d[k]
     d[parts[-1]] = value
+
+
+def _key(key) -> str:
+    """A key as a message shows it: as written when it is a plain name, else quoted (so that a
+    key holding a newline or nothing at all still makes one readable line)."""
+    return key if isinstance(key, str) and key.replace("-", "_").isidentifier() else repr(key)
 
 
 def _suggest(key: str, names) -> str:
@@ -321,6 +343,9 @@ def _check_type(where: str, value, t) -> Any:
         ok = isinstance(value, bool)
     elif t is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+        if ok and not -INT64_MAX - 1 <= value <= INT64_MAX:  # past int64: no array holds it
+            raise ScenarioError(f"{where} = {value!r}: must fit in 64 bits "
+                                f"(at most {INT64_MAX})")
     elif t is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok:
@@ -334,18 +359,31 @@ def _check_type(where: str, value, t) -> Any:
     return value
 
 
-def _check_dist(where: str, value) -> Any:
-    """A distribution field: a number (fixed) or a table with a known `dist`."""
+# Lognormal spread: past this, draws are 0 or beyond any bound (sigma = sqrt(log(1 + cv^2))).
+MAX_CV = 100.0
+
+
+def _check_dist(where: str, value, top: float) -> Any:
+    """A distribution field: a number (fixed) or a table with a known `dist`. Every number in
+    it must be finite, non-negative and at most `top` (the field's bound), every weight finite
+    and non-negative with a positive sum."""
+    def number(w: str, v, hi: float = top) -> float:
+        v = _check_type(w, v, float)
+        if v < 0:
+            raise ScenarioError(f"{w} = {v!r}: must not be negative")
+        if v > hi:
+            raise ScenarioError(f"{w} = {v!r}: must be at most {hi:g}")
+        return v
+
     if isinstance(value, bool):
         raise ScenarioError(f"{where} = {value!r}: expected a number or a {{dist = ...}} table")
     if isinstance(value, (int, float)):
-        if value < 0 or not math.isfinite(value):
-            raise ScenarioError(f"{where} = {value!r}: must be a non-negative number")
+        number(where, value)
         return value
     if not isinstance(value, dict):
         raise ScenarioError(f"{where} = {value!r}: expected a number or a {{dist = ...}} table")
     dist = value.get("dist")
-    if dist not in DIST_KEYS:
+    if not isinstance(dist, str) or dist not in DIST_KEYS:
         raise ScenarioError(
             f"{where}.dist = {dist!r}: expected one of {', '.join(DIST_KEYS)}{_suggest(str(dist), DIST_KEYS)}"
         )
@@ -353,7 +391,7 @@ def _check_dist(where: str, value) -> Any:
     for k, v in value.items():
         if k not in allowed:
             raise ScenarioError(
-                f"{where}.{k}: unknown key for dist = {dist!r} (allowed: "
+                f"{where}.{_key(k)}: unknown key for dist = {dist!r} (allowed: "
                 f"{', '.join(sorted(allowed - {'dist'}))}){_suggest(k, allowed)}"
             )
         if k in ("file", "column", "dist"):
@@ -363,10 +401,12 @@ def _check_dist(where: str, value) -> Any:
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
             ):
                 raise ScenarioError(f"{where}.{k} = {v!r}: expected a non-empty list of numbers")
+            for i, x in enumerate(v):
+                number(f"{where}.{k}[{i}]", x, top if k == "values" else INT64_MAX)
+            if k == "weights" and not sum(v) > 0:
+                raise ScenarioError(f"{where}.weights = {v!r}: must not all be 0")
         else:
-            _check_type(f"{where}.{k}", v, float)
-            if v < 0:
-                raise ScenarioError(f"{where}.{k} = {v!r}: must not be negative")
+            number(f"{where}.{k}", v, MAX_CV if k == "cv" else top)
     need = {
         "fixed": {"value"}, "uniform": {"min", "max"}, "lognormal": {"mean"},
         "normal": {"mean", "std"}, "exponential": {"mean"}, "empirical": {"file"},
@@ -385,7 +425,7 @@ def _check_dist(where: str, value) -> Any:
 def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     m = f.metadata
     if m.get("kind") == "dist":
-        return _check_dist(where, value)
+        return _check_dist(where, value, m.get("max") or INT64_MAX)
     t = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, None)
     if t is None:
         t = type(f.default)
@@ -423,7 +463,7 @@ def _section(source: str, name: str, cls: type, raw: Any):
     for key, value in raw.items():
         if key not in fields:
             raise ScenarioError(
-                f"{source}: {name}.{key}: unknown key{_suggest(key, fields)}")
+                f"{source}: {name}.{_key(key)}: unknown key{_suggest(key, fields)}")
         kwargs[key] = _check_field(f"{source}: {name}.{key}", fields[key], value)
     return cls(**kwargs)
 
@@ -440,11 +480,13 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
     for key, value in raw.items():
         if key in TOP_LEVEL:
             kwargs[key] = _check_type(f"{source}: {key}", value, TOP_LEVEL[key])
+            if key == "seed" and value < 0:  # seeds NumPy's generators, which take none below 0
+                raise ScenarioError(f"{source}: seed = {value!r}: must be at least 0")
         elif key in SECTIONS:
             kwargs[key] = _section(source, key, SECTIONS[key], value)
         else:
             raise ScenarioError(
-                f"{source}: {key}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
+                f"{source}: {_key(key)}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
     sc = Scenario(**kwargs, base_dir=base_dir or BUNDLED_DIR, source=source)
     _fill_presets(sc)
     _check_whole(sc, check_workload)
@@ -477,18 +519,27 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
                             f"compute.num_heads = {c.num_heads}")
     if w.arrival == "trace" and not w.trace:
         raise ScenarioError(f"{src}: workload.trace: arrival = \"trace\" needs a trace file")
+    if w.repeat > 1 and w.arrival != "trace":
+        raise ScenarioError(f"{src}: workload.repeat = {w.repeat}: repeats a trace; it needs "
+                            f"arrival = \"trace\" (not {w.arrival!r})")
     if w.arrival != "trace" and not w.num_requests and not w.duration_s:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")
     _check_cluster(sc)
     from sim.costmodel import CostModel  # the model derives the pool size
 
-    cm = CostModel(sc)
-    num_blocks = cm.num_blocks()
+    try:
+        cm = CostModel(sc)
+        num_blocks = cm.num_blocks()
+    except (ArithmeticError, ValueError) as e:  # sizes whose products leave float range
+        raise ScenarioError(f"{src}: [model] / [hardware] / [kv]: the sizes given overflow the "
+                            f"service-time model ({e})") from None
+    if num_blocks > 0:
+        check_deployment(sc, cm, num_blocks)
     if num_blocks <= 0:
         raise ScenarioError(
-            f"{src}: kv.num_blocks: derived {num_blocks} blocks: model.preset = {m.preset!r} "
-            f"({cm.weight_bytes_per_gpu() / 1e9:.1f} GB of weights per GPU) does not fit in "
+            f"{src}: kv.num_blocks: derived {float(num_blocks):.4g} blocks: model.preset = {m.preset!r} "
+            f"({cm.weight_bytes_per_gpu() / 1e9:.4g} GB of weights per GPU) does not fit in "
             f"hardware.memory_gb = {sc.hardware.memory_gb:g} x kv.gpu_memory_utilization = "
             f"{sc.kv.gpu_memory_utilization:g} minus kv.reserve_gb = {sc.kv.reserve_gb:g}"
         )
@@ -498,6 +549,7 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     from sim.workload import min_length  # smallest request the workload can produce
 
     smallest = min_length(sc, "prompt_tokens") + max(1, min_length(sc, "output_tokens")) - 1
+    smallest += w.shared_prefix_tokens  # every prompt starts with the shared system prompt
     if m.max_model_len and smallest + 1 > m.max_model_len:
         raise ScenarioError(
             f"{src}: model.max_model_len = {m.max_model_len}: no request could ever fit (the "
@@ -539,7 +591,9 @@ def schema_markdown() -> str:
                 notes.append("a number or a distribution table")
             for key, word in (("min", ">="), ("gt", ">"), ("max", "<=")):
                 if m.get(key) is not None:
-                    notes.append(f"{word} {m[key]}")
+                    v = m[key]
+                    v = int(v) if float(v).is_integer() else v
+                    notes.append(f"{word} {v:,}" if v >= 10**6 else f"{word} {v}")
             if m.get("pow2"):
                 notes.append("a power of two")
             shown = {True: "true", False: "false"}.get(d, d) if isinstance(d, bool) else repr(d)

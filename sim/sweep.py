@@ -25,18 +25,23 @@ import dataclasses
 import difflib
 import io
 import itertools
+import math
 import multiprocessing
 import os
+import signal
 import time
+from contextlib import contextmanager
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from sim.errors import ScenarioError, ServesimError
+from sim.limits import check_memory
 from sim.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)
+BYTES_PER_RUN = 16_000  # a planned run: its checked scenario (about 4 KB), task and row
 
 
 class SweepError(ServesimError):
@@ -147,6 +152,11 @@ def plan(spec: str | None, axes: list[Axis], *, seeds: list[int] | None = None,
     values). Raises ScenarioError naming the point at the first one that does not load."""
     if seeds is not None and any(a.key == "seed" for a in axes):
         raise ScenarioError("--grid seed: cannot be combined with --seeds (use one)")
+    n_points = math.prod(len(a.values) for a in axes)
+    runs = n_points * (len(seeds) if seeds is not None else 1)
+    check_memory(f"--grid ({n_points:,} points)"
+                 + (f" x --seeds {len(seeds):,}" if seeds is not None else ""),
+                 runs * BYTES_PER_RUN, f" for the {runs:,} runs planned up front")
     find_scenario(spec)  # a missing file is named once, not as the first point's problem
     points = []
     for combo in itertools.product(*(range(len(a.values)) for a in axes)):
@@ -208,7 +218,7 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     from sim.metrics import summarize
 
     t0 = time.perf_counter()
-    engine = build(sc, record_events=False)
+    engine = build(sc, record_events=False, keep_history=False)
     engine.run()
     row = flatten(summarize(engine))
     row["wall_s"] = time.perf_counter() - t0
@@ -248,6 +258,8 @@ class Runner:
 
     def __exit__(self, *exc) -> None:
         if self._pool is not None:
+            if exc[0] is not None:  # Ctrl-C, SIGTERM, a failed run: stop the workers now
+                _stop_workers(self._pool)
             self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
             self._pool = None
         if self._ray_started:
@@ -286,8 +298,11 @@ class Runner:
                 ctx.set_forkserver_preload(["sim.engine", "sim.metrics", "sim.sweep"])
             else:
                 ctx = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
-        index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
+            self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,
+                                             initializer=_worker_init,
+                                             initargs=(os.getpid(),))
+        with _signals_held():  # workers start inside submit(): none may escape the clean-up
+            index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
         try:
             return _collect(index, len(scenarios), progress,
                             lambda pending: wait(pending, return_when=FIRST_COMPLETED)[0],
@@ -325,6 +340,72 @@ class Runner:
                         lambda pending: ray.wait(list(pending), num_returns=1)[0], ray.get)
 
 
+@contextmanager
+def _signals_held():
+    """Hold Ctrl-C and SIGTERM until the block ends (they arrive then), so that a worker the
+    pool is starting is registered before the interrupt's clean-up looks for workers to stop."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    except (AttributeError, ValueError, OSError):  # no pthread_sigmask here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _worker_init(sweep_pid: int) -> None:
+    """In a pool worker: leave Ctrl-C to the sweep (which stops every worker itself), and exit
+    within half a second of the sweep's process ending however it ends (even SIGKILL), so
+    that no worker outlives it holding its pipes. (The forkserver that forked the worker lives
+    as long as its workers do, so the worker watches the sweep itself.)"""
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:  # (a forkserver started while the sweep held them passes the mask on)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):
+        pass
+
+    def watch() -> None:
+        while not _ended(sweep_pid):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sweep-watch", daemon=True).start()
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has exited: gone, or a zombie its parent has not reaped yet (a
+    killed process closes its pipes at once, but its pid lives on until reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):  # no /proc: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's workers mid-run (they hold no state worth saving) and reap them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=1.0)
+
+
 def _collect(index: dict, n: int, progress: Progress | None, next_done, result) -> list:
     """Results of submitted tasks (`index`: handle -> position) as they finish, in position
     order; `next_done(pending)` blocks until some finish and returns them."""
@@ -348,6 +429,7 @@ class Table:
     columns: list[str]
     rows: list[dict[str, Any]]
     key_columns: list[str]  # the leading columns that say which run a row is
+    probes: "Table | None" = None  # find_max_rate: a row per probe run (its rate, its seed)
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -465,8 +547,8 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
     trace, or `target` / `tolerance` are out of range."""
     if not 0 < target <= 1:
         raise ScenarioError(f"--attainment {target}: must be in (0, 1]")
-    if not 0 < tolerance < 1:
-        raise ScenarioError(f"--tolerance {tolerance}: must be in (0, 1)")
+    if not 1e-3 <= tolerance < 1:  # (finer would bisect for ever at no gain)
+        raise ScenarioError(f"--tolerance {tolerance}: must be from 0.001 to below 1")
     if any(a.key == "workload.rate" for a in p.axes):
         raise ScenarioError("--grid workload.rate: --find-max-rate searches the rate itself")
     for point in p.points:
@@ -479,20 +561,23 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
                                 "needs synthetic arrivals (poisson, gamma, constant)")
     searches = [RateSearch(pt.scenario.workload.rate, target, tolerance) for pt in p.points]
     done = 0
+    probe_rows = []
     while True:
         probes = [(s, pt, s.next_rate()) for s, pt in zip(searches, p.points)]
         probes = [x for x in probes if x[2] is not None]
         if not probes:
             break
-        tasks = []
+        tasks, keys = [], []
         for _, pt, rate in probes:
             for seed in p.seeds if p.seeds is not None else [pt.scenario.seed]:
                 tasks.append((pt.label(**{"workload.rate": rate, "seed": seed}),
                               variant(pt.scenario, seed=seed, rate=rate)))
+                keys.append({**pt.values, "workload.rate": rate, "seed": seed})
         per_probe = len(tasks) // len(probes)
         later = per_probe * sum(s.probes_left() for s in searches) - len(tasks)
         report = (lambda d, n: progress(done + d, done + n + max(later, 0))) if progress else None
         rows = runner.run(tasks, report)
+        probe_rows += [{**k, **r} for k, r in zip(keys, rows)]
         done += len(tasks)
         for i, (search, _, rate) in enumerate(probes):
             got = rows[i * per_probe:(i + 1) * per_probe]
@@ -505,7 +590,9 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
                     "max_rate": s.passed and s.passed[0], "attainment": s.passed and s.passed[1],
                     "fail_rate": s.failed and s.failed[0],
                     "fail_attainment": s.failed and s.failed[1], "probes": s.probes})
-    return Table(columns, out, key_columns)
+    probe_keys = [a.key for a in p.axes] + ["workload.rate", "seed"]
+    probe_table = Table(probe_keys + [c for c, _ in METRICS] + ["wall_s"], probe_rows, probe_keys)
+    return Table(columns, out, key_columns, probes=probe_table)
 
 
 # --- progress ------------------------------------------------------------------------------------
@@ -529,9 +616,9 @@ class ProgressBar:
         self._last = now
         elapsed = now - self.t0
         filled = self.WIDTH * done // max(total, 1)
-        left = f"~{_clock(elapsed / done * (total - done))} left" if 0 < done < total else ""
+        left = f"~{clock_text(elapsed / done * (total - done))} left" if 0 < done < total else ""
         line = (f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
-                f"{done}/{total} runs  {_clock(elapsed)} elapsed  {left}")
+                f"{done}/{total} runs  {clock_text(elapsed)} elapsed  {left}")
         # pad over what a longer previous line left behind
         self.stream.write(f"\r{line.ljust(self._width)}")
         self.stream.flush()
@@ -543,7 +630,8 @@ class ProgressBar:
             self.stream.flush()
 
 
-def _clock(s: float) -> str:
+def clock_text(s: float) -> str:
+    """Seconds as m:ss, or h:mm:ss from an hour on."""
     s = int(round(s))
     h, m = divmod(s // 60, 60)
     return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"

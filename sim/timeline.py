@@ -1,15 +1,29 @@
-"""The engine's step timeline: one row per engine step, kept in growable NumPy columns.
+"""The engine's step timeline: one row per engine step, in NumPy columns cut into chunks of CHUNK
+rows, with running totals of every full chunk.
 
 Token times are not stored per token: a request records runs of consecutive steps in which it
 received a token, and each token's time is its step's end time here. That keeps a 4-million-token
 trace to a few hundred thousand rows and lets pooled ITL percentiles be computed with weights.
 Single rows are staged in a Python list and written to the columns in bulk, since a NumPy write
 per row would cost more than the step it records.
+
+When a chunk fills it is sealed: its sums (energy, KV use and empty slots over time, batch sizes)
+are added to running totals and its ITL gaps go to a `sim.quantiles.Samples`. The summary reads
+the totals plus the unsealed rows, so it never needs the sealed rows again. A timeline with
+`keep=False` (a headless run) then drops them: it holds only the `end` times that live requests'
+token times still point into (and, for a deployment, the KV use its peak has not merged yet),
+so its memory is bounded by what is in flight, not by the length of the run.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+
 import numpy as np
+
+from sim.errors import EngineError
+from sim.quantiles import Samples
 
 COLUMNS = {
     "end": np.float64,         # step end time (s); a token sampled in the step has this time
@@ -25,46 +39,94 @@ COLUMNS = {
     "waiting": np.int32,       # queue length when the step was scheduled
 }
 NAMES = tuple(COLUMNS)
+CHUNK = 1 << 16  # rows per chunk (a power of two: chunk sums are of fixed row ranges)
+_STAGE = 2048    # single rows staged before they are written to the columns
+ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.quantiles' sketch)
+
+
+class Totals:
+    """Sums over a span of rows, the figures `sim.metrics.summarize` needs."""
+
+    __slots__ = ("rows", "energy", "used_dur", "empty_dur", "batch_sum", "batch_max", "used_max")
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.energy = 0.0      # joules
+        self.used_dur = 0.0    # sum of kv_used * dur (block-seconds)
+        self.empty_dur = 0.0   # sum of kv_empty * dur (slot-seconds)
+        self.batch_sum = 0
+        self.batch_max = 0
+        self.used_max = 0
+
+    def add(self, c: dict, k: int) -> None:
+        """Add the first `k` rows of columns `c`."""
+        if not k:
+            return
+        dur = c["dur"][:k]
+        used = c["kv_used"][:k]
+        batch = c["batch"][:k]
+        self.rows += k
+        self.energy += float(c["energy"][:k].sum())
+        self.used_dur += float((used * dur).sum())
+        self.empty_dur += float((c["kv_empty"][:k] * dur).sum())
+        self.batch_sum += int(batch.sum())
+        self.batch_max = max(self.batch_max, int(batch.max()))
+        self.used_max = max(self.used_max, int(used.max()))
+
+    def plus(self, other: "Totals") -> "Totals":
+        out = Totals()
+        for name in self.__slots__:
+            a, b = getattr(self, name), getattr(other, name)
+            setattr(out, name, max(a, b) if name.endswith("_max") else a + b)
+        return out
 
 
 class Timeline:
-    """Append-only columns, one entry per engine step."""
+    """Append-only columns, one entry per engine step.
 
-    def __init__(self, capacity: int = 4096) -> None:
-        self._n = 0
+    `keep=False` drops sealed rows that no reader needs (see the module docstring); `pinned()`
+    then names the first row whose end time a live request still needs (math.inf: none).
+    """
+
+    def __init__(self, keep: bool = True, pinned=None) -> None:
+        self.keep = keep
+        self.pinned = pinned
+        self.hold_kv = False  # keep (end, kv_used) of sealed rows until `release_kv` (a cluster)
+        self.on_seal = None   # called after each chunk is sealed
         self._rows: list[tuple] = []
-        self._cols = {k: np.zeros(capacity, dtype=t) for k, t in COLUMNS.items()}
+        self._tail = {k: np.zeros(min(4096, CHUNK), dtype=t) for k, t in COLUMNS.items()}
+        self._tail_n = 0
+        self._chunks: list[dict] = []  # sealed chunks still held, oldest first
+        self._first = 0                # row index of _chunks[0][...][0] (or of the tail)
+        self.sealed = Totals()         # totals of every sealed row
+        self.itl = Samples(ITL_EXACT_ROWS)  # ITL gaps and token counts of sealed rows >= 1
+        self._last_end = math.nan      # end time of the last sealed row
+        self._kv_from = 0              # first row not yet released by release_kv
 
+    # --- writing --------------------------------------------------------------------------------
     @property
     def n(self) -> int:
         """Number of steps recorded."""
-        return self._n + len(self._rows)
+        return self.sealed.rows + self._tail_n + len(self._rows)
 
-    def _grow(self, need: int) -> None:
-        cap = len(self._cols["end"])
-        if self._n + need <= cap:
-            return
-        new_cap = max(cap * 2, self._n + need)
-        for k, col in self._cols.items():
-            grown = np.zeros(new_cap, dtype=col.dtype)
-            grown[: self._n] = col[: self._n]
-            self._cols[k] = grown
-
-    def _flush(self) -> None:
-        rows = self._rows
-        if not rows:
-            return
-        k = len(rows)
-        self._grow(k)
-        i = self._n
-        for name, values in zip(NAMES, zip(*rows)):
-            self._cols[name][i:i + k] = values
-        self._n += k
-        self._rows = []
+    @property
+    def first(self) -> int:
+        """Index of the first row still held (0 unless `keep=False` dropped some)."""
+        return self._first
 
     def add_row(self, *row) -> None:
         """Append one step; values in the order of COLUMNS."""
-        self._rows.append(row)
+        rows = self._rows
+        rows.append(row)
+        if len(rows) >= _STAGE:
+            self._flush()
+
+    def add_rows(self, rows: list[tuple]) -> None:
+        """Append steps, each a tuple of values in the order of COLUMNS."""
+        staged = self._rows
+        staged += rows
+        if len(staged) >= _STAGE:
+            self._flush()
 
     def append(self, **cols) -> int:
         """Append k rows (every column a scalar or an array of length k).
@@ -72,20 +134,144 @@ class Timeline:
         Returns the index of the first new row.
         """
         self._flush()
-        k = len(cols["end"])
-        self._grow(k)
-        i = self._n
-        for name, col in self._cols.items():
-            col[i:i + k] = cols.get(name, 0)
-        self._n += k
+        i = self.n
+        self._write({name: cols.get(name, 0) for name in NAMES}, len(cols["end"]))
         return i
 
-    def column(self, name: str) -> np.ndarray:
-        """A read-only view of every recorded entry of a column."""
+    def _flush(self) -> None:
+        rows = self._rows
+        if rows:
+            self._rows = []
+            self._write(dict(zip(NAMES, zip(*rows))), len(rows))
+
+    def _write(self, cols: dict, k: int) -> None:
+        """Write k rows (each column a scalar, an array or a tuple of length k) to the tail,
+        sealing it each time it fills."""
+        done = 0
+        while done < k:
+            tail, at = self._tail, self._tail_n
+            cap = len(tail["end"])
+            if at == cap:
+                self._grow_tail(at + (k - done))
+                tail, cap = self._tail, len(self._tail["end"])
+            m = min(cap - at, k - done)
+            for name, v in cols.items():
+                if isinstance(v, (tuple, list, np.ndarray)):
+                    tail[name][at:at + m] = v[done:done + m]
+                else:  # a scalar for every row
+                    tail[name][at:at + m] = v
+            self._tail_n = at + m
+            done += m
+            if self._tail_n == CHUNK:
+                self._seal()
+
+    def _grow_tail(self, need: int) -> None:
+        cap = len(self._tail["end"])
+        new = min(CHUNK, max(cap * 2, need))
+        for k, col in self._tail.items():
+            grown = np.zeros(new, dtype=col.dtype)
+            grown[:cap] = col
+            self._tail[k] = grown
+
+    def _seal(self) -> None:
+        """Fold the full tail into the totals and the ITL samples; keep what is still needed."""
+        c = self._tail
+        self.sealed.add(c, CHUNK)
+        gaps, counts = self._gaps(c["end"], c["itl_count"])
+        self.itl.extend(gaps, counts)
+        self._last_end = float(c["end"][-1])
+        if self.keep:
+            self._chunks.append(c)
+        else:
+            held = {"end": c["end"]}
+            if self.hold_kv:
+                held["kv_used"] = c["kv_used"]
+            self._chunks.append(held)
+        self._tail = {k: np.zeros(CHUNK, dtype=t) for k, t in COLUMNS.items()}
+        self._tail_n = 0
+        if self.on_seal is not None:
+            self.on_seal()
+        if not self.keep:
+            self._trim()
+
+    def _gaps(self, ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ITL gaps of rows (end times `ends`, following the last sealed row) from row 1 on,
+        with their token counts."""
+        if math.isnan(self._last_end):
+            return ends[1:] - ends[:-1], counts[1:]
+        return np.diff(ends, prepend=self._last_end), counts
+
+    def _trim(self) -> None:
+        """Drop the sealed chunks (oldest first) whose rows no reader needs any more."""
+        keep_from = min(self.pinned() if self.pinned is not None else math.inf,
+                        self._kv_from if self.hold_kv else math.inf)
+        while self._chunks and self._first + CHUNK <= keep_from:
+            self._chunks.pop(0)
+            self._first += CHUNK
+
+    def release_kv(self, row: int) -> None:
+        """A cluster has merged the KV use of rows before `row` (with `hold_kv`)."""
+        self._kv_from = max(self._kv_from, row)
+
+    # --- reading --------------------------------------------------------------------------------
+    def totals(self) -> Totals:
+        """Totals of every row recorded (sealed and not)."""
         self._flush()
-        v = self._cols[name][: self._n]
+        t = Totals()
+        t.add(self._tail, self._tail_n)
+        return self.sealed.plus(t)
+
+    def tail_itl(self) -> tuple[np.ndarray, np.ndarray]:
+        """ITL gaps and token counts of the rows not yet sealed (see `itl` for the others)."""
+        self._flush()
+        k = self._tail_n
+        return self._gaps(self._tail["end"][:k], self._tail["itl_count"][:k])
+
+    def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Column `name` over rows [lo, hi) (absolute indices, clamped to those recorded).
+
+        Raises EngineError when some of them were dropped (`keep=False`)."""
+        self._flush()
+        lo, hi = max(lo, 0), min(hi, self.n)
+        if hi <= lo:
+            return np.zeros(0, dtype=COLUMNS[name])
+        if lo < self._first or (self._chunks and name not in self._chunks[0]
+                                and lo < self.sealed.rows):
+            raise EngineError(f"timeline: rows {lo}..{hi} of {name!r} were folded into the "
+                              "summary (a run that keeps no history)")
+        pieces = []
+        start = self._first
+        for c in self._chunks:
+            if start + CHUNK > lo and start < hi:
+                pieces.append(c[name][max(lo - start, 0):min(hi - start, CHUNK)])
+            start += CHUNK
+        if hi > start:
+            pieces.append(self._tail[name][max(lo - start, 0):hi - start])
+        v = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         v.flags.writeable = False
         return v
 
-    def end_times(self) -> np.ndarray:
-        return self.column("end")
+    def column(self, name: str) -> np.ndarray:
+        """A read-only view of every recorded entry of a column.
+
+        Raises EngineError when rows were dropped (`keep=False`)."""
+        return self.rows(name, 0, self.n)
+
+    def ends(self, start: int, count: int) -> np.ndarray:
+        """End times of rows [start, start + count)."""
+        return self.rows("end", start, start + count)
+
+    def index(self, t: float, side: str = "left") -> int:
+        """Like `np.searchsorted(column("end"), t, side)` over the rows held."""
+        self._flush()
+        firsts = [float(c["end"][0]) for c in self._chunks]
+        k = bisect.bisect_left(firsts, t) if side == "left" else bisect.bisect_right(firsts, t)
+        # the row lies in chunk k - 1 (or in the tail when k == len(firsts))
+        k = max(k - 1, 0)
+        start = self._first + k * CHUNK
+        for c in self._chunks[k:]:
+            j = int(np.searchsorted(c["end"], t, side=side))
+            if j < CHUNK:
+                return start + j
+            start += CHUNK
+        return start + int(np.searchsorted(self._tail["end"][:self._tail_n], t, side=side))

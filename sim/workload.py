@@ -11,16 +11,21 @@ cancellation fraction) does not reshuffle the others.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import datetime as _dt
 import functools
+import io
 import json
 import math
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from sim.errors import ScenarioError, TraceError
+from sim.limits import (BYTES_PER_REQUEST, BYTES_PER_STEP, INT64_MAX, MAX_TIME_S, MAX_TOKENS,
+                        check_memory)
 
 # Seed-stream ids: one per kind of draw.
 _ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX = range(8)
@@ -64,21 +69,66 @@ class Workload:
 
 # --- trace files ---------------------------------------------------------------------------------
 def _parse_clock(ts: str) -> tuple[int, float]:
-    """`2023-11-16 18:15:46.6805900` -> (day ordinal, seconds since midnight)."""
+    """`2023-11-16 18:15:46.6805900` -> (day ordinal, seconds since midnight).
+    Raises ValueError on anything else (a second that is not a finite number in [0, 61))."""
     date, _, clock = ts.strip().partition(" ")
     h, m, s = clock.split(":")
     y, mo, d = date.split("-")
-    return _dt.date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(m) * 60 + float(s)
+    sec = float(s)
+    if not 0 <= sec < 61 or not 0 <= int(h) < 24 or not 0 <= int(m) < 60:
+        raise ValueError(ts)
+    return _dt.date(int(y), int(mo), int(d)).toordinal(), int(h) * 3600 + int(m) * 60 + sec
 
 
-def _int_field(path: Path, line: int, name: str, text: str) -> int:
+def _int_field(path: Path, line: int, name: str, text) -> int:
+    """A token count of a trace row: a finite, non-negative number up to MAX_TOKENS."""
     try:
-        v = int(float(text))
-    except ValueError:
-        raise TraceError(f"{path}:{line}: {name} = {text!r} is not a number") from None
+        v = float(text)
+    except (TypeError, ValueError, OverflowError):
+        raise TraceError(f"{path}:{line}: {name} = {str(text)[:40]!r} is not a number") from None
+    if not math.isfinite(v):
+        raise TraceError(f"{path}:{line}: {name} = {text!r} is not a finite number")
     if v < 0:
-        raise TraceError(f"{path}:{line}: {name} = {v} is negative")
-    return v
+        raise TraceError(f"{path}:{line}: {name} = {text!r} is negative")
+    if v > MAX_TOKENS:
+        raise TraceError(f"{path}:{line}: {name} = {text!r} is more than {MAX_TOKENS:,} tokens")
+    return int(v)
+
+
+# Traces are read whole into memory; past this a file is not one servesim reads.
+MAX_TRACE_BYTES = 1 << 30
+
+
+def _read_text(path: Path) -> str:
+    """A trace file's text. Raises TraceError naming the file (and the line) when it is a
+    directory or a device, unreadable, over MAX_TRACE_BYTES, or binary (a NUL byte or bytes
+    that are not UTF-8), found within the first megabyte of the damage."""
+    try:
+        if stat.S_ISDIR(path.stat().st_mode):
+            raise TraceError(f"{path}: is a directory, not a trace file")
+        if not stat.S_ISREG(path.stat().st_mode) and not stat.S_ISFIFO(path.stat().st_mode):
+            raise TraceError(f"{path}: not a regular file (a device?), not a trace file")
+        chunks, size = [], 0
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                if b"\0" in chunk:  # a binary file (or /dev/zero): stop at once
+                    data = b"".join(chunks) + chunk
+                    line = data[:data.index(b"\0")].count(b"\n") + 1
+                    raise TraceError(f"{path}:{line}: a NUL byte: a binary file, not a trace")
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_TRACE_BYTES:
+                    raise TraceError(f"{path}: larger than {MAX_TRACE_BYTES >> 20} MiB, more "
+                                     "than a trace servesim reads")
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read: {e.strerror or e}") from None
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise TraceError(f"{path}:{line}: not UTF-8 text (byte {e.start}): a binary file, "
+                         "not a trace") from None
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,47 +142,55 @@ def _read_trace_cached(path: str, mtime: float) -> Trace:
 def read_trace(path: Path) -> Trace:
     """Read a trace or length file, cached by path and modification time.
 
-    Raises TraceError naming the file (and line) on a missing file or malformed row.
+    Raises TraceError naming the file (and line) on a missing, unreadable or binary file or a
+    malformed row (lengths must be finite, 0 to MAX_TOKENS; times finite, 0 to MAX_TIME_S).
     """
     try:
         mtime = path.stat().st_mtime
-    except OSError:
+    except (OSError, ValueError):
         raise TraceError(f"{path}: trace file not found") from None
     return _read_trace_cached(str(path), mtime)
 
 
 def _read_csv(path: Path) -> Trace:
-    with path.open(newline="") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if not header:
-            raise TraceError(f"{path}:1: empty file")
-        cols = [h.strip() for h in header]
-        if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(cols):
-            kind = "azure"
-            it, ip, io = (cols.index(c) for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
-        elif {"num_prefill_tokens", "num_decode_tokens"} <= set(cols):
-            kind = "pairs"
-            it, ip, io = -1, cols.index("num_prefill_tokens"), cols.index("num_decode_tokens")
-        else:
-            raise TraceError(
-                f"{path}:1: unknown columns {cols}; expected TIMESTAMP,ContextTokens,"
-                "GeneratedTokens (Azure) or num_prefill_tokens,num_decode_tokens (length pairs)"
-            )
-        ts, pr, out = [], [], []
-        for line, row in enumerate(reader, start=2):
-            if not row:
-                continue
-            if len(row) < len(cols):
-                raise TraceError(f"{path}:{line}: expected {len(cols)} fields, got {len(row)}")
-            if kind == "azure":
-                try:
-                    ts.append(_parse_clock(row[it]))
-                except (ValueError, IndexError):
-                    raise TraceError(f"{path}:{line}: TIMESTAMP = {row[it]!r} is not a "
-                                     "'YYYY-MM-DD HH:MM:SS.f' time") from None
-            pr.append(_int_field(path, line, cols[ip], row[ip]))
-            out.append(_int_field(path, line, cols[io], row[io]))
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""))
+    try:
+        return _parse_csv(path, reader)
+    except csv.Error as e:
+        raise TraceError(f"{path}:{reader.line_num}: not CSV: {e}") from None
+
+
+def _parse_csv(path: Path, reader) -> Trace:
+    header = next(reader, None)
+    if not header:
+        raise TraceError(f"{path}:1: empty file")
+    cols = [h.strip() for h in header]
+    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(cols):
+        kind = "azure"
+        it, ip, io_ = (cols.index(c) for c in ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+    elif {"num_prefill_tokens", "num_decode_tokens"} <= set(cols):
+        kind = "pairs"
+        it, ip, io_ = -1, cols.index("num_prefill_tokens"), cols.index("num_decode_tokens")
+    else:
+        raise TraceError(
+            f"{path}:1: unknown columns {cols}; expected TIMESTAMP,ContextTokens,"
+            "GeneratedTokens (Azure) or num_prefill_tokens,num_decode_tokens (length pairs)"
+        )
+    ts, pr, out, lines = [], [], [], []
+    for line, row in enumerate(reader, start=2):
+        if not row:
+            continue
+        if len(row) < len(cols):
+            raise TraceError(f"{path}:{line}: expected {len(cols)} fields, got {len(row)}")
+        if kind == "azure":
+            try:
+                ts.append(_parse_clock(row[it]))
+                lines.append(line)
+            except (ValueError, IndexError):
+                raise TraceError(f"{path}:{line}: TIMESTAMP = {row[it]!r} is not a "
+                                 "'YYYY-MM-DD HH:MM:SS.f' time") from None
+        pr.append(_int_field(path, line, cols[ip], row[ip]))
+        out.append(_int_field(path, line, cols[io_], row[io_]))
     if not pr:
         raise TraceError(f"{path}: no rows")
     stamps = None
@@ -142,36 +200,46 @@ def _read_csv(path: Path) -> Trace:
         # Relative to the first day before going to float, to keep sub-millisecond precision.
         stamps = (days - days.min()) * 86400.0 + secs
         stamps = stamps - stamps.min()
+        if stamps.max() > MAX_TIME_S:
+            line = lines[int(stamps.argmax())]
+            raise TraceError(f"{path}:{line}: TIMESTAMP lies {stamps.max():.3g} s after the "
+                             f"first: more than {MAX_TIME_S:g} s")
     return Trace(str(path), stamps, np.asarray(pr, dtype=np.int64),
                  np.asarray(out, dtype=np.int64), None)
 
 
 def _read_mooncake(path: Path) -> Trace:
     ts, pr, out, hashes = [], [], [], []
-    with path.open() as fh:
-        for line, text in enumerate(fh, start=1):
-            if not text.strip():
-                continue
-            try:
-                rec = json.loads(text)
-                t, p, o = rec["timestamp"], rec["input_length"], rec["output_length"]
-                h = tuple(int(x) for x in rec.get("hash_ids", ()))
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{line}: not JSON: {e.msg}") from None
-            except KeyError as e:
-                raise TraceError(f"{path}:{line}: missing field {e.args[0]!r}") from None
-            except (TypeError, ValueError):
-                raise TraceError(f"{path}:{line}: hash_ids must be a list of integers") from None
-            for name, v in (("timestamp", t), ("input_length", p), ("output_length", o)):
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                    raise TraceError(f"{path}:{line}: {name} = {v!r} is not a non-negative number")
-            ts.append(t / 1000.0)
-            pr.append(int(p))
-            out.append(int(o))
-            hashes.append(h)
+    for line, text in enumerate(_read_text(path).split("\n"), start=1):
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise TraceError(f"{path}:{line}: not JSON: {getattr(e, 'msg', e)}") from None
+        if not isinstance(rec, dict):
+            raise TraceError(f"{path}:{line}: expected a JSON object, got {text.strip()[:40]!r}")
+        for name in ("timestamp", "input_length", "output_length"):
+            v = rec.get(name)
+            if name not in rec:
+                raise TraceError(f"{path}:{line}: missing field {name!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TraceError(f"{path}:{line}: {name} = {v!r} is not a number")
+        t = rec["timestamp"]  # milliseconds
+        if not 0 <= t <= MAX_TIME_S * 1000:  # (NaN fails too)
+            raise TraceError(f"{path}:{line}: timestamp = {t!r} is not a time from 0 to "
+                             f"{MAX_TIME_S * 1000:g} ms")
+        h = rec.get("hash_ids", [])
+        if not isinstance(h, list) or not all(
+                type(x) is int and -INT64_MAX - 1 <= x <= INT64_MAX for x in h):
+            raise TraceError(f"{path}:{line}: hash_ids must be a list of 64-bit integers")
+        ts.append(t / 1000.0)
+        pr.append(_int_field(path, line, "input_length", rec["input_length"]))
+        out.append(_int_field(path, line, "output_length", rec["output_length"]))
+        hashes.append(tuple(h))
     if not pr:
         raise TraceError(f"{path}: no rows")
-    stamps = np.asarray(ts)
+    stamps = np.asarray(ts, dtype=np.float64)
     return Trace(str(path), stamps - stamps.min(), np.asarray(pr, dtype=np.int64),
                  np.asarray(out, dtype=np.int64), hashes)
 
@@ -236,9 +304,22 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
         x = np.maximum(x, float(spec["min"]))
     if "max" in spec and d != "uniform":
         x = np.minimum(x, float(spec["max"]))
+    # Within the field's own bounds whatever the spread (a wide lognormal overflows to inf),
+    # so that every draw converts to int64 and stays a length, delay or priority.
+    top = _field_max(field)
+    x = np.clip(np.nan_to_num(x, nan=0.0, posinf=top, neginf=0.0), 0.0, top)
     if integer:
         x = np.rint(x).astype(np.int64)
     return x
+
+
+@functools.cache
+def _field_max(field: str) -> float:
+    """The schema's upper bound of a distribution field of `[workload]`."""
+    from sim.scenario import WorkloadConfig
+
+    f = {f.name: f for f in dataclasses.fields(WorkloadConfig)}[field]
+    return float(f.metadata.get("max") or INT64_MAX)
 
 
 def _paired_rows(scenario) -> int | None:
@@ -289,6 +370,23 @@ def min_length(scenario, field: str) -> int:
 
 
 # --- arrivals ------------------------------------------------------------------------------------
+def _num_draws(scenario) -> int:
+    """How many arrivals a synthetic workload draws: `num_requests`, or enough to cover
+    `duration_s` with a wide margin. Raises ScenarioError when those would not fit in memory
+    (checked before anything is drawn)."""
+    w = scenario.workload
+    if w.num_requests:
+        n, what = float(w.num_requests), f"workload.num_requests = {w.num_requests}"
+    else:
+        n = w.duration_s * w.rate * 1.5 + 10 * math.sqrt(w.duration_s * w.rate) + 16
+        n *= max(1.0, w.cv)
+        what = f"workload.rate = {w.rate:g} x duration_s = {w.duration_s:g}"
+    shown = f"{n:,.0f}" if n < 1e15 else f"{n:.3g}"
+    check_memory(f"{scenario.source}: {what}", n * BYTES_PER_REQUEST,
+                 f" for {shown} requests drawn up front")
+    return int(n)
+
+
 def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
     mean_gap = 1.0 / w.rate
     if w.arrival == "constant":
@@ -299,6 +397,18 @@ def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
         k = 1.0 / (w.cv * w.cv)
         gaps = rng.gamma(k, mean_gap / k, size=n_max)
     return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+
+
+def repeat_trace(arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray,
+                 times: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sorted trace played `times` times in a row: copy k arrives k trace periods later, the
+    period being the span from first to last arrival plus the mean gap between arrivals (1 s
+    for a trace of one request), so the copies keep the trace's own rate across the seams."""
+    n = len(arrival)
+    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    period = span + span / (n - 1) if n > 1 else 1.0
+    shifts = np.repeat(np.arange(times, dtype=np.float64) * period, n)
+    return np.tile(arrival, times) + shifts, np.tile(prompt, times), np.tile(output, times)
 
 
 def build_workload(scenario) -> Workload:
@@ -318,6 +428,9 @@ def build_workload(scenario) -> Workload:
         if trace.hash_ids is not None:
             hashes = [trace.hash_ids[i] for i in order]
             hash_block = trace.hash_block_size
+        if w.repeat > 1:
+            arrival, prompt, output = repeat_trace(arrival, prompt, output, w.repeat)
+            hashes = None if hashes is None else hashes * w.repeat
         keep = np.ones(len(arrival), dtype=bool)
         if w.duration_s:
             keep &= arrival < w.duration_s
@@ -327,11 +440,7 @@ def build_workload(scenario) -> Workload:
         if hashes is not None:
             hashes = [h for h, k in zip(hashes, keep) if k]
     else:
-        if w.num_requests:
-            n = w.num_requests
-        else:  # enough draws to cover the duration with a wide margin
-            n = int(w.duration_s * w.rate * 1.5 + 10 * math.sqrt(w.duration_s * w.rate) + 16)
-            n = int(n * max(1.0, w.cv))
+        n = _num_draws(scenario)
         arrival = _arrivals(w, _rng(seed, _ARRIVAL), n)
         if w.duration_s:
             arrival = arrival[arrival < w.duration_s]
@@ -341,6 +450,18 @@ def build_workload(scenario) -> Workload:
         prompt = sample(scenario, "prompt_tokens", n, _rng(seed, _PROMPT), index=index)
         output = sample(scenario, "output_tokens", n, _rng(seed, _OUTPUT), index=index)
     n = len(arrival)
+    if n and not arrival[-1] <= MAX_TIME_S:  # (arrivals are sorted; NaN fails too)
+        what = (f"workload.time_scale = {w.time_scale:g}" if w.arrival == "trace"
+                else f"workload.rate = {w.rate:g}")
+        raise ScenarioError(f"{scenario.source}: {what}: the last request would arrive at "
+                            f"t = {arrival[-1]:.3g} s, past the {MAX_TIME_S:g} s a simulated "
+                            "clock can hold")
+    check_memory(f"{scenario.source}: workload", n * BYTES_PER_REQUEST,
+                 f" for its {n:,} requests")
+    if n:  # the longest request alone takes a step per output token
+        longest = int(output.max())
+        check_memory(f"{scenario.source}: workload.output_tokens", longest * BYTES_PER_STEP,
+                     f" for the per-step records of a request of {longest:,} output tokens")
     prompt = np.maximum(prompt, 1)
     output = np.maximum(output, 1)
     priority = sample(scenario, "priority", n, _rng(seed, _PRIORITY))

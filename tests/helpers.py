@@ -49,10 +49,10 @@ def check_invariants(engine: Engine, held=()) -> None:
             assert r.block_table == [] and need <= len(r.host_table) <= need + 1, r
         else:
             assert r.host_table == [], r
-            # a contiguous reservation covers the request's whole future
             assert need <= len(r.block_table), (r, need)
-            if engine.policy.name != "contiguous":
-                assert len(r.block_table) <= need + 1, (r, need)
+            t = r.block_table
+            if len(t) > need + 1:  # only a contiguous reservation covers the request's future
+                assert t == list(range(t[0], t[0] + len(t))), (r, need)
     host = engine.kv.host
     if host is not None:
         for b in range(host.num_blocks):
@@ -121,3 +121,22 @@ def expand_steps(engine: Engine) -> list[tuple]:
             d = e.to_dict()
             out.append(tuple(sorted((k, str(v)) for k, v in d.items())))
     return out
+
+
+def run_with_and_without_history(monkeypatch, sc, chunk: int, itl_rows: int, exact: int):
+    """Run `sc` keeping its history and not, with timeline chunks of `chunk` rows, ITL exact
+    for `itl_rows` steps and other figures for `exact` values (small: a short run then seals,
+    drops rows and sketches). Returns both deployments and their summaries (no wall time)."""
+    from sim import build, quantiles, summarize, timeline
+
+    monkeypatch.setattr(timeline, "CHUNK", chunk)
+    monkeypatch.setattr(timeline, "ITL_EXACT_ROWS", itl_rows)
+    monkeypatch.setattr(quantiles, "EXACT_LIMIT", exact)
+    full, bounded = build(sc), build(sc, keep_history=False)
+    full.run()
+    bounded.run()
+    a, b = summarize(full), summarize(bounded)
+    for s in (a, b, *a.get("replicas", ()), *b.get("replicas", ())):
+        s.pop("wall_s")
+    return full, bounded, a, b
+

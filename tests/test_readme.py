@@ -1,8 +1,11 @@
-"""The README stays true to the code: its set-up commands, its scenario reference, CI."""
+"""The README stays true to the code: its set-up commands, its scenario reference, CI, and
+every command and `--set` example it shows."""
 
 import dataclasses
 import re
 from pathlib import Path
+
+import pytest
 
 from sim.scenario import SECTIONS, schema_markdown
 
@@ -30,3 +33,83 @@ def test_scenario_reference_matches_the_schema():
 def test_every_bundled_scenario_is_listed():
     for p in (ROOT / "scenarios").glob("*.toml"):
         assert f"`{p.stem}`" in README, p.stem
+
+
+# --- every command the README shows works ---------------------------------------------------------
+PROSE = re.sub(r"```.*?```", "", README, flags=re.S)  # inline code spans, fences aside
+SPANS = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", PROSE)]
+COMMANDS = sorted({s for s in SPANS if s.startswith("servesim ")})
+PLACEHOLDERS = {"SCENARIO", "P", "N", "K=V", "X", "B", "ADDRESS", "KEY=V1,V2", "...", "K"}
+
+
+def _syntax(cmd: str) -> bool:
+    """A usage line (options in brackets, alternatives, placeholders), not an example."""
+    words = cmd.split()
+    return any(c in cmd for c in "[]|") or any(w.strip(".,") in PLACEHOLDERS for w in words) \
+        or "..." in cmd
+
+
+def test_the_readme_shows_commands():
+    assert len(COMMANDS) > 20 and "servesim compare fragmentation --policies " \
+        "contiguous,fcfs,chunked" in COMMANDS
+
+
+def test_every_option_a_usage_line_names_exists():
+    from tui.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if a.dest == "command").choices
+    for cmd in COMMANDS:
+        words = cmd.split()
+        sub = subs[words[1]]  # a command the CLI has
+        if words[1] == "bench" and len(words) > 2:
+            sub = next(a for a in sub._actions if a.dest == "bench").choices[words[2]]
+        known = {o for a in sub._actions for o in a.option_strings}
+        for w in words:
+            opt = w.strip("[]").split("=")[0]
+            if opt.startswith("-"):
+                assert opt in known, (cmd, opt)
+
+
+@pytest.fixture(scope="module")
+def a_log(tmp_path_factory):
+    from tui.cli import main
+
+    path = tmp_path_factory.mktemp("readme") / "session.msgpack"
+    assert main(["sim", "chat", "--set", "workload.duration_s=5", "--log", str(path)]) == 0
+    return str(path)
+
+
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if not _syntax(c)])
+def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
+    """Each example as written, headless: the simulations cut to 40 requests (their options,
+    scenarios and overrides as shown), the dashboard and the benchmarks parsed, not run."""
+    import shlex
+
+    from tui.cli import build_parser, main
+
+    argv = [a_log if w == "LOG" else str(tmp_path / "out") if w == "FILE" else w
+            for w in shlex.split(cmd)][1:]
+    if len(argv) == 1 and argv[0] not in ("scenarios", "run"):
+        return  # the name of a command in a sentence ("`servesim compare` shows both")
+    if argv[0] in ("run", "bench"):
+        build_parser().parse_args(argv)  # (interactive, or minutes of measuring)
+        return
+    if argv[0] in ("sim", "compare", "sweep"):
+        argv += ["--set", "workload.num_requests=40"]
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, (cmd, err)
+
+
+def test_every_set_example_loads_on_the_default_scenario():
+    import shlex
+
+    from sim.scenario import load_scenario
+
+    examples = [s for s in SPANS if s.startswith("--set ") and "SECTION.KEY" not in s]
+    assert len(examples) >= 3
+    for ex in examples:
+        words = shlex.split(ex)
+        overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+        load_scenario("chat", overrides)

@@ -7,11 +7,22 @@ milliseconds, holding `EngineDriver.lock`. The UI takes a snapshot under the sam
 refresh timers (skipping a tick while a slow real-compute step holds it) and every key action
 that touches the engine takes it too, so one thread at a time touches the engine, drawing never
 waits for the simulation, and a recorded action lands between two steps.
+
+The session is never lost: an action that fails is shown and the app goes on; an unexpected
+error writes the session log to a recovery file before the app exits, and says where; SIGTERM
+quits as `q` does (the terminal restored). Exports never overwrite one another.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as _dt
+import functools
+import math
+import re
+import signal
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,6 +34,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer
 
 from sim import POLICIES, Engine, ServesimError, build, rolling
+from sim.fileio import check_writable
 from sim.workload import sample_lengths
 from tui import keymap
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
@@ -31,6 +43,30 @@ from tui.widgets.instances import instance_tags
 
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
 MIN_SPEED, MAX_SPEED = 1 / 64, 4096.0
+
+
+def check_speed(speed) -> float:
+    """`speed` as a float. Raises ServesimError unless it is a number from MIN_SPEED to
+    MAX_SPEED (0 would stop the clock for good, a negative or NaN one run it nowhere)."""
+    try:
+        v = float(speed)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not MIN_SPEED <= v <= MAX_SPEED:  # (NaN fails)
+        raise ServesimError(f"--speed {speed}: must be a number from 1/64 to {MAX_SPEED:g} "
+                            "(simulated seconds per wall second)")
+    return v
+
+
+def guarded(action):
+    """An action whose failure is shown on screen instead of ending the session."""
+    @functools.wraps(action)
+    def run(self, *args, **kwargs):
+        try:
+            return action(self, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - shown; the session goes on
+            self.action_failed(action.__name__, e)
+    return run
 
 
 class EngineDriver:
@@ -44,7 +80,7 @@ class EngineDriver:
         self.engine = engine
         self.replay = source is not engine
         self.lock = threading.RLock()
-        self.speed = speed
+        self.speed = check_speed(speed)
         self.paused = paused
         self.target = engine.now
         self.error: str | None = None
@@ -159,11 +195,13 @@ class Dashboard(App[int]):
 
     def __init__(self, engine: Engine | None = None, *, replayer=None,
                  replay_name: str | None = None, speed: float = 1.0, paused: bool = False,
-                 log_dir: str | Path = ".") -> None:
+                 log_dir: str | Path = ".", driver=None) -> None:
+        """`driver`: what moves the engine's clock, when not an `EngineDriver` of its own
+        (`servesim serve --tui`: the HTTP server's, with the same methods)."""
         super().__init__()
         self.replayer = replayer
         self.engine: Engine = replayer.engine if replayer is not None else engine
-        self.driver = EngineDriver(replayer or engine, self.engine, speed, paused)
+        self.driver = driver or EngineDriver(replayer or engine, self.engine, speed, paused)
         self.replay_name = replay_name
         ex = self.engine.executor
         self.compute = f"{ex.name} on {ex.device}" if ex is not None else "none (modeled)"
@@ -181,6 +219,14 @@ class Dashboard(App[int]):
         self._table: RequestTable | None = None
         self._error_shown = False
         self.main_screen = None  # the screen the panels are on (set on mount)
+        self.recovery: str | None = None  # where an unexpected error saved the session
+        self._failures = 0
+        try:  # exports go here, or to the temporary directory when it cannot be written
+            check_writable(self.log_dir / ".servesim-export-probe")
+            self._export_note = None
+        except ServesimError as e:
+            self._export_note = f"{e}; session logs go to {tempfile.gettempdir()}"
+            self.log_dir = Path(tempfile.gettempdir())
 
     # --- composition ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -215,13 +261,76 @@ class Dashboard(App[int]):
         self._fit(self.size.width, self.size.height)
         self.refresh_frame()
         self.sample_charts()
-        self.tables["running"].focus()
+        self.tables["running"].focus_quietly()  # nothing is selected until the user moves
         self.set_interval(1 / self.FRAME_HZ, self.refresh_frame)
         self.set_interval(1 / self.CHART_HZ, self.sample_charts)
+        if self._export_note:
+            self._note(self._export_note)
+        try:  # SIGTERM quits as `q` does, so the terminal is restored
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._terminated)
+            self._sigterm = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            self._sigterm = False
         self.driver.start()
 
     def on_unmount(self) -> None:
         self.driver.stop()
+        if getattr(self, "_sigterm", False):
+            try:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+            except (RuntimeError, ValueError):
+                pass
+
+    def _terminated(self) -> None:
+        self.driver.stop(wait_s=0.5)
+        self.exit(return_code=128 + signal.SIGTERM)
+
+    # --- failures ------------------------------------------------------------------------------
+    def action_failed(self, name: str, error: Exception) -> None:
+        """An action (or a refresh) raised: say so and go on."""
+        self._failures += 1
+        what = str(error) if isinstance(error, ServesimError) else f"{type(error).__name__}: {error}"
+        if self._failures <= 20:  # a refresh failing every frame would flood the screen
+            self.notify(f"{name.removeprefix('action_')} failed: {what}", severity="error",
+                        timeout=10)
+        try:
+            self._note(f"{name.removeprefix('action_')} failed: {what}")
+        except Exception:  # noqa: BLE001 - the event log itself may be what failed
+            pass
+
+    def _handle_exception(self, error: Exception) -> None:
+        """An error nothing handled ends the app (Textual's rule); first save the session."""
+        self.recovery = self.save_recovery()
+        super()._handle_exception(error)
+
+    def save_recovery(self) -> str:
+        """Write the session log to a recovery file. Returns where, or why it could not."""
+        self.driver.stop(wait_s=1.0)
+        got = self.driver.lock.acquire(timeout=2.0)
+        try:
+            return str(self._write_new_log("recovery"))
+        except Exception as e:  # noqa: BLE001 - reported in the exit message instead
+            return f"(not saved: {type(e).__name__}: {e})"
+        finally:
+            if got:
+                self.driver.lock.release()
+
+    def _write_new_log(self, kind: str) -> Path:
+        """Write the session log under a name no other file has (two exports within one
+        second get -2, -3, ...). Returns its path."""
+        from sim.log import write_log
+
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        # the scenario's name is the user's text: in a file name only its plain characters
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.engine.scenario.name)[:48].strip(".") or "x"
+        base = f"servesim-{name}-{kind + '-' if kind else ''}{stamp}"
+        for n in range(1, 1000):
+            path = self.log_dir / (f"{base}.msgpack" if n == 1 else f"{base}-{n}.msgpack")
+            try:
+                return write_log(path, self.engine, exclusive=True)
+            except FileExistsError:
+                continue
+        raise ServesimError(f"{self.log_dir}: no free name for {base}.msgpack")
 
     def on_resize(self, event: events.Resize) -> None:
         self._fit(event.size.width, event.size.height)
@@ -233,6 +342,7 @@ class Dashboard(App[int]):
         screen.set_class(height < 34, "-short")
 
     # --- refresh -------------------------------------------------------------------------------
+    @guarded
     def refresh_frame(self) -> None:
         """Snapshot the engine and hand the pieces to the panels."""
         if not self.is_running:  # a tick that lands while the app shuts down
@@ -272,6 +382,7 @@ class Dashboard(App[int]):
             self._error_shown = True
             self.notify(f"the engine stopped: {error}", severity="error", timeout=30)
 
+    @guarded
     def sample_charts(self) -> None:
         """One `sim.rolling` sample, when the simulated clock has moved since the last."""
         if not self.is_running or not self.driver.lock.acquire(timeout=0.02):
@@ -286,12 +397,13 @@ class Dashboard(App[int]):
             self.driver.lock.release()
         self.charts.add_sample(sample_)
 
+    @guarded
     def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:
-        if message.table.has_focus or message.table is self._table:
-            self._table = message.table
-            self.selected_id = message.req_id
-            if self.snap is not None:
-                self.block_map.show(self.snap, self.selected_id)
+        # Only the user's moves arrive here (see RequestTable): that request is the selection.
+        self._table = message.table
+        self.selected_id = message.req_id
+        if self.snap is not None:
+            self.block_map.show(self.snap, self.selected_id)
 
     def _note(self, text: str) -> None:
         self.event_log.add_note(self.engine.now, text)
@@ -318,7 +430,8 @@ class Dashboard(App[int]):
         return int(prompt[0]), int(output[0])
 
     def inject(self, spec: InjectSpec) -> str | None:
-        """Inject through the engine. Returns the engine's error message, or None."""
+        """Inject through the engine. Returns the engine's error message, or None (an
+        unexpected error too is returned, and shown, rather than ending the session)."""
         with self.driver.lock:
             try:
                 self.engine.inject(spec.prompt_len, spec.max_output_tokens,
@@ -326,9 +439,13 @@ class Dashboard(App[int]):
                                    count=spec.count)
             except ServesimError as e:
                 return str(e)
+            except Exception as e:  # noqa: BLE001 - shown; the session goes on
+                self.action_failed("inject", e)
+                return f"{type(e).__name__}: {e}"
         self._changed()
         return None
 
+    @guarded
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -337,32 +454,38 @@ class Dashboard(App[int]):
             prompt, output = self.draw_lengths()
         return InjectSpec(prompt, None, output, count=count)
 
+    @guarded
     def action_inject(self) -> None:
         if not self._read_only():
             self.inject(self._drawn_spec())
 
+    @guarded
     def action_inject_dialog(self) -> None:
         if not self._read_only():
             self.push_screen(InjectDialog(self.inject, self._drawn_spec()))
 
+    @guarded
     def action_burst(self) -> None:
         if not self._read_only():
             self.inject(self._drawn_spec(keymap.BURST_SIZE))
 
+    @guarded
     def action_cancel(self) -> None:
         if self._read_only():
             return
         if self.selected_id is None:
             self.notify("no request selected (use the arrow keys in a queue)", severity="warning")
             return
+        target, self.selected_id = self.selected_id, None  # one cancel per selection
         with self.driver.lock:
             try:
-                self.engine.cancel(self.selected_id)
+                self.engine.cancel(target)
             except ServesimError as e:
                 self.notify(str(e), severity="warning")
                 return
         self._changed()
 
+    @guarded
     def action_cancel_waiting(self) -> None:
         if self._read_only():
             return
@@ -371,12 +494,14 @@ class Dashboard(App[int]):
         self.notify(f"cancelled {len(ids)} waiting requests")
         self._changed()
 
+    @guarded
     def action_pause(self) -> None:
         d = self.driver
         d.set_paused(not d.paused)
         self._note("paused" if d.paused else "resumed")
         self.refresh_frame()
 
+    @guarded
     def action_step(self) -> None:
         d = self.driver
         if not d.paused:
@@ -390,12 +515,15 @@ class Dashboard(App[int]):
         self._note(f"speed x{self.driver.speed:g}")
         self.refresh_frame()
 
+    @guarded
     def action_faster(self) -> None:
         self._set_speed(self.driver.speed * 2)
 
+    @guarded
     def action_slower(self) -> None:
         self._set_speed(self.driver.speed / 2)
 
+    @guarded
     def action_next_instance(self) -> None:
         """Show the next instance's KV blocks (a deployment of several)."""
         if not self.clustered:
@@ -407,6 +535,7 @@ class Dashboard(App[int]):
             self._note(f"KV block map: instance {self._tags[e.focus]}")
         self._changed()
 
+    @guarded
     def action_cycle_policy(self) -> None:
         if self._read_only():
             return
@@ -420,14 +549,11 @@ class Dashboard(App[int]):
         self.notify(f"policy {current} -> {new} (from the next step)")
         self._changed()
 
+    @guarded
     def action_export(self) -> None:
-        from sim.log import write_log
-
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path = self.log_dir / f"servesim-{self.engine.scenario.name}-{stamp}.msgpack"
         with self.driver.lock:
             try:
-                path = write_log(path, self.engine)
+                path = self._write_new_log("")
             except ServesimError as e:
                 self.notify(str(e), severity="error", timeout=10)
                 return
@@ -455,4 +581,7 @@ def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
         app.run()
     finally:
         app.driver.stop()
+    if app.recovery is not None:  # after Textual's own report of the error
+        print(f"servesim: the dashboard stopped on an unexpected error; the session log was "
+              f"saved to {app.recovery}", file=sys.stderr)
     return app.return_code or 0

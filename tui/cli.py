@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import sys
-from pathlib import Path
 
 from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
@@ -35,6 +36,11 @@ def _add_scenario_args(p: argparse.ArgumentParser, optional: bool = False) -> No
     p.add_argument("--seed", type=int, default=None, help="override the scenario seed")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override any scenario field (repeatable)")
+
+
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress line on stderr (drawn on a terminal after 2 s)")
 
 
 def _scenario(args) -> "object":
@@ -66,6 +72,7 @@ def make_executor(scenario):
         sizes["dtype"] = c.dtype
     host = (CostModel(scenario).num_host_blocks()
             if scenario.scheduler.preemption == "swap" else 0)
+    _check_kv_memory(scenario, sizes, host)
     try:
         return ModelExecutor.with_defaults(
             scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
@@ -79,6 +86,29 @@ def make_executor(scenario):
         raise ScenarioError(
             f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
             "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
+
+
+def _check_kv_memory(scenario, sizes: dict, host_blocks: int) -> None:
+    """With NumPy, the tiny model's K/V pool (and its host swap slots) lives in this process's
+    memory, allocated lazily: check it fits before the run fills it, not when the OOM killer
+    comes. (A CUDA pool that does not fit fails at once, as a MemoryError.)"""
+    from gpu import BackendUnavailable, get_backend
+    from gpu.executor import CPU_MODEL, ModelExecutor
+    from sim.limits import check_memory
+
+    try:
+        name = get_backend(scenario.compute.backend).name
+    except (BackendUnavailable, ValueError):
+        return  # reported as one line when the executor is built
+    if name != "numpy":
+        return
+    dims = {**CPU_MODEL, **sizes}
+    per = ModelExecutor.block_bytes(scenario.kv.block_size, num_layers=dims["num_layers"],
+                                    num_kv_heads=dims["num_kv_heads"],
+                                    head_dim=dims["head_dim"], dtype=dims["dtype"])
+    n = scenario.kv.num_blocks
+    check_memory(f"compute.backend = \"numpy\" with kv.num_blocks = {n}", (n + host_blocks) * per,
+                 f" for the tiny model's K/V ({per:,} bytes a block)")
 
 
 def build_engine(scenario, policy: str | None = None, **kw):
@@ -152,19 +182,60 @@ def format_table(summaries: dict[str, dict]) -> str:
 
 
 # --- commands -----------------------------------------------------------------------------------
+def _is_terminal(stream) -> bool:
+    return stream.isatty()
+
+
+def _progress(args):
+    """The progress line of a long headless run (tui.progress): on stderr when it is a
+    terminal, unless --quiet, or --json goes to a pipe."""
+    from tui.progress import RunProgress
+
+    quiet = args.quiet or (getattr(args, "json", False) and not _is_terminal(sys.stdout))
+    return RunProgress(sys.stderr, enabled=not quiet and _is_terminal(sys.stderr))
+
+
 def _check_writable(path: str | None, what: str) -> None:
     """Fail before a long run, not after it, when its output cannot be written."""
     if path:
-        parent = Path(path).expanduser().resolve().parent
-        if not parent.is_dir():
-            raise ScenarioError(f"{what} {path}: directory {parent} does not exist")
+        from sim.fileio import check_writable
+
+        check_writable(path, what)
+
+
+def _not_an_input(path: str | None, what: str, inputs) -> None:
+    """Refuse an output that is one of the files the command reads (it would replace it)."""
+    for inp in inputs:
+        try:
+            same = bool(path) and os.path.samefile(path, inp)
+        except OSError:  # one of them is not there
+            same = False
+        if same:
+            raise ScenarioError(f"{what} {path}: is {inp}, which this command reads; "
+                                "writing it would replace it")
+
+
+def _scenario_inputs(sc) -> list[str]:
+    """The files a scenario is read from: its own, its trace and its length files."""
+    files = [sc.source]
+    w = sc.workload
+    if w.trace:
+        files.append(str(sc.resolve_path(w.trace)))
+    for spec in (w.prompt_tokens, w.output_tokens, w.cancel_after_s, w.priority):
+        if isinstance(spec, dict) and spec.get("file"):
+            files.append(str(sc.resolve_path(spec["file"])))
+    return files
 
 
 def cmd_sim(args) -> int:
     _check_writable(args.log, "--log")
     sc = _scenario(args)
-    engine = build_engine(sc, record_events=bool(args.log))
-    engine.run()
+    _not_an_input(args.log, "--log", _scenario_inputs(sc))
+    # (no per-request history: memory stays bounded by what is in flight)
+    engine = build_engine(sc, record_events=bool(args.log), keep_history=False)
+    with _progress(args) as progress:
+        progress.watch(engine, f"sim {sc.name}")
+        engine.run()
     summary = summarize(engine)
     if args.log:
         from sim.log import write_log
@@ -182,6 +253,11 @@ def cmd_compare(args) -> int:
     sc = _scenario(args)
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = [*POLICIES, *DEPLOYMENT_POLICIES]
+    if not names:
+        raise ScenarioError(f"--policies {args.policies!r}: name at least one policy "
+                            f"(known: {', '.join(known)})")
+    if len(set(names)) != len(names):
+        raise ScenarioError(f"--policies {args.policies}: a policy is listed twice")
     for n in names:
         if n not in known:
             raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
@@ -189,13 +265,16 @@ def cmd_compare(args) -> int:
 
     workload = build_workload(sc)  # one trace, every policy
     out = {}
-    for n in names:
-        # A disaggregated pair is one prefill and one decode instance whatever cluster.replicas
-        # says, so that it can be compared with that many replicas of another policy.
-        run_sc = _one_pair(sc) if n == "disaggregated" else sc
-        engine = build_engine(run_sc, policy=n, workload=workload, record_events=False)
-        engine.run()
-        out[n] = summarize(engine)
+    with _progress(args) as progress:
+        for k, n in enumerate(names, start=1):
+            # A disaggregated pair is one prefill and one decode instance whatever
+            # cluster.replicas says, so that it compares with that many replicas of another.
+            run_sc = _one_pair(sc) if n == "disaggregated" else sc
+            engine = build_engine(run_sc, policy=n, workload=workload, record_events=False,
+                                  keep_history=False)
+            progress.watch(engine, f"compare {sc.name}: {n} ({k}/{len(names)})")
+            engine.run()
+            out[n] = summarize(engine)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -221,6 +300,11 @@ def cmd_scenarios(args) -> int:
 
 
 def cmd_run(args) -> int:
+    # The dashboard reads keys from stdin and draws on the terminal Textual writes to (stderr):
+    # without one it would draw into a file and wait for keys that never come.
+    if not (sys.stdin.isatty() and sys.__stderr__.isatty()):
+        raise ScenarioError("run: the dashboard needs a terminal (stdin and stderr); "
+                            "`servesim sim` runs headless")
     sc = _scenario(args)
     try:
         from tui.app import run_dashboard
@@ -229,18 +313,37 @@ def cmd_run(args) -> int:
     return run_dashboard(sc, speed=args.speed, replay=args.replay, make_executor=make_executor)
 
 
+def cmd_serve(args) -> int:
+    from tui.serve.app import build_frontend, serve_dashboard, serve_headless
+
+    if not 0 <= args.port <= 65535:
+        raise ScenarioError(f"--port {args.port}: must be between 0 and 65535")
+    if args.max_waiting is not None and args.max_waiting < 0:
+        raise ScenarioError(f"--max-waiting {args.max_waiting}: must be at least 0")
+    sc = _scenario(args)
+    frontend = build_frontend(sc, background=args.background, make_executor=make_executor,
+                              speed=args.speed, model_name=args.served_model_name,
+                              max_waiting=args.max_waiting, record_timing=args.record_timing)
+    if args.tui:
+        return serve_dashboard(frontend, args.host, args.port)
+    return serve_headless(frontend, args.host, args.port)
+
+
 def cmd_replay(args) -> int:
     from sim.log import read_log
     from sim.replay import Replayer, verify
 
-    log = read_log(args.log)
+    log = read_log(args.log, check_events=not args.verify)  # (verify checks what differs)
     make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
-    if args.verify:
-        replayer, div = verify(log, make)
-    else:
-        replayer = Replayer(log)
-        replayer.run()
-        div = None
+    with _progress(args) as progress:
+        if args.verify:
+            replayer, div = verify(log, make,
+                                   watch=lambda e: progress.watch(e, f"verify {args.log}"))
+        else:
+            replayer = Replayer(log)
+            progress.watch(replayer.engine, f"replay {args.log}")
+            replayer.run()
+            div = None
     engine = replayer.engine
     # A verified replay regenerated the recorded events exactly, so the recorded summary is its.
     summary = log.footer["summary"] if args.verify else summarize(engine)
@@ -269,12 +372,15 @@ def cmd_export(args) -> int:
     from sim.replay import Replayer
 
     _check_writable(args.output, "-o")
+    _not_an_input(args.output, "-o", [args.log])
     log = read_log(args.log)
     if args.format == "jsonl":
         text = export.to_jsonl(log)
     else:
         replayer = Replayer(log)
-        replayer.run()
+        with _progress(args) as progress:
+            progress.watch(replayer.engine, f"export {args.log}")
+            replayer.run()
         text = (export.to_csv(replayer.engine) if args.format == "csv"
                 else export.to_chrome(log, replayer.engine))
     if args.output:
@@ -285,8 +391,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from pathlib import Path
-
     from sim import sweep
     from sim.fileio import write_atomic
 
@@ -297,9 +401,17 @@ def cmd_sweep(args) -> int:
     overrides = list(args.overrides) + ([f"seed={args.seed}"] if args.seed is not None else [])
     if args.slo:
         overrides += sweep.slo_overrides(args.slo)
-    if args.output and not Path(args.output).expanduser().resolve().parent.is_dir():
-        raise ServesimError(f"{args.output}: cannot write: no such directory")  # before, not after
-    seeds = list(range(args.seeds)) if args.seeds is not None else None
+    _check_writable(args.output, "-o")  # before the sweep, not after it
+    from sim.scenario import find_scenario
+
+    _not_an_input(args.output, "-o", [str(find_scenario(args.scenario))])
+    if args.plot:
+        from tui import plot
+
+        plot.check_output(args.plot)
+        _check_writable(args.plot, "--plot")
+        _not_an_input(args.plot, "--plot", [str(find_scenario(args.scenario))])
+    seeds = range(args.seeds) if args.seeds is not None else None  # (checked before listed)
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
     bar = sweep.ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
@@ -319,6 +431,17 @@ def cmd_sweep(args) -> int:
         print(table.to_text())
     else:
         print(table.to_text(table.key_columns + sweep.TEXT_METRICS))
+    if args.plot is not None:
+        from tui import plot
+
+        cs, slos = plot.curves(table), plot.slo_bounds(plan)
+        if args.plot:
+            plot.write_plot(args.plot, cs, slos, title=f"{plan.points[0].scenario.name}: "
+                            "latency against achieved throughput")
+            print(f"plot written to {args.plot}", file=sys.stderr)
+        else:
+            print()
+            print(plot.text_plot(cs, slos))
     return 0
 
 
@@ -326,6 +449,16 @@ def cmd_bench(args) -> int:
     from tui import bench
 
     return bench.main(args)
+
+
+def _speed(text: str) -> float:
+    """--speed: a number from 1/64 to 4096 (argparse shows the error as one line)."""
+    from tui.app import check_speed
+
+    try:
+        return check_speed(text)
+    except ServesimError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speed ")) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -337,12 +470,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scenario_args(s, optional=True)
     s.add_argument("--policy", choices=[*POLICIES, *DEPLOYMENT_POLICIES],
                    help="override scheduler.policy")
-    s.add_argument("--speed", type=float, default=1.0,
-                   help="simulated seconds per wall second (default 1)")
+    s.add_argument("--speed", type=_speed, default=1.0,
+                   help="simulated seconds per wall second, 1/64 to 4096 (default 1)")
     s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"], default="auto",
                    help="real attention each step (default auto: CuPy on a GPU, else NumPy)")
     s.add_argument("--replay", metavar="LOG", help="play a session log back")
     s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API (vLLM's) from the simulated engine")
+    _add_scenario_args(s, optional=True)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
+    s.add_argument("--speed", type=float, default=1.0,
+                   help="simulated seconds per wall second (default 1: real time)")
+    s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
+                   help="override compute.backend (real compute: the tiny model's tokens)")
+    s.add_argument("--tui", action="store_true", help="serve under the live dashboard")
+    s.add_argument("--background", action="store_true",
+                   help="keep the scenario's own workload as background load")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model name clients send (default: the scenario's model preset)")
+    s.add_argument("--max-waiting", type=int, metavar="N",
+                   help="answer 503 while N requests are waiting (default: no bound)")
+    s.add_argument("--record-timing", action="store_true",
+                   help="keep each token's send lateness, served at /servesim/timing")
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("sim", help="run a scenario headless and print its metrics")
     _add_scenario_args(s)
@@ -352,12 +505,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override compute.backend")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--log", metavar="FILE", help="write the session log (msgpack)")
+    _add_quiet(s)
     s.set_defaults(func=cmd_sim)
 
     s = sub.add_parser("compare", help="run one trace under several policies, side by side")
     _add_scenario_args(s)
     s.add_argument("--policies", required=True, help="comma-separated policy names")
     s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
+    _add_quiet(s)
     s.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("replay", help="re-run a session log (and check it matches)")
@@ -365,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--verify", action="store_true",
                    help="exit 1 naming the first event that differs from the recording")
     s.add_argument("--json", action="store_true")
+    _add_quiet(s)
     s.set_defaults(func=cmd_replay)
 
     s = sub.add_parser("export", help="convert a session log for other tools")
@@ -372,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", required=True, choices=["chrome", "csv", "jsonl"],
                    help="chrome: trace events for Perfetto; csv: a row per request; jsonl: events")
     s.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    _add_quiet(s)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("scenarios", help="list the bundled scenarios")
@@ -398,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="relative precision of the rate search (default 0.05)")
     s.add_argument("--progress", action="store_true",
                    help="draw the progress bar even when stderr is not a terminal")
+    s.add_argument("--plot", nargs="?", const="", metavar="FILE",
+                   help="TTFT and TPOT (p50, p99) against achieved throughput per configuration:"
+                        " to FILE.svg or FILE.png (needs servesim[plot]), or on the terminal")
     s.set_defaults(func=cmd_sweep)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")
@@ -408,18 +568,92 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP), raised where the program is, as Ctrl-C raises KeyboardInterrupt:
+    the same clean-up runs (temporary files removed, sweep workers stopped), the exit is quiet
+    and its code is 128 + the signal's number."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__()
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+class _Output:
+    """Standard output that turns a failed write (a full disk, `> /dev/full`) into one line."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise ServesimError(f"standard output: cannot write: {e.strerror or e}") from None
+
+    def flush(self) -> None:
+        self.write("")
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise ServesimError(f"standard output: cannot write: {e.strerror or e}") from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what could not be
+    written does not print a second error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.__stdout__.fileno())
+        os.close(fd)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import threading
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:  # (not one ignored, as under nohup)
+                previous[sig] = signal.signal(sig, _terminate)
+    real = sys.stdout
+    if args.func is not cmd_run:  # (the dashboard draws on the terminal itself)
+        sys.stdout = _Output(real)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
     except ServesimError as e:
-        print(f"servesim: error: {e}", file=sys.stderr)
+        if str(e).startswith("standard output:"):
+            _drop_stdout()
+        one_line = " ".join(str(e).split("\n"))  # whatever a message quotes, one line
+        print(f"servesim: error: {one_line}", file=sys.stderr)
         return 2
+    except Terminated as t:
+        return 128 + t.signum
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
+        _drop_stdout()
         return 0
+    finally:
+        sys.stdout = real
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -34,21 +34,38 @@ struct F16 {
     static const int kVec = 8;
     static __device__ __forceinline__ float to_float(raw x) {
         float f;
+#ifdef SERVESIM_CPU_EMULATION  // the tests' CPU emulator (tests/gpu/cuda_emu): no PTX there
+        f = (float)__builtin_bit_cast(_Float16, x);
+#else
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+#endif
         return f;
     }
     static __device__ __forceinline__ raw from_float(float x) {
         raw h;
+#ifdef SERVESIM_CPU_EMULATION
+        h = __builtin_bit_cast(raw, (_Float16)x);
+#else
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+#endif
         return h;
     }
+    // Both halves of a 32-bit word at once: the conversions read the halves in place (no shift
+    // or mask per element).
+    static __device__ __forceinline__ void unpack2(unsigned int w, float& lo, float& hi) {
+#ifdef SERVESIM_CPU_EMULATION
+        lo = (float)__builtin_bit_cast(_Float16, (raw)(w & 0xffffu));
+        hi = (float)__builtin_bit_cast(_Float16, (raw)(w >> 16));
+#else
+        asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+            : "=f"(lo), "=f"(hi) : "r"(w));
+#endif
+    }
     static __device__ __forceinline__ void unpack(const uint4& v, float* out) {
-        const unsigned int w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            out[2 * i] = to_float((raw)(w[i] & 0xffffu));
-            out[2 * i + 1] = to_float((raw)(w[i] >> 16));
-        }
+        unpack2(v.x, out[0], out[1]);
+        unpack2(v.y, out[2], out[3]);
+        unpack2(v.z, out[4], out[5]);
+        unpack2(v.w, out[6], out[7]);
     }
 };
 
@@ -75,6 +92,18 @@ struct BF16 {
     }
 };
 
+// 2^x in one MUFU.EX2 (relative error ~2^-22, flushes denormals to zero): exp2f's accurate
+// range handling costs four more instructions per call in the decode loop.
+__device__ __forceinline__ float fast_exp2(float x) {
+#ifdef SERVESIM_CPU_EMULATION
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(SERVESIM_FULL_MASK, x, off));
@@ -86,6 +115,17 @@ __device__ __forceinline__ float warp_sum(float x) {
     for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(SERVESIM_FULL_MASK, x, off);
     return x;
 }
+
+// log2 of a power of two, at compile time.
+template <int N>
+struct Log2 {
+    static_assert(N > 0 && (N & (N - 1)) == 0, "Log2 of a power of two");
+    static const int value = 1 + Log2<N / 2>::value;
+};
+template <>
+struct Log2<1> {
+    static const int value = 0;
+};
 
 // Physical address (in elements) of token `pos` of a sequence, for one kv head's row.
 // 64-bit because a large pool (8k tokens x 256 sequences x 8 heads x 128) passes 2^31 elements.

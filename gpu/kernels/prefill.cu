@@ -32,6 +32,9 @@ __global__ void __launch_bounds__(PREFILL_THREADS) paged_prefill_kernel(
     constexpr int DIMS_PER_LANE = HEAD_DIM / 32;
     constexpr int VEC = T::kVec;
     constexpr int VECS_PER_ROW = HEAD_DIM / VEC;
+    static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM >= 32 && HEAD_DIM <= 256,
+                  "head_dim a multiple of 32 in [32, 256]: one lane per 32nd of the row in P.V");
+    static_assert(HEAD_DIM % VEC == 0, "head_dim must be a whole number of 16-byte vectors");
 
     __shared__ float q_s[ROWS][HEAD_DIM];
     __shared__ float k_s[BK][HEAD_DIM + 1];  // +1: lane j reads row j, so rows must hit other banks

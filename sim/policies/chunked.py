@@ -26,7 +26,8 @@ class ChunkedPolicy(Policy):
         if not out.preempted and self.waiting:
             n_before = len(out.scheduled)
             self.admit_waiting(out, budget)
-            if len(out.scheduled) != n_before:
+            # (an admission that preempted a scheduled request for room keeps the count)
+            if len(out.scheduled) != n_before or out.preempted:
                 out.decode_only = False
         return out
 

@@ -19,6 +19,10 @@ class ContiguousPolicy(FCFSPolicy):
     name = "contiguous"
     description = "pre-PagedAttention baseline: contiguous slots for prompt + max output"
 
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self._stalled: set[int] = set()  # requests refused by external fragmentation
+
     def admit_prompts(self, out: SchedulerOutput) -> None:
         budget = self.cfg.max_num_batched_tokens
         bs = self.kv.block_size
@@ -32,8 +36,12 @@ class ContiguousPolicy(FCFSPolicy):
                                                self.cfg.reserve_output_tokens),
                           self.kv.num_blocks * bs)
             if not self.kv.reserve_contiguous(req, reserve):
-                if self.kv.num_free_blocks * bs >= reserve:
-                    # refused although enough blocks are free: external fragmentation
+                if (self.kv.num_free_blocks * bs >= reserve
+                        and req.req_id not in self._stalled):
+                    # refused although enough blocks are free: external fragmentation. Counted
+                    # once per request: how many decisions repeat the refusal depends on how
+                    # the engine batches identical decode steps, which must not change results.
+                    self._stalled.add(req.req_id)
                     self.engine.counts["fragmentation_stalls"] += 1
                 break
             self.schedule_admitted(out, req, n)

@@ -48,7 +48,7 @@ def test_get_backend_names_and_errors():
 TINY = selfcheck.Plan(
     storages=("float32", "float16"),
     kernel_cases=[(4, 2, 32, 8, [1, 8, 45]), (2, 1, 64, 16, [70, 3])],
-    heads=4, kv_heads=2, head_dim=32, block_size=8, timing_dtype="float32",
+    timing_models=(("tiny", 4, 2, 32),), block_size=8, timing_dtype="float32",
     batches=(1, 3), contexts=(64, 128), timing_budget_s=20.0,
     token_dtypes=("float32",), token_model=dict(CPU_MODEL), token_prompts=(5, 9), new_tokens=4,
 )
@@ -58,7 +58,8 @@ def test_report_plumbing_runs_on_numpy(tmp_path):
     report = selfcheck.run(gpu.get_backend("numpy"), TINY)
     kernels = {r["kernel"] for r in report["correctness"]}
     assert kernels == {"decode", "prefill", "write_kv"} and report["correctness_passed"]
-    rows = report["decode_timings"]["rows"]
+    (model,) = report["decode_timings"]["models"]
+    rows = model["rows"]
     assert len(rows) == 4 and all(r["paged_gbps"] > 0 and r["dense_gbps"] > 0 for r in rows)
     assert all(r["max_rel_error_vs_dense"] < 1e-4 for r in rows)
     (tokens,) = report["token_identity"]

@@ -5,7 +5,8 @@ from sim import Engine, summarize
 from sim.errors import EngineError, UnknownRequestError
 from sim.log import encode
 from sim.request import RequestState as S
-from tests.helpers import check_invariants, expand_steps, small_scenario, workload_of
+from tests.helpers import (check_invariants, expand_steps, run_with_and_without_history,
+                           small_scenario, workload_of)
 
 
 SHARED = ("kv.enable_prefix_caching=true", "workload.shared_prefix_tokens=300",
@@ -128,6 +129,31 @@ def test_inject_arrives_now_and_is_recorded():
     assert all(e.get(i).state is S.FINISHED for i in ids)
     with pytest.raises(EngineError, match="prompt_len = 0"):
         e.inject(0, 5)
+
+
+def test_inject_with_an_earlier_arrival_time_joins_now_and_replays_exactly(tmp_path):
+    """A request that arrived during a step (an HTTP arrival) joins at the step boundary, its
+    latencies timed from its arrival; the log replays it exactly."""
+    from sim.log import read_log, write_log
+    from sim.replay import verify
+
+    e = Engine(small_scenario())
+    e.run_until(1.0)
+    arrived = e.now - 0.004
+    [rid] = e.inject(64, 4, arrival_time=arrived, tag="10.0.0.1:5000")
+    r = e.get(rid)
+    assert r.arrival_time == arrived and r.tag == "10.0.0.1:5000"
+    [view] = [v for v in e.snapshot().waiting if v.req_id == rid]
+    assert view.tag == "10.0.0.1:5000"
+    arrival = [x for x in e.events if x.kind == "arrival" and x.req_id == rid][0]
+    assert arrival.t == arrived
+    e.run_until(3.0)
+    assert r.admitted_time >= e.get(rid).arrival_time + 0.004 - 1e-12
+    assert r.ttft == r.first_token_time - arrived
+    with pytest.raises(EngineError, match="arrival_time"):
+        e.inject(64, 4, arrival_time=e.now + 1.0)
+    _, divergence = verify(read_log(write_log(tmp_path / "s.msgpack", e)))
+    assert divergence is None
 
 
 def test_requests_that_can_never_fit_are_rejected():
@@ -268,3 +294,55 @@ def test_skip_ahead_beside_finishing_requests_equals_step_by_step(monkeypatch):
         assert np.array_equal(fast.timeline.column(col), slow.timeline.column(col)), col
     assert fast.kv.pool.free_block_ids() == slow.kv.pool.free_block_ids()
     assert fast.kv.pool.block_hash == slow.kv.pool.block_hash
+
+
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("workload.num_samples=3", "workload.duration_s=10"),
+    ("workload.cancel_fraction=0.3", "kv.num_blocks=400", "scheduler.preemption=\"swap\""),
+])
+def test_a_run_without_history_has_the_same_summary_in_bounded_memory(monkeypatch, overrides):
+    full, bounded, a, b = run_with_and_without_history(
+        monkeypatch, small_scenario(*overrides), chunk=256, itl_rows=1000, exact=20)
+    assert a == b
+    assert not bounded.ttft.exact and not bounded.timeline.itl.exact
+    assert [encode(x) for x in full.events] == [encode(x) for x in bounded.events]
+    assert bounded.requests == {} and len(bounded.recent) == Engine.RECENT
+    assert len(full.requests) == full.counts["arrived"] + full.counts["finished_samples"] \
+        + full.counts["cancelled_samples"]
+    assert bounded.timeline.first >= bounded.timeline.n // 2  # only the last rows are held
+    with pytest.raises(EngineError):
+        bounded.timeline.column("end")
+
+
+def test_percentiles_past_the_exact_limit_are_within_the_bound(monkeypatch):
+    from sim import quantiles, timeline
+
+    sc = small_scenario()
+    exact = Engine(sc)
+    exact.run()
+    monkeypatch.setattr(timeline, "ITL_EXACT_ROWS", 500)
+    monkeypatch.setattr(quantiles, "EXACT_LIMIT", 50)
+    sketched = Engine(sc)
+    sketched.run()
+    a, b = summarize(exact), summarize(sketched)
+    for fig in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms"):
+        assert a[fig]["count"] == b[fig]["count"] and a[fig]["max"] == b[fig]["max"], fig
+        assert b[fig]["mean"] == pytest.approx(a[fig]["mean"], rel=1e-9), fig
+        for q in ("p50", "p90", "p95", "p99"):
+            assert abs(b[fig][q] - a[fig][q]) <= quantiles.ALPHA * a[fig][q] * (1 + 1e-9), fig
+    assert a["throughput"] == b["throughput"] and a["kv"] == b["kv"]
+
+
+def test_arrivals_read_a_window_at_a_time_give_the_same_run(monkeypatch):
+    sc = small_scenario("workload.cancel_fraction=0.2")
+    whole = Engine(sc)
+    whole.run()
+    monkeypatch.setattr(Engine, "ARRIVAL_WINDOW", 3)
+    windowed = Engine(sc)
+    assert len(windowed._w_arrival) == 3
+    windowed.run()
+    a, b = summarize(whole), summarize(windowed)
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b and a["requests"]["total"] > 50
+    assert [encode(x) for x in whole.events] == [encode(x) for x in windowed.events]

@@ -4,13 +4,14 @@ import json
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import assume, given, strategies as st
 
 from sim import Engine
 from sim.errors import LogError
 from sim.export import to_chrome, to_csv
 from sim.log import FORMAT, encode, read_log, write_log
 from sim.replay import Replayer, verify
+from tests.fuzz import fuzz_settings
 from tests.helpers import small_scenario, workload_of
 from tui.cli import main
 
@@ -153,7 +154,8 @@ def _small_log() -> bytes:
         return write_log(f"{d}/s.msgpack", e).read_bytes()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.fuzz
+@fuzz_settings(40)
 @given(data=st.data())
 def test_truncated_or_flipped_logs_fail_cleanly(tmp_path_factory, data):
     original = _small_log()
@@ -247,3 +249,103 @@ def test_chrome_trace_nests_and_matches_csv(tmp_path):
     assert checked > 10
     counters = {x["name"] for x in evs if x["ph"] == "C"}
     assert counters == {"kv_used_blocks", "batch_size", "queue_length"}
+
+
+def test_what_cannot_be_a_log_is_refused_at_once(tmp_path, capsys):
+    import time
+
+    for path, needle in (("/dev/zero", "not a servesim session log"),
+                         (str(tmp_path), "is a directory")):
+        t0 = time.perf_counter()
+        for argv in (["replay", path, "--verify"], ["export", path, "--format", "jsonl"]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and needle in err and path in err, err
+        assert time.perf_counter() - t0 < 5  # /dev/zero is not read to the end
+
+
+def _crafted(tmp_path, name, mutate):
+    from tests.logcraft import pack_log, unpack_log
+
+    objs = unpack_log(_busy_log())
+    mutate(objs)
+    p = tmp_path / name
+    p.write_bytes(pack_log(objs))
+    return p
+
+
+@functools.lru_cache(maxsize=1)
+def _busy_log() -> bytes:
+    import tempfile
+    e, _ = busy_session()
+    with tempfile.TemporaryDirectory() as d:
+        return write_log(f"{d}/s.msgpack", e).read_bytes()
+
+
+def _first(objs, code, action=None):
+    return next(o for o in objs if isinstance(o, list) and o[0] == code
+                and (action is None or o[3] == action))
+
+
+def _set_arg(objs, action, key, value):
+    _first(objs, 9, action)[4][key] = value
+
+
+CRAFTED = {
+    "footer step of the wrong type": (lambda o: o[-2].update(step="many"), "footer: step = 'many'"),
+    "absurd footer step": (lambda o: o[-2].update(step=2**64 - 1), "footer: step = 1844674"),
+    "footer time not finite": (lambda o: o[-2].update(now=float("nan")), "footer: now = nan"),
+    "summary not plain": (lambda o: o[-2].update(summary={"x": b"\x00"}), "footer: summary"),
+    "unknown policy": (lambda o: o[0].update(policy="fifo"), "header: policy = 'fifo'"),
+    "unknown clock": (lambda o: o[0].update(clock="sundial"), "header: clock = 'sundial'"),
+    "scenario not a table": (lambda o: o[0].update(scenario=[1, 2]), "header: scenario"),
+    "workload lengths of zero": (
+        lambda o: o[0]["workload"].update(prompt=b"\x00" * len(o[0]["workload"]["prompt"])),
+        "header's workload: prompt: lengths must be 1"),
+    "workload arrays of different lengths": (
+        lambda o: o[0]["workload"].update(output=o[0]["workload"]["output"][:-8]),
+        "header's workload: its arrays differ in length"),
+    "arrivals not sorted": (
+        lambda o: o[0]["workload"].update(arrival=o[0]["workload"]["arrival"][::-1]),
+        "header's workload: arrival"),
+    "unknown action": (lambda o: _first(o, 9).__setitem__(3, "reboot"), "unknown action 'reboot'"),
+    "action args not a map": (lambda o: _first(o, 9).__setitem__(4, [1]), "action field args"),
+    "inject past int64": (lambda o: _set_arg(o, "inject", "prompt_len", 2**64 - 1),
+                          "inject prompt_len = 18446744073709551615"),
+    "inject with a float count": (lambda o: _set_arg(o, "inject", "count", 1.5),
+                                  "inject count = 1.5"),
+    "inject text past latin-1": (lambda o: _set_arg(o, "inject", "prompt_text", "\u4e16"),
+                                 "inject prompt_text"),
+    "inject lacking its length": (lambda o: _first(o, 9, "inject")[4].pop("max_output_tokens"),
+                                  "inject lacks max_output_tokens"),
+    "cancel of a string id": (lambda o: _set_arg(o, "cancel", "req_id", "3"), "cancel req_id = '3'"),
+    "switch to an unknown policy": (lambda o: _set_arg(o, "switch_policy", "policy", "fifo"),
+                                    None),
+    "action at an absurd step": (lambda o: _first(o, 9).__setitem__(2, 2**63 + 5),
+                                 "action field step"),
+    "action at a time not finite": (lambda o: _first(o, 9).__setitem__(1, float("inf")),
+                                    "action field t = inf"),
+    "event of an unknown kind": (lambda o: _first(o, 7).__setitem__(0, 99), "not an event record"),
+    "steps with a string time": (lambda o: _first(o, 4).__setitem__(1, "soon"), "steps field t = 'soon'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_logs_with_valid_checksums_exit_2_with_one_line(tmp_path, capsys, case):
+    mutate, needle = CRAFTED[case]
+    p = _crafted(tmp_path, "crafted.msgpack", mutate)
+    for argv in (["replay", str(p), "--verify"], ["replay", str(p)],
+                 ["export", str(p), "--format", "jsonl"], ["export", str(p), "--format", "csv"],
+                 ["export", str(p), "--format", "chrome"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(p) in err and "Traceback" not in err, (argv, err)
+        assert needle is None or needle in err, (argv, err)
+
+
+def test_a_record_whose_time_is_a_list_is_refused_by_verify(tmp_path, capsys):
+    # Found by the log fuzzer: the regenerated time (a NumPy number) compared with a list.
+    p = _crafted(tmp_path, "t.msgpack", lambda o: _first(o, 7).__setitem__(1, []))
+    assert main(["replay", str(p), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "finish field t = []" in err and err.count("\n") == 1

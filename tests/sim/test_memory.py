@@ -156,3 +156,50 @@ def test_cancel_in_any_state_returns_every_block_once(data, preemption, caching,
     assert e.kv.num_used_blocks == 0
     if e.kv.host is not None:
         assert e.kv.host.num_used == 0
+
+
+def test_cancelling_the_queue_cancels_a_request_and_its_waiting_samples_once():
+    # Found by the lockstep fuzzer: a request's samples queued after it were cancelled with it,
+    # then again on their own.
+    sc = small_scenario("kv.num_blocks=202", "kv.block_size=4", "workload.num_samples=3",
+                        "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8",
+                        "kv.enable_prefix_caching=true", "seed=0", "workload.duration_s=3",
+                        "workload.rate=8",
+                        'workload.prompt_tokens={dist="uniform", min=1, max=200}',
+                        'workload.output_tokens={dist="uniform", min=1, max=150}')
+    e = Engine(sc)
+    for _ in range(400):  # step until a request and one of its samples both wait (the case)
+        e.run_until(float("inf"), 1)
+        waiting = e.policy.waiting_in_order()
+        if any(r.parent_id is not None and e.get(r.parent_id) in waiting for r in waiting):
+            break
+    else:
+        raise AssertionError("no step with a request and its sample both waiting")
+    ids = e.cancel_waiting()
+    assert sorted(ids) == sorted(r.req_id for r in waiting)
+    assert all(e.get(i).state is S.CANCELLED for i in ids) and not e.policy.waiting
+    check_invariants(e)
+    e.run()
+    assert e.kv.num_free_blocks == e.kv.num_blocks
+
+
+def test_a_contiguous_reservation_swapped_out_moves_only_the_blocks_holding_its_kv():
+    # Found by the lockstep fuzzer: under `contiguous` a paged request (admitted before a
+    # switch) that runs short preempts the newest, a reservation; swapping it copied every
+    # reserved block to host memory, empty ones too.
+    sc = small_scenario('scheduler.preemption="swap"', "kv.num_blocks=40", "kv.block_size=16",
+                        "kv.swap_space_gb=1", "scheduler.reserve_output_tokens=200")
+    e = Engine(sc, workload=workload_of([(0.0, 100, 500)]))  # paged: grows to 38 blocks
+    e.run_until(0.05)
+    e.switch_policy("contiguous")
+    [r] = e.inject(20, 400)  # reserves 20 + 400 slots: 27 blocks in one run
+    swapped = None
+    while not e.done:
+        e.step()
+        check_invariants(e)
+        if e.get(r).state is S.SWAPPED:
+            swapped = list(e.get(r).host_table)
+            need = -(-e.get(r).num_computed_tokens // 16)
+            assert len(swapped) == need < 27
+    assert swapped is not None and e.counts["swaps"] >= 1
+    assert e.get(r).state is S.FINISHED and e.kv.num_free_blocks == e.kv.num_blocks

@@ -267,3 +267,22 @@ def test_contiguous_shows_external_fragmentation():
         e.run()
         stalls[p] = summarize(e)["kv"]["fragmentation_stalls"]
     assert stalls["contiguous"] > 0 and stalls["chunked"] == 0
+
+
+def test_priority_preempting_for_an_arrival_is_not_a_run_of_decode_steps():
+    # Found by the deployment lockstep fuzzer: the arrival's prefill took the preempted
+    # request's place in the batch, which still counted as decode-only, and the engine ran it
+    # as a stretch of decode steps (and failed).
+    # (vLLM V0's rule, preempting for a waiting request: V1, the default, never does)
+    sc = small_scenario('scheduler.policy="priority"', "kv.num_blocks=20", "kv.block_size=16",
+                        "scheduler.preempt_for_waiting=true")
+    runs = []
+    for skip in (True, False):
+        e = Engine(sc, workload=workload_of([(0.0, 200, 100, 5)]), skip_ahead=skip)
+        e.run_until(0.1)
+        [urgent] = e.inject(150, 30, priority=-1)  # needs 10 blocks, 6 free
+        e.run()
+        check_invariants(e)
+        assert e.counts["preemptions"] == 1 and e.get(urgent).state.value == "finished"
+        runs.append([x.to_dict() for x in e.events if x.kind != "steps"])
+    assert runs[0] == runs[1]

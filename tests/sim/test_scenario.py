@@ -116,3 +116,117 @@ def test_every_bundled_scenario_loads():
 def test_unknown_scenario_suggests_a_name():
     with pytest.raises(ScenarioError, match="did you mean 'chat'"):
         load_scenario("chta")
+
+
+@pytest.mark.parametrize("base, override, message", [
+    ("azure-conv", "workload.repeat=0", "workload.repeat = 0: must be at least 1"),
+    ("azure-conv", "workload.repeat=2.5", "workload.repeat = 2.5: expected an integer"),
+    ("azure-conv", "workload.repeat=true", "workload.repeat = True: expected an integer"),
+    ("azure-conv", "workload.repeat=1000000", "workload.repeat = 1000000: must be at most"),
+    ("chat", "workload.repeat=3", "workload.repeat = 3: repeats a trace; it needs "
+                                  "arrival = \"trace\" (not 'poisson')"),
+])
+def test_repeat_is_checked_like_every_field(base, override, message):
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(base, [override])
+    assert message in str(e.value) and f"{base}.toml" in str(e.value)
+# Values of the right type that no run could carry out: each is refused at load (or when the
+# workload is built) with one line naming the file, the field and the value.
+@pytest.mark.parametrize("overrides, message", [
+    (["seed=-1"], "seed = -1: must be at least 0"),
+    (["kv.num_blocks=99999999999999999999999"], "kv.num_blocks = 99999999999999999999999: "
+                                                "must fit in 64 bits"),
+    (["scheduler.max_num_seqs=-9999999999999999999999"], "must fit in 64 bits"),
+    (["workload.duration_s=1e308"], "workload.duration_s = 1e+308: must be at most"),
+    (['workload.prompt_tokens={dist="uniform", min=1, max=1e30}'],
+     "workload.prompt_tokens.max = 1e+30: must be at most 1e+09"),
+    (['workload.prompt_tokens={dist="choice", values=[inf]}'],
+     "workload.prompt_tokens.values[0] = inf: must be finite"),
+    (['workload.output_tokens={dist="choice", values=[1, 2], weights=[nan, 1]}'],
+     "workload.output_tokens.weights[0] = nan: must be finite"),
+    (['workload.output_tokens={dist="choice", values=[1, 2], weights=[-1, 1]}'],
+     "weights[0] = -1.0: must not be negative"),
+    (['workload.output_tokens={dist="choice", values=[1, 2], weights=[0, 0]}'],
+     "must not all be 0"),
+    (['workload.arrival="gamma"', "workload.cv=1e300"], "workload.cv = 1e+300: must be at most 100"),
+    (['workload.prompt_tokens={dist="lognormal", mean=100, cv=1e300}'],
+     "workload.prompt_tokens.cv = 1e+300: must be at most 100"),
+    (['workload.priority={dist="normal", mean=1, std=1e12}'], "workload.priority.std"),
+    (["workload.priority=-1"], "workload.priority = -1.0: must not be negative"),
+    (["workload.shared_prefix_tokens=10000000000"], "workload.shared_prefix_tokens"),
+    (["workload.num_requests=1000000000"],
+     "workload.num_requests = 1000000000: needs about 1,600.0 GB of memory"),
+    (["workload.rate=1e300", "workload.num_requests=0"],
+     "workload.rate = 1e+300 x duration_s = 10: needs about"),
+    (["kv.num_blocks=9223372036854775807"], "kv.num_blocks = 9223372036854775807: needs about"),
+    (['scheduler.preemption="swap"', "kv.swap_space_gb=1e300"], "kv.swap_space_gb = 1e+300"),
+    (["hardware.memory_gb=1e300"], "overflow the service-time model"),
+    (["hardware.mem_bandwidth_gbps=1e-300"], "a one-token decode step would take 1.89e+301 s"),
+    (["hardware.step_overhead_ms=1e308"], "a one-token decode step would take"),
+    (["hardware.tdp_w=1e308"], "hardware.tdp_w = 1e+308, idle_w = 90: energies"),
+    (['scheduler.policy="disaggregated"', "scheduler.kv_link_gbps=1e-300"],
+     "scheduler.kv_link_gbps = 1e-300: one block's K/V would take"),
+    (["workload.rate=1e-300", "workload.duration_s=0"],
+     "workload.rate = 1e-300: the last request would arrive at t = "),
+])
+def test_values_that_pass_type_checks_but_could_not_run(tmp_path, overrides, message):
+    from sim.workload import build_workload
+
+    path = write(tmp_path, BASE.replace("num_requests = 10", "duration_s = 10\nnum_requests = 5"))
+    with pytest.raises(ScenarioError) as e:
+        build_workload(load_scenario(path, overrides))
+    assert message in str(e.value) and path in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pool_too_large_for_this_machine_says_how_much_it_needs(tmp_path, monkeypatch):
+    import sim.limits
+
+    monkeypatch.setattr(sim.limits, "available_memory", lambda: 8e9)
+    path = write(tmp_path, BASE)
+    with pytest.raises(ScenarioError, match=r"kv.num_blocks = 1000000000: needs about 160.0 GB "
+                                            r"of memory .* more than the 8.0 GB available"):
+        load_scenario(path, ["kv.num_blocks=1000000000"])
+    assert load_scenario(path, ["kv.num_blocks=10000000"]).kv.num_blocks == 10**7  # 1.6 GB
+
+
+def test_draws_stay_within_the_fields_bounds(tmp_path, monkeypatch):
+    from sim.limits import MAX_TOKENS
+    from sim.workload import build_workload
+
+    import numpy as np
+
+    from sim.workload import sample
+
+    path = write(tmp_path, BASE)
+    sc = load_scenario(path, [
+        'workload.prompt_tokens={dist="lognormal", mean=1e9, cv=100}',
+        'workload.output_tokens={dist="normal", mean=1e9, std=1e9}',
+        'workload.priority={dist="exponential", mean=2e9}', "kv.num_blocks=1000"])
+    rng = np.random.default_rng(0)
+    for field in ("prompt_tokens", "output_tokens"):
+        x = sample(sc, field, 10000, rng)
+        assert x.min() >= 0 and x.max() == MAX_TOKENS  # the wide draws are clipped
+    p = sample(sc, "priority", 10000, rng)
+    assert 0 <= p.min() and p.max() == 2**31 - 1
+    # a request of 1e9 output tokens takes 1e9 steps: their records would not fit in memory
+    monkeypatch.setattr(__import__("sim.limits").limits, "available_memory", lambda: 8e9)
+    with pytest.raises(ScenarioError, match="workload.output_tokens: needs about"):
+        build_workload(sc)
+
+
+def test_setting_dist_keeps_only_what_the_new_distribution_takes(tmp_path):
+    # The README's example on the default scenario, whose lengths come from a file.
+    sc = load_scenario("chat", ['workload.prompt_tokens.dist="uniform"',
+                                "workload.prompt_tokens.min=16", "workload.prompt_tokens.max=512"])
+    assert sc.workload.prompt_tokens == {"dist": "uniform", "min": 16, "max": 512}
+    sc = load_scenario("chat", ["workload.prompt_tokens.min=16", 'workload.prompt_tokens.dist="uniform"',
+                                "workload.prompt_tokens.max=512"])
+    assert sc.workload.prompt_tokens == {"dist": "uniform", "min": 16, "max": 512}
+    with pytest.raises(ScenarioError, match="dist = 'uniform' needs max, min"):
+        load_scenario("chat", ['workload.prompt_tokens.dist="uniform"'])
+
+
+def test_a_shared_system_prompt_counts_toward_the_smallest_request(tmp_path):
+    with pytest.raises(ScenarioError, match="kv.num_blocks = 100: no request could ever fit"):
+        load_scenario(write(tmp_path, BASE), ["kv.num_blocks=100",
+                                              "workload.shared_prefix_tokens=5000"])

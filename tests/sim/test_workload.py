@@ -93,3 +93,86 @@ def test_cancellations_and_priorities():
     # the other draws do not move when cancellations are switched on
     base = build_workload(sc())
     assert np.array_equal(base.arrival, w.arrival) and np.array_equal(base.prompt, w.prompt)
+
+
+def test_repeat_plays_a_trace_again_at_its_own_rate(tmp_path):
+    one = build_workload(load_scenario("azure-conv"))
+    three = build_workload(load_scenario("azure-conv", ["workload.repeat=3"]))
+    n = len(one)
+    span = one.arrival[-1] - one.arrival[0]
+    period = span + span / (n - 1)
+    assert len(three) == 3 * n and np.all(np.diff(three.arrival) > 0)
+    for k in range(3):
+        assert np.array_equal(three.prompt[k * n:(k + 1) * n], one.prompt)
+        assert np.array_equal(three.output[k * n:(k + 1) * n], one.output)
+        assert np.allclose(three.arrival[k * n:(k + 1) * n], one.arrival + k * period)
+    # the seam keeps the trace's mean gap; duration and num_requests cut the repeated trace
+    assert three.arrival[n] - three.arrival[n - 1] == pytest.approx(span / (n - 1))
+    day = build_workload(load_scenario("azure-conv", ["workload.repeat=30",
+                                                      "workload.duration_s=86400"]))
+    assert day.arrival[-1] < 86400 < day.arrival[-1] + 60 and len(day) > 24 * n
+    first = build_workload(load_scenario("azure-conv", ["workload.repeat=2",
+                                                        f"workload.num_requests={n + 5}"]))
+    assert len(first) == n + 5
+    p = tmp_path / "m.toml"
+    p.write_text('name="m"\n[workload]\narrival="trace"\ntrace="%s"\nnum_requests=40\n'
+                 'repeat=2\n' % (TRACES / "mooncake_conversation_trace.jsonl"))
+    w = build_workload(load_scenario(str(p)))  # (num_requests cuts after the repeat)
+    assert len(w) == 40 and len(w.hash_ids) == 40
+AZURE_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+MOONCAKE_OK = '{"timestamp": 0, "input_length": 5, "output_length": 2}\n'
+
+
+@pytest.mark.parametrize("name, body, where, message", [
+    ("inf.csv", AZURE_HEAD + "2023-11-16 18:15:47.00,inf,10\n", 3, "ContextTokens = 'inf' is not a finite number"),
+    ("nan.csv", AZURE_HEAD + "2023-11-16 18:15:47.00,5,nan\n", 3, "GeneratedTokens = 'nan' is not a finite"),
+    ("big.csv", AZURE_HEAD + "2023-11-16 18:15:47.00,1e30,10\n", 3, "ContextTokens = '1e30' is more than"),
+    ("neg.csv", AZURE_HEAD + "2023-11-16 18:15:47.00,-5,10\n", 3, "ContextTokens = '-5' is negative"),
+    ("sec.csv", AZURE_HEAD + "2023-11-16 18:15:inf,5,10\n", 3, "TIMESTAMP = '2023-11-16 18:15:inf'"),
+    ("years.csv", AZURE_HEAD + "9999-11-16 18:15:47.00,5,10\n", 3, "TIMESTAMP lies 2.52e+11 s"),
+    ("pairs.csv", "num_prefill_tokens,num_decode_tokens\n5,6\n7,1e400\n", 3, "'1e400' is not a finite"),
+    ("ts.jsonl", MOONCAKE_OK + '{"timestamp": Infinity, "input_length": 5, "output_length": 2}\n', 2,
+     "timestamp = inf is not a time"),
+    ("tsnan.jsonl", MOONCAKE_OK + '{"timestamp": NaN, "input_length": 5, "output_length": 2}\n', 2,
+     "timestamp = nan is not a time"),
+    ("ts30.jsonl", MOONCAKE_OK + '{"timestamp": 1e30, "input_length": 5, "output_length": 2}\n', 2,
+     "timestamp = 1e+30 is not a time"),
+    ("len.jsonl", MOONCAKE_OK + '{"timestamp": 1, "input_length": 1e30, "output_length": 2}\n', 2,
+     "input_length = 1e+30 is more than"),
+    ("huge.jsonl", MOONCAKE_OK + '{"timestamp": 1, "input_length": 1%s, "output_length": 2}\n'
+     % ("0" * 400), 2, "input_length = '1000"),
+    ("bool.jsonl", MOONCAKE_OK + '{"timestamp": 1, "input_length": true, "output_length": 2}\n', 2,
+     "input_length = True is not a number"),
+    ("hash.jsonl", MOONCAKE_OK + '{"timestamp": 1, "input_length": 5, "output_length": 2, '
+     '"hash_ids": [1, 99999999999999999999999]}\n', 2, "hash_ids must be a list of 64-bit"),
+    ("hashf.jsonl", MOONCAKE_OK + '{"timestamp": 1, "input_length": 5, "output_length": 2, '
+     '"hash_ids": [1.5]}\n', 2, "hash_ids must be a list of 64-bit"),
+    ("list.jsonl", MOONCAKE_OK + "[1, 2, 3]\n", 2, "expected a JSON object"),
+    ("deep.jsonl", MOONCAKE_OK + "[" * 100000 + "\n", 2, "not JSON"),
+    ("nul.csv", AZURE_HEAD + "2023-11-16 18:15:47.00,5,\x0010\n", 3, "a NUL byte: a binary file"),
+    ("latin.csv", AZURE_HEAD.encode() + "2023-11-16 18:15:47.00,5,10 caf\xe9\n".encode("latin-1"), 3,
+     "not UTF-8 text"),
+    ("png.csv", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", 3, "a NUL byte: a binary file"),
+])
+def test_malformed_traces_are_one_line_naming_file_and_line(tmp_path, name, body, where, message):
+    from sim.errors import TraceError
+
+    p = tmp_path / name
+    p.write_bytes(body if isinstance(body, bytes) else body.encode())
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    assert f"{p}:{where}: " in str(e.value) and message in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_directory_or_a_device_is_not_a_trace(tmp_path):
+    from sim.errors import TraceError
+
+    with pytest.raises(TraceError, match="is a directory, not a trace file"):
+        read_trace(tmp_path)
+    with pytest.raises(TraceError, match="/dev/zero: not a regular file"):
+        read_trace(__import__("pathlib").Path("/dev/zero"))
+    t = tmp_path / "t.toml"
+    t.write_text('name="t"\n[workload]\narrival="trace"\ntrace="."\n')
+    with pytest.raises(TraceError, match="is a directory"):
+        build_workload(load_scenario(str(t)))

@@ -276,3 +276,173 @@ def test_snapshot_main_screen_80x24(snap_compare):
 
 def test_snapshot_help_screen(snap_compare):
     assert snap_compare(make_app(), terminal_size=SIZE, press=["question_mark"])
+
+
+# --- the session is never lost -----------------------------------------------------------------
+def notes_of(app) -> list[str]:
+    notes = []
+    app.notify = lambda message, **kw: notes.append(message)
+    return notes
+
+
+@pilot_test
+async def test_c_cancels_only_a_request_the_user_selected():
+    app = make_app()
+    notes = notes_of(app)
+    async with app.run_test(size=SIZE) as pilot:
+        cancelled = lambda: app.engine.counts["cancelled"]  # noqa: E731
+        await pilot.press("c")  # nothing selected yet, though a queue has the focus
+        assert cancelled() == 0 and "no request selected" in notes[-1]
+        await pilot.press("down")
+        chosen = app.selected_id
+        await pilot.press("c")
+        assert cancelled() == 1 and app.engine.get(chosen).state.value == "cancelled"
+        await pilot.press("c")  # the cursor now rests on a neighbour: not selected
+        assert cancelled() == 1 and "no request selected" in notes[-1]
+        # a selected request that leaves its queue stays the selection; the row the cursor
+        # falls onto is never cancelled in its place
+        await pilot.press("right")
+        chosen = app.selected_id
+        with app.driver.lock:
+            app.engine.run_until(app.engine.now + 30)
+        app.refresh_frame()
+        await pilot.pause()
+        await pilot.press("c")
+        gone = app.engine.get(chosen).state.value
+        assert cancelled() == (2 if gone == "cancelled" else 1)
+
+
+@pilot_test
+async def test_an_export_stays_in_its_directory_whatever_the_scenario_is_called(tmp_path):
+    app = make_app(tmp_path)
+    app.engine.scenario.name = "../../escape/\n evil" + "x" * 300
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("e")
+        await pilot.pause()
+    [log] = tmp_path.iterdir()
+    assert log.name.startswith("servesim-_.._escape_evilxxx") and len(log.name) < 100
+    assert read_log(log).footer["step"] == app.engine.step_count
+
+
+@pilot_test
+async def test_two_exports_in_one_second_keep_both(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("e", "n", "e")
+        await pilot.pause()
+    logs = sorted(tmp_path.glob("*.msgpack"))
+    assert len(logs) == 2
+    assert [read_log(p).footer["step"] for p in logs] != [None, None]
+    assert {read_log(p).footer["step"] for p in logs} == {app.engine.step_count - 1,
+                                                          app.engine.step_count}
+
+
+@pilot_test
+async def test_an_injection_past_any_bound_is_refused_and_the_session_still_exports(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("I")
+        dialog = app.screen
+        dialog.query_one("#prompt-tokens").value = "99999999999999999999999999999999"
+        await pilot.press("enter")
+        assert app.screen is dialog and "more than" in str(dialog.query_one("#inject-error").render())
+        # the engine refuses what the dialog lets through, inline too
+        assert "must be an integer" in app.inject(
+            __import__("tui.widgets", fromlist=["InjectSpec"]).InjectSpec(2**70, None, 5))
+        await pilot.press("escape", "e")
+        await pilot.pause()
+    [log] = tmp_path.glob("*.msgpack")
+    assert read_log(log).footer["step"] == app.engine.step_count
+
+
+@pilot_test
+async def test_an_action_that_fails_is_shown_and_the_app_goes_on(monkeypatch):
+    app = make_app()
+    notes = notes_of(app)
+
+    def broken(name):
+        raise RuntimeError("the policy module is on fire")
+
+    monkeypatch.setattr(app.engine, "switch_policy", broken)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("p")
+        assert any("cycle_policy failed: RuntimeError: the policy module is on fire" in n
+                   for n in notes)
+        await pilot.press("i")
+        assert app.engine.counts["injected"] == 1 and app.is_running
+
+
+@pilot_test
+async def test_an_unexpected_error_saves_the_session_to_a_recovery_file(tmp_path, monkeypatch):
+    from tui.widgets import BlockMap
+
+    app = make_app(tmp_path)
+
+    def crash(self, *a, **kw):
+        raise RuntimeError("a drawing bug")
+
+    with pytest.raises(RuntimeError, match="a drawing bug"):  # (the pilot re-raises it)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("i", "n")
+            step = app.engine.step_count
+            monkeypatch.setattr(BlockMap, "render_line", crash)
+            app.block_map.refresh()
+            await pilot.pause(0.3)
+    assert app.recovery is not None and "recovery" in app.recovery
+    log = read_log(app.recovery)
+    assert log.footer["step"] == step and [e.kind for e in log.events].count("action") == 1
+
+
+@pilot_test
+async def test_the_inject_dialog_is_usable_at_40x12():
+    app = make_app()
+    async with app.run_test(size=(40, 12)) as pilot:
+        await pilot.press("I")
+        dialog = app.screen
+        assert isinstance(dialog, InjectDialog)
+        screen = dialog.region
+        for w in (*dialog.query("Input"), *dialog.query("Button")):
+            r = w.region
+            assert r.height >= 1 and screen.contains_region(r), (w.id, r, screen)
+        n = len(waiting_ids(app.engine))
+        dialog.query_one("#prompt-tokens").value = "77"
+        dialog.query_one("#count").value = "2"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen is not dialog and len(waiting_ids(app.engine)) == n + 2
+
+
+def test_speeds_that_would_stop_or_reverse_the_clock_are_refused():
+    from sim.errors import ServesimError
+
+    for bad in (0, -1, float("nan"), float("inf"), 1e9):
+        with pytest.raises(ServesimError, match="must be a number from 1/64 to 4096"):
+            Dashboard(make_engine(1.0), speed=bad)
+
+
+@pilot_test
+async def test_sigterm_quits_as_q_does():
+    import os
+    import signal
+
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await pilot.pause(0.2)
+    assert app.return_code == 128 + signal.SIGTERM and not app.driver.alive
+
+
+@pytest.mark.parametrize("size", [(1, 1), (12, 5), (40, 12)])
+@pilot_test
+async def test_every_key_works_in_a_tiny_terminal(size):
+    app = make_app()
+    notes = notes_of(app)
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("n", "down", "right", "i", "b", "question_mark")
+        await pilot.pause(0.05)
+        await pilot.press("escape", "I")
+        await pilot.pause(0.05)
+        await pilot.press("escape", "r", "p", "plus", "minus", "c", "C", "space", "space")
+        await pilot.pause(0.1)
+        assert app.is_running and app.engine.counts["injected"] == 1 + keymap.BURST_SIZE
+    assert not any("failed" in n for n in notes), notes

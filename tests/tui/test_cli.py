@@ -86,3 +86,95 @@ def test_bench_sim_prints_figures(capsys):
     assert code == 0
     r = json.loads(out)
     assert r["wall_s"] > 0 and r["steps_per_s"] > 0 and r["output_tokens"] > 0
+
+
+# --- signals and output streams -----------------------------------------------------------------
+SERVESIM = [sys.executable, "-m", "tui.cli"]
+
+
+def test_a_full_disk_on_stdout_is_one_line_and_exit_2():
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with open("/dev/full", "w") as full:
+        p = subprocess.run(SERVESIM + ["sim", "chat", "--set", "workload.duration_s=2", "--json"],
+                           stdout=full, stderr=subprocess.PIPE, text=True)
+    assert p.returncode == 2
+    assert p.stderr == "servesim: error: standard output: cannot write: No space left on device\n"
+
+
+def test_compare_without_a_policy_exits_2(capsys):
+    for policies in ("", " , ", "fcfs,fcfs"):
+        code, out, err = run(capsys, "compare", "chat", "--policies", policies)
+        assert code == 2 and out == "" and err.count("\n") == 1 and "--policies" in err
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does_and_leaves_no_temporary(tmp_path):
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "s.msgpack"
+    p = subprocess.Popen(SERVESIM + ["sim", "chat", "--set", "workload.duration_s=20000",
+                                     "--log", str(log)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.0)  # running (80,000 requests take a minute)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=20)
+    took = time.time() - t0
+    assert p.returncode == 143 and err == "" and took < 5, (p.returncode, err, took)
+    assert list(tmp_path.iterdir()) == []  # no log, no temporary
+
+
+def test_sigterm_restores_the_terminal_as_q_does():
+    """The dashboard in a real pseudo-terminal: SIGTERM leaves the alternate screen and turns
+    the mouse off, as quitting does."""
+    import os
+    import pty
+    import select
+    import signal
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the dashboard
+        os.environ.update(TERM="xterm-256color", COLUMNS="100", LINES="30")
+        os.execv(sys.executable, [sys.executable, "-m", "tui.cli", "run", "--compute", "none",
+                                  "--set", "workload.duration_s=30"])
+    out = b""
+
+    def read(timeout: float) -> bool:
+        nonlocal out
+        if select.select([fd], [], [], timeout)[0]:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                return False
+            out += data
+            return bool(data)
+        return True
+
+    t0 = time.time()
+    while b"\x1b[?1049h" not in out and time.time() - t0 < 30:  # in the alternate screen
+        if not read(0.2):
+            break
+    assert b"\x1b[?1049h" in out, out[-300:]
+    time.sleep(0.5)
+    while select.select([fd], [], [], 0.05)[0] and read(0):
+        pass
+    mark = len(out)
+    os.kill(pid, signal.SIGTERM)
+    t1 = time.time()
+    while time.time() - t1 < 15 and read(0.2):
+        pass
+    _, status = os.waitpid(pid, 0)
+    tail = out[mark:]
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+    assert b"\x1b[?1049l" in tail and b"\x1b[?1000l" in tail, tail[-300:]
+
+
+def test_the_dashboard_without_a_terminal_is_one_line():
+    p = subprocess.run(SERVESIM + ["run", "--compute", "none"], stdin=subprocess.DEVNULL,
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs a terminal" in p.stderr

@@ -1,8 +1,10 @@
 """The request queues: waiting, running and recently done, one `RequestTable` each.
 
 A table draws only its visible rows (Textual's Line API), so a queue of thousands costs what a
-screenful costs. The cursor follows its request across refreshes; the cursor's request is the
-target of cancel and is highlighted in the KV block map.
+screenful costs. The cursor follows its request across refreshes. The user selects the request
+under the cursor by moving it or by moving to the table; that request is the target of cancel and
+is highlighted in the KV block map. A refresh never selects anything: when the selected request
+leaves the table the cursor rests on a neighbour, which is not selected until the user moves.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class RequestTable(ScrollView, can_focus=True):
                          "request-table--cursor-blurred"}
 
     class Highlighted(Message):
-        """The cursor moved, or the table got focus: `req_id` is the selected request."""
+        """The user moved the cursor, or moved to the table: `req_id` is the selected request."""
 
         def __init__(self, table: "RequestTable", req_id: int | None) -> None:
             super().__init__()
@@ -100,6 +102,7 @@ class RequestTable(ScrollView, can_focus=True):
         self._styles: dict[str, Style] = {}
         self._view = None  # what the last repaint showed
         self._tags: list[str] | None = None
+        self._quiet_focus = False  # the next focus is the program's, not the user's
         self.border_title = TITLES[kind]
 
     def set_tags(self, tags: list[str]) -> None:
@@ -107,6 +110,13 @@ class RequestTable(ScrollView, can_focus=True):
         self._tags = tags
         first = Column("id", max(len(t) for t in tags) + 6, _ID.cell)
         self.columns = (first, *COLUMNS[self.kind][1:])
+        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
+
+    def show_clients(self) -> None:
+        """`servesim serve`: a last column naming who sent each request (the client's
+        address; `-` for the scenario's own workload)."""
+        self.columns = (*self.columns, Column("client", 21, lambda r, now: r.tag or "-",
+                                              left=True))
         self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
 
     @property
@@ -135,8 +145,6 @@ class RequestTable(ScrollView, can_focus=True):
         if view != self._view:
             self._view = view
             self.refresh()
-        if self.selected_id != before:
-            self.post_message(self.Highlighted(self, self.selected_id))
 
     # --- cursor -------------------------------------------------------------------------------
     def _move_to(self, i: int) -> None:
@@ -162,10 +170,18 @@ class RequestTable(ScrollView, can_focus=True):
     def action_cursor_to(self, index: int) -> None:
         self._move_to(index if index >= 0 else len(self.rows) - 1)
 
+    def focus_quietly(self) -> None:
+        """Focus the table without selecting its cursor's request (the app's first focus)."""
+        self._quiet_focus = True
+        self.focus()
+
     def on_focus(self) -> None:
         self._styles.clear()
         self.refresh()
-        self.post_message(self.Highlighted(self, self.selected_id))
+        if self._quiet_focus:
+            self._quiet_focus = False
+        else:
+            self.post_message(self.Highlighted(self, self.selected_id))
 
     def on_blur(self) -> None:
         self._styles.clear()

@@ -1,0 +1,86 @@
+"""Mutation check of the emulator cases: plants one known bug at a time in a copy of
+gpu/kernels, runs a suite against it (`run.py --kernel-dir`), and reports whether the cases
+noticed (a failing case, an emulator error, a fault, or a UBSan report).
+
+`python tests/gpu/cuda_emu/mutate.py [NAME ...]`; exit 1 when a planted bug went unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+KERNELS = HERE.parents[2] / "gpu" / "kernels"
+
+# name: (file, text that must occur exactly once, replacement, run.py arguments)
+MUTATIONS = {
+    "decode_no_syncthreads": ("decode.cu", "    __syncthreads();\n", "", ["--suite", "ci"]),
+    "decode_mask_off_by_one": ("decode.cu", "if (pos < start || pos >= end)", "if (pos < start || pos > end)",
+                               ["--suite", "ci"]),
+    "decode_loads_past_end": ("decode.cu", "            if (pos >= start && pos < end) {",
+                              "            if (pos >= start && pos <= end) {", ["--suite", "ci"]),
+    "decode_second_buffer_ignored": ("decode.cu", "        compute_tile(t1, kb, vb);", "        compute_tile(t1, ka, va);",
+                                     ["--suite", "ci"]),
+    "decode_tile_block_lookup_wrong": ("decode.cu", "block_base = (long long)table[first >> LOG2_BS] << LOG2_BS;",
+                                       "block_base = (long long)table[start >> LOG2_BS] << LOG2_BS;",
+                                       ["--suite", "ci"]),
+    "decode_last_partition_not_extended": (
+        "decode.cu", "const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);",
+        "const int end = min(start + ds.part, seq_len);", ["--suite", "misuse"]),
+    "split_count_not_clamped": ("decode.cu", "        n = n < num_splits ? n : num_splits;\n", "",
+                                ["--suite", "misuse"]),
+    "split_depends_on_batch": ("decode.cu", "if (split >= ds.n) return;",
+                               "if (split >= num_splits) return;", ["--suite", "ci"]),
+    "prefill_no_syncwarp_before_pv": ("prefill.cu", "            if (lane < BK) p_s[warp][lane] = p;\n            __syncwarp();\n",
+                                      "            if (lane < BK) p_s[warp][lane] = p;\n", ["--suite", "ci"]),
+    "prefill_no_top_syncthreads": ("prefill.cu",
+                                   "        __syncthreads();  // q_s is written (first tile) / the previous tile is consumed\n",
+                                   "", ["--suite", "ci"]),
+    "prefill_divergent_shuffle": ("prefill.cu", "const float m_new = fmaxf(m[i], warp_max(s));",
+                                  "const float m_new = fmaxf(m[i], lane < BK ? warp_max(s) : s);", ["--suite", "ci"]),
+    "prefill_causal_off_by_one": ("prefill.cu", "if (lane < BK && kv0 + lane <= qpos) {",
+                                  "if (lane < BK && kv0 + lane <= qpos + 1) {", ["--suite", "ci"]),
+    "write_kv_writes_slot_minus1": ("write_kv.cu", "if (slot < 0) return;", "if (slot < -1) return;",
+                                    ["--suite", "write_kv", "--guard", "1"]),
+}
+
+
+def run(name: str, workdir: Path) -> dict:
+    """Plants mutation `name`, runs its suite, returns what happened."""
+    file, old, new, args = MUTATIONS[name]
+    kdir = workdir / name
+    shutil.copytree(KERNELS, kdir)
+    text = (kdir / file).read_text()
+    if text.count(old) != 1:
+        return {"name": name, "detected": False, "how": f"target text not found exactly once in {file}"}
+    (kdir / file).write_text(text.replace(old, new))
+    t0 = time.time()
+    r = subprocess.run([sys.executable, str(HERE / "run.py"), "--kernel-dir", str(kdir), "--quiet", *args],
+                       capture_output=True, text=True, timeout=1800)
+    out = r.stdout + r.stderr
+    how = [line for line in out.splitlines() if line.startswith(("FAIL", "[emu]")) or "runtime error:" in line][:3]
+    if r.returncode and not how:
+        how = [out.strip().splitlines()[-1] if out.strip() else f"exit {r.returncode}"]
+    return {"name": name, "detected": r.returncode != 0, "exit": r.returncode, "how": how,
+            "seconds": round(time.time() - t0, 1)}
+
+
+def main(argv=None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(MUTATIONS)
+    with tempfile.TemporaryDirectory(prefix="servesim-mutants-") as tmp:
+        results = [run(n, Path(tmp)) for n in names]
+    for r in results:
+        print(json.dumps(r)[:600], flush=True)
+    missed = [r["name"] for r in results if not r["detected"]]
+    print(f"mutations: {len(results) - len(missed)} detected, {len(missed)} missed {missed}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Output files: written atomically, never half-written, never replacing a link, a FIFO, a
+device or this process's own standard output; a destination that cannot be written is found
+before a run."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from sim.errors import ServesimError
+from sim.fileio import atomic_open, check_writable, write_atomic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_regular_file_is_replaced_whole_and_keeps_its_mode(tmp_path):
+    p = tmp_path / "out.csv"
+    p.write_text("old")
+    os.chmod(p, 0o640)
+    write_atomic(p, "new")
+    assert p.read_text() == "new" and oct(p.stat().st_mode & 0o777) == oct(0o640)
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["out.csv"]
+
+
+def test_a_symlink_stays_and_its_target_is_written(tmp_path):
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "real.csv"
+    target.write_text("old")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    write_atomic(link, "new")
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert target.read_text() == "new"
+    assert sorted(x.name for x in (tmp_path / "data").iterdir()) == ["real.csv"]
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "data" / "new.csv")
+    write_atomic(dangling, "made")
+    assert dangling.is_symlink() and (tmp_path / "data" / "new.csv").read_text() == "made"
+
+
+def test_a_fifo_is_written_through_not_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    write_atomic(fifo, "through the pipe")
+    reader.join(5)
+    assert got == ["through the pipe"]
+    assert fifo.is_fifo()
+    # and a link to the FIFO stays a link to a FIFO
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()))
+    reader.start()
+    write_atomic(link, "again")
+    reader.join(5)
+    assert got[-1] == "again" and link.is_symlink() and fifo.is_fifo()
+
+
+def test_devices_are_written_through():
+    write_atomic("/dev/null", "nothing")  # not replaced by a file (it would be, as root)
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+    if os.path.exists("/dev/full"):
+        with pytest.raises(ServesimError, match="/dev/full: cannot write: No space left"):
+            write_atomic("/dev/full", "x" * 100000)
+
+
+def test_exclusive_never_replaces(tmp_path):
+    p = tmp_path / "log"
+    p.write_text("first")
+    with pytest.raises(FileExistsError):
+        with atomic_open(p, "w", exclusive=True) as fh:
+            fh.write("second")
+    assert p.read_text() == "first" and [x.name for x in tmp_path.iterdir()] == ["log"]
+    with atomic_open(tmp_path / "other", "w", exclusive=True) as fh:
+        fh.write("ok")
+    assert (tmp_path / "other").read_text() == "ok"
+
+
+def test_failure_or_interrupt_leaves_neither_a_half_file_nor_a_temporary(tmp_path):
+    p = tmp_path / "keep"
+    p.write_text("precious")
+    for exc in (RuntimeError, KeyboardInterrupt):
+        with pytest.raises(exc):
+            with atomic_open(p, "w") as fh:
+                fh.write("half")
+                raise exc()
+    assert p.read_text() == "precious" and [x.name for x in tmp_path.iterdir()] == ["keep"]
+
+
+def test_sigterm_mid_write_leaves_no_temporary(tmp_path):
+    # The CLI turns SIGTERM into an exception (as Ctrl-C), so the clean-up above runs.
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {ROOT!r})
+from tui.cli import _terminate
+from sim.fileio import atomic_open
+signal.signal(signal.SIGTERM, _terminate)
+with atomic_open({str(tmp_path / 'out')!r}, "w") as fh:
+    fh.write("half")
+    os.kill(os.getpid(), signal.SIGTERM)
+    fh.write("never")
+"""
+    (tmp_path / "out").write_text("old")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode != 0 and "Terminated" in p.stderr
+    assert [x.name for x in tmp_path.iterdir()] == ["out"]
+    assert (tmp_path / "out").read_text() == "old"
+
+
+def test_stdout_is_written_through_keeping_what_it_holds(tmp_path):
+    """`-o /dev/stdout` with stdout appended to a file: the file is not truncated, nor replaced
+    by a new one that the shell would no longer be writing to."""
+    out = tmp_path / "appended.txt"
+    out.write_text("first line\n")
+    code = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from sim.fileio import write_atomic
+print("from print", flush=True)
+write_atomic("/dev/stdout", "through /dev/stdout\\n")
+print("after", flush=True)
+"""
+    with open(out, "a") as fh:
+        subprocess.run([sys.executable, "-c", code], stdout=fh, check=True)
+    assert out.read_text() == "first line\nfrom print\nthrough /dev/stdout\nafter\n"
+
+
+def test_check_writable_finds_problems_before_a_run(tmp_path):
+    check_writable(tmp_path / "new.csv")
+    with pytest.raises(ServesimError, match="is a directory"):
+        check_writable(tmp_path, "-o")
+    with pytest.raises(ServesimError, match="does not exist"):
+        check_writable(tmp_path / "no" / "such" / "x.csv", "-o")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ServesimError, match="x.csv: cannot write: Not a directory"):
+        check_writable(tmp_path / "file" / "x.csv", "--log")
+    if os.geteuid() != 0:  # root may write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        os.chmod(ro, 0o555)
+        with pytest.raises(ServesimError, match="cannot write in"):
+            check_writable(ro / "x.csv")
+        (tmp_path / "locked").write_text("")
+        os.chmod(tmp_path / "locked", 0o444)
+        with pytest.raises(ServesimError, match="permission denied"):
+            check_writable(tmp_path / "locked")

@@ -1,0 +1,77 @@
+import numpy as np
+import pytest
+
+from sim import timeline as tlmod
+from sim.errors import EngineError
+from sim.timeline import NAMES, Timeline
+
+
+def _rows(n, seed=0):
+    rng = np.random.default_rng(seed)
+    dur = rng.uniform(0.01, 0.05, n)
+    return {"end": np.cumsum(dur), "dur": dur, "tokens": rng.integers(1, 500, n),
+            "prefill_tokens": rng.integers(0, 100, n), "batch": rng.integers(1, 64, n),
+            "sampled": rng.integers(0, 64, n), "itl_count": rng.integers(0, 64, n),
+            "kv_used": rng.integers(0, 900, n), "kv_empty": rng.integers(0, 300, n),
+            "energy": rng.uniform(1, 9, n), "waiting": rng.integers(0, 40, n)}
+
+
+def _fill(tl, cols, n):
+    """Rows 0..n-1, some one at a time and some in runs, as the engine writes them."""
+    i = 0
+    while i < n:
+        k = 1 if (i // 7) % 2 else min(13, n - i)
+        if k == 1:
+            tl.add_row(*(cols[c][i] for c in NAMES))
+        else:
+            tl.append(**{c: cols[c][i:i + k] for c in NAMES})
+        i += k
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(tlmod, "CHUNK", 64)
+    monkeypatch.setattr(tlmod, "_STAGE", 5)
+
+
+def test_chunked_columns_and_totals_equal_the_whole_columns(small_chunks):
+    n = 1000
+    cols = _rows(n)
+    tl = Timeline()
+    _fill(tl, cols, n)
+    assert tl.n == n
+    for c in NAMES:
+        assert np.array_equal(tl.column(c), cols[c]), c
+    assert np.array_equal(tl.rows("end", 100, 300), cols["end"][100:300])
+    t = tl.totals()
+    assert t.rows == n and t.batch_sum == cols["batch"].sum()
+    assert t.batch_max == cols["batch"].max() and t.used_max == cols["kv_used"].max()
+    assert t.energy == pytest.approx(cols["energy"].sum(), rel=1e-12)
+    assert t.used_dur == pytest.approx((cols["kv_used"] * cols["dur"]).sum(), rel=1e-12)
+    gaps, counts = tl.itl.arrays()
+    tg, tc = tl.tail_itl()
+    assert np.array_equal(np.concatenate((gaps, tg)), np.diff(cols["end"]))
+    assert np.array_equal(np.concatenate((counts, tc)), cols["itl_count"][1:])
+    for t_ in (0.0, cols["end"][0], cols["end"][500], cols["end"][-1], 1e9):
+        for side in ("left", "right"):
+            assert tl.index(t_, side) == np.searchsorted(cols["end"], t_, side), (t_, side)
+
+
+def test_without_history_rows_are_dropped_unless_pinned(small_chunks):
+    cols = _rows(1000)
+    pin = [300]
+    tl = Timeline(keep=False, pinned=lambda: pin[0])
+    _fill(tl, cols, 600)
+    assert tl.first == 256  # the chunks before the one holding row 300 are gone
+    assert np.array_equal(tl.ends(300, 10), cols["end"][300:310])
+    with pytest.raises(EngineError, match="folded"):
+        tl.ends(200, 10)
+    with pytest.raises(EngineError, match="folded"):
+        tl.rows("kv_used", 300, 310)  # a sealed chunk keeps only its end times
+    pin[0] = float("inf")
+    _fill(tl, {c: v[600:] for c, v in cols.items()}, 400)
+    assert tl.first == 960 and tl.n == 1000
+    whole = Timeline()
+    _fill(whole, cols, 1000)
+    a, b = tl.totals(), whole.totals()
+    assert all(getattr(a, k) == getattr(b, k) for k in a.__slots__)

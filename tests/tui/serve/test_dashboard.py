@@ -1,0 +1,82 @@
+"""`servesim serve --tui`: the dashboard and the HTTP server in Textual's one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from sim import load_scenario
+from sim.log import read_log
+from sim.replay import verify
+from tui.serve.app import build_frontend
+from tui.serve.dashboard import ServeDashboard
+from tests.tui.test_app import pilot_test
+
+
+async def until(pilot, cond, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached")
+
+
+@pilot_test
+async def test_http_requests_on_the_dashboard_cancel_key_and_export_replays(tmp_path):
+    fe = build_frontend(load_scenario("chat"))
+    app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path)
+    async with app.run_test(size=(150, 40)) as pilot:
+        url = f"http://127.0.0.1:{app.server.port}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            async def stream(n: int) -> list[bytes]:
+                async with http.post(url, json={"prompt": "x" * 100, "max_tokens": n,
+                                                "stream": True}) as r:
+                    assert r.status == 200
+                    return [line async for line in r.content if line.strip()]
+
+            long = asyncio.create_task(stream(100_000))
+            await until(pilot, lambda: app.snap is not None and app.snap.running)
+            [row] = app.snap.running
+            assert row.tag.startswith("127.0.0.1:")
+            _, rest = app.tables["running"]._text(row)
+            assert row.tag in rest  # the queue's client column
+            short = await stream(5)
+            assert short[-1] == b"data: [DONE]\n" and len(short) == 5 + 1
+            # `c` on the selected (running) request ends its stream: finish_reason abort
+            await pilot.press("home")  # nothing is selected until the user moves
+            await until(pilot, lambda: app.selected_id == row.req_id)
+            await pilot.press("c")
+            lines = await asyncio.wait_for(long, 5)
+            assert b'"finish_reason": "abort"' in lines[-2] and lines[-1] == b"data: [DONE]\n"
+            await pilot.press("e")
+            await pilot.pause()
+        logs = list(tmp_path.glob("*.msgpack"))
+        assert len(logs) == 1
+    log = read_log(logs[0])
+    actions = [e.action for e in log.events if e.kind == "action"]
+    assert actions == ["inject", "inject", "cancel"]
+    _, divergence = verify(log)
+    assert divergence is None
+
+
+@pilot_test
+async def test_pause_holds_tokens_and_n_steps(tmp_path):
+    fe = build_frontend(load_scenario("chat"))
+    app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path)
+    async with app.run_test(size=(150, 40)) as pilot:
+        url = f"http://127.0.0.1:{app.server.port}/v1/completions"
+        await pilot.press("space")  # paused: no step starts, no token leaves
+        assert fe.clock.paused
+        async with aiohttp.ClientSession() as http:
+            async def complete() -> dict:
+                async with http.post(url, json={"prompt": "hello", "max_tokens": 3}) as r:
+                    return await r.json()
+
+            task = asyncio.create_task(complete())
+            await pilot.pause(0.3)
+            assert not task.done() and fe.engine.step_count == 0
+            for _ in range(3):  # the prefill (first token), then two decodes
+                await pilot.press("n")
+            body = await asyncio.wait_for(task, 5)
+        assert body["usage"]["completion_tokens"] == 3 and fe.engine.step_count == 3

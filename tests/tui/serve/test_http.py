@@ -1,0 +1,353 @@
+"""`servesim serve` driven by the official `openai` client and by raw HTTP: tokens, usage,
+timing, cancellation by disconnect, errors, /metrics, and exact replay of a served session."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tui.serve.protocol import FILLER
+from .conftest import serving
+
+MODEL = "llama-3.1-8b"
+
+
+def client(s) -> openai.OpenAI:
+    return openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def post(s, path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(s.url + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def filler(n: int) -> str:
+    return "".join(FILLER[i % len(FILLER)] for i in range(n))
+
+
+def test_completion_tokens_text_and_usage(server):
+    r = client(server).completions.create(model=MODEL, prompt="Hello, world", max_tokens=12)
+    assert r.choices[0].text == filler(12)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == len("Hello, world".encode())  # byte-level
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == 24
+    assert r.model == MODEL and r.id.startswith("cmpl-")
+
+
+def test_token_id_prompt_and_several_prompts(server):
+    r = client(server).completions.create(model=MODEL, prompt=[[1, 2, 3], [7] * 40],
+                                          max_tokens=3, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 3 + 40  # each prompt once, whatever n (as vLLM counts)
+    assert r.usage.completion_tokens == 4 * 3
+
+
+def test_chat_stream_role_content_usage_and_done(server):
+    stream = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "héllo"}], max_completion_tokens=9,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c.choices[0].delta.content for c in chunks[1:] if c.choices]
+    assert "".join(content) == filler(9) and len(content) == 9
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    prompt = "<|user|>\nhéllo\n<|assistant|>\n".encode()
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_streamed_tokens_leave_at_their_simulated_times(server):
+    """At x1 the client sees the engine's TTFT and ITLs (a server that sent everything at once,
+    or on a clock of its own, fails)."""
+    c = client(server)
+    t0 = time.monotonic()
+    stream = c.completions.create(model=MODEL, prompt="x" * 3000, max_tokens=40, stream=True)
+    got = [time.monotonic() - t0 for ch in stream if ch.choices and ch.choices[0].text]
+    [rec] = server.call(lambda: server.frontend.timing_summary())["calls"]
+    sim = [t - rec["arrival"] for t in rec["tokens"]]
+    assert len(got) == len(sim) == 40
+    assert sim[-1] > 0.2  # a 3,000-token prefill and 40 decodes take a while at x1
+    # Every token arrives after its simulated time and, on a quiet machine, within a few ms;
+    # the bound is loose for a loaded CI machine but far below the run's length.
+    lag = [g - s for g, s in zip(got, sim)]
+    assert min(lag) > -0.002
+    assert sorted(lag)[len(lag) // 2] < 0.05
+
+
+def test_n_samples_and_stream_choices(server):
+    stream = client(server).completions.create(model=MODEL, prompt="abc", max_tokens=4, n=3,
+                                               stream=True,
+                                               stream_options={"include_usage": True})
+    per: dict[int, list[str]] = {}
+    usage = None
+    for ch in stream:
+        for c in ch.choices:
+            per.setdefault(c.index, []).append(c.text)
+        usage = ch.usage or usage
+    assert sorted(per) == [0, 1, 2]
+    assert all("".join(v) == filler(4) for v in per.values())
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == 3
+
+
+def test_without_max_tokens_length_is_drawn_and_ends_with_stop(server):
+    r = client(server).completions.create(model=MODEL, prompt="hi", extra_body={
+        "min_tokens": 5})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens >= 5
+
+
+def test_ignore_eos_runs_to_the_context_length():
+    with serving(["model.max_model_len=64"]) as s:
+        r = client(s).completions.create(model=MODEL, prompt="x" * 50,
+                                         extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 14 and r.choices[0].finish_reason == "length"
+
+
+def test_closing_the_stream_cancels_the_request_and_frees_its_blocks(server):
+    fe = server.frontend
+    stream = client(server).completions.create(model=MODEL, prompt="y" * 500,
+                                               max_tokens=5000, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 5
+    while True:
+        with fe.lock:
+            cancels = [e for e in fe.engine.events if e.kind == "cancel"]
+            used = fe.engine.kv.num_used_blocks
+            running = len(fe.engine.policy.running)
+        if cancels or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert len(cancels) == 1 and cancels[0].by == "user" and cancels[0].state == "running"
+    assert running == 0 and used == 0
+    with fe.lock:
+        actions = [e.action for e in fe.engine.events if e.kind == "action"]
+    assert actions == ["inject", "cancel"]  # through the public API, as the `c` key
+    # and the server keeps serving
+    assert client(server).completions.create(model=MODEL, prompt="a", max_tokens=2).usage
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "Invalid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    ({"model": MODEL}, 400, "'prompt' is required"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "'max_tokens'"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": "5"}, 400, "integer"),
+    ({"model": MODEL, "prompt": "a", "n": 0}, 400, "'n'"),
+    ({"model": MODEL, "prompt": "a", "n": 999}, 400, "max_num_seqs"),
+    ({"model": "gpt-4", "prompt": "a"}, 404, "does not exist"),
+    ({"model": MODEL, "prompt": "a", "stream_options": {"include_usage": True}}, 400,
+     "stream=True"),
+    ({"model": MODEL, "prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "a", "priority": 3}, 400, "Priority scheduling"),
+    ({"model": MODEL, "prompt": "a", "logprobs": 2}, 400, "not supported"),
+    ({"model": MODEL, "prompt": [1, "a"]}, 400, "'prompt'"),
+])
+def test_bad_requests_get_openai_error_bodies_and_the_server_keeps_serving(server, body, status,
+                                                                          words):
+    code, err = post(server, "/v1/completions", body)
+    assert code == status
+    assert set(err) == {"error"} and words in err["error"]["message"]
+    assert err["error"]["code"] == status and err["error"]["type"].endswith("Error")
+    code, ok = post(server, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 2})
+    assert code == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def test_bad_chat_messages_and_unknown_routes(server):
+    code, err = post(server, "/v1/chat/completions", {"messages": [{"content": "x"}]})
+    assert code == 400 and "role" in err["error"]["message"]
+    code, err = post(server, "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert code == 400 and "text parts" in err["error"]["message"]
+    code, err = post(server, "/v1/embeddings", {"input": "x"})
+    assert code == 404 and err["error"]["type"] == "NotFoundError"
+
+
+def test_prompt_longer_than_max_model_len_is_refused():
+    with serving(["model.max_model_len=100"]) as s:
+        c = client(s)
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 100"):
+            c.completions.create(model=MODEL, prompt="z" * 100, max_tokens=1)
+        with pytest.raises(openai.BadRequestError, match="'max_tokens' or"):
+            c.completions.create(model=MODEL, prompt="z" * 60, max_tokens=41)
+        assert c.completions.create(model=MODEL, prompt="z" * 60, max_tokens=40).usage
+
+
+def test_a_request_that_can_never_fit_in_kv_memory_is_refused():
+    with serving(["kv.num_blocks=8", "kv.block_size=16"]) as s:
+        with pytest.raises(openai.BadRequestError, match="cannot be served: needs"):
+            client(s).completions.create(model=MODEL, prompt="z" * 200, max_tokens=1)
+
+
+def test_full_queue_answers_503_then_serves_again():
+    with serving(["scheduler.max_num_seqs=1"], max_waiting=1) as s:
+        c = client(s)
+        first = c.completions.create(model=MODEL, prompt="a", max_tokens=3000, stream=True)
+        next(iter(first))  # running
+        out = {}
+        second = threading.Thread(target=lambda: out.setdefault(
+            "r", c.completions.create(model=MODEL, prompt="b", max_tokens=2)))
+        second.start()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with s.frontend.lock:
+                if len(s.frontend.engine.policy.waiting) == 1:
+                    break
+            time.sleep(0.01)
+        with pytest.raises(openai.APIStatusError) as err:
+            c.completions.create(model=MODEL, prompt="c", max_tokens=2)
+        assert err.value.status_code == 503 and "overloaded" in err.value.message
+        first.close()  # frees the slot: the waiting request runs
+        second.join(10)
+        assert out["r"].usage.completion_tokens == 2
+
+
+def test_priority_field_with_the_priority_policy():
+    with serving(["scheduler.policy=\"priority\""]) as s:
+        r = client(s).completions.create(model=MODEL, prompt="a", max_tokens=2,
+                                         extra_body={"priority": -1})
+        assert r.usage.completion_tokens == 2
+        with s.frontend.lock:
+            [arrival] = [e for e in s.frontend.engine.events if e.kind == "arrival"]
+        assert arrival.priority == -1
+
+
+def test_metrics_parse_with_vllm_names_and_labels(server):
+    c = client(server)
+    for n in (3, 5):
+        c.completions.create(model=MODEL, prompt="abcd", max_tokens=n)
+    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries",
+                 "vllm:prefix_cache_hits", "vllm:num_preemptions", "vllm:prompt_tokens",
+                 "vllm:generation_tokens", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds"):
+        assert name in fams, name
+        for sample in fams[name].samples:
+            assert sample.labels["model_name"] == MODEL
+
+    def value(fam, suffix=""):
+        return sum(s.value for s in fams[fam].samples if s.name == fam + suffix)
+
+    assert value("vllm:generation_tokens", "_total") == 8
+    assert value("vllm:prompt_tokens", "_total") == 8
+    assert value("vllm:time_to_first_token_seconds", "_count") == 2
+    assert value("vllm:inter_token_latency_seconds", "_count") == 2 + 4
+    assert value("vllm:e2e_request_latency_seconds", "_count") == 2
+    assert value("vllm:num_requests_running") == 0
+    finished = {s.labels["finished_reason"]: s.value
+                for s in fams["vllm:request_success"].samples}
+    assert finished["length"] == 2
+    ttft = [s for s in fams["vllm:time_to_first_token_seconds"].samples
+            if s.name.endswith("_bucket")]
+    assert ttft[0].labels["le"] == "0.001" and ttft[-1].labels["le"] == "+Inf"
+
+
+def test_models_health_version(server):
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+        assert r.status == 200
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_a_served_session_replays_exactly(server, tmp_path):
+    from sim.log import read_log, write_log
+    from sim.replay import verify
+
+    c = client(server)
+    threads = [threading.Thread(target=c.completions.create,
+                                kwargs=dict(model=MODEL, prompt="p" * (50 * i + 1),
+                                            max_tokens=10 + i))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.003)
+    for t in threads:
+        t.join()
+    fe = server.frontend
+    with fe.lock:
+        injects = [e for e in fe.engine.events if e.kind == "action"]
+        path = write_log(tmp_path / "served.msgpack", fe.engine)
+    assert len(injects) == 6 and all("arrival_time" in a.args for a in injects)
+    assert all(a.args["tag"].startswith("127.0.0.1:") for a in injects)
+    # at least one arrived while a step was running: it joined later than it arrived
+    assert any(a.args["arrival_time"] < a.t for a in injects)
+    _, divergence = verify(read_log(path))
+    assert divergence is None
+
+
+def test_with_real_compute_the_text_is_the_tiny_models_bytes():
+    import codecs
+
+    from tui.cli import make_executor
+
+    with serving(["compute.backend=\"numpy\"", "kv.num_blocks=256"],
+                 make_executor=make_executor) as s:
+        r = client(s).completions.create(model=MODEL, prompt="The tiny model", max_tokens=12)
+        with s.frontend.lock:
+            steps = [e for e in s.frontend.engine.events if e.kind == "steps"]
+        ids = [t for e in steps for t in (e.tokens or {}).get(0, [])]
+        assert len(ids) == 12
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        assert r.choices[0].text == "".join(decoder.decode(bytes([t])) for t in ids)
+        with pytest.raises(openai.BadRequestError, match="vocabulary"):
+            client(s).completions.create(model=MODEL, prompt=[300, 1], max_tokens=1)
+
+
+def test_a_failure_in_the_engine_ends_every_stream_and_is_reported(server):
+    fe = server.frontend
+    stream = client(server).completions.create(model=MODEL, prompt="q", max_tokens=100_000,
+                                               stream=True)
+    it = iter(stream)
+    next(it)
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated bug")
+
+    server.call(lambda: setattr(fe.engine, "run_until", broken))
+    rest = list(it)  # the stream ends instead of hanging
+    assert rest[-1].choices[0].finish_reason == "abort"
+    code, err = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 1})
+    assert code == 500 and "simulated bug" in err["error"]["message"]
+    try:
+        urllib.request.urlopen(server.url + "/health", timeout=10)
+        raise AssertionError("healthy after a failure")
+    except urllib.error.HTTPError as e:
+        assert e.code == 503
+
+
+def test_background_load_runs_beside_http_requests():
+    with serving(["workload.rate=50", "workload.duration_s=5"], background=True) as s:
+        r = client(s).completions.create(model=MODEL, prompt="a", max_tokens=20)
+        assert r.usage.completion_tokens == 20
+        with s.frontend.lock:
+            arrivals = [e for e in s.frontend.engine.events if e.kind == "arrival"]
+            admitted = {e.req_id for e in s.frontend.engine.events if e.kind == "admit"}
+        background = [a for a in arrivals if not a.injected]
+        assert len(background) >= 3 and background[0].req_id in admitted
+        assert sum(a.injected for a in arrivals) == 1
+
+
+def test_without_background_the_scenarios_workload_stays_off(server):
+    client(server).completions.create(model=MODEL, prompt="a", max_tokens=2)
+    with server.frontend.lock:
+        arrivals = [e for e in server.frontend.engine.events if e.kind == "arrival"]
+    assert [a.injected for a in arrivals] == [True]

@@ -1,0 +1,102 @@
+"""`servesim serve`: build the engine and its front end, then serve headless (asyncio's loop) or
+under the dashboard (Textual's loop: one event loop either way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import signal
+import sys
+
+import numpy as np
+
+from sim import Engine, ScenarioError
+from sim.workload import Workload
+from tui.serve.frontend import Frontend
+
+
+def empty_workload() -> Workload:
+    """No requests of the scenario's own: HTTP is the only source."""
+    f, i = np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.int64)
+    return Workload(arrival=f, prompt=i, output=i.copy(), priority=i.copy(), cancel_at=f.copy())
+
+
+def model_name_of(scenario) -> str:
+    return scenario.model.preset or scenario.name
+
+
+def build_frontend(scenario, *, background: bool = False, make_executor=None,
+                   speed: float = 1.0, model_name: str | None = None,
+                   max_waiting: int | None = None, record_timing: bool = False) -> Frontend:
+    """The engine for `scenario` (its own workload only with `background`) behind a front end.
+
+    Raises ScenarioError for what `serve` cannot run: a deployment of several instances, or
+    parallel sampling set in the scenario (a request's `n` does that)."""
+    if scenario.cluster.replicas > 1 or scenario.scheduler.policy == "disaggregated":
+        raise ScenarioError(f"{scenario.source}: serve runs one engine instance; "
+                            "cluster.replicas and the disaggregated policy are not supported")
+    if scenario.workload.num_samples > 1:
+        scenario = copy.deepcopy(scenario)
+        if background:
+            raise ScenarioError(f"{scenario.source}: workload.num_samples = "
+                                f"{scenario.workload.num_samples}: serve samples with each "
+                                "request's `n`; set it to 1 for background load")
+        scenario.workload.num_samples = 1
+    if speed <= 0 or speed != speed:
+        raise ScenarioError(f"--speed {speed}: must be positive")
+    executor = make_executor(scenario) if make_executor else None
+    engine = Engine(scenario, executor=executor,
+                    workload=None if background else empty_workload())
+    return Frontend(engine, model_name=model_name or model_name_of(scenario), speed=speed,
+                    max_waiting=max_waiting, record_timing=record_timing)
+
+
+def banner(frontend: Frontend, host: str, port: int) -> str:
+    e = frontend.engine
+    compute = f"{e.executor.name}" if e.executor is not None else "none (filler text)"
+    return (f"servesim serve: http://{host}:{port}/v1  model {frontend.model_name!r}, "
+            f"scenario {e.scenario.name}, policy {e.policy.name}, speed x{frontend.clock.speed:g}, "
+            f"compute {compute}")
+
+
+def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
+    """Serve until SIGINT/SIGTERM. `ready(server)` is called once listening. Returns 0.
+    Raises ScenarioError when the address cannot be bound."""
+    from tui.serve.http import Server
+
+    async def main() -> None:
+        server = Server(frontend, host, port)
+        try:
+            await server.start()
+        except OSError as e:
+            raise ScenarioError(f"--host {host} --port {port}: cannot listen: "
+                                f"{e.strerror or e}") from None
+        print(banner(frontend, host, server.port), file=sys.stderr, flush=True)
+        if ready is not None:
+            ready(server)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        try:
+            await stop.wait()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def serve_dashboard(frontend: Frontend, host: str, port: int) -> int:
+    """Serve under the live dashboard; `q` quits. Returns the exit code."""
+    from tui.serve.dashboard import ServeDashboard
+
+    app = ServeDashboard(frontend, host, port)
+    app.run()
+    if app.listen_error:
+        raise ScenarioError(app.listen_error)
+    return app.return_code or 0

@@ -1,0 +1,196 @@
+"""`servesim bench serve`: timing fidelity of `servesim serve` under many concurrent streams.
+
+Starts `servesim serve --record-timing` as a child process, opens `--streams` concurrent
+streaming completions from one asyncio client (each stream starts its next request when one
+ends) for `--duration` wall seconds, then reads the server's own record:
+
+- send lateness: for every token, wall time its frame was handed to the socket minus the wall
+  time of its simulated time (the server measures it);
+- client vs engine: per request, the TTFT and each ITL the client measured (receive times) minus
+  the engine's (simulated token times at x1), matched by response id.
+
+A benchmark that prints figures, not a test: on a shared machine the client, the server and
+everything else compete for the same cores, and the figures say so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def add_arguments(sub) -> None:
+    s = sub.add_parser("serve", help="servesim serve: token send lateness with many streams")
+    s.add_argument("--scenario", default="chat")
+    s.add_argument("--streams", type=int, default=500, help="concurrent streams (default 500)")
+    s.add_argument("--duration", type=float, default=30.0,
+                   help="wall seconds of load (default 30)")
+    s.add_argument("--prompt-tokens", type=int, default=256)
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--speed", type=float, default=1.0)
+    s.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE",
+                   help="scenario overrides (default: scheduler.max_num_seqs=512, so that "
+                        "every stream decodes in the batch)")
+    s.add_argument("--json", action="store_true")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pct(a, q) -> float | None:
+    return float(np.percentile(a, q)) if len(a) else None
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+async def _load(url: str, streams: int, duration: float, prompt: str, max_tokens: int):
+    import aiohttp
+
+    records: dict[str, tuple[float, list[float]]] = {}
+    errors = 0
+    stop_at = time.monotonic() + duration
+    conn = aiohttp.TCPConnector(limit=streams)
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+
+    async def worker(session) -> None:
+        nonlocal errors
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                           "ignore_eos": True}).encode()
+        while time.monotonic() < stop_at:
+            sent = time.monotonic()
+            recv: list[float] = []
+            rid = None
+            try:
+                async with session.post(url, data=body,
+                                        headers={"Content-Type": "application/json"}) as r:
+                    if r.status != 200:
+                        errors += 1
+                        await r.read()
+                        continue
+                    # Whole reads, not lines: a read's frames were received together, and
+                    # the client spends less per token (it shares the machine's cores).
+                    head = b""
+                    async for chunk in r.content.iter_any():
+                        now = time.monotonic()
+                        recv.extend([now] * chunk.count(b"data: {"))
+                        if rid is None:
+                            head += chunk
+                            start = head.find(b'"id": "')
+                            if start >= 0 and head.find(b'"', start + 7) > 0:
+                                rid = head[start + 7:head.find(b'"', start + 7)].decode()
+            except aiohttp.ClientError:
+                errors += 1
+                continue
+            if rid is not None:
+                records[rid] = (sent, recv)
+
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(streams)))
+        async with session.get(url.rsplit("/v1/", 1)[0] + "/servesim/timing") as r:
+            timing = await r.json()
+    return records, errors, timing
+
+
+def bench_serve(args) -> dict:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "tui.cli", "serve", args.scenario, "--port", str(port),
+           "--speed", str(args.speed), "--record-timing"]
+    overrides = args.overrides or [f"scheduler.max_num_seqs={max(256, 2 * args.streams)}"]
+    for o in overrides:
+        cmd += ["--set", o]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()  # the banner, once listening
+        if "http://" not in line:
+            raise RuntimeError(f"servesim serve did not start: {line.strip()}")
+        cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
+        client0 = time.process_time()
+        load0 = os.getloadavg()[0]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        records, errors, timing = asyncio.run(_load(url, args.streams, args.duration,
+                                                    "x" * args.prompt_tokens, args.max_tokens))
+        wall = time.monotonic() - wall0
+        server_cpu = _cpu_s(proc.pid) - cpu0
+        client_cpu = time.process_time() - client0
+        load1 = os.getloadavg()[0]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    # Client minus engine, per request (TTFT) and per token gap (ITL), in wall seconds.
+    ttft_diff, itl_diff, seen_late, tokens = [], [], [], 0
+    for call in timing["calls"]:
+        rec = records.get(call["id"])
+        if rec is None:
+            continue
+        sent, recv = rec
+        sim = np.asarray(call["tokens"])
+        if len(recv) != len(sim) or not len(sim):
+            continue
+        tokens += len(sim)
+        got = np.asarray(recv)
+        ttft_diff.append((got[0] - sent) - (sim[0] - call["arrival"]) / args.speed)
+        itl_diff.extend((np.diff(got) - np.diff(sim) / args.speed).tolist())
+        # each token's receive time against the request's send time plus its simulated delay
+        seen_late.extend((got - sent - (sim - call["arrival"]) / args.speed).tolist())
+    ttft_ms, itl_ms = np.asarray(ttft_diff) * 1e3, np.asarray(itl_diff) * 1e3
+    seen_ms = np.asarray(seen_late) * 1e3
+    late = timing["lateness_ms"]
+    return {
+        "scenario": args.scenario, "streams": args.streams, "speed": args.speed,
+        "machine": f"{os.cpu_count()} cores", "wall_s": wall, "requests": len(ttft_diff),
+        "tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
+        "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
+        "load_average": [load0, load1],
+        "send_lateness_ms": late,
+        "ttft_client_minus_engine_ms": {"p50": _pct(ttft_ms, 50), "p99": _pct(ttft_ms, 99),
+                                        "max": _pct(ttft_ms, 100)},
+        "token_seen_late_ms": {"p50": _pct(seen_ms, 50), "p99": _pct(seen_ms, 99)},
+        "itl_client_minus_engine_ms": {"p1": _pct(itl_ms, 1), "p50": _pct(itl_ms, 50),
+                                       "p99": _pct(itl_ms, 99),
+                                       "p99_abs": _pct(np.abs(itl_ms), 99)},
+    }
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def text_serve(r: dict) -> str:
+    late, t, i = (r["send_lateness_ms"], r["ttft_client_minus_engine_ms"],
+                  r["itl_client_minus_engine_ms"])
+    return "\n".join([
+        f"bench serve: {r['streams']} concurrent streams at x{r['speed']:g}, {r['scenario']}, "
+        f"{r['machine']}",
+        f"  {r['requests']:,} requests, {r['tokens']:,} tokens in {r['wall_s']:.1f} s "
+        f"({r['tokens_per_s']:,.0f} tokens/s), {r['errors']} errors",
+        f"  CPU: server {100 * r['server_cpu_share']:.0f}% of a core, client "
+        f"{100 * r['client_cpu_share']:.0f}%; load average {r['load_average'][0]:.1f} at the "
+        f"start, {r['load_average'][1]:.1f} at the end",
+        f"  send lateness (ms)            p50 {_fmt(late['p50'])}  p99 {_fmt(late['p99'])}  "
+        f"max {_fmt(late['max'])}",
+        f"  TTFT client - engine (ms)     p50 {_fmt(t['p50'])}  p99 {_fmt(t['p99'])}  "
+        f"max {_fmt(t['max'])}",
+        f"  token seen by client - its time (ms)  p50 {_fmt(r['token_seen_late_ms']['p50'])}  "
+        f"p99 {_fmt(r['token_seen_late_ms']['p99'])}",
+        f"  ITL client - engine (ms)      p1 {_fmt(i['p1'])}  p50 {_fmt(i['p50'])}  "
+        f"p99 {_fmt(i['p99'])}  p99 |.| {_fmt(i['p99_abs'])}",
+    ])

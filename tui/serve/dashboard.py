@@ -1,0 +1,110 @@
+"""`servesim serve --tui`: the dashboard of `servesim run` over the served engine, in Textual's
+event loop, with the HTTP server and its pump in that same loop.
+
+The pump moves the engine (there is no worker thread); the dashboard's clock keys act on the
+server's clock through `ServeDriver`, and its other keys (inject, cancel, policy, export) go
+through the engine's API as in `servesim run`, so an exported log holds the HTTP arrivals as
+injections with their times and replays exactly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tui.app
+from tui.app import MAX_SPEED, MIN_SPEED, Dashboard
+from tui.serve.app import banner
+from tui.serve.frontend import Frontend
+
+
+class ServeDriver:
+    """The dashboard's driver (`tui.app.EngineDriver`'s methods) over the server's clock."""
+
+    replay = False
+    finished = False
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.fe = frontend
+        self.engine = frontend.engine
+        self.lock = frontend.lock
+        self.steps = 0
+
+    @property
+    def paused(self) -> bool:
+        return self.fe.clock.paused
+
+    @property
+    def speed(self) -> float:
+        return self.fe.clock.speed
+
+    @property
+    def error(self) -> str | None:
+        return self.fe.error
+
+    @property
+    def lag(self) -> float:
+        """Simulated seconds the engine is behind the clock while it has work."""
+        e = self.engine
+        if self.paused or not e.policy.has_work():
+            return 0.0
+        return max(0.0, self.fe.clock.now() - e.now)
+
+    def set_paused(self, paused: bool) -> None:
+        """Freeze or restart the clock: no token is sent and no step starts while paused."""
+        self.fe.clock.set(paused=paused)
+        self.fe.wake()
+
+    def set_speed(self, speed: float) -> None:
+        self.fe.clock.set(speed=min(MAX_SPEED, max(MIN_SPEED, speed)))
+        self.fe.wake()
+
+    def step(self) -> int:
+        """One engine step (while paused); the clock moves to its end, so its tokens go out."""
+        with self.lock:
+            n = self.engine.step()
+            self.fe.clock.set(max(self.fe.clock.now(), self.engine.now), paused=True)
+        self.fe.wake()
+        return n
+
+    def start(self) -> None:
+        pass  # the server starts the pump
+
+    def stop(self, wait_s: float = 0.0) -> None:
+        pass
+
+
+class ServeDashboard(Dashboard):
+    """The dashboard with the HTTP server running in its event loop."""
+
+    CSS_PATH = str(Path(tui.app.__file__).with_name(Dashboard.CSS_PATH))
+
+    def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".") -> None:
+        super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
+        from tui.serve.http import Server
+
+        self.server = Server(frontend, host, port)
+        self.listen_error: str | None = None
+
+    async def on_mount(self) -> None:
+        super().on_mount()
+        for table in self.tables.values():
+            table.show_clients()
+        try:
+            await self.server.start()
+        except OSError as e:
+            self.listen_error = (f"--host {self.server.host} --port {self.server.port}: "
+                                 f"cannot listen: {e.strerror or e}")
+            self.exit(2)
+            return
+        text = banner(self.server.frontend, self.server.host, self.server.port)
+        self._note(text.removeprefix("servesim serve: "))
+        self.sub_title = f"serving http://{self.server.host}:{self.server.port}/v1"
+
+    def _changed(self) -> None:
+        """After a key acted on the engine (inject, cancel, policy): the pump looks now."""
+        self.server.frontend.wake()
+        super()._changed()
+
+    async def action_quit(self) -> None:
+        await self.server.stop()
+        self.exit(0)

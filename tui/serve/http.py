@@ -1,0 +1,170 @@
+"""The HTTP routes (aiohttp): vLLM's OpenAI-compatible endpoints over a `Frontend`.
+
+`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`, `GET /version`; `GET /servesim/timing` with `--record-timing` (for `servesim
+bench serve`). Every refusal is an OpenAI-style error body with its status; an unexpected error
+is a 500 body and one line on stderr, never a traceback to the client or a hung connection. A
+client that disconnects cancels its requests (aiohttp cancels the handler: `handler_cancellation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from http import HTTPStatus
+
+from aiohttp import web
+
+from tui.serve.frontend import Frontend
+from tui.serve.metrics import CONTENT_TYPE
+from tui.serve.protocol import APIError, error_body, parse_body, parse_generate
+
+FRONTEND = web.AppKey("frontend", Frontend)
+MAX_BODY = 64 * 1024 * 1024
+
+
+def _error(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=int(err.status))
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Turn every failure into an OpenAI-style error body."""
+    try:
+        return await handler(request)
+    except APIError as err:
+        return _error(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        status = HTTPStatus(exc.status)
+        message = (f"{request.method} {request.path}: {status.phrase}" if exc.status != 413
+                   else f"request body larger than {MAX_BODY} bytes")
+        return _error(APIError(message, status))
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bug must not reach the client as a traceback
+        print(f"servesim serve: {request.method} {request.path}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return _error(APIError(f"internal error: {type(exc).__name__}",
+                               HTTPStatus.INTERNAL_SERVER_ERROR))
+
+
+def _client(request: web.Request) -> str:
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return request.remote or "?"
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    fe = request.app[FRONTEND]
+    arrival = fe.clock.now()
+    spec = parse_generate(parse_body(await request.read()), chat)
+    fe.check(spec)
+    call = fe.submit(spec, _client(request), arrival)
+    try:
+        await call.accepted
+        if not spec.stream:
+            await call.done
+            return web.json_response(call.body())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        if request.version >= (1, 1):  # explicit, so the pump knows it frames chunks
+            resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        await call.stream_to(resp, request.transport)
+        return resp
+    except asyncio.CancelledError:
+        fe.abandon(call)
+        raise
+    except ConnectionError:
+        fe.abandon(call)
+        raise
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    card = {"id": fe.model_name, "object": "model", "created": 0, "owned_by": "servesim",
+            "root": fe.model_name, "parent": None, "max_model_len": fe.max_model_len or None,
+            "permission": []}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    if fe.error:
+        return _error(APIError(f"the engine stopped: {fe.error}",
+                               HTTPStatus.SERVICE_UNAVAILABLE))
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[FRONTEND].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def version(request: web.Request) -> web.Response:
+    from sim import __version__
+
+    return web.json_response({"version": f"servesim {__version__}"})
+
+
+async def timing(request: web.Request) -> web.Response:
+    fe = request.app[FRONTEND]
+    if not fe.record_timing:
+        raise APIError("timing is recorded only with --record-timing", HTTPStatus.NOT_FOUND)
+    return web.Response(text=json.dumps(fe.timing_summary()), content_type="application/json")
+
+
+def make_app(frontend: Frontend) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
+    app[FRONTEND] = frontend
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_get("/servesim/timing", timing)
+    return app
+
+
+class Server:
+    """The HTTP server and the pump, started in the running event loop (asyncio's own, or
+    Textual's) and stopped together."""
+
+    def __init__(self, frontend: Frontend, host: str, port: int) -> None:
+        self.frontend = frontend
+        self.host, self.port = host, port
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Listen, and start the pump. Raises OSError when the address is taken."""
+        self._runner = web.AppRunner(make_app(self.frontend), handler_cancellation=True,
+                                     access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        try:
+            await site.start()
+        except OSError:
+            await self._runner.cleanup()
+            raise
+        if self.port == 0:  # an ephemeral port: learn which
+            self.port = self._runner.addresses[0][1]
+        self.frontend.start()
+
+    async def stop(self) -> None:
+        await self.frontend.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible wire format, as vLLM's server speaks it: request bodies checked field by
+field into a `GenerateSpec`, response bodies and stream chunks, and error bodies.
+
+Pure functions over dicts and bytes: no engine, no sockets.
+
+Tokens. Prompts are counted byte-level, one token per UTF-8 byte: the vocabulary of the tiny model
+that `[compute]` runs, so with real compute the lengths are exact and the model reads the prompt's
+bytes. (A BPE tokenizer such as Llama's gives about one token per 4 bytes of English; send a list
+of token ids as the prompt for exact lengths.) A chat request's prompt is its messages rendered by
+a fixed template, `<|role|>\\ncontent\\n` per message then `<|assistant|>\\n`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+# Output text when no real compute runs: one word per token, the same for every request.
+FILLER = (" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog.")
+
+
+class APIError(Exception):
+    """A request the server refuses: becomes an OpenAI-style error body with `status`."""
+
+    def __init__(self, message: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                 param: str | None = None, err_type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "BadRequestError")
+
+    def body(self) -> dict:
+        """vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`."""
+        return error_body(self.message, self.err_type, int(self.status), self.param)
+
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowed",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestEntityTooLarge",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+}
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+@dataclass
+class Prompt:
+    """One prompt: its length in tokens and, when its tokens are bytes, those bytes (the tiny
+    model's input, and what prefix caching compares)."""
+
+    num_tokens: int
+    text: bytes | None
+
+
+@dataclass
+class GenerateSpec:
+    """A checked completion or chat completion request."""
+
+    chat: bool
+    model: str | None
+    prompts: list[Prompt]
+    max_tokens: int | None      # None: the output length is drawn from the scenario
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# --- field checks ------------------------------------------------------------------------------
+def _bad(name: str, value, expected: str) -> APIError:
+    shown = json.dumps(value)[:60] if _jsonable(value) else repr(value)[:60]
+    return APIError(f"'{name}' = {shown}: {expected}", param=name)
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def _int(body: dict, name: str, default, *, minimum: int | None = None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(name, v, "must be an integer")
+    if minimum is not None and v < minimum:
+        raise _bad(name, v, f"must be at least {minimum}")
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(name, v, "must be true or false")
+    return v
+
+
+def _number(body: dict, name: str) -> None:
+    """A sampling knob servesim accepts and does not use: checked for type only."""
+    v = body.get(name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise _bad(name, v, "must be a number")
+
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "use_beam_search",
+               "prompt_embeds")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body. Raises APIError (400) when it is not one."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(f"Invalid JSON in the request body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("The request body must be a JSON object")
+    return body
+
+
+def _prompt_of_ids(ids: list, name: str) -> Prompt:
+    if not ids:
+        raise _bad(name, ids, "must not be empty")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise _bad(name, ids, "token ids must be non-negative integers")
+    text = bytes(ids) if max(ids) < 256 else None
+    return Prompt(len(ids), text)
+
+
+def _prompt_of_text(text: str, name: str) -> Prompt:
+    data = text.encode("utf-8", "surrogatepass")
+    if not data:
+        raise APIError(f"'{name}' is empty: the prompt needs at least one token", param=name)
+    return Prompt(len(data), data)
+
+
+def completion_prompts(body: dict) -> list[Prompt]:
+    """`prompt` of /v1/completions: a string, a list of token ids, or a list of either."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return [_prompt_of_text(p, "prompt")]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return [_prompt_of_ids(p, "prompt")]
+        out = []
+        for x in p:
+            if isinstance(x, str):
+                out.append(_prompt_of_text(x, "prompt"))
+            elif isinstance(x, list):
+                out.append(_prompt_of_ids(x, "prompt"))
+            else:
+                raise _bad("prompt", p, "must be a string, a list of token ids, or a list of "
+                                        "either")
+        return out
+    if p is None:
+        raise APIError("'prompt' is required", param="prompt")
+    raise _bad("prompt", p, "must be a string, a list of token ids, or a list of either")
+
+
+def render_chat(messages) -> bytes:
+    """The prompt bytes of a chat: `<|role|>\\ncontent\\n` per message, then the assistant's
+    turn. Raises APIError on a malformed message."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    parts = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, m, "must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise _bad(f"{where}.role", role, "must be a non-empty string")
+        content = m.get("content")
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            texts = []
+            for j, c in enumerate(content):
+                if not isinstance(c, dict) or c.get("type") != "text" or not isinstance(
+                        c.get("text"), str):
+                    raise _bad(f"{where}.content[{j}]", c,
+                               "only text parts ({\"type\": \"text\", \"text\": ...}) are "
+                               "supported")
+                texts.append(c["text"])
+            text = "".join(texts)
+        else:
+            raise _bad(f"{where}.content", content, "must be a string or a list of text parts")
+        parts.append(f"<|{role}|>\n{text}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts).encode("utf-8", "surrogatepass")
+
+
+def parse_generate(body: dict, chat: bool) -> GenerateSpec:
+    """Check a /v1/completions (`chat` False) or /v1/chat/completions body.
+
+    Raises APIError (400) naming the first bad field."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", model, "must be a string")
+    if chat:
+        text = render_chat(body.get("messages"))
+        prompts = [Prompt(len(text), text)]
+        max_tokens = _int(body, "max_completion_tokens", None, minimum=1)
+        if max_tokens is None:
+            max_tokens = _int(body, "max_tokens", None, minimum=1)
+    else:
+        prompts = completion_prompts(body)
+        max_tokens = _int(body, "max_tokens", None, minimum=1)
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, 0):
+            raise APIError(f"'{name}' is not supported by servesim", param=name)
+    best_of = body.get("best_of")
+    if best_of not in (None, 1):
+        raise APIError("'best_of' is not supported by servesim", param="best_of")
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                 "frequency_penalty", "repetition_penalty", "seed"):
+        _number(body, name)
+    n = _int(body, "n", 1, minimum=1)
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    include_usage = continuous = False
+    if options is not None:
+        if not stream:
+            raise APIError("Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
+        if not isinstance(options, dict):
+            raise _bad("stream_options", options, "must be an object")
+        include_usage = _bool(options, "include_usage")
+        continuous = _bool(options, "continuous_usage_stats")
+    min_tokens = _int(body, "min_tokens", 0, minimum=0)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                       f"{min_tokens}.", param="min_tokens")
+    return GenerateSpec(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens, n=n,
+                        stream=stream, include_usage=include_usage, continuous_usage=continuous,
+                        ignore_eos=_bool(body, "ignore_eos"), min_tokens=min_tokens,
+                        priority=_int(body, "priority", 0))
+
+
+# --- responses ---------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[tuple[str, str]],
+                    prompt_tokens: int, completion_tokens: int) -> dict:
+    """A whole /v1/completions response; `choices` are (text, finish_reason) in index order."""
+    return {
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason,
+                     "stop_reason": None, "prompt_logprobs": None}
+                    for i, (text, reason) in enumerate(choices)],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_body(rid: str, created: int, model: str, choices: list[tuple[str, str]],
+              prompt_tokens: int, completion_tokens: int) -> dict:
+    """A whole /v1/chat/completions response."""
+    return {
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": text,
+                                             "tool_calls": []},
+                     "logprobs": None, "finish_reason": reason, "stop_reason": None}
+                    for i, (text, reason) in enumerate(choices)],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+class ChunkWriter:
+    """Server-sent-event frames of one streamed response, built from a prefix rendered once so
+    that a token costs one small `json.dumps` (the server sends hundreds per engine step)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool) -> None:
+        self.chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = json.dumps({"id": rid, "object": obj, "created": created, "model": model})
+        self._prefix = b"data: " + head[:-1].encode() + b', "choices": '
+        self._head = self._prefix + b'[{"index": '
+
+    def token(self, index: int, text: str, finish_reason: str | None = None,
+              usage_: dict | None = None) -> bytes:
+        """One choice's text delta (and its finish reason, on its last token)."""
+        reason = "null" if finish_reason is None else _js(finish_reason)
+        if self.chat:
+            delta = f'"delta": {{"content": {_js(text)}}}'
+            body = f'{index}, {delta}, "logprobs": null, "finish_reason": {reason}}}]'
+        else:
+            body = (f'{index}, "text": {_js(text)}, "logprobs": null, '
+                    f'"finish_reason": {reason}, "stop_reason": null}}]')
+        tail = "}" if usage_ is None else f', "usage": {json.dumps(usage_)}}}'
+        return self._head + body.encode() + tail.encode() + b"\n\n"
+
+    def role(self, index: int) -> bytes:
+        """A chat stream's first frame for a choice: the assistant role, empty content."""
+        return (self._head + f'{index}, "delta": {{"role": "assistant", "content": ""}}, '
+                f'"logprobs": null, "finish_reason": null}}]}}\n\n'.encode())
+
+    def usage(self, usage_: dict) -> bytes:
+        """`stream_options.include_usage`: the last frame, no choices, the usage."""
+        return self._prefix + f'[], "usage": {json.dumps(usage_)}}}\n\n'.encode()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+@functools.lru_cache(maxsize=4096)
+def _js(text: str) -> str:
+    """A JSON string literal; cached, as token texts repeat (filler words, single bytes)."""
+    return json.dumps(text)
+
+
+def created_now() -> int:
+    return int(time.time())
