@@ -42,6 +42,31 @@ struct DecodeSplit {
     }
 };
 
+// The work of one decode block, from its place in the grid (sequence x tile of G query heads
+// x split-K partition): its sequence, KV head, first query head, and the tokens [start, end)
+// of its partition. `active` is false for a partition past those the sequence's own length
+// needs (num_parts of them).
+template <int G>
+struct DecodeWork {
+    int seq, kv_head, head0, split, start, end, num_parts;
+    bool active;
+    __device__ __forceinline__ DecodeWork(const int* __restrict__ seq_lens, int num_heads, int num_kv_heads,
+                                          int target_splits, int min_partition, int granule, int num_splits) {
+        seq = blockIdx.x;
+        const int heads_per_kv = num_heads / num_kv_heads;
+        const int tiles_per_kv = heads_per_kv / G;
+        kv_head = blockIdx.y / tiles_per_kv;
+        head0 = kv_head * heads_per_kv + (blockIdx.y % tiles_per_kv) * G;
+        split = blockIdx.z;
+        const int seq_len = seq_lens[seq];
+        const DecodeSplit ds(seq_len, target_splits, min_partition, granule, num_splits);
+        num_parts = ds.n;
+        active = split < ds.n;
+        start = split * ds.part;
+        end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);
+    }
+};
+
 // The end of a decode block: merges the warps' (acc, m, l) left in shared memory (after a
 // __syncthreads) and writes the normalised output (one partition) or this partition's
 // (acc, m, l) for paged_decode_reduce_kernel.
@@ -118,18 +143,10 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
     constexpr int LOG2_BS = Log2<BLOCK_SIZE>::value;
     typedef typename T::raw raw;
 
-    const int seq = blockIdx.x;
-    const int heads_per_kv = num_heads / num_kv_heads;
-    const int tiles_per_kv = heads_per_kv / G;
-    const int kv_head = blockIdx.y / tiles_per_kv;
-    const int head0 = kv_head * heads_per_kv + (blockIdx.y % tiles_per_kv) * G;
-    const int split = blockIdx.z;
-
-    const int seq_len = seq_lens[seq];
-    const DecodeSplit ds(seq_len, target_splits, min_partition, granule, num_splits);
-    if (split >= ds.n) return;  // this sequence needs fewer partitions than the grid has
-    const int start = split * ds.part;
-    const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);
+    const DecodeWork<G> w(seq_lens, num_heads, num_kv_heads, target_splits, min_partition, granule, num_splits);
+    if (!w.active) return;
+    const int seq = w.seq, kv_head = w.kv_head, head0 = w.head0, split = w.split;
+    const int start = w.start, end = w.end;
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -305,7 +322,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
     }
     __syncthreads();
     decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
-                                    num_splits, ds.n);
+                                    num_splits, w.num_parts);
 }
 
 // Tensor-core decode for fp16 / bf16 storage (same grid, arguments, split rule and outputs as
@@ -355,17 +372,10 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     constexpr int LOG2_BS = Log2<BLOCK_SIZE>::value;
     typedef typename T::raw raw;
 
-    const int seq = blockIdx.x;
-    const int heads_per_kv = num_heads / num_kv_heads;
-    const int tiles_per_kv = heads_per_kv / G;
-    const int kv_head = blockIdx.y / tiles_per_kv;
-    const int head0 = kv_head * heads_per_kv + (blockIdx.y % tiles_per_kv) * G;
-    const int split = blockIdx.z;
-    const int seq_len = seq_lens[seq];
-    const DecodeSplit ds(seq_len, target_splits, min_partition, granule, num_splits);
-    if (split >= ds.n) return;
-    const int start = split * ds.part;
-    const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);
+    const DecodeWork<G> w(seq_lens, num_heads, num_kv_heads, target_splits, min_partition, granule, num_splits);
+    if (!w.active) return;
+    const int seq = w.seq, kv_head = w.kv_head, head0 = w.head0, split = w.split;
+    const int start = w.start, end = w.end;
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -599,7 +609,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     }
     __syncthreads();
     decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
-                                    num_splits, ds.n);
+                                    num_splits, w.num_parts);
 }
 
 // Merges the split-K partitions of paged_decode_kernel for sequences that have more than one

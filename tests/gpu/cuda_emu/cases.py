@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -81,6 +82,17 @@ class Runner:
         entry["schedules_identical"] = same
         entry["passed"] = entry["finite"] and entry["err"] <= TOLERANCE[storage_name] and same
 
+    @contextmanager
+    def _case(self, entry: dict):
+        """Time the block, record an exception in it as the case's failure, then record it."""
+        t0 = time.time()
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001
+            entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
+        entry["seconds"] = time.time() - t0
+        self._record(entry)
+
     def _record(self, entry: dict):
         self.results.append(entry)
         if self.verbose:
@@ -104,8 +116,7 @@ class Runner:
                      partition_size=partition_size, max_seq_len=max_seq_len, label=label)
         options = {k: v for k, v in (("split_k", split_k), ("partition_size", partition_size),
                                      ("max_seq_len", max_seq_len)) if v is not None}
-        t0 = time.time()
-        try:
+        with self._case(entry):
             st = storage(storage_name)
             batch = random_paged_batch(rng, lens, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                                        storage_name=storage_name)
@@ -149,10 +160,6 @@ class Runner:
             launches = launches[:len(launches) // len(self.schedules)]  # the first schedule's
             entry["launches"] = [(l["name"], l["grid"]) for l in launches]
             self._judge(entry, storage_name, got, same, ref64, ref_np)
-        except Exception as exc:  # noqa: BLE001
-            entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
-        entry["seconds"] = time.time() - t0
-        self._record(entry)
         return entry
 
     # -- batch invariance -------------------------------------------------------------------
@@ -161,8 +168,7 @@ class Runner:
         (decode.cu's claim: a sequence's result depends only on its own length)."""
         entry = dict(kind="batch_invariance", storage=storage_name, group=group, kv_heads=kv_heads,
                      head_dim=head_dim, block_size=block_size, seq_lens=list(map(int, lens)), label=label)
-        t0 = time.time()
-        try:
+        with self._case(entry):
             cp = self.cp
             b = random_paged_batch(rng, lens, block_size=block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                                    storage_name=storage_name)
@@ -177,10 +183,6 @@ class Runner:
                          if not np.array_equal(decode(slice(s, s + 1)).view(np.uint8), full[s:s + 1].view(np.uint8))]
             entry.update(differing_lens=differing, passed=not differing and bool(np.isfinite(
                 storage(storage_name).decode(np, full)).all()), err=0.0 if not differing else math.inf)
-        except Exception as exc:  # noqa: BLE001
-            entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
-        entry["seconds"] = time.time() - t0
-        self._record(entry)
         return entry
 
     # -- prefill ------------------------------------------------------------------------------
@@ -189,8 +191,7 @@ class Runner:
         """chunks: [(q_len, seq_len)]: the last q_len of seq_len cached tokens are the queries."""
         entry = dict(kind="prefill", storage=storage_name, group=group, kv_heads=kv_heads, head_dim=head_dim,
                      block_size=block_size, chunks=[list(map(int, c)) for c in chunks], label=label)
-        t0 = time.time()
-        try:
+        with self._case(entry):
             st = storage(storage_name)
             lens = [c[1] for c in chunks]
             q_lens = [c[0] for c in chunks]
@@ -223,10 +224,6 @@ class Runner:
             got, same = self._run_schedules(run)
             entry["launches"] = [(l["name"], l["grid"]) for l in self.emu.launch_log[n_launch:n_launch + 1]]
             self._judge(entry, storage_name, got, same, ref64, ref_np)
-        except Exception as exc:  # noqa: BLE001
-            entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
-        entry["seconds"] = time.time() - t0
-        self._record(entry)
         return entry
 
     # -- write_kv -----------------------------------------------------------------------------
@@ -234,8 +231,7 @@ class Runner:
         """misalign: element offset of k / v inside their allocation (exercises 4- and 2-byte words)."""
         entry = dict(kind="write_kv", storage=storage_name, kv_heads=kv_heads, head_dim=head_dim,
                      block_size=block_size, n_tokens=n_tokens, misalign=misalign, label=label)
-        t0 = time.time()
-        try:
+        with self._case(entry):
             st = storage(storage_name)
             num_blocks = max(2, -(-n_tokens // block_size) + 3)
             shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -274,18 +270,13 @@ class Runner:
                     and np.array_equal(np.asarray(vc).view(np.uint8), expect_v.view(np.uint8)))
             entry.update(err=0.0 if same else math.inf, max_abs=0.0 if same else math.inf, bitwise_equal=same,
                          passed=same, schedules_identical=None)
-        except Exception as exc:  # noqa: BLE001
-            entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
-        entry["seconds"] = time.time() - t0
-        self._record(entry)
         return entry
 
     # -- end to end: write_kv, then prefill, then one decode step -------------------------------
     def chain(self, rng, storage_name, group, kv_heads, head_dim, block_size, prompt_lens, *, label=""):
         entry = dict(kind="chain", storage=storage_name, group=group, kv_heads=kv_heads, head_dim=head_dim,
                      block_size=block_size, seq_lens=list(prompt_lens), label=label)
-        t0 = time.time()
-        try:
+        with self._case(entry):
             st = storage(storage_name)
             cp = self.cp
             num_heads = group * kv_heads
@@ -339,10 +330,6 @@ class Runner:
                 errs.append(float(np.abs(got - ref).max() / np.abs(ref).max()))
             err = max(errs)
             entry.update(err=err if finite else math.inf, finite=finite, passed=finite and err <= TOLERANCE[storage_name])
-        except Exception as exc:  # noqa: BLE001
-            entry.update(passed=False, error_text=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(limit=3))
-        entry["seconds"] = time.time() - t0
-        self._record(entry)
         return entry
 
 

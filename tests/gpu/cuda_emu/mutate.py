@@ -33,14 +33,13 @@ MUTATIONS = {
                                        "block_base = (long long)table[start >> LOG2_BS] << LOG2_BS;",
                                        ["--suite", "ci"]),
     "decode_last_partition_not_extended": (
-        "decode.cu", "grid has\n    const int start = split * ds.part;\n"
-        "    const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);",
-        "grid has\n    const int start = split * ds.part;\n    const int end = min(start + ds.part, seq_len);",
+        "decode.cu", "        end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);\n",
+        "        end = min(start + ds.part, seq_len);\n",
         ["--suite", "misuse"]),
     "split_count_not_clamped": ("decode.cu", "        n = n < num_splits ? n : num_splits;\n", "",
                                 ["--suite", "misuse"]),
-    "split_depends_on_batch": ("decode.cu", "if (split >= ds.n) return;  //",
-                               "if (split >= num_splits) return;  //", ["--suite", "ci"]),
+    "split_depends_on_batch": ("decode.cu", "        active = split < ds.n;\n",
+                               "        active = split < num_splits;\n", ["--suite", "ci"]),
     "prefill_no_syncwarp_before_pv": ("prefill.cu", "            if (lane < BK) p_s[warp][lane] = p;\n            __syncwarp();\n",
                                       "            if (lane < BK) p_s[warp][lane] = p;\n", ["--suite", "ci"]),
     "prefill_no_top_syncthreads": ("prefill.cu",
