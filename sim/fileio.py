@@ -134,3 +134,11 @@ def write_atomic(path, text: str) -> Path:
     with atomic_open(path, "w") as fh:
         fh.write(text)
     return Path(path)
+
+
+def save_figure(fig, path, **savefig_kw) -> None:
+    """Write a matplotlib figure as `atomic_open` writes, in the format its suffix names (PNG
+    without one). Raises ServesimError (one line) when it cannot be written."""
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    with atomic_open(path, "wb") as fh:
+        fig.savefig(fh, format=fmt, **savefig_kw)

@@ -359,12 +359,10 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_ylabel("servesim (same unit)")
     ax.set_title("servesim validate: predicted against published (dashed: ±30%)")
     ax.legend(fontsize=7, loc="upper left")
-    from sim.fileio import atomic_open
+    from sim.fileio import save_figure
 
-    fmt = Path(path).suffix.lstrip(".").lower() or "png"
     try:
-        with atomic_open(path, "wb") as fh:  # never a half-written or replaced special file
-            fig.savefig(fh, format=fmt, bbox_inches="tight")
+        save_figure(fig, path, bbox_inches="tight")
     except (OSError, ValueError) as e:
         raise ValidationError(f"--plot {path}: cannot write: {e}") from None
     finally:
