@@ -60,21 +60,33 @@ def child(scenario: str, n: int, keep_history: bool) -> dict:
                                                  e.itl_extra, e.timeline.itl))
     return {"requests": n, "wall_s": wall if n else 0.0, "steps": engine.step_count,
             "engine_bytes_after": held, "workload_bytes": reachable_bytes(engine.workload),
-            "exact_percentiles": exact}
+            "exact_percentiles": exact, "max_rss_bytes": peak_rss_bytes()}
+
+
+def peak_rss_bytes() -> int:
+    """This process's own peak resident memory. Linux: VmHWM of the address space made at
+    exec. (Not the ru_maxrss that wait4 reports for a child: Linux carries the parent's RSS at
+    fork into it, so a child of a 9 GB test process "peaked" at 9 GB.)"""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    scale = 1 if sys.platform == "darwin" else 1024  # (bytes on macOS, KiB elsewhere)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _run_child(scenario: str, n: int, keep_history: bool) -> dict:
     code = ("import json, sys; from tui.bench_scale import child; "
             f"print(json.dumps(child({scenario!r}, {n}, {keep_history})))")
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-    out = p.stdout.read()
-    _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
     if p.returncode:
         raise RuntimeError(f"bench scale: the run of {n} requests exited {p.returncode}")
-    row = json.loads(out)
-    row["max_rss_bytes"] = usage.ru_maxrss * 1024  # (Linux reports KiB)
-    return row
+    return json.loads(p.stdout)
 
 
 def in_flight_bytes(scenario: str = "chat") -> dict:
