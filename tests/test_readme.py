@@ -39,7 +39,8 @@ def test_every_bundled_scenario_is_listed():
 PROSE = re.sub(r"```.*?```", "", README, flags=re.S)  # inline code spans, fences aside
 SPANS = [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", PROSE)]
 COMMANDS = sorted({s for s in SPANS if s.startswith("servesim ")})
-PLACEHOLDERS = {"SCENARIO", "P", "N", "K=V", "X", "B", "ADDRESS", "KEY=V1,V2", "...", "K"}
+PLACEHOLDERS = {"SCENARIO", "P", "N", "K=V", "X", "B", "ADDRESS", "KEY=V1,V2", "...", "K",
+                "POINTS"}
 
 
 def _syntax(cmd: str) -> bool:
@@ -93,9 +94,9 @@ def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
             for w in shlex.split(cmd)][1:]
     if len(argv) == 1 and argv[0] not in ("scenarios", "run"):
         return  # the name of a command in a sentence ("`servesim compare` shows both")
-    if argv[0] in ("run", "bench", "serve", "calibrate"):
-        # (interactive, minutes of measuring, serving until a signal, or the user's own
-        # measurement file)
+    if argv[0] in ("run", "bench", "serve", "calibrate") or "--fit" in argv or "--loo" in argv:
+        # (interactive, minutes of measuring, serving until a signal, the user's own
+        # measurement file, or minutes of fitting: tests/sim/test_validate.py fits a few points)
         build_parser().parse_args(argv)
         return
     if argv[0] in ("sim", "compare", "sweep"):

@@ -461,6 +461,8 @@ def _speed(text: str) -> float:
         return check_speed(text)
     except ServesimError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speed ")) from None
+
+
 def cmd_validate(args) -> int:
     from sim import validate as V
     from sim.scenario import BUNDLED_DIR

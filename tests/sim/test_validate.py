@@ -138,3 +138,24 @@ def test_plot_is_written(tmp_path, capsys):
         assert main(["validate", "--only", "T1,T2", "--plot", str(tmp_path / name)]) == 0
         assert (tmp_path / name).stat().st_size > 1000
     capsys.readouterr()
+
+
+def test_fit_and_leave_one_out_on_a_few_points(capsys):
+    """`validate --loo` on four static rows: one refit per left-out row, each predicting a row
+    it never saw, so the held-out error is no better than the in-sample error of the full fit."""
+    from sim import profiles as P
+    from sim.validate import error_stats
+
+    ids = ["T1", "T2", "T5", "T6"]
+    assert main(["validate", "--only", ",".join(ids), "--loo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    loo = out["leave_one_out"]
+    assert sorted(loo) == sorted(ids) and all(0.2 < r < 5 for r in loo.values())
+    assert out["leave_one_out_error"]["count"] == 4
+
+    rows = P.prepare([p for p in load_points(BUNDLED_DIR / "fidelity") if p.id in ids])
+    c = out["coefficients"]
+    inside = {r.point.id: P.predict(r, c, simulate=True) / r.point.published for r in rows}
+    assert max(abs(loo[i] - inside[i]) for i in ids) > 0.05  # (a refit without the row)
+    assert (out["leave_one_out_error"]["median_abs_error"]
+            > error_stats(list(inside.values()))["median_abs_error"])
