@@ -7,6 +7,7 @@ many logs (tests/fuzz.py)."""
 
 import functools
 import math
+import re
 import struct
 import tempfile
 
@@ -174,3 +175,28 @@ def test_mutated_logs_verify_or_are_refused_with_one_line(tmp_path_factory, caps
             assert err.startswith("servesim: replay diverged at event ") and err.count("\n") == 1
         outcomes.append(code)
     event(f"{kind}: verify exit {outcomes[0]}, export exit {outcomes[1]}")
+
+
+@pytest.mark.parametrize("bad", ["delete", None, "x", [], [[6]], [[6, 0.5, 1], [0, 0.5]],
+                                 [[6, 0.5]], [[-1, 0.5], [0, 0.5]], [[6, math.nan], [0, 0.5]],
+                                 [["6", 0.5], [0, 0.5]], [[6, "t"], [0, 0.5]], [1, 2]])
+@pytest.mark.parametrize("where", ["action", "footer"])
+def test_a_deployment_position_that_is_not_one_is_refused(tmp_path, capsys, bad, where):
+    # (the fuzzer found KeyError('at') / IndexError from these: a deployment's actions and
+    # footer each say where every instance stood, [steps, clock] per instance)
+    objs = unpack_log(base_log("cluster"))
+    if where == "action":
+        target = next(o[4] for o in objs if isinstance(o, list) and o[0] == 9 and "at" in o[4])
+    else:
+        target = next(o for o in objs if isinstance(o, dict) and o.get("footer"))
+    if bad == "delete":
+        del target["at"]
+    else:
+        target["at"] = bad
+    path = tmp_path / "s.msgpack"
+    path.write_bytes(pack_log(objs))
+    for argv in (["replay", str(path), "--verify"], ["replay", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(path) in err, err
+        assert re.search(r"\bat\b", err.replace(str(path), "")), err  # (names the field)
