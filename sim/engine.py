@@ -429,7 +429,8 @@ class Engine:
         """One scheduling decision: a step, a run of identical decode steps that ends at the
         first step boundary at or after `until` (or after `max_steps` steps), or an idle advance
         toward `until`. Returns the engine steps taken."""
-        return self._advance(until, max_steps)
+        # (not fused: a deployment routes, hands off and cancels between any two decisions)
+        return self._advance(until, max_steps, fuse=False)
 
     def next_event(self) -> float:
         """The time of the next arrival or client cancellation this engine knows of."""
@@ -679,8 +680,10 @@ class Engine:
             self.events.append(ev.Admit(self.now, req.req_id, resumed))
 
     # ===================================================================== internals: stepping
-    def _advance(self, until: float, max_steps: int) -> int:
-        """One scheduling decision: a step, a run of identical decode steps, or an idle advance.
+    def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
+        """One scheduling decision: a step, a run of identical decode steps, or an idle advance;
+        with `fuse`, followed by the runs of decode steps that need no decision (see
+        `_decodes_follow`).
 
         Returns the number of engine steps taken.
         """
@@ -710,8 +713,38 @@ class Engine:
         if (out.decode_only and self.executor is None and self.skip_ahead and max_steps > 1
                 and policy.skip_ahead_safe and self.duration_override is None
                 and not (self._swap_out or self._swap_in)):
-            return self._decode_run(sched, until, max_steps)
-        return self._single_step(sched, len(policy.waiting))
+            taken = self._decode_run([r for r, _ in sched], until, max_steps)
+        else:
+            taken = self._single_step(sched, len(policy.waiting))
+        # Decisions with no choice in them follow within this one: while nothing arrives and
+        # the queue is empty, the batch left after a prefill step or a run that ended with
+        # requests finishing decodes on, and the policy would only say so again.
+        while fuse and taken < max_steps - 1 and self._decodes_follow(until):
+            k = self._decode_run(list(policy.running), until, max_steps - taken, scheduled=False)
+            if not k:
+                break
+            taken += k
+        return taken
+
+    def _decodes_follow(self, until: float) -> bool:
+        """Whether the next decision is sure to be a run of decode steps of the whole running
+        batch: nothing is due by now, the queue is empty, every running request decodes one
+        token, and the policy schedules such a batch as it stands (`Policy.decodes_alone`)."""
+        policy = self.policy
+        now = self.now
+        if (now >= until or policy.waiting or not policy.running or now > MAX_TIME_S
+                or self._next_external() <= now or policy.next_change_time() <= now
+                or not policy.skip_ahead_safe or not policy.decodes_alone()
+                or self.executor is not None or not self.skip_ahead
+                or self.duration_override is not None or self._swap_out or self._swap_in):
+            return False
+        running = RS.RUNNING
+        for r in policy.running:  # (schedule_running's test of a decode)
+            out = r.num_output_tokens
+            if (r.num_computed_tokens + 1 != r.prompt_len + out or not out or r.recomputing
+                    or r.state is not running):
+                return False
+        return True
 
     def _single_step(self, sched, num_waiting: int) -> int:
         tokens = attended = kv_read = 0
@@ -860,26 +893,31 @@ class Engine:
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20
 
-    def _decode_run(self, sched, until: float, max_steps: int) -> int:
-        """Run identical decode-only steps, up to the next event, all at once."""
+    def _decode_run(self, reqs: list, until: float, max_steps: int,
+                    scheduled: bool = True) -> int:
+        """Run identical decode-only steps of `reqs`, up to the next event, all at once.
+        `scheduled=False`: the policy did not schedule the first step (`_decodes_follow`), so
+        its blocks are allocated here too, and nothing is run (0 returned) when it would be a
+        lone step or could not get its blocks."""
         bs = self.block_size
-        reqs = [r for r, _ in sched]
         b = len(reqs)
         comp = [r.num_computed_tokens for r in reqs]
         kmax = min(max_steps, self.RUN_STEPS_MAX,
                    min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
-        # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
-        # a request needs a new block at step j when its token computed + j lies past the end
-        # of its table, which holds at least step 0's token (a contiguous reservation holds
-        # far more), then every bs steps.
+        # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated
+        # when it was scheduled; else from step 0): a request needs a new block at step j when
+        # its token computed + j lies past the end of its table (a contiguous reservation
+        # holds far more), then every bs steps.
         first_cross = [len(r.block_table) * bs - c for r, c in zip(reqs, comp)]
         if kmax > 1:
             free = self.kv.num_free_blocks
             if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:
                 cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
-        if kmax == 1:
-            return self._single_step(sched, len(self.policy.waiting))
+        if kmax < 2:
+            if not scheduled:  # the policy decides (and preempts, if blocks are short)
+                return 0
+            return self._single_step([(r, 1) for r in reqs], len(self.policy.waiting))
         t_ext = min(self._next_external(), until, self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
         k = len(ends)

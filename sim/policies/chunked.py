@@ -26,6 +26,9 @@ class ChunkedPolicy(Policy):
                 out.decode_only = False
         return out
 
+    def decodes_alone(self) -> bool:
+        return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
+
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
