@@ -323,7 +323,8 @@ def cmd_serve(args) -> int:
     sc = _scenario(args)
     frontend = build_frontend(sc, background=args.background, make_executor=make_executor,
                               speed=args.speed, model_name=args.served_model_name,
-                              max_waiting=args.max_waiting, record_timing=args.record_timing)
+                              max_waiting=args.max_waiting, record_timing=args.record_timing,
+                              bounded=not args.tui)
     if args.tui:
         return serve_dashboard(frontend, args.host, args.port)
     return serve_headless(frontend, args.host, args.port)

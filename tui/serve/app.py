@@ -28,8 +28,13 @@ def model_name_of(scenario) -> str:
 
 def build_frontend(scenario, *, background: bool = False, make_executor=None,
                    speed: float = 1.0, model_name: str | None = None,
-                   max_waiting: int | None = None, record_timing: bool = False) -> Frontend:
+                   max_waiting: int | None = None, record_timing: bool = False,
+                   bounded: bool = False) -> Frontend:
     """The engine for `scenario` (its own workload only with `background`) behind a front end.
+
+    `bounded`: memory held by what is in flight, not by how long the server has run (ended
+    requests, timeline rows and read events are dropped); for headless serving, where no screen
+    reads the history.
 
     Raises ScenarioError for what `serve` cannot run: a deployment of several instances, or
     parallel sampling set in the scenario (a request's `n` does that)."""
@@ -46,10 +51,10 @@ def build_frontend(scenario, *, background: bool = False, make_executor=None,
     if speed <= 0 or speed != speed:
         raise ScenarioError(f"--speed {speed}: must be positive")
     executor = make_executor(scenario) if make_executor else None
-    engine = Engine(scenario, executor=executor,
+    engine = Engine(scenario, executor=executor, keep_history=not bounded,
                     workload=None if background else empty_workload())
     return Frontend(engine, model_name=model_name or model_name_of(scenario), speed=speed,
-                    max_waiting=max_waiting, record_timing=record_timing)
+                    max_waiting=max_waiting, record_timing=record_timing, trim_events=bounded)
 
 
 def banner(frontend: Frontend, host: str, port: int) -> str:

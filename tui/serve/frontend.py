@@ -173,10 +173,13 @@ class Frontend:
     `engine`: an `Engine` built with events recorded. `lock`: the lock every user of the engine
     takes (the dashboard's). `max_waiting`: answer 503 while this many requests wait.
     `record_timing`: keep every token's send lateness and each call's token times (for
-    `servesim bench serve`)."""
+    `servesim bench serve`). `trim_events`: drop the engine's events once read (all but the
+    last, which a run of decode steps may still extend), so a server that runs for days holds
+    only what is in flight; only when nothing else reads the engine's event list."""
 
     def __init__(self, engine, *, model_name: str, speed: float = 1.0, lock=None,
-                 max_waiting: int | None = None, record_timing: bool = False) -> None:
+                 max_waiting: int | None = None, record_timing: bool = False,
+                 trim_events: bool = False) -> None:
         if not engine.record_events:
             raise ServesimError("serve: the engine must record events")
         self.engine = engine
@@ -202,6 +205,7 @@ class Frontend:
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self.record_timing = record_timing
+        self.trim_events = trim_events
         self.lateness = array("d")         # wall seconds each token left after its time
         self.timings: list[dict] = []      # per finished call: arrival and token times
 
@@ -469,6 +473,9 @@ class Frontend:
                 if c is not None:
                     self._schedule(ev.t, c, None, reason)
         self._event_i = len(events)
+        if self.trim_events and len(events) > 1:
+            del events[:-1]
+            self._event_i = 1
         if ttft:
             self.metrics.ttft.observe(ttft)
         if itl:

@@ -351,3 +351,31 @@ def test_without_background_the_scenarios_workload_stays_off(server):
     with server.frontend.lock:
         arrivals = [e for e in server.frontend.engine.events if e.kind == "arrival"]
     assert [a.injected for a in arrivals] == [True]
+
+
+def test_a_bounded_server_holds_only_what_is_in_flight():
+    # Headless `serve` drops read events and ended requests: after hundreds of background
+    # requests, the engine holds a handful of events and only the live requests, and the HTTP
+    # answers and the /metrics counters are the same as ever.
+    with serving(["workload.rate=400", "workload.duration_s=30"], background=True,
+                 bounded=True, speed=4.0) as s:
+        r = client(s).completions.create(model=MODEL, prompt="a", max_tokens=20)
+        assert r.choices[0].text == filler(20)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with s.frontend.lock:
+                done = s.frontend.engine.counts["finished"]
+            if done >= 300:
+                break
+            time.sleep(0.1)
+        with s.frontend.lock:
+            e = s.frontend.engine
+            assert e.counts["finished"] >= 300
+            assert len(e.events) <= 1 + e.counts["arrived"] - e.counts["finished"] + 64
+            assert len(e.requests) == len(e.policy.running) + len(e.policy.waiting)
+        with urllib.request.urlopen(s.url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        ok = sum(x.value for x in fams["vllm:request_success"].samples
+                 if x.name.endswith("_total"))
+        assert ok >= 300
