@@ -714,22 +714,26 @@ class Engine:
                 and policy.skip_ahead_safe and self.duration_override is None
                 and not (self._swap_out or self._swap_in)):
             taken = self._decode_run([r for r, _ in sched], until, max_steps)
+            decoding = True  # (what is left of a run's batch decodes on)
         else:
             taken = self._single_step(sched, len(policy.waiting))
+            decoding = False  # (to be seen: a prompt may still be prefilling)
         # Decisions with no choice in them follow within this one: while nothing arrives and
         # the queue is empty, the batch left after a prefill step or a run that ended with
         # requests finishing decodes on, and the policy would only say so again.
-        while fuse and taken < max_steps - 1 and self._decodes_follow(until):
+        while fuse and taken < max_steps - 1 and self._decodes_follow(until, decoding):
             k = self._decode_run(list(policy.running), until, max_steps - taken, scheduled=False)
             if not k:
                 break
             taken += k
+            decoding = True
         return taken
 
-    def _decodes_follow(self, until: float) -> bool:
+    def _decodes_follow(self, until: float, decoding: bool) -> bool:
         """Whether the next decision is sure to be a run of decode steps of the whole running
         batch: nothing is due by now, the queue is empty, every running request decodes one
-        token, and the policy schedules such a batch as it stands (`Policy.decodes_alone`)."""
+        token (known when `decoding`), and the policy schedules such a batch as it stands
+        (`Policy.decodes_alone`)."""
         policy = self.policy
         now = self.now
         if (now >= until or policy.waiting or not policy.running or now > MAX_TIME_S
@@ -738,6 +742,8 @@ class Engine:
                 or self.executor is not None or not self.skip_ahead
                 or self.duration_override is not None or self._swap_out or self._swap_in):
             return False
+        if decoding:
+            return True
         running = RS.RUNNING
         for r in policy.running:  # (schedule_running's test of a decode)
             out = r.num_output_tokens
@@ -779,7 +785,7 @@ class Engine:
         caching = self.prefix_caching
         for req, n in sched:
             c = req.num_computed_tokens
-            total = req.num_tokens
+            total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
             req.num_computed_tokens = c + n
             if caching:
                 self.kv.cache_full_blocks(req)
@@ -921,15 +927,7 @@ class Engine:
         t_ext = min(self._next_external(), until, self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
         k = len(ends)
-        # Allocate the blocks of steps 1..k-1 in the order step-by-step scheduling would.
-        used = self.kv.num_used_blocks
-        kv_used = [used] * k
-        cross = sorted([(j, i) for i, j0 in enumerate(first_cross) for j in range(j0, k, bs)])
-        if cross:
-            blocks = self.kv.pool.allocate(len(cross))
-            for (j, i), blk in zip(cross, blocks):
-                reqs[i].block_table.append(blk)
-            kv_used = (used + np.cumsum(np.bincount([j for j, _ in cross], minlength=k))).tolist()
+        kv_used = self._allocate_run(reqs, first_cross, k)
         g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
         first_end = ends[0]
@@ -962,6 +960,49 @@ class Engine:
         for r in finished:
             self._finish(r, end)
         return k
+
+    def _allocate_run(self, reqs: list, first_cross: list, k: int) -> list:
+        """Allocate the blocks the `k` steps of a decode run cross (request i first at step
+        `first_cross[i]`, then every block_size steps) in the order step-by-step scheduling
+        would: by step, then batch order. Returns the used blocks after each step's
+        allocation."""
+        bs = self.block_size
+        used = self.kv.num_used_blocks
+        counts = [(k - 1 - j0) // bs + 1 if j0 < k else 0 for j0 in first_cross]
+        n = sum(counts)
+        if not n:
+            return [used] * k
+        blocks = self.kv.pool.allocate(n)
+        lo, hi = min(first_cross), max(first_cross)
+        if hi - lo < bs:
+            # First crossings within one block's span (always, short of contiguous
+            # reservations): the order is round by round (a round is every request's next
+            # crossing), each round in (first crossing, batch) order, only the last one cut
+            # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
+            order = sorted(range(len(reqs)), key=first_cross.__getitem__)  # (stable: ties by i)
+            m = sum([1 for c in counts if c])
+            for p in range(m):
+                reqs[order[p]].block_table.extend(blocks[p::m])
+        else:
+            cross = sorted([(j, i) for i, j0 in enumerate(first_cross)
+                            for j in range(j0, k, bs)])
+            for (_, i), blk in zip(cross, blocks):
+                reqs[i].block_table.append(blk)
+        if k <= self.SCALAR_STEPS:  # (a few crossings: NumPy's per-call cost would dominate)
+            at = [0] * k
+            for j0 in first_cross:
+                for j in range(j0, k, bs):
+                    at[j] += 1
+            out = []
+            for x in at:
+                used += x
+                out.append(used)
+            return out
+        # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ... (>= 0).
+        at = np.bincount([j0 for j0 in first_cross if j0 < k], minlength=k)
+        rounds = -(-k // bs)
+        at = np.pad(at, (0, rounds * bs - k)).reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
+        return (used + np.cumsum(at)).tolist()
 
     def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int) -> None:
         """The timeline rows of a decode run of `len(ends)` steps of `b` sequences (after the

@@ -106,16 +106,15 @@ class BlockPool:
         """
         ref, q = self.ref_cnt, self._queue
         if not self.sharing:
-            n = len(q)
-            for b in blocks:
+            blocks = list(blocks)
+            for i, b in enumerate(blocks):
                 if ref[b] != 1:
-                    for b2 in q[n:]:  # (nothing freed: the pool stays as it was)
+                    for b2 in blocks[:i]:  # (nothing freed: the pool stays as it was)
                         ref[b2] = 1
-                    del q[n:]
                     raise AssertionError(f"block {b} freed twice")
                 ref[b] = 0
-                q.append(b)
-            self.num_free += len(q) - n
+            q.extend(blocks)
+            self.num_free += len(blocks)
             return
         pos = self._pos
         start = p = self._base + len(q)
