@@ -968,38 +968,35 @@ class Engine:
         allocation."""
         bs = self.block_size
         used = self.kv.num_used_blocks
-        counts = [(k - 1 - j0) // bs + 1 if j0 < k else 0 for j0 in first_cross]
-        n = sum(counts)
-        if not n:
+        first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
+        if not first:
             return [used] * k
-        blocks = self.kv.pool.allocate(n)
-        lo, hi = min(first_cross), max(first_cross)
-        if hi - lo < bs:
+        blocks = self.kv.pool.allocate(sum([(k - 1 - j0) // bs + 1 for j0, _ in first]))
+        if first[-1][0] - first[0][0] < bs:
             # First crossings within one block's span (always, short of contiguous
             # reservations): the order is round by round (a round is every request's next
             # crossing), each round in (first crossing, batch) order, only the last one cut
             # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
-            order = sorted(range(len(reqs)), key=first_cross.__getitem__)  # (stable: ties by i)
-            m = sum([1 for c in counts if c])
-            for p in range(m):
-                reqs[order[p]].block_table.extend(blocks[p::m])
+            m = len(first)
+            for p, (_, i) in enumerate(first):
+                reqs[i].block_table.extend(blocks[p::m])
         else:
-            cross = sorted([(j, i) for i, j0 in enumerate(first_cross)
-                            for j in range(j0, k, bs)])
+            cross = sorted([(j, i) for j0, i in first for j in range(j0, k, bs)])
             for (_, i), blk in zip(cross, blocks):
                 reqs[i].block_table.append(blk)
-        if k <= self.SCALAR_STEPS:  # (a few crossings: NumPy's per-call cost would dominate)
+        # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ...
+        if k <= self.SCALAR_STEPS:  # (NumPy's per-call cost would dominate)
             at = [0] * k
-            for j0 in first_cross:
-                for j in range(j0, k, bs):
-                    at[j] += 1
+            for j0, _ in first:
+                at[j0] += 1
+            for j in range(bs, k):
+                at[j] += at[j - bs]
             out = []
             for x in at:
                 used += x
                 out.append(used)
             return out
-        # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ... (>= 0).
-        at = np.bincount([j0 for j0 in first_cross if j0 < k], minlength=k)
+        at = np.bincount([j0 for j0, _ in first], minlength=k)
         rounds = -(-k // bs)
         at = np.pad(at, (0, rounds * bs - k)).reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
         return (used + np.cumsum(at)).tolist()
