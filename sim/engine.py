@@ -239,6 +239,7 @@ class Engine:
         self.recent_ttfts: deque[tuple[float, float]] = deque()
         self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
+        self._batch_decodes = False  # set by each single step (see _decodes_follow)
 
     # ================================================================================ public API
     @property
@@ -717,7 +718,7 @@ class Engine:
             decoding = True  # (what is left of a run's batch decodes on)
         else:
             taken = self._single_step(sched, len(policy.waiting))
-            decoding = False  # (to be seen: a prompt may still be prefilling)
+            decoding = self._batch_decodes
         # Decisions with no choice in them follow within this one: while nothing arrives and
         # the queue is empty, the batch left after a prefill step or a run that ended with
         # requests finishing decodes on, and the policy would only say so again.
@@ -732,25 +733,16 @@ class Engine:
     def _decodes_follow(self, until: float, decoding: bool) -> bool:
         """Whether the next decision is sure to be a run of decode steps of the whole running
         batch: nothing is due by now, the queue is empty, every running request decodes one
-        token (known when `decoding`), and the policy schedules such a batch as it stands
-        (`Policy.decodes_alone`)."""
+        token (`decoding`, as the last step left it), and the policy schedules such a batch
+        as it stands (`Policy.decodes_alone`)."""
         policy = self.policy
         now = self.now
-        if (now >= until or policy.waiting or not policy.running or now > MAX_TIME_S
-                or self._next_external() <= now or policy.next_change_time() <= now
-                or not policy.skip_ahead_safe or not policy.decodes_alone()
-                or self.executor is not None or not self.skip_ahead
-                or self.duration_override is not None or self._swap_out or self._swap_in):
-            return False
-        if decoding:
-            return True
-        running = RS.RUNNING
-        for r in policy.running:  # (schedule_running's test of a decode)
-            out = r.num_output_tokens
-            if (r.num_computed_tokens + 1 != r.prompt_len + out or not out or r.recomputing
-                    or r.state is not running):
-                return False
-        return True
+        return not (not decoding or now >= until or policy.waiting or not policy.running
+                    or now > MAX_TIME_S or self._next_external() <= now
+                    or policy.next_change_time() <= now or not policy.skip_ahead_safe
+                    or not policy.decodes_alone() or self.executor is not None
+                    or not self.skip_ahead or self.duration_override is not None
+                    or self._swap_out or self._swap_in)
 
     def _single_step(self, sched, num_waiting: int) -> int:
         tokens = attended = kv_read = 0
@@ -780,6 +772,7 @@ class Engine:
         end = start + dur
         g = self.step_count  # this step's row on the timeline
         sampled = itl = prefill_tokens = 0
+        prefilling = False
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
         caching = self.prefix_caching
@@ -796,6 +789,7 @@ class Engine:
             else:
                 decodes.append(req.req_id)
             if c + n < total:
+                prefilling = True
                 continue
             sampled += 1
             if sampled_ids is not None:
@@ -811,6 +805,8 @@ class Engine:
                     self._recent(self.recent_ttfts, end, end - req.arrival_time)
                 first.append(req)
                 segs.append([g, 1])
+                # (preempted before its first token: counted as re-prefilling until the next)
+                prefilling = prefilling or req.recomputing
             else:
                 last = segs[-1]
                 if last[0] + last[1] == g:
@@ -825,6 +821,9 @@ class Engine:
             req.last_token_time = end
             if req.num_output_tokens >= req.max_output_tokens:
                 finished.append(req)
+        # Every request of the batch (finishing aside) decodes in the next step, as the
+        # policy's `schedule_running` tests it.
+        self._batch_decodes = not prefilling and len(sched) == len(self.policy.running)
         if self.num_samples > 1:
             for req in first:
                 if req.parent_id is None and req not in finished:
