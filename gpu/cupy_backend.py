@@ -70,10 +70,17 @@ def kernel_source() -> str:
     return "\n".join(inline((KERNEL_DIR / name).read_text()) for name in KERNEL_FILES)
 
 
+def decode_kernel_name(storage_name: str, head_dim: int, heads_per_block: int, block_size: int) -> str:
+    """The decode instantiation for a storage: tensor cores (mma.sync) for fp16 / bf16, CUDA
+    cores for fp32 (whose tensor-core format, tf32, would round K and V)."""
+    kernel = "paged_decode_kernel" if storage_name == "float32" else "paged_decode_mma_kernel"
+    return f"{kernel}<{_TAGS[storage_name]}, {head_dim}, {heads_per_block}, {block_size}>"
+
+
 def name_expressions(storage_name: str, head_dim: int, block_size: int = 16) -> list[str]:
     """Returns the template instantiations compiled for one (storage, head_dim, block_size) module."""
     tag = _TAGS[storage_name]
-    names = [f"paged_decode_kernel<{tag}, {head_dim}, {g}, {block_size}>" for g in HEADS_PER_BLOCK]
+    names = [decode_kernel_name(storage_name, head_dim, g, block_size) for g in HEADS_PER_BLOCK]
     names.append(f"paged_decode_reduce_kernel<{tag}>")
     names.append(f"paged_prefill_kernel<{tag}, {head_dim}>")
     return names
@@ -242,7 +249,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     else:
         part_acc = part_ml = cp.empty((1,), dtype=cp.float32)
     key = (sname, head_dim, block_size)
-    name = f"paged_decode_kernel<{_TAGS[sname]}, {head_dim}, {per_block}, {block_size}>"
+    name = decode_kernel_name(sname, head_dim, per_block, block_size)
     grid = (num_seqs, num_kv_heads * tiles, num_splits)
     split_args = (np.int32(num_splits), np.int32(target), np.int32(min_part), np.int32(granule))
     args = (q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,

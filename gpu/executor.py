@@ -28,6 +28,7 @@ import numpy as np
 
 from .backend import Backend, get_backend
 from .batch import BatchPlan, plan_batch
+from .cpu_attention import SequenceKV, attend_last, attend_rows
 from .dtypes import storage as storage_named
 from .errors import VerifyError
 from .kv_cache import PagedKVCache, kv_bytes_per_block
@@ -112,6 +113,8 @@ class ModelExecutor:
         self._reference: TinyModel | None = None
         self._history: dict[int, _History] = {}
         self._steps = 0
+        # NumPy: per-request contiguous K/V for gpu.cpu_attention (kept coherent with the pool).
+        self._kv_copies = SequenceKV(self.cache) if self.backend.name == "numpy" else None
 
     @classmethod
     def with_defaults(cls, num_blocks: int, block_size: int, *, backend: str = "auto", **overrides) -> "ModelExecutor":
@@ -160,16 +163,20 @@ class ModelExecutor:
         """
         for req_id in work.freed:
             self._history.pop(req_id, None)
+            if self._kv_copies is not None:
+                self._kv_copies.forget(req_id)
         self.cache.swap_out(work.swap_out)
         self.cache.swap_in(work.swap_in)
         self.cache.copy_blocks(work.copies)
         if not work.seqs:
             return {}
         plan = plan_batch(work.seqs, self.block_size, self.num_blocks)
+        written = plan.slot_mapping[plan.slot_mapping >= 0] // self.block_size
+        self.cache.mark_written(written)
         xp = self.backend.xp
-        hidden = self.model.forward(xp.asarray(plan.token_ids), xp.asarray(plan.positions), self._attend(plan))
-        rows = xp.asarray(plan.sample_rows)
-        tokens = self.backend.to_host(self.model.next_tokens(hidden[rows], xp.asarray(plan.token_ids[plan.sample_rows])))
+        hidden = self.model.forward(xp.asarray(plan.token_ids), xp.asarray(plan.positions), self._attend(plan),
+                                    out_rows=xp.asarray(plan.sample_rows))
+        tokens = self.backend.to_host(self.model.next_tokens(hidden, xp.asarray(plan.token_ids[plan.sample_rows])))
         sampled = {req_id: int(t) for req_id, t in zip(plan.sample_req_ids, tokens)}
         for seq in work.seqs:
             self._record(seq)
@@ -179,23 +186,33 @@ class ModelExecutor:
         return sampled
 
     def _attend(self, plan: BatchPlan):
-        """Builds this step's per-layer attention: write the layer's new K/V, then one decode
-        and one prefill kernel call over the layer's cache."""
+        """Builds this step's per-layer attention: write the layer's new K/V, then attend. The
+        last layer attends for the sampling rows only (`TinyModel.forward`): on CuPy they are one
+        decode-kernel call (each is its sequence's last position); on NumPy every row goes
+        through `gpu.cpu_attention`, whose result does not depend on the path."""
         backend, st, xp = self.backend, self.storage, self.backend.xp
         kernels = backend.kernels
         slot_mapping = xp.asarray(plan.slot_mapping)
         calls = []
-        for batch, kind in ((plan.decode, "decode"), (plan.prefill, "prefill")):
+        # The kernel batches (built lazily by the plan) are for CuPy: NumPy attends per request.
+        for batch, kind in ((plan.decode, "decode"), (plan.prefill, "prefill")) if backend.name != "numpy" else ():
             if batch is not None:
                 calls.append((kind, batch, xp.asarray(batch.rows), xp.asarray(batch.block_tables),
                               xp.asarray(batch.seq_lens), xp.asarray(batch.cu_seqlens_q)))
 
-        def attend(layer: int, q, k, v):
+        def attend(layer: int, q, k, v, q_rows):
             k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
             kernels.write_kv(st.encode(xp, k), st.encode(xp, v), k_cache, v_cache, slot_mapping)
-            # NumPy takes float64 queries and so accumulates in float64 (see gpu.model); the
-            # CUDA kernels take queries in the storage dtype.
-            q_in = q if backend.name == "numpy" else st.encode(xp, q)
+            if backend.name == "numpy":
+                return self._attend_cpu(plan, layer, q, q_rows is not None)
+            q_in = st.encode(xp, q)
+            if q_rows is not None:
+                b = plan.sample
+                if b is None:
+                    return q
+                out = kernels.paged_decode_attention(q_in, k_cache, v_cache, xp.asarray(b.block_tables),
+                                                     xp.asarray(b.seq_lens), max_seq_len=b.max_seq_len)
+                return st.decode(xp, out)
             out = xp.empty(q_in.shape, dtype=q_in.dtype)
             for kind, batch, rows, tables, seq_lens, cu in calls:
                 if kind == "decode":
@@ -204,9 +221,29 @@ class ModelExecutor:
                 else:
                     out[rows] = kernels.paged_prefill_attention(q_in[rows], k_cache, v_cache, tables, cu,
                                                                 seq_lens, max_q_len=batch.max_q_len)
-            return out if backend.name == "numpy" else st.decode(xp, out)
+            return st.decode(xp, out)
 
         return attend
+
+    def _attend_cpu(self, plan: BatchPlan, layer: int, q, sampled_only: bool):
+        """Exact attention (`gpu.cpu_attention`) of this layer's query rows `q`: every row of the
+        step, or (`sampled_only`) the last row of each sampling sequence, in plan order."""
+        c = self.config
+        group, scale = c.num_heads // c.num_kv_heads, 1.0 / np.sqrt(c.head_dim)
+        q4 = q.reshape(q.shape[0], c.num_kv_heads, group, c.head_dim)
+        out = np.empty_like(q4)
+        copies = self._kv_copies
+        if sampled_only:
+            seqs = plan.sample_seqs.tolist()
+            kvs = copies.get_many([plan.req_ids[i] for i in seqs], layer, [plan.tables[i] for i in seqs],
+                                  plan.seq_lens[seqs].tolist())
+            return attend_last(q4, kvs, scale).reshape(q.shape)
+        else:
+            kvs = copies.get_many(plan.req_ids, layer, plan.tables, plan.seq_lens.tolist())
+            for i, (k_t, v_e, kmax) in enumerate(kvs):
+                r0, r1 = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
+                out[r0:r1] = attend_rows(q4[r0:r1], k_t, v_e, kmax, scale, plan.positions[r0:r1])
+        return out.reshape(q.shape)
 
     def _record(self, seq) -> None:
         history = self._history.get(seq.req_id)
@@ -214,8 +251,10 @@ class ModelExecutor:
             history = self._history[seq.req_id] = _History()
         elif history is None or len(history.tokens) < seq.start_pos:
             history = self._history[seq.req_id] = _History(complete=False)
-        del history.tokens[seq.start_pos:]
-        history.tokens.extend(np.asarray(seq.token_ids).reshape(-1).tolist())
+        if len(history.tokens) > seq.start_pos:
+            del history.tokens[seq.start_pos:]
+        ids = seq.token_ids
+        history.tokens.extend(ids.tolist() if getattr(ids, "ndim", 0) == 1 else np.asarray(ids).reshape(-1).tolist())
 
     # -- hand-off between executors (prefill/decode disaggregation) -------------------------
 

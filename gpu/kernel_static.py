@@ -130,12 +130,16 @@ def occupancy(registers: int, threads: int, smem: int) -> float:
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
 _LOAD128 = re.compile(r"\bLDG\.E(?:\.[A-Z0-9_]+)*\.128\b|\bLDGSTS\.E(?:\.[A-Z0-9_]+)*\.128\b")
+# 8-byte K/V loads (the tensor-core kernel's V rows at head_dim 32) count as half a 16-byte one.
+_LOAD64 = re.compile(r"\bLDG\.E(?:\.[A-Z0-9_]+)*\.64\b|\bLDGSTS\.E(?:\.[A-Z0-9_]+)*\.64\b")
 
 
 def main_loop(sass_lines: list[str]) -> dict | None:
-    """The main loop of one function's SASS: instructions, 128-bit loads, instructions per 16 B.
+    """The main loop of one function's SASS: instructions, 128- and 64-bit global loads,
+    instructions per 16 bytes they load (a 64-bit load is half a 16-byte unit), and local-memory
+    (spill) instructions.
 
-    Returns None when no loop holds a 128-bit load.
+    Returns None when no loop holds such a load.
     """
     instrs = []
     for line in sass_lines:
@@ -152,11 +156,15 @@ def main_loop(sass_lines: list[str]) -> dict | None:
             continue
         body = [t for a, t in instrs if target <= a <= addr]
         loads = sum(1 for t in body if _LOAD128.search(t))
-        if loads and (best is None or loads > best["loads_128"]
-                      or (loads == best["loads_128"] and len(body) < best["instructions"])):
-            best = {"instructions": len(body), "loads_128": loads, "start": hex(target), "end": hex(addr)}
+        loads_64 = sum(1 for t in body if _LOAD64.search(t))
+        units = loads + loads_64 / 2  # 16-byte units of K/V loaded per lane
+        local = sum(1 for t in body if re.search(r"\b(LDL|STL)\b", t))  # spilled registers
+        if units and (best is None or units > best["units_16B"]
+                      or (units == best["units_16B"] and len(body) < best["instructions"])):
+            best = {"instructions": len(body), "loads_128": loads, "loads_64": loads_64, "units_16B": units,
+                    "local_memory": local, "start": hex(target), "end": hex(addr)}
     if best:
-        best["instructions_per_16B"] = best["instructions"] / best["loads_128"]
+        best["instructions_per_16B"] = best["instructions"] / best["units_16B"]
     return best
 
 
@@ -217,7 +225,7 @@ def analyse(backend, names: list[str], workdir: Path, threads_of) -> list[dict]:
         loop = main_loop(functions.get(mangled, []))
         if loop:
             row.update(loop_instructions=loop["instructions"], loop_loads_128=loop["loads_128"],
-                       instructions_per_16B=loop["instructions_per_16B"])
+                       loop_local_memory=loop["local_memory"], instructions_per_16B=loop["instructions_per_16B"])
         rows.append(row)
     return sorted(rows, key=lambda r: names.index(r["kernel"]))
 
@@ -240,8 +248,13 @@ def side(ref: str, repo: Path, decode_only: bool = False, block_sizes=(16,)) -> 
         backend = load_backend_at(ref, repo, Path(tmp))
         names = instantiations(backend, block_sizes)
         if decode_only:
-            names = [n for n in names if n.startswith("paged_decode_kernel")]
+            names = [n for n in names if _is_decode(n)]
         return analyse(backend, names, Path(tmp), _threads_for(backend))
+
+
+def _is_decode(name: str) -> bool:
+    """A decode main kernel (CUDA-core or tensor-core), not the split-K reduce."""
+    return name.startswith(("paged_decode_kernel<", "paged_decode_mma_kernel<"))
 
 
 def decode_shape(name: str) -> tuple:
@@ -263,10 +276,10 @@ def compare(before: str, after: str, repo: Path, block_sizes=(16,)) -> dict:
     pairs = []
     after_decode: dict[tuple, list[dict]] = {}
     for r in rows_after:
-        if r["kernel"].startswith("paged_decode_kernel"):
+        if _is_decode(r["kernel"]):
             after_decode.setdefault(decode_shape(r["kernel"]), []).append(r)
     for r in rows_before:
-        if not r["kernel"].startswith("paged_decode_kernel"):
+        if not _is_decode(r["kernel"]):
             continue
         variants = after_decode.get(decode_shape(r["kernel"]), [])
         if not variants or "instructions_per_16B" not in r:

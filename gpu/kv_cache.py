@@ -5,7 +5,10 @@
 
 `k[layer]` / `v[layer]` are the per-layer caches the kernels take (contiguous views). Block
 moves act on all layers at once. Pools start zeroed, so their contents are a function of the
-work done, never of what the allocator handed out.
+work done, never of what the allocator handed out. `versions[block]` (host, int64) changes
+whenever a block's content may have: every block move here bumps it, and so must whoever writes
+K/V into the pool (`mark_written`); copies derived from the pool (`gpu.cpu_attention`) use it to
+know what to read again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ class PagedKVCache:
         self.v = backend.xp.zeros(shape, dtype=storage.array_dtype)
         self.host_k = np.zeros(host_shape, dtype=storage.array_dtype)
         self.host_v = np.zeros(host_shape, dtype=storage.array_dtype)
+        self.versions = np.zeros(num_blocks, dtype=np.int64)
+        self.version = 0  # the latest value in `versions`
+
+    def mark_written(self, blocks) -> None:
+        """Records that the content of `blocks` (device block ids, host ints) changed."""
+        self.version += 1
+        self.versions[np.asarray(blocks, dtype=np.int64)] = self.version
 
     @property
     def bytes_per_block(self) -> int:
@@ -58,6 +68,7 @@ class PagedKVCache:
             return
         src, dst = (self._check(ids, self.num_blocks, "copy block") for ids in zip(*pairs))
         xp = self.backend.xp
+        self.mark_written(dst)
         src, dst = xp.asarray(src), xp.asarray(dst)
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
@@ -83,6 +94,7 @@ class PagedKVCache:
         xp = self.backend.xp
         self.k[:, xp.asarray(blocks)] = self.backend.asarray(self.host_k[:, slots])
         self.v[:, xp.asarray(blocks)] = self.backend.asarray(self.host_v[:, slots])
+        self.mark_written(blocks)
 
     def read_blocks(self, ids):
         """Copies of device blocks `ids` in every layer: (K, V), each
@@ -92,9 +104,11 @@ class PagedKVCache:
 
     def write_blocks(self, ids, k, v) -> None:
         """Stores (K, V) as `read_blocks` gives them into device blocks `ids` of this pool."""
-        ids = self.backend.xp.asarray(self._check(ids, self.num_blocks, "write block"))
+        host_ids = self._check(ids, self.num_blocks, "write block")
+        ids = self.backend.xp.asarray(host_ids)
         self.k[:, ids] = self.backend.asarray(k)
         self.v[:, ids] = self.backend.asarray(v)
+        self.mark_written(host_ids)
 
     def gather(self, block_table, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Returns the stored K and V of positions 0..num_tokens-1 of a sequence, on the host:

@@ -19,10 +19,11 @@ reduction trees. Rounding noise of ~1e-7 then flips a near-tie argmax now and th
    the MLP and the LM head are therefore computed in float64 *exactly*: any summation order,
    any batch size, NumPy or cuBLAS, gives the same bits. RMSNorm is exact sums plus one
    correctly rounded sqrt and divide per row, which no batch shape can change.
-2. Attention is the only inexact step. On the NumPy backend it runs with float64 queries, so it
-   accumulates in float64: the decode path, the prefill path and any tiling agree to ~1e-16,
-   and the output is then rounded to the 2**-8 grid. Two paths can disagree only if the exact
-   value lies within ~1e-16 of a rounding midpoint: about one chance in 10**13 per element.
+2. Attention on the NumPy backend (`gpu.cpu_attention`) is exact too, up to one correctly
+   rounded division per output: scores are exact grid products, softmax weights are rounded to
+   a fixed grid, and their sums with V are exact in float64. A row's output is a function of
+   its sequence's K/V alone: the decode path, the last row of a prefill chunk, any batch and
+   any tiling give the same bits, with no exception.
 3. Everything downstream of that rounding is exact again (point 1), so identical attention
    outputs give identical tokens.
 
@@ -44,7 +45,7 @@ from typing import Callable
 import numpy as np
 
 from .dtypes import Storage
-from .reference import dense_attention
+from .cpu_attention import attend_rows, contiguous_kv
 
 ACT_BITS = 8  # activations live on the grid 2**-8
 WEIGHT_BITS = 10  # weights on the grid 2**-10
@@ -55,8 +56,9 @@ RMS_EPS = 2.0**-16
 # of different prompts differ at ~3 positions in 4 (measured over 5 prompts x 20 tokens).
 OUT_GAIN = 0.5
 
-# attend(layer, q [T, H, D] float64, k, v [T, KVH, D] float64) -> attention output [T, H, D]
-Attend = Callable[[int, object, object, object], object]
+# attend(layer, q [R, H, D], k, v [T, KVH, D], q_rows) -> attention output [R, H, D], all float64;
+# q_rows: the R rows' indices among the T tokens, or None when R == T (see TinyModel.forward).
+Attend = Callable[[int, object, object, object, object], object]
 
 
 @dataclass(frozen=True)
@@ -137,11 +139,16 @@ class TinyModel:
         self.pos_low = xp.asarray(host["pos_low"])
         self.pos_high = xp.asarray(host["pos_high"])
 
-    def forward(self, token_ids, positions, attend: Attend):
+    def forward(self, token_ids, positions, attend: Attend, out_rows=None):
         """Runs all layers over a flat batch of tokens; `attend` does each layer's attention.
 
-        token_ids, positions: [T] integer arrays (on this model's xp). Returns the residual
-        stream [T, d_model] float64, every value on the 2**-8 grid.
+        token_ids, positions: [T] integer arrays (on this model's xp). `out_rows` (indices into
+        the T tokens, default all): the rows whose result is wanted. The last layer computes
+        queries, attention, the output projection and the MLP for those rows only: nothing
+        reads the other rows' last-layer results (their K/V, which later steps read, come
+        from the layer's input), so skipping them cannot change a token. `attend(layer, q, k,
+        v, q_rows)` gets every row's k, v and the queries of rows `q_rows` (None: all rows).
+        Returns the residual stream [len(out_rows) or T, d_model] float64, on the 2**-8 grid.
         """
         xp, c = self.xp, self.config
         x = self.embed[token_ids] + self.pos_low[positions % POSITION_PERIOD] \
@@ -149,10 +156,13 @@ class TinyModel:
         num_tokens = x.shape[0]
         for index, w in enumerate(self.layers):
             h = _rms_norm(xp, x)
-            q = quantize(xp, h @ w["wq"]).reshape(num_tokens, c.num_heads, c.head_dim)
             k = quantize(xp, h @ w["wk"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = quantize(xp, h @ w["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            a = quantize(xp, attend(index, q, k, v)).reshape(num_tokens, -1)
+            q_rows = out_rows if index == len(self.layers) - 1 else None
+            if q_rows is not None:
+                x, h = x[q_rows], h[q_rows]
+            q = quantize(xp, h @ w["wq"]).reshape(h.shape[0], c.num_heads, c.head_dim)
+            a = quantize(xp, attend(index, q, k, v, q_rows)).reshape(h.shape[0], c.num_heads * c.head_dim)
             x = x + quantize(xp, a @ w["wo"])
             if c.mlp:
                 u = quantize(xp, xp.maximum(_rms_norm(xp, x) @ w["w1"], 0.0))
@@ -176,7 +186,8 @@ class TinyModel:
     def forward_dense(self, token_ids, storage: Storage):
         """Reference forward of one sequence over contiguous K/V, on the host, in float64.
 
-        K/V are rounded through `storage` exactly as the paged cache stores them. Returns
+        K/V are rounded through `storage` exactly as the paged cache stores them; attention is
+        `gpu.cpu_attention`'s, so on NumPy the token is the one the executor must sample. Returns
         (k_layers, v_layers, next_token): per-layer stored K and V [n, num_kv_heads, head_dim]
         as arrays of storage.array_dtype, and the greedy token after the last position.
         """
@@ -185,11 +196,17 @@ class TinyModel:
         token_ids = np.asarray(token_ids, dtype=np.int64)
         k_layers, v_layers = [], []
 
-        def attend(layer, q, k, v):
+        def attend(layer, q, k, v, q_rows):
             k_stored, v_stored = storage.encode(np, k), storage.encode(np, v)
             k_layers.append(k_stored)
             v_layers.append(v_stored)
-            return dense_attention(q, storage.decode(np, k_stored), storage.decode(np, v_stored))
+            k_t, v_e, kmax = contiguous_kv(storage.decode(np, k_stored), storage.decode(np, v_stored))
+            rows = np.arange(len(token_ids)) if q_rows is None else q_rows
+            g = self.config.num_heads // self.config.num_kv_heads
+            q4 = q.reshape(len(rows), self.config.num_kv_heads, g, self.config.head_dim)
+            out = attend_rows(q4, k_t, v_e, kmax, 1.0 / math.sqrt(self.config.head_dim), rows)
+            return out.reshape(q.shape)
 
-        hidden = self.forward(token_ids, np.arange(len(token_ids)), attend)
-        return k_layers, v_layers, int(self.next_tokens(hidden[-1:], token_ids[-1:])[0])
+        last = np.array([len(token_ids) - 1])
+        hidden = self.forward(token_ids, np.arange(len(token_ids)), attend, out_rows=last)
+        return k_layers, v_layers, int(self.next_tokens(hidden, token_ids[last])[0])

@@ -1076,6 +1076,8 @@ class Engine:
             p = req.prompt_len
             if c + n <= p:
                 chunk = ids[c:c + n]
+            elif c >= p:  # decode: only the newest outputs (not the whole history every step)
+                chunk = np.asarray(req.output_token_ids[c - p:c - p + n], dtype=np.int32)
             else:
                 out = np.asarray(req.output_token_ids, dtype=np.int32)
                 chunk = np.concatenate((ids, out))[c:c + n]

@@ -16,6 +16,44 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 // exp2f(-inf - -inf) = NaN for a lane that has not seen a key yet; any real score is larger.
 #define SERVESIM_NO_SCORE (-1.0e30f)
 
+// Tensor-core helpers of a 16-bit storage type (PTX_TYPE "f16" / "bf16"; EMU_TYPE its code in the
+// CPU emulator's mma shim): pack2 makes one .f16x2 / .bf16x2 register of two floats (lo in the
+// low half, round to nearest even); mma16816 / mma1688 are d = a * b + c with fp32 accumulation,
+// mma.sync m16n8k16 / m16n8k8 in the PTX ISA's fragment layouts (a: 4 / 2 registers, b: 2 / 1,
+// c and d: 4 floats).
+#ifdef SERVESIM_CPU_EMULATION
+#define SERVESIM_PACK2(PTX_TYPE) r = (unsigned int)from_float(lo) | ((unsigned int)from_float(hi) << 16);
+#define SERVESIM_MMA16816(PTX_TYPE, EMU_TYPE) __emu_mma_m16n8k16_f32(EMU_TYPE, d, a, b, c);
+#define SERVESIM_MMA1688(PTX_TYPE, EMU_TYPE) __emu_mma_m16n8k8_f32(EMU_TYPE, d, a, b, c);
+#else
+#define SERVESIM_PACK2(PTX_TYPE) asm("cvt.rn." PTX_TYPE "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#define SERVESIM_MMA16816(PTX_TYPE, EMU_TYPE)                                                         \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, "          \
+        "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"                                                  \
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                              \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]),     \
+          "f"(c[2]), "f"(c[3]));
+#define SERVESIM_MMA1688(PTX_TYPE, EMU_TYPE)                                                          \
+    asm("mma.sync.aligned.m16n8k8.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 {%0,%1,%2,%3}, {%4,%5}, "  \
+        "{%6}, {%7,%8,%9,%10};"                                                                       \
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                                              \
+        : "r"(a[0]), "r"(a[1]), "r"(b[0]), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
+#endif
+#define SERVESIM_TENSOR_CORE_OPS(PTX_TYPE, EMU_TYPE)                                                  \
+    static __device__ __forceinline__ unsigned int pack2(float lo, float hi) {                        \
+        unsigned int r;                                                                               \
+        SERVESIM_PACK2(PTX_TYPE)                                                                      \
+        return r;                                                                                     \
+    }                                                                                                 \
+    static __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4],           \
+                                                    const unsigned (&b)[2], const float (&c)[4]) {    \
+        SERVESIM_MMA16816(PTX_TYPE, EMU_TYPE)                                                         \
+    }                                                                                                 \
+    static __device__ __forceinline__ void mma1688(float (&d)[4], const unsigned (&a)[2],             \
+                                                   const unsigned (&b)[1], const float (&c)[4]) {     \
+        SERVESIM_MMA1688(PTX_TYPE, EMU_TYPE)                                                          \
+    }
+
 struct F32 {
     typedef float raw;
     static const int kVec = 4;  // elements per 16-byte vector
@@ -67,6 +105,7 @@ struct F16 {
         unpack2(v.z, out[4], out[5]);
         unpack2(v.w, out[6], out[7]);
     }
+    SERVESIM_TENSOR_CORE_OPS("f16", 0)
 };
 
 struct BF16 {
@@ -90,6 +129,7 @@ struct BF16 {
             out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
         }
     }
+    SERVESIM_TENSOR_CORE_OPS("bf16", 1)
 };
 
 // 2^x in one MUFU.EX2 (relative error ~2^-22, flushes denormals to zero): exp2f's accurate

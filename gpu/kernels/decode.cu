@@ -42,6 +42,42 @@ struct DecodeSplit {
     }
 };
 
+// The end of a decode block: merges the warps' (acc, m, l) left in shared memory (after a
+// __syncthreads) and writes the normalised output (one partition) or this partition's
+// (acc, m, l) for paged_decode_reduce_kernel.
+template <typename T, int HEAD_DIM, int G>
+__device__ __forceinline__ void decode_epilogue(const float (&sm_acc)[DECODE_WARPS][G][HEAD_DIM],
+                                                const float (&sm_m)[DECODE_WARPS][G], const float (&sm_l)[DECODE_WARPS][G],
+                                                typename T::raw* __restrict__ out, float* __restrict__ part_acc,
+                                                float* __restrict__ part_ml, int seq, int num_heads, int head0,
+                                                int split, int num_splits, int num_parts) {
+    for (int idx = threadIdx.x; idx < G * HEAD_DIM; idx += DECODE_THREADS) {
+        const int g = idx / HEAD_DIM;
+        const int d = idx % HEAD_DIM;
+        float m_all = sm_m[0][g];
+#pragma unroll
+        for (int w = 1; w < DECODE_WARPS; ++w) m_all = fmaxf(m_all, sm_m[w][g]);
+        float l_all = 0.f, a_all = 0.f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; ++w) {
+            const float c = exp2f(sm_m[w][g] - m_all);
+            l_all += sm_l[w][g] * c;
+            a_all += sm_acc[w][g][d] * c;
+        }
+        const long long head_row = (long long)seq * num_heads + head0 + g;
+        if (num_parts == 1) {
+            out[head_row * HEAD_DIM + d] = T::from_float(l_all > 0.f ? a_all / l_all : 0.f);
+        } else {
+            const long long part = head_row * num_splits + split;
+            part_acc[part * HEAD_DIM + d] = a_all;
+            if (d == 0) {
+                part_ml[2 * part] = m_all;
+                part_ml[2 * part + 1] = l_all;
+            }
+        }
+    }
+}
+
 template <typename T, int HEAD_DIM, int G, int BLOCK_SIZE>
 __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
     const typename T::raw* __restrict__ q,        // [num_seqs, num_heads, HEAD_DIM]
@@ -268,32 +304,302 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
         }
     }
     __syncthreads();
+    decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
+                                    num_splits, ds.n);
+}
 
-    for (int idx = threadIdx.x; idx < G * HEAD_DIM; idx += DECODE_THREADS) {
-        const int g = idx / HEAD_DIM;
-        const int d = idx % HEAD_DIM;
-        float m_all = sm_m[0][g];
+// Tensor-core decode for fp16 / bf16 storage (same grid, arguments, split rule and outputs as
+// paged_decode_kernel; the host picks it for 16-bit storage).
+//
+// Per warp, a tile is TOK consecutive tokens (8, or 16 for head_dim <= 64), and the math is two
+// mma.sync products with fp32 accumulation, lane (g, t) = (lane / 4, lane % 4) in the PTX
+// fragment layouts:
+//   - S = Q K^T (m16n8k16; M = the block's G heads, padded to 16 rows with zeros; N = 8 tokens;
+//     K = 16 dims per step). Lane (g, t) loads token g of each n-tile, 16-byte vectors t, t + 4,
+//     ... of its row, straight into B registers: a k-step's 16 dims may be any 16 as long as Q
+//     uses the same, so a vector's four words serve two k-steps as they are. Q's A fragments
+//     (built the same way) sit in shared memory, one 16-byte quad per lane and k-step.
+//   - O^T += V^T P^T (m16n8k8 over 8 tokens, or m16n8k16 over 16; M = 16 dims, N = 8 heads):
+//     P^T's B fragment (tokens 2t, 2t + 1 of head g) is S's accumulator fragment as it is, no
+//     shuffle; V^T's A fragment holds one dim of two tokens per register, so lane (g, t) loads
+//     tokens 2t, 2t + 1 (+ 8, + 9), chunk g (+ 8, ...) of their rows and pairs them with byte
+//     permutes. The accumulators have no padding: all 16 rows are dims, all 8 columns heads.
+// The online softmax runs on S's fragments: a lane holds two scores per n-tile of head g, so a
+// head's maximum is two shuffles, l stays per lane until the end, and the corrections of the
+// two heads whose O^T columns a lane holds are two more shuffles. Scores are scaled inside the
+// exp2 (fma(s, scale, -m * scale)): Q stays in the storage format, unrounded.
+// Tiles entirely inside the partition run without masks in the main loop; the at most two
+// partial tiles at its edges run afterwards, with per-token load predicates and masked scores.
+// The next tile's K is loaded once S has consumed this one's, its V once O has: every lane
+// keeps one tile's loads in flight.
+template <typename T, int HEAD_DIM, int G, int BLOCK_SIZE>
+__global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
+    const typename T::raw* __restrict__ q, const typename T::raw* __restrict__ k_cache,
+    const typename T::raw* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, typename T::raw* __restrict__ out, float* __restrict__ part_acc,
+    float* __restrict__ part_ml, int num_heads, int num_kv_heads, int max_blocks_per_seq, int num_splits,
+    int target_splits, int min_partition, int granule, float scale_log2) {
+    static_assert(sizeof(typename T::raw) == 2, "tensor-core decode: fp16 / bf16 storage");
+    static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
+                  "head_dim in [32, 256]");
+    static_assert(G >= 1 && G <= 8, "heads per block in [1, 8]");
+    static_assert(BLOCK_SIZE >= 1 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block_size a power of two");
+    constexpr int TOK = HEAD_DIM <= 64 ? 16 : 8;  // tokens per warp tile (the O product's k)
+    constexpr int NT_S = TOK / 8;                 // n-tiles of S
+    constexpr int KSTEPS = HEAD_DIM / 16;         // k-steps of S
+    constexpr int KVEC = HEAD_DIM / 32;           // 16-byte K vectors per lane per token
+    constexpr int NT_O = HEAD_DIM / 16;           // m-tiles of O^T
+    constexpr int CE = HEAD_DIM >= 64 ? 8 : 4;    // dims per V load (16 or 8 bytes)
+    constexpr int VCH = HEAD_DIM / (8 * CE);      // V chunks per lane per token
+    constexpr int VTOK = TOK / 4;                 // V tokens per lane
+    constexpr int LOG2_BS = Log2<BLOCK_SIZE>::value;
+    typedef typename T::raw raw;
+
+    const int seq = blockIdx.x;
+    const int heads_per_kv = num_heads / num_kv_heads;
+    const int tiles_per_kv = heads_per_kv / G;
+    const int kv_head = blockIdx.y / tiles_per_kv;
+    const int head0 = kv_head * heads_per_kv + (blockIdx.y % tiles_per_kv) * G;
+    const int split = blockIdx.z;
+    const int seq_len = seq_lens[seq];
+    const DecodeSplit ds(seq_len, target_splits, min_partition, granule, num_splits);
+    if (split >= ds.n) return;
+    const int start = split * ds.part;
+    const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane >> 2;  // groupID: a head (A rows, C rows), a token (S n), a V column
+    const int t = lane & 3;   // threadID_in_group
+    const int* table = block_tables + (long long)seq * max_blocks_per_seq;
+    const int row_stride = num_kv_heads * HEAD_DIM;
+    const raw* k_base = k_cache + kv_head * HEAD_DIM + 8 * t;   // + row * row_stride + 32 m
+    const raw* v_base = v_cache + kv_head * HEAD_DIM + CE * g;  // + row * row_stride + 8 CE i
+
+    // Q as A fragments, one 16-byte quad per lane and k-step, in shared memory (re-read each
+    // tile rather than held in 4 * KSTEPS registers): row g = head head0 + g (zero past G),
+    // k-step 2m + h takes words 2h, 2h + 1 of its vector t + 4m (the K vectors' dims); rows
+    // 8..15 are zero.
+    __shared__ uint4 sm_q[KSTEPS][32];
+    if (warp == 0) {
 #pragma unroll
-        for (int w = 1; w < DECODE_WARPS; ++w) m_all = fmaxf(m_all, sm_m[w][g]);
-        float l_all = 0.f, a_all = 0.f;
-#pragma unroll
-        for (int w = 0; w < DECODE_WARPS; ++w) {
-            const float c = exp2f(sm_m[w][g] - m_all);
-            l_all += sm_l[w][g] * c;
-            a_all += sm_acc[w][g][d] * c;
+        for (int m = 0; m < KVEC; ++m) {
+            uint4 w = make_uint4(0u, 0u, 0u, 0u);
+            if (g < G)
+                w = *reinterpret_cast<const uint4*>(q + ((long long)seq * num_heads + head0 + g) * HEAD_DIM +
+                                                    8 * (t + 4 * m));
+            sm_q[2 * m][lane] = make_uint4(w.x, 0u, w.y, 0u);
+            sm_q[2 * m + 1][lane] = make_uint4(w.z, 0u, w.w, 0u);
         }
-        const long long head_row = (long long)seq * num_heads + head0 + g;
-        if (ds.n == 1) {
-            out[head_row * HEAD_DIM + d] = T::from_float(l_all > 0.f ? a_all / l_all : 0.f);
-        } else {
-            const long long part = head_row * num_splits + split;
-            part_acc[part * HEAD_DIM + d] = a_all;
-            if (d == 0) {
-                part_ml[2 * part] = m_all;
-                part_ml[2 * part + 1] = l_all;
+    }
+    __syncthreads();
+
+    float m_run = SERVESIM_NO_SCORE, l_run = 0.f;  // head g's running max (raw units) and this lane's sum
+    // O^T accumulators, one C fragment per m-tile of 16 dims: [0], [1] = dim row g, heads 2t,
+    // 2t + 1; [2], [3] = dim row g + 8, the same heads (dims: see `accumulate`).
+    float acc[NT_O][4];
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    unsigned kw[NT_S][KVEC][4];           // K words: token 8 nt + g, vector t + 4 m
+    unsigned vw[VTOK][VCH][CE / 2];       // V words: token 2t + e + 8 p (index 2p + e), chunk g + 8 i
+
+    // Element offsets of this lane's rows within a tile (token part only when a tile fits in
+    // one KV block: then the tile's base row is one block-table lookup).
+    int k_off[NT_S], v_off[VTOK];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt)
+        k_off[nt] = (TOK <= BLOCK_SIZE ? (8 * nt + g) * row_stride : 0) + kv_head * HEAD_DIM + 8 * t;
+#pragma unroll
+    for (int x = 0; x < VTOK; ++x)
+        v_off[x] = (TOK <= BLOCK_SIZE ? (2 * t + (x & 1) + 8 * (x >> 1)) * row_stride : 0) + kv_head * HEAD_DIM + CE * g;
+    auto row_of = [&](int pos) -> long long {
+        return ((long long)table[pos >> LOG2_BS] << LOG2_BS) + (pos & (BLOCK_SIZE - 1));
+    };
+    // First element of row `i` of tile `tile` (minus the lane offsets above).
+    auto tile_base = [&](int tile, int i) -> long long {
+        const int first = tile * TOK;
+        return (TOK <= BLOCK_SIZE ? row_of(first) : row_of(first + i)) * row_stride;
+    };
+    auto load_k = [&](int tile, bool masked) {
+        const long long base = tile_base(tile, 0);
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const int i = 8 * nt + g, pos = tile * TOK + i;
+            if (!masked || (pos >= start && pos < end)) {
+                const long long row = TOK <= BLOCK_SIZE ? base : tile_base(tile, i);
+                const uint4* p = reinterpret_cast<const uint4*>(k_cache + row + k_off[nt]);
+#pragma unroll
+                for (int m = 0; m < KVEC; ++m) {
+                    const uint4 w = p[4 * m];
+                    kw[nt][m][0] = w.x, kw[nt][m][1] = w.y, kw[nt][m][2] = w.z, kw[nt][m][3] = w.w;
+                }
+            } else {
+#pragma unroll
+                for (int m = 0; m < KVEC; ++m) kw[nt][m][0] = kw[nt][m][1] = kw[nt][m][2] = kw[nt][m][3] = 0u;
+            }
+        }
+    };
+    auto load_v = [&](int tile, bool masked) {
+        const long long base = tile_base(tile, 0);
+#pragma unroll
+        for (int x = 0; x < VTOK; ++x) {
+            const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = tile * TOK + i;
+            const bool live = !masked || (pos >= start && pos < end);
+            const long long row = TOK <= BLOCK_SIZE ? base : (live ? tile_base(tile, i) : 0);
+            const raw* p = v_cache + row + v_off[x];
+#pragma unroll
+            for (int c = 0; c < VCH; ++c) {
+                if (CE == 8) {
+                    const uint4 w = live ? reinterpret_cast<const uint4*>(p)[8 * c] : make_uint4(0u, 0u, 0u, 0u);
+                    vw[x][c][0] = w.x, vw[x][c][1] = w.y, vw[x][c][CE / 2 - 2] = w.z, vw[x][c][CE / 2 - 1] = w.w;
+                } else {
+                    const uint2 w = live ? reinterpret_cast<const uint2*>(p)[8 * c] : make_uint2(0u, 0u);
+                    vw[x][c][0] = w.x, vw[x][c][CE / 2 - 1] = w.y;
+                }
+            }
+        }
+    };
+    // S = Q K^T for the tile: s[nt][e] = score of head g and token 8 nt + 2t + e ([2], [3]:
+    // the zero rows).
+    auto scores = [&](float (&s)[NT_S][4]) {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                const uint4 qv = sm_q[ks][lane];
+                const unsigned a[4] = {qv.x, qv.y, qv.z, qv.w};
+                const unsigned b[2] = {kw[nt][ks / 2][2 * (ks & 1)], kw[nt][ks / 2][2 * (ks & 1) + 1]};
+                T::mma16816(s[nt], a, b, s[nt]);
+            }
+        }
+    };
+    // Online softmax on the scores; returns P as the A registers of the O product.
+    auto softmax = [&](float (&s)[NT_S][4], int tile, bool masked, unsigned (&pa)[NT_S]) {
+        if (masked) {
+#pragma unroll
+            for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int pos = tile * TOK + 8 * nt + 2 * t + e;
+                    if (pos < start || pos >= end) s[nt][e] = neg_inf();
+                }
+        }
+        float mx = s[0][0];
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
+        mx = fmaxf(mx, __shfl_xor_sync(SERVESIM_FULL_MASK, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(SERVESIM_FULL_MASK, mx, 2));
+        const float m_new = fmaxf(m_run, mx);
+        const float corr = fast_exp2((m_run - m_new) * scale_log2);
+        const float shift = m_new * scale_log2;
+        m_run = m_new;
+        float p_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const float p0 = fast_exp2(fmaf(s[nt][0], scale_log2, -shift));
+            const float p1 = fast_exp2(fmaf(s[nt][1], scale_log2, -shift));
+            p_sum += p0 + p1;
+            pa[nt] = T::pack2(p0, p1);
+        }
+        l_run = fmaf(l_run, corr, p_sum);
+        // This lane's O^T columns are heads 2t and 2t + 1, whose corrections lanes 8t, 8t + 4 hold.
+        const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t);
+        const float corr_hi = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t + 4);
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) acc[j][0] *= corr_lo, acc[j][2] *= corr_lo, acc[j][1] *= corr_hi, acc[j][3] *= corr_hi;
+    };
+    // O^T += V^T P^T. P^T's B fragment (k = tokens 2t, 2t + 1 [+ 8], n = head g) is the S
+    // accumulator as it is. V^T's A fragment of m-tile j = (CE / 2) c + w pairs, per register,
+    // one dim of two tokens: dims CE (g + 8c) + 2w (row g) and + 1 (row g + 8) of chunk c.
+    auto accumulate = [&](const unsigned (&pb)[NT_S]) {
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j) {
+            const int c = j / (CE / 2), w = j % (CE / 2);
+            if (TOK == 8) {
+                const unsigned a[2] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
+                                       __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u)};
+                const unsigned b[1] = {pb[0]};
+                T::mma1688(acc[j], a, b, acc[j]);
+            } else {
+                const unsigned a[4] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
+                                       __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u),
+                                       __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x5410u),
+                                       __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x7632u)};
+                const unsigned b[2] = {pb[0], pb[NT_S - 1]};
+                T::mma16816(acc[j], a, b, acc[j]);
+            }
+        }
+    };
+    auto process = [&](int tile, bool masked) {  // a tile whose K and V are loaded
+        float s[NT_S][4];
+        unsigned pa[NT_S];
+        scores(s);
+        softmax(s, tile, masked, pa);
+        accumulate(pa);
+    };
+
+    // Full tiles [full_lo, full_hi): warp w takes full_lo + w, + 4, ... The next tile's loads
+    // are issued unconditionally (the last iteration reloads its own tile) so that the loop
+    // body has no branch around them.
+    const int full_lo = (start + TOK - 1) / TOK;
+    const int full_hi = end / TOK;
+    int tile = full_lo + warp;
+    if (tile < full_hi) {
+        load_k(tile, false);
+        load_v(tile, false);
+    }
+    for (; tile < full_hi; tile += DECODE_WARPS) {
+        const int next = min(tile + DECODE_WARPS, full_hi - 1);
+        float s[NT_S][4];
+        unsigned pa[NT_S];
+        scores(s);
+        load_k(next, false);
+        softmax(s, tile, false, pa);
+        accumulate(pa);
+        load_v(next, false);
+    }
+    // Partial tiles at the partition's edges (one when start and end share a tile).
+    if (warp == 0 && start < end) {
+        const int head = start / TOK, tail = (end - 1) / TOK;
+        if (start % TOK != 0 || (head == tail && end % TOK != 0)) {
+            load_k(head, true);
+            load_v(head, true);
+            process(head, true);
+        }
+        if (tail != head && end % TOK != 0) {
+            load_k(tail, true);
+            load_v(tail, true);
+            process(tail, true);
+        }
+    }
+
+    l_run += __shfl_xor_sync(SERVESIM_FULL_MASK, l_run, 1);
+    l_run += __shfl_xor_sync(SERVESIM_FULL_MASK, l_run, 2);
+    __shared__ float sm_acc[DECODE_WARPS][G][HEAD_DIM];
+    __shared__ float sm_m[DECODE_WARPS][G];
+    __shared__ float sm_l[DECODE_WARPS][G];
+    // Row g (+ 8) of O^T m-tile (CE / 2) c + w is dim CE (g + 8c) + 2w (+ 1); columns are
+    // heads 2t, 2t + 1. The m the epilogue merges with is in log2 units, as in
+    // paged_decode_kernel.
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) {
+        const int dim = CE * (g + 8 * (j / (CE / 2))) + 2 * (j % (CE / 2));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (2 * t + h < G) {
+                sm_acc[warp][2 * t + h][dim] = acc[j][h];
+                sm_acc[warp][2 * t + h][dim + 1] = acc[j][2 + h];
             }
         }
     }
+    if (g < G && t == 0) {
+        sm_m[warp][g] = m_run * scale_log2;
+        sm_l[warp][g] = l_run;
+    }
+    __syncthreads();
+    decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
+                                    num_splits, ds.n);
 }
 
 // Merges the split-K partitions of paged_decode_kernel for sequences that have more than one

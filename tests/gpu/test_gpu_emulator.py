@@ -71,6 +71,15 @@ def test_full_matrix():
     assert r.returncode == 0, r.stdout[-8000:] + r.stderr[-3000:]
 
 
+def test_every_planted_bug_has_one_place_to_go():
+    # Runs everywhere (no compiler): a kernel edit that duplicates or removes a mutation's target
+    # text would otherwise surface only in the on-demand mutation check, as a "missed" bug.
+    from cuda_emu import mutate
+
+    for name, (file, old, _, _) in mutate.MUTATIONS.items():
+        assert (mutate.KERNELS / file).read_text().count(old) == 1, name
+
+
 @pytest.mark.skipif(not FULL, reason="mutation check: set SERVESIM_EMU_FULL=1")
 def test_planted_bugs_are_caught():
     r = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "mutate.py")], cwd=ROOT, capture_output=True,

@@ -446,3 +446,14 @@ async def test_every_key_works_in_a_tiny_terminal(size):
         await pilot.pause(0.1)
         assert app.is_running and app.engine.counts["injected"] == 1 + keymap.BURST_SIZE
     assert not any("failed" in n for n in notes), notes
+def test_frames_thin_out_while_the_engine_is_behind_its_clock(monkeypatch):
+    app = make_app(paused=False)
+    drawn = []
+    monkeypatch.setattr(app, "refresh_frame", lambda: drawn.append(app.driver.lag))
+    for _ in range(6):
+        app._frame_tick()
+    assert len(drawn) == 6  # on time: every frame
+    app.driver.target = app.engine.now + 1.5  # 1.5 s behind
+    for _ in range(6):
+        app._frame_tick()
+    assert len(drawn) == 6 + 6 // app.LAGGING_FRAME_DIVISOR

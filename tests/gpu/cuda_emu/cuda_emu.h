@@ -83,6 +83,11 @@ uint32_t shfl32(int kind, unsigned mask, uint32_t bits, int arg, int width, cons
 // kind: 0 ballot, 1 any, 2 all.
 unsigned vote(int kind, unsigned mask, int pred, const char* file, int line);
 unsigned activemask();
+// Tensor cores: mma.sync.aligned.m16n8k{k}.row.col.f32.{f16|bf16}.{f16|bf16}.f32, warp-collective.
+// a: k / 4 registers of .f16x2 / .bf16x2, b: k / 8, c and d: 4 floats (PTX fragment layouts).
+enum { MMA_F16 = 0, MMA_BF16 = 1 };
+void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* b, const float* c, const char* file,
+                  int line);
 
 template <typename V>
 inline V shfl(int kind, unsigned mask, V v, int arg, int width, const char* file, int line) {
@@ -224,6 +229,17 @@ inline int __all_sync(unsigned mask, int pred, const char* file = __builtin_FILE
 }
 inline unsigned __activemask() { return ::emu::activemask(); }
 
+// Tensor-core mma.sync (the PTX instruction, which CUDA C++ reaches through inline asm): kernels
+// call these under SERVESIM_CPU_EMULATION instead.
+inline void __emu_mma_m16n8k16_f32(int type, float* d, const unsigned* a, const unsigned* b, const float* c,
+                                   const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::emu::mma_sync_f32(16, type, d, a, b, c, file, line);
+}
+inline void __emu_mma_m16n8k8_f32(int type, float* d, const unsigned* a, const unsigned* b, const float* c,
+                                  const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::emu::mma_sync_f32(8, type, d, a, b, c, file, line);
+}
+
 // Atomics: fibers of a block never run at the same time, so plain read-modify-write is atomic.
 template <typename V>
 inline V atomicAdd(V* p, V v) { V old = *p; *p = old + v; return old; }
@@ -252,6 +268,13 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+// Byte i of the result is byte (s >> 4i) & 7 of the 8-byte value {y, x} (x the low 4 bytes).
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned int r = 0;
+    for (int i = 0; i < 4; ++i) r |= (unsigned int)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+    return r;
+}
 
 // CUDA's overloaded device min / max (no std::min in device code).
 inline int min(int a, int b) { return a < b ? a : b; }

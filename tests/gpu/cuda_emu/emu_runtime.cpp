@@ -56,6 +56,7 @@ dim3 block_idx, block_dim, grid_dim;
 namespace {
 
 constexpr size_t kStackBytes = 256 * 1024;
+constexpr int kExchangeWords = 12;  // the most 32-bit words one lane brings to a collective (mma)
 
 enum State { READY, RUNNING, WAIT_BLOCK, WAIT_WARP, DONE };
 
@@ -80,10 +81,10 @@ struct WarpSync {
     unsigned gen = 0;
     unsigned arrived = 0;  // lanes that arrived at the pending collective
     unsigned mask = 0;
-    int kind = 0;          // 0 syncwarp, 1 shfl, 2 vote
+    int kind = 0;          // 0 syncwarp, 1 shfl, 2 vote, 3 mma
     const char* file = nullptr;
     int line = 0;
-    uint32_t xchg[2][32];
+    uint32_t xchg[2][32][kExchangeWords];  // each lane's words, per generation
     unsigned members;      // lanes that exist in this warp (partial last warp)
 };
 
@@ -258,9 +259,10 @@ void run_block(int nthreads) {
     cur = nullptr;
 }
 
-// Warp collective: record this lane's 32-bit value, wait for every lane of `mask`, return the
-// buffer holding all lanes' values for this collective.
-const uint32_t* warp_collective(int kind, unsigned mask, uint32_t bits, const char* file, int line) {
+// Warp collective: record this lane's `n` 32-bit words, wait for every lane of `mask`, return the
+// buffer holding all lanes' words for this collective ([lane][word]).
+const uint32_t (*warp_collective(int kind, unsigned mask, const uint32_t* words, int n, const char* file,
+                                 int line))[kExchangeWords] {
     ++stat_collectives;
     Fiber* f = running;
     WarpSync& w = warps[f->ts.warp];
@@ -298,7 +300,7 @@ const uint32_t* warp_collective(int kind, unsigned mask, uint32_t bits, const ch
         suspend();
     }
     const unsigned gen = w.gen;
-    w.xchg[gen & 1][f->ts.lane] = bits;
+    memcpy(w.xchg[gen & 1][f->ts.lane], words, sizeof(uint32_t) * n);
     w.arrived |= me;
     if (w.arrived == mask) {
         w.arrived = 0;
@@ -342,7 +344,10 @@ void syncthreads(const char* file, int line) {
     suspend();
 }
 
-void syncwarp(unsigned mask, const char* file, int line) { warp_collective(0, mask, 0, file, line); }
+void syncwarp(unsigned mask, const char* file, int line) {
+    const uint32_t none = 0;
+    warp_collective(0, mask, &none, 1, file, line);
+}
 
 uint32_t shfl32(int kind, unsigned mask, uint32_t bits, int arg, int width, const char* file, int line) {
     if (width <= 0 || width > 32 || (width & (width - 1))) {
@@ -350,7 +355,7 @@ uint32_t shfl32(int kind, unsigned mask, uint32_t bits, int arg, int width, cons
         suspend();
     }
     const int lane = running->ts.lane;
-    const uint32_t* vals = warp_collective(1, mask, bits, file, line);
+    const auto vals = warp_collective(1, mask, &bits, 1, file, line);
     const int seg = lane & ~(width - 1);
     int src = lane;
     switch (kind) {
@@ -364,17 +369,69 @@ uint32_t shfl32(int kind, unsigned mask, uint32_t bits, int arg, int width, cons
                     " outside the mask (undefined value)");
         return 0xffffffffu;
     }
-    return vals[src];
+    return vals[src][0];
 }
 
 unsigned vote(int kind, unsigned mask, int pred, const char* file, int line) {
-    const uint32_t* vals = warp_collective(2, mask, pred ? 1u : 0u, file, line);
+    const uint32_t bit = pred ? 1u : 0u;
+    const auto vals = warp_collective(2, mask, &bit, 1, file, line);
     unsigned ballot = 0;
     for (int l = 0; l < 32; ++l)
-        if ((mask >> l & 1u) && vals[l]) ballot |= 1u << l;
+        if ((mask >> l & 1u) && vals[l][0]) ballot |= 1u << l;
     if (kind == 0) return ballot;
     if (kind == 1) return ballot != 0;
     return ballot == mask;
+}
+
+// One 16-bit element of an .f16x2 / .bf16x2 register as a double (exact).
+static double half_value(uint32_t reg, int high, int type) {
+    const uint16_t bits = (uint16_t)(high ? reg >> 16 : reg & 0xffffu);
+    if (type == MMA_BF16) {
+        const uint32_t u = (uint32_t)bits << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return (double)__builtin_bit_cast(_Float16, bits);
+}
+
+void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* b, const float* c, const char* file,
+                  int line) {
+    if ((k != 8 && k != 16) || (type != MMA_F16 && type != MMA_BF16)) {
+        add_error("mma shape/type not emulated at " + site(file, line));
+        suspend();
+    }
+    // The whole warp brings its fragments (A: k/4 registers, B: k/8, C: 4); each lane then
+    // rebuilds A [16 x k], B [k x 8] and C [16 x 8] from all of them and computes its own 4
+    // elements of D, with the layouts of the PTX ISA ("Matrix Fragments for mma.m16n8k16 /
+    // mma.m16n8k8 with floating point type"): groupID = lane >> 2, threadID_in_group = lane % 4.
+    const int na = k / 4, nb = k / 8;
+    uint32_t words[kExchangeWords];
+    memcpy(words, a, 4 * na);
+    memcpy(words + na, b, 4 * nb);
+    memcpy(words + na + nb, c, 16);
+    const auto all = warp_collective(3, 0xffffffffu, words, na + nb + 4, file, line);
+    double A[16][16], B[16][8], C[16][8];
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t = lane & 3;
+        for (int i = 0; i < 2 * na; ++i)  // a_i: row g (+8 for i = 2,3,6,7), col 2t + (i & 1) (+8 for i >= 4)
+            A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >> 2)] = half_value(all[lane][i / 2], i & 1, type);
+        for (int i = 0; i < 2 * nb; ++i)  // b_i: row 2t + (i & 1) (+8 for i >= 2), col g
+            B[2 * t + (i & 1) + 8 * (i >> 1)][g] = half_value(all[lane][na + i / 2], i & 1, type);
+        for (int i = 0; i < 4; ++i) {  // c_i: row g (+8 for i >= 2), col 2t + (i & 1)
+            float f;
+            memcpy(&f, &all[lane][na + nb + i], 4);
+            C[g + 8 * (i >> 1)][2 * t + (i & 1)] = f;
+        }
+    }
+    // Products of two 16-bit floats are exact in double; the sum is rounded once to float.
+    const int lane = running->ts.lane, g = lane >> 2, t = lane & 3;
+    for (int i = 0; i < 4; ++i) {
+        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        double acc = C[row][col];
+        for (int kk = 0; kk < k; ++kk) acc += A[row][kk] * B[kk][col];
+        d[i] = (float)acc;
+    }
 }
 
 unsigned activemask() {

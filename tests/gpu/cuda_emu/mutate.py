@@ -20,8 +20,10 @@ KERNELS = HERE.parents[2] / "gpu" / "kernels"
 
 # name: (file, text that must occur exactly once, replacement, run.py arguments)
 MUTATIONS = {
-    "decode_no_syncthreads": ("decode.cu", "    __syncthreads();\n", "", ["--suite", "ci"]),
-    "decode_mask_off_by_one": ("decode.cu", "if (pos < start || pos >= end)", "if (pos < start || pos > end)",
+    # (The CUDA-core kernel's copies of text the tensor-core kernel repeats: targets must be unique.)
+    "decode_no_syncthreads": ("decode.cu", "sm_l[warp][g] = l[g];\n            }\n        }\n    }\n    __syncthreads();\n",
+                              "sm_l[warp][g] = l[g];\n            }\n        }\n    }\n", ["--suite", "ci"]),
+    "decode_mask_off_by_one": ("decode.cu", "if (pos < start || pos >= end)\n", "if (pos < start || pos > end)\n",
                                ["--suite", "ci"]),
     "decode_loads_past_end": ("decode.cu", "            if (pos >= start && pos < end) {",
                               "            if (pos >= start && pos <= end) {", ["--suite", "ci"]),
@@ -31,12 +33,14 @@ MUTATIONS = {
                                        "block_base = (long long)table[start >> LOG2_BS] << LOG2_BS;",
                                        ["--suite", "ci"]),
     "decode_last_partition_not_extended": (
-        "decode.cu", "const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);",
-        "const int end = min(start + ds.part, seq_len);", ["--suite", "misuse"]),
+        "decode.cu", "grid has\n    const int start = split * ds.part;\n"
+        "    const int end = split == ds.n - 1 ? seq_len : min(start + ds.part, seq_len);",
+        "grid has\n    const int start = split * ds.part;\n    const int end = min(start + ds.part, seq_len);",
+        ["--suite", "misuse"]),
     "split_count_not_clamped": ("decode.cu", "        n = n < num_splits ? n : num_splits;\n", "",
                                 ["--suite", "misuse"]),
-    "split_depends_on_batch": ("decode.cu", "if (split >= ds.n) return;",
-                               "if (split >= num_splits) return;", ["--suite", "ci"]),
+    "split_depends_on_batch": ("decode.cu", "if (split >= ds.n) return;  //",
+                               "if (split >= num_splits) return;  //", ["--suite", "ci"]),
     "prefill_no_syncwarp_before_pv": ("prefill.cu", "            if (lane < BK) p_s[warp][lane] = p;\n            __syncwarp();\n",
                                       "            if (lane < BK) p_s[warp][lane] = p;\n", ["--suite", "ci"]),
     "prefill_no_top_syncthreads": ("prefill.cu",
@@ -46,6 +50,20 @@ MUTATIONS = {
                                   "const float m_new = fmaxf(m[i], lane < BK ? warp_max(s) : s);", ["--suite", "ci"]),
     "prefill_causal_off_by_one": ("prefill.cu", "if (lane < BK && kv0 + lane <= qpos) {",
                                   "if (lane < BK && kv0 + lane <= qpos + 1) {", ["--suite", "ci"]),
+    # The tensor-core decode kernel (fp16 / bf16).
+    "mma_v_pair_swapped": ("decode.cu", "                const unsigned a[2] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),",
+                           "                const unsigned a[2] = {__byte_perm(vw[1][c][w], vw[0][c][w], 0x5410u),",
+                           ["--suite", "ci"]),
+    "mma_correction_of_own_head": ("decode.cu", "const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t);",
+                                   "const float corr_lo = corr;", ["--suite", "ci"]),
+    "mma_edge_tile_skipped": ("decode.cu", "if (start % TOK != 0 || (head == tail && end % TOK != 0)) {",
+                              "if (start % TOK != 0) {", ["--suite", "ci"]),
+    "mma_last_full_tile_dropped": ("decode.cu", "    const int full_hi = end / TOK;\n",
+                                   "    const int full_hi = end / TOK - (end >= 2 * TOK);\n", ["--suite", "ci"]),
+    "mma_output_odd_dim_from_even": ("decode.cu", "sm_acc[warp][2 * t + h][dim + 1] = acc[j][2 + h];",
+                                     "sm_acc[warp][2 * t + h][dim + 1] = acc[j][h];", ["--suite", "ci"]),
+    "mma_q_of_lane_zero": ("decode.cu", "const uint4 qv = sm_q[ks][lane];", "const uint4 qv = sm_q[ks][lane & ~3];",
+                           ["--suite", "ci"]),
     "write_kv_writes_slot_minus1": ("write_kv.cu", "if (slot < 0) return;", "if (slot < -1) return;",
                                     ["--suite", "write_kv", "--guard", "1"]),
 }
