@@ -926,7 +926,11 @@ class Engine:
         t_ext = min(self._next_external(), until, self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
         k = len(ends)
+        used = self.kv.num_used_blocks
         kv_used = self._allocate_run(reqs, first_cross, k)
+        # Empty slots after the run over the batch (every request holding blocks): those its
+        # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
+        empty_end = sum(first_cross) + bs * (kv_used[-1] - used) - b * k
         g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
         first_end = ends[0]
@@ -949,7 +953,7 @@ class Engine:
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
         if self.record_timeline:
-            self._record_run(ends, dur, energy, kv_used, b, itl0)
+            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end)
         if self.record_events:
             self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
                                       tuple([r.req_id for r in reqs]), None, kv_used[-1]))
@@ -1000,14 +1004,14 @@ class Engine:
         at = np.pad(at, (0, rounds * bs - k)).reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
         return (used + np.cumsum(at)).tolist()
 
-    def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int) -> None:
-        """The timeline rows of a decode run of `len(ends)` steps of `b` sequences (after the
-        run: the requests' counters are already advanced)."""
+    def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
+                    empty_end: int) -> None:
+        """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
+        with `empty_end` empty slots."""
         k, bs = len(ends), self.block_size
         waiting = len(self.policy.waiting)
         # Empty slots after step j: those at the end, plus the tokens of later steps, minus
         # the slots of blocks allocated later.
-        empty_end = self._empty_slots()
         if k <= self.SCALAR_STEPS:
             e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
             self.timeline.add_rows([
