@@ -906,14 +906,21 @@ class Engine:
         lone step or could not get its blocks."""
         bs = self.block_size
         b = len(reqs)
-        comp = [r.num_computed_tokens for r in reqs]
-        kmax = min(max_steps, self.RUN_STEPS_MAX,
-                   min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated
         # when it was scheduled; else from step 0): a request needs a new block at step j when
         # its token computed + j lies past the end of its table (a contiguous reservation
-        # holds far more), then every bs steps.
-        first_cross = [len(r.block_table) * bs - c for r, c in zip(reqs, comp)]
+        # holds far more), then every bs steps. (One loop: three comprehensions cost twice.)
+        kmax = min(max_steps, self.RUN_STEPS_MAX)
+        c0 = 0  # tokens the batch holds
+        first_cross = []
+        add = first_cross.append
+        for r in reqs:
+            c = r.num_computed_tokens
+            c0 += c
+            add(len(r.block_table) * bs - c)
+            left = r.max_output_tokens - r.num_output_tokens
+            if left < kmax:
+                kmax = left
         if kmax > 1:
             free = self.kv.num_free_blocks
             if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:
@@ -924,7 +931,7 @@ class Engine:
                 return 0
             return self._single_step([(r, 1) for r in reqs], len(self.policy.waiting))
         t_ext = min(self._next_external(), until, self.policy.next_change_time())
-        ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
+        ends, dur, energy = self._run_times(b, c0, kmax, t_ext)
         k = len(ends)
         used = self.kv.num_used_blocks
         kv_used = self._allocate_run(reqs, first_cross, k)
