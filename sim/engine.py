@@ -18,6 +18,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -981,17 +982,22 @@ class Engine:
         first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
         if not first:
             return [used] * k
-        blocks = self.kv.pool.allocate(sum([(k - 1 - j0) // bs + 1 for j0, _ in first]))
-        if first[-1][0] - first[0][0] < bs:
+        if k <= bs:  # (the common case: one block each at most)
+            blocks = self.kv.pool.allocate(len(first))
+            for (_, i), blk in zip(first, blocks):
+                reqs[i].block_table.append(blk)
+        elif first[-1][0] - first[0][0] < bs:
             # First crossings within one block's span (always, short of contiguous
             # reservations): the order is round by round (a round is every request's next
             # crossing), each round in (first crossing, batch) order, only the last one cut
             # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
+            blocks = self.kv.pool.allocate(sum([(k - 1 - j0) // bs + 1 for j0, _ in first]))
             m = len(first)
             for p, (_, i) in enumerate(first):
                 reqs[i].block_table.extend(blocks[p::m])
         else:
             cross = sorted([(j, i) for j0, i in first for j in range(j0, k, bs)])
+            blocks = self.kv.pool.allocate(len(cross))
             for (_, i), blk in zip(cross, blocks):
                 reqs[i].block_table.append(blk)
         # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ...
@@ -1001,14 +1007,12 @@ class Engine:
                 at[j0] += 1
             for j in range(bs, k):
                 at[j] += at[j - bs]
-            out = []
-            for x in at:
-                used += x
-                out.append(used)
-            return out
-        at = np.bincount([j0 for j0, _ in first], minlength=k)
+            at[0] += used
+            return list(accumulate(at))
         rounds = -(-k // bs)
-        at = np.pad(at, (0, rounds * bs - k)).reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
+        at = np.zeros(rounds * bs, dtype=np.int64)  # (np.pad costs 0.3 ms a call)
+        at[:k] = np.bincount([j0 for j0, _ in first], minlength=k)
+        at = at.reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
         return (used + np.cumsum(at)).tolist()
 
     def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
