@@ -87,6 +87,31 @@ class CostModel:
     def steps(self, tokens: np.ndarray, attended: np.ndarray, kv_read: np.ndarray):
         return self.step(tokens, attended, kv_read, maximum=np.maximum)
 
+    def decode_times(self, b: int, c0: int, n: int, t: float, t_ext: float):
+        """The first (at most `n`) steps of a run of decode-only steps of `b` sequences holding
+        `c0` cached tokens, the first starting at `t`: their end times, durations and energies
+        (lists), up to the first that ends at or after `t_ext`. Equal bit for bit to `step`
+        one at a time (the same operations in the same order, the clock advanced by
+        sequential addition), without a call per step: the engine's hottest loop."""
+        lin_b, attn, inv_flops = self._lin * b, self._attn, self._inv_flops
+        wb, kvt, inv_bw = self.weight_bytes, self.kv_bytes_per_token, self._inv_bw
+        comm_b, overhead, idle, dyn = self._comm * b, self.overhead, self._idle, self._dyn
+        ends, durs, ens = [], [], []
+        kr = c0
+        for _ in range(n):
+            t_compute = (lin_b + attn * (kr + b)) * inv_flops
+            t_memory = (wb + kvt * (kr + b)) * inv_bw
+            busy = t_compute if t_compute >= t_memory else t_memory  # (max, without a call)
+            d = busy + comm_b + overhead
+            t = t + d
+            ends.append(t)
+            durs.append(d)
+            ens.append(idle * d + dyn * busy)
+            if t >= t_ext:
+                break
+            kr += b
+        return ends, durs, ens
+
     def idle_energy(self, seconds: float) -> float:
         return self._idle * seconds
 

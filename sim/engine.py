@@ -1044,21 +1044,11 @@ class Engine:
         Step j reads c0 + b*j cached tokens. The clock advances by sequential addition in both
         the scalar and the NumPy part, so the times equal those of single steps exactly.
         """
-        step = self.cost.step
-        t = self.now
-        ends, durs, ens = [], [], []
-        j = 0
-        while j < kmax and j < self.SCALAR_STEPS:
-            kr = c0 + b * j
-            d, en = step(b, kr + b, kr)
-            t = t + d
-            ends.append(t)
-            durs.append(d)
-            ens.append(en)
-            j += 1
-            if t >= t_ext:  # the next step would start at or after the next event
-                return ends, durs, ens
-        if j == kmax:
+        ends, durs, ens = self.cost.decode_times(b, c0, min(kmax, self.SCALAR_STEPS), self.now,
+                                                 t_ext)
+        j = len(ends)
+        t = ends[-1]
+        if j == kmax or t >= t_ext:  # (the next step would start at or after the next event)
             return ends, durs, ens
         kr = c0 + b * np.arange(j, kmax, dtype=np.int64)
         d, en = self.cost.steps(b, kr + b, kr)
