@@ -724,12 +724,26 @@ class Engine:
         # the queue is empty, the batch left after a prefill step or a run that ended with
         # requests finishing decodes on, and the policy would only say so again.
         while fuse and taken < max_steps - 1 and self._decodes_follow(until, decoding):
-            k = self._decode_run(list(policy.running), until, max_steps - taken, scheduled=False)
-            if not k:
+            reqs = self._schedule_decodes()
+            if reqs is None:  # blocks are short: the policy decides (and preempts)
                 break
-            taken += k
+            taken += self._decode_run(reqs, until, max_steps - taken)
             decoding = True
         return taken
+
+    def _schedule_decodes(self) -> list | None:
+        """What the policy would schedule once `_decodes_follow`: the running batch, each
+        request whose table is full given the block its next token needs, in batch order as
+        `schedule_running` allocates them. None, changing nothing, when blocks are short."""
+        bs = self.block_size
+        reqs = list(self.policy.running)
+        full = [r for r in reqs if len(r.block_table) * bs == r.num_computed_tokens]
+        if full:
+            if len(full) > self.kv.num_free_blocks:
+                return None
+            for r, blk in zip(full, self.kv.pool.allocate(len(full))):
+                r.block_table.append(blk)
+        return reqs
 
     def _decodes_follow(self, until: float, decoding: bool) -> bool:
         """Whether the next decision is sure to be a run of decode steps of the whole running
@@ -899,18 +913,15 @@ class Engine:
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20
 
-    def _decode_run(self, reqs: list, until: float, max_steps: int,
-                    scheduled: bool = True) -> int:
-        """Run identical decode-only steps of `reqs`, up to the next event, all at once.
-        `scheduled=False`: the policy did not schedule the first step (`_decodes_follow`), so
-        its blocks are allocated here too, and nothing is run (0 returned) when it would be a
-        lone step or could not get its blocks."""
+    def _decode_run(self, reqs: list, until: float, max_steps: int) -> int:
+        """Run identical decode-only steps of `reqs` (the first one scheduled, its blocks
+        allocated), up to the next event, all at once."""
         bs = self.block_size
         b = len(reqs)
-        # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated
-        # when it was scheduled; else from step 0): a request needs a new block at step j when
-        # its token computed + j lies past the end of its table (a contiguous reservation
-        # holds far more), then every bs steps. (One loop: three comprehensions cost twice.)
+        # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
+        # a request needs a new block at step j when its token computed + j lies past the end
+        # of its table, which holds at least step 0's token (a contiguous reservation holds
+        # far more), then every bs steps. (One loop: three comprehensions cost twice.)
         kmax = min(max_steps, self.RUN_STEPS_MAX)
         c0 = 0  # tokens the batch holds
         first_cross = []
@@ -927,9 +938,7 @@ class Engine:
             if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:
                 cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
-        if kmax < 2:
-            if not scheduled:  # the policy decides (and preempts, if blocks are short)
-                return 0
+        if kmax == 1:
             return self._single_step([(r, 1) for r in reqs], len(self.policy.waiting))
         t_ext = min(self._next_external(), until, self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, c0, kmax, t_ext)
