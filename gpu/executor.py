@@ -240,9 +240,9 @@ class ModelExecutor:
             return attend_last(q4, kvs, scale).reshape(q.shape)
         else:
             kvs = copies.get_many(plan.req_ids, layer, plan.tables, plan.seq_lens.tolist())
-            for i, (k_t, v_e, kmax) in enumerate(kvs):
+            for i, (k_t, v_t, kmax) in enumerate(kvs):
                 r0, r1 = int(plan.offsets[i]), int(plan.offsets[i] + plan.lengths[i])
-                out[r0:r1] = attend_rows(q4[r0:r1], k_t, v_e, kmax, scale, plan.positions[r0:r1])
+                out[r0:r1] = attend_rows(q4[r0:r1], k_t, v_t, kmax, scale, plan.positions[r0:r1])
         return out.reshape(q.shape)
 
     def _record(self, seq) -> None:

@@ -200,11 +200,11 @@ class TinyModel:
             k_stored, v_stored = storage.encode(np, k), storage.encode(np, v)
             k_layers.append(k_stored)
             v_layers.append(v_stored)
-            k_t, v_e, kmax = contiguous_kv(storage.decode(np, k_stored), storage.decode(np, v_stored))
+            k_t, v_t, kmax = contiguous_kv(storage.decode(np, k_stored), storage.decode(np, v_stored))
             rows = np.arange(len(token_ids)) if q_rows is None else q_rows
             g = self.config.num_heads // self.config.num_kv_heads
             q4 = q.reshape(len(rows), self.config.num_kv_heads, g, self.config.head_dim)
-            out = attend_rows(q4, k_t, v_e, kmax, 1.0 / math.sqrt(self.config.head_dim), rows)
+            out = attend_rows(q4, k_t, v_t, kmax, 1.0 / math.sqrt(self.config.head_dim), rows)
             return out.reshape(q.shape)
 
         last = np.array([len(token_ids) - 1])

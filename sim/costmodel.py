@@ -1,55 +1,138 @@
 """The service-time model of the modeled deployment: how long an engine step takes, what it costs
 in energy, and how many KV blocks the GPU memory holds.
 
-A step is a roofline (per GPU, with the model sharded over `tensor_parallel` GPUs):
+A step is the sum of the times of the kernels it launches, per GPU, with the model sharded over
+`tp = tensor_parallel` GPUs, plus the engine's CPU time (`[engine]` holds every coefficient;
+`sim.presets.ENGINES` the fitted profiles). What a step computes:
 
-    t_compute = FLOPs / tp / (peak_tflops * 1e12 * flops_efficiency)
-    t_memory  = bytes / tp / (mem_bandwidth_gbps * 1e9 * bandwidth_efficiency)
-    t_comm    = 2 * layers * 2 (tp - 1) / tp * tokens * hidden * dtype_bytes / (interconnect * 1e9)
+    T  = tokens computed (prefill chunk tokens + one per decoding sequence)
+    S  = rows that sample a token (the LM head runs on these only)
+    n  = sequences in the step
+    Ap = over prefill tokens, the positions each attends to (itself included)
+    Kp = over prefill chunks, the cached tokens of the sequence before the chunk
+    D, Kd = decoding sequences, and over them the cached tokens each reads
+
+Model sizes: L layers, h hidden, nh / nkv query / KV heads of hd, V vocab, P parameters;
+P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through), the MLP width
+I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP). Bytes per element: wb weights
+(`model.dtype_bytes`), kvb KV cache (`model.kv_dtype_bytes`), ab activations
+(`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte weights when
+the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), B = mem_bandwidth_gbps * 1e9,
+N = interconnect_gbps * 1e9. Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n all-reduce
+efficiencies.
+
+    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = wb P_blocks / (tp B e_b)
+              t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
+    elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp) / (B e_e)
+    prefill   t_pa     = max(4 L nh hd Ap / (tp F16 e_a),  kv (Kp + Tp) / (B e_k))
+    decode    t_da     = max(4 L nh hd (Kd + D) / (tp F16 e_a),  kv (g Kd + D) / (B e_k))
+    all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
+    fixed     t_layer  = L layer_overhead
+    GPU       t_gpu    = t_blocks + t_head + t_elem + t_pa + t_da + t_ar + t_layer
+    CPU       t_cpu    = cpu_base + cpu_per_seq n
+    step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
+
+`kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU, and `g = nh / nkv` when
+the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`), else 1. The
+linear layers' quadrature sum is the smooth knee between their two rooflines: a GEMM of a few
+hundred tokens is neither bandwidth- nor compute-saturated (Vidur's per-operator profiles show
+1.4x the larger roofline where the two meet), so their efficiency grows with T. Only the
+embedding rows a step uses are read (the `wb h / tp` per token in t_elem). A mixed step pays
+prefill and decode attention both, as the separate kernels do.
+
+Energy per step (all GPUs): `tp * (idle_w * step + (tdp_w - idle_w) * busy)` where busy is the
+kernels' time (t_blocks + t_head + t_elem + t_pa + t_da).
+
+`engine.preset = "roofline"` keeps the single roofline servesim started with, for teaching:
+
+    t_compute = (2 P T + 4 L nh hd A) / tp / (peak_tflops * 1e12 * flops_efficiency)
+    t_memory  = (P wb + kvt (Kr + T)) / tp / (mem_bandwidth_gbps * 1e9 * bandwidth_efficiency)
+    t_comm    = 2 L 2 (tp - 1) / tp T h wb / N                                        (tp > 1)
     step      = max(t_compute, t_memory) + t_comm + step_overhead_ms / 1e3
 
-    FLOPs = 2 * num_params * tokens + 4 * layers * heads * head_dim * attended
-    bytes = num_params * dtype_bytes + kv_bytes_per_token * (kv_read + tokens)
-
-where `attended` sums, over every token computed, the positions it attends to (itself included),
-`kv_read` sums, over every sequence, the cached tokens it reads (its context before the step), and
-`kv_bytes_per_token = 2 * layers * kv_heads * head_dim * dtype_bytes`.
-
-Energy per step (all GPUs): `tp * (idle_w * step + (tdp_w - idle_w) * max(t_compute, t_memory))`.
+with A = Ap + Kd + D, Kr = Kp + Kd, kvt = 2 L nkv hd wb, busy = max(t_compute, t_memory).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 
 class CostModel:
-    """Step time, energy and KV capacity for one scenario's model and hardware."""
+    """Step time, energy and KV capacity for one scenario's model, hardware and engine."""
 
     def __init__(self, scenario) -> None:
-        m, h, kv = scenario.model, scenario.hardware, scenario.kv
-        self.tp = m.tensor_parallel
+        m, h, kv, e = scenario.model, scenario.hardware, scenario.kv, scenario.engine
+        tp = self.tp = m.tensor_parallel
         self.block_size = kv.block_size
-        self.kv_bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.dtype_bytes
-        self.weight_bytes = m.num_params * m.dtype_bytes
-        self._lin = 2.0 * m.num_params
-        self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
-        self._inv_flops = 1.0 / (self.tp * h.peak_tflops * 1e12 * h.flops_efficiency)
-        self._inv_bw = 1.0 / (self.tp * h.mem_bandwidth_gbps * 1e9 * h.bandwidth_efficiency)
-        if self.tp > 1 and h.interconnect_gbps > 0:
-            self._comm = (2 * m.num_layers * 2 * (self.tp - 1) / self.tp * m.hidden_size
-                          * m.dtype_bytes / (h.interconnect_gbps * 1e9))
-        else:
-            self._comm = 0.0
-        self.overhead = h.step_overhead_ms / 1e3
-        self._idle = self.tp * h.idle_w
-        self._dyn = self.tp * max(0.0, h.tdp_w - h.idle_w)
+        wb = m.dtype_bytes
+        kvb = m.kv_dtype_bytes or wb
+        self.kv_bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * kvb
+        self.weight_bytes = m.num_params * wb
+        self._idle = tp * h.idle_w
+        self._dyn = tp * max(0.0, h.tdp_w - h.idle_w)
         self.pcie_bytes_per_s = h.pcie_gbps * 1e9
         self._mem = h.memory_gb * 1e9
         self._util = kv.gpu_memory_utilization
         self._reserve = kv.reserve_gb * 1e9
         self._fixed_blocks = kv.num_blocks
         self._swap_bytes = kv.swap_space_gb * 1e9
+        self.roofline = e.preset == "roofline"
+        if self.roofline:
+            self._roofline_init(m, h, wb)
+        else:
+            self._kernel_init(m, h, e, wb, kvb)
+
+    def _roofline_init(self, m, h, wb) -> None:
+        tp = self.tp
+        self._lin = 2.0 * m.num_params
+        self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
+        self._inv_flops = 1.0 / (tp * h.peak_tflops * 1e12 * h.flops_efficiency)
+        self._inv_bw = 1.0 / (tp * h.mem_bandwidth_gbps * 1e9 * h.bandwidth_efficiency)
+        if tp > 1 and h.interconnect_gbps > 0:
+            self._comm = (2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size
+                          * wb / (h.interconnect_gbps * 1e9))
+        else:
+            self._comm = 0.0
+        self.overhead = h.step_overhead_ms / 1e3
+
+    def _kernel_init(self, m, h, e, wb, kvb) -> None:
+        tp, L, hid = self.tp, m.num_layers, m.hidden_size
+        nh, nkv, hd, ab = m.num_heads, m.num_kv_heads, m.head_dim, m.act_dtype_bytes
+        p_head = float(m.vocab_size * hid)
+        p_blocks = max(m.num_params - 2.0 * p_head, 0.0)
+        inter = max((p_blocks / L - hid * hd * (2 * nh + 2 * nkv)) / (3 * hid), 0.0)
+        f16 = h.peak_tflops * 1e12
+        bw = h.mem_bandwidth_gbps * 1e9
+        if wb == 1 and h.fp8_tflops > 0:  # FP8 tensor cores
+            gemm = tp * h.fp8_tflops * 1e12 * e.fp8_gemm_efficiency
+        else:
+            gemm = tp * f16 * e.gemm_efficiency
+        stream = tp * bw * e.bandwidth_efficiency
+        # Seconds per unit of each step quantity (see the module docstring).
+        self._blk_c = 2.0 * p_blocks / gemm  # per token
+        self._blk_m = wb * p_blocks / stream
+        self._head_c = 2.0 * p_head / gemm  # per sampled row
+        self._head_m = wb * p_head / stream
+        elem = L * ab * (8.0 * hid + (3.0 * inter + 2.0 * (nh + nkv) * hd) / tp) + wb * hid / tp
+        self._elem = elem / (bw * e.elementwise_efficiency)
+        attn = tp * f16 * e.attention_efficiency
+        self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
+        kv_gpu = 2.0 * L * max(nkv / tp, 1.0) * hd * kvb  # K/V bytes per token on one GPU
+        self._kv = kv_gpu / (bw * e.kv_bandwidth_efficiency)
+        self._kv_read = self._kv * (1.0 if e.gqa_shared_kv else nh / nkv)
+        if tp > 1:
+            self._ar_fix = 2.0 * L * e.allreduce_latency_us * 1e-6
+            link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
+            self._ar_tok = (2.0 * L * 2.0 * (tp - 1) / tp * hid * ab / link) if link > 0 else 0.0
+        else:
+            self._ar_fix = self._ar_tok = 0.0
+        self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
+        self._cpu0 = e.cpu_base_us * 1e-6
+        self._cpu1 = e.cpu_per_seq_us * 1e-6
+        self._overlap = e.cpu_overlap
 
     def weight_bytes_per_gpu(self) -> float:
         return self.weight_bytes / self.tp
@@ -70,39 +153,118 @@ class CostModel:
         free = self._mem * self._util - self.weight_bytes_per_gpu() - self._reserve
         return int(free // (self.kv_bytes_per_block() / self.tp))
 
-    def step(self, tokens, attended, kv_read, maximum=max):
-        """Duration (s) and energy (J) of steps computing `tokens` tokens.
+    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
+             maximum=max, sqrt=math.sqrt):
+        """Duration (s) and energy (J) of a step: `p_tokens` prefill tokens attending to
+        `p_attended` positions in chunks whose sequences had `p_cached` tokens cached, `d_seqs`
+        decoding sequences holding `d_cached` cached tokens, `num_seqs` sequences in all, of
+        which `sampled` sample a token (the module docstring has the formulas).
 
-        Works elementwise on Python numbers (`maximum=max`) or on NumPy arrays
-        (`maximum=np.maximum`) with bit-identical results, so a run of steps computed at once
+        Works elementwise on Python numbers (`maximum=max`, `sqrt=math.sqrt`) or on NumPy arrays
+        (`np.maximum`, `np.sqrt`) with bit-identical results, so a run of steps computed at once
         matches the same steps computed one by one.
         """
-        t_compute = (self._lin * tokens + self._attn * attended) * self._inv_flops
-        t_memory = (self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens)) * self._inv_bw
-        busy = maximum(t_compute, t_memory)
-        dur = busy + self._comm * tokens + self.overhead
-        energy = self._idle * dur + self._dyn * busy
-        return dur, energy
+        tokens = p_tokens + d_seqs
+        if self.roofline:
+            attended = p_attended + d_cached + d_seqs
+            kv_read = p_cached + d_cached
+            t_compute = (self._lin * tokens + self._attn * attended) * self._inv_flops
+            t_memory = ((self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens))
+                        * self._inv_bw)
+            busy = maximum(t_compute, t_memory)
+            dur = busy + self._comm * tokens + self.overhead
+            return dur, self._idle * dur + self._dyn * busy
+        # (The order of operations is part of the contract: `decode_step_fn` folds the terms a
+        # run of decode steps shares and must add them exactly as here.)
+        c = self._blk_c * tokens
+        busy = sqrt(c * c + self._blk_m * self._blk_m)
+        c = self._head_c * sampled
+        m = self._head_m * (sampled > 0)
+        busy = busy + sqrt(c * c + m * m) + self._elem * tokens
+        busy = busy + maximum(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
+        busy = busy + maximum(self._attn_f * (d_cached + d_seqs),
+                              self._kv_read * d_cached + self._kv * d_seqs)
+        gpu = busy + (self._fixed + self._ar_tok * tokens)
+        cpu = self._cpu0 + self._cpu1 * num_seqs
+        dur = maximum(gpu, cpu) if self._overlap else gpu + cpu
+        return dur, self._idle * dur + self._dyn * busy
 
-    def steps(self, tokens: np.ndarray, attended: np.ndarray, kv_read: np.ndarray):
-        return self.step(tokens, attended, kv_read, maximum=np.maximum)
+    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
+        """`step` over NumPy arrays (any argument may be a scalar)."""
+        return self.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
+                         maximum=np.maximum, sqrt=np.sqrt)
+
+    def decode_step_fn(self, b: int):
+        """`f(d_cached) -> (duration, energy)` of a decode-only step of `b` sequences, equal
+        bit for bit to `step(0, 0, 0, b, d_cached, b, b)` with what the steps of a run share
+        computed once (the engine times runs of identical decode steps with it)."""
+        if self.roofline:
+            step = self.step
+            return lambda d_cached: step(0, 0, 0, b, d_cached, b, b)
+        base, af, kv_read, kv_b, fixed, cpu = self._decode_shared(b)
+        overlap, idle, dyn = self._overlap, self._idle, self._dyn
+
+        def f(d_cached):
+            busy = base + max(af * (d_cached + b), kv_read * d_cached + kv_b)
+            gpu = busy + fixed
+            dur = max(gpu, cpu) if overlap else gpu + cpu
+            return dur, idle * dur + dyn * busy
+
+        return f
+
+    def _decode_shared(self, b: int) -> tuple:
+        """What every decode-only step of `b` sequences shares, in `step`'s order of
+        operations: the kernels' time without decode attention, its two rooflines' factors,
+        the fixed GPU time and the CPU time."""
+        c = self._blk_c * b
+        base = math.sqrt(c * c + self._blk_m * self._blk_m)
+        c = self._head_c * b
+        m = self._head_m * (b > 0)
+        base = base + math.sqrt(c * c + m * m) + self._elem * b
+        base = base + max(self._attn_f * 0, self._kv * (0 + 0))
+        return (base, self._attn_f, self._kv_read, self._kv * b, self._fixed + self._ar_tok * b,
+                self._cpu0 + self._cpu1 * b)
+
+    def decode_steps(self, b, d_cached):
+        """`steps` of decode-only steps of `b` sequences holding `d_cached` cached tokens
+        (an array: one entry per step)."""
+        return self.steps(0, 0, 0, b, d_cached, b, b)
 
     def decode_times(self, b: int, c0: int, n: int, t: float, t_ext: float):
         """The first (at most `n`) steps of a run of decode-only steps of `b` sequences holding
         `c0` cached tokens, the first starting at `t`: their end times, durations and energies
-        (lists), up to the first that ends at or after `t_ext`. Equal bit for bit to `step`
-        one at a time (the same operations in the same order, the clock advanced by
-        sequential addition), without a call per step: the engine's hottest loop."""
-        lin_b, attn, inv_flops = self._lin * b, self._attn, self._inv_flops
-        wb, kvt, inv_bw = self.weight_bytes, self.kv_bytes_per_token, self._inv_bw
-        comm_b, overhead, idle, dyn = self._comm * b, self.overhead, self._idle, self._dyn
+        (lists), up to the first that ends at or after `t_ext`. Equal bit for bit to
+        `decode_step_fn(b)` one step at a time (the same operations in the same order, the
+        clock advanced by sequential addition), without a call per step: the engine's
+        hottest loop. (`x if x >= y else y` is `max(x, y)` without the call.)"""
         ends, durs, ens = [], [], []
+        idle, dyn = self._idle, self._dyn
         kr = c0
+        if self.roofline:
+            lin_b, attn, inv_flops = self._lin * b, self._attn, self._inv_flops
+            wb, kvt, inv_bw = self.weight_bytes, self.kv_bytes_per_token, self._inv_bw
+            comm_b, overhead = self._comm * b, self.overhead
+            for _ in range(n):
+                t_compute = (lin_b + attn * (kr + b)) * inv_flops
+                t_memory = (wb + kvt * (kr + b)) * inv_bw
+                busy = t_compute if t_compute >= t_memory else t_memory
+                d = busy + comm_b + overhead
+                t = t + d
+                ends.append(t)
+                durs.append(d)
+                ens.append(idle * d + dyn * busy)
+                if t >= t_ext:
+                    break
+                kr += b
+            return ends, durs, ens
+        base, af, kv_read, kv_b, fixed, cpu = self._decode_shared(b)
+        overlap = self._overlap
         for _ in range(n):
-            t_compute = (lin_b + attn * (kr + b)) * inv_flops
-            t_memory = (wb + kvt * (kr + b)) * inv_bw
-            busy = t_compute if t_compute >= t_memory else t_memory  # (max, without a call)
-            d = busy + comm_b + overhead
+            x = af * (kr + b)
+            y = kv_read * kr + kv_b
+            busy = base + (x if x >= y else y)
+            gpu = busy + fixed
+            d = (gpu if gpu >= cpu else cpu) if overlap else gpu + cpu
             t = t + d
             ends.append(t)
             durs.append(d)

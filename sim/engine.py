@@ -196,6 +196,10 @@ class Engine:
         self.block_size = scenario.kv.block_size
         self.executor = executor
         self.clock = clock or scenario.compute.clock
+        # Multi-step scheduling (vLLM's --num-scheduler-steps): a decode batch runs this many
+        # steps per scheduling decision; arrivals and cancellations wait for the window's end.
+        self.scheduler_steps = scenario.engine.num_scheduler_steps
+        self._window = 0  # decode steps left in the current window
         self.skip_ahead = skip_ahead
         self.record_events = record_events
         self.events: list[ev.Event] = []
@@ -694,10 +698,13 @@ class Engine:
             raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {self.step_count} "
                               f"(t = {now:.3g} s): steps or hand-offs take too long under this "
                               "scenario's [hardware] and [model]")
-        if ((self._w_next < len(self._w_arrival) and self._w_arrival[self._w_next] <= now)
+        policy = self.policy
+        if not policy.running:
+            self._window = 0
+        if not self._window and (
+                (self._w_next < len(self._w_arrival) and self._w_arrival[self._w_next] <= now)
                 or (self._cancels and self._cancels[0][0] <= now)):
             self._arrive(now)
-        policy = self.policy
         if not policy.has_work():
             target = min(self._next_external(), until)
             if target > now and target != INF:
@@ -710,6 +717,10 @@ class Engine:
         for req, _ in sched:
             if req.state is not RS.RUNNING:
                 self._admit(req)
+        if self.scheduler_steps > 1:
+            self._window = (self._window or self.scheduler_steps) if out.decode_only else 0
+            if self._window:
+                max_steps = min(max_steps, self._window)
         # (Swap copies still to make are charged to the next single step: a request can join a
         # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
         if (out.decode_only and self.executor is None and self.skip_ahead and max_steps > 1
@@ -720,6 +731,8 @@ class Engine:
         else:
             taken = self._single_step(sched, len(policy.waiting))
             decoding = self._batch_decodes
+        if self._window:
+            self._window = max(self._window - taken, 0)
         # Decisions with no choice in them follow within this one: while nothing arrives and
         # the queue is empty, the batch left after a prefill step or a run that ended with
         # requests finishing decodes on, and the policy would only say so again.
@@ -757,16 +770,29 @@ class Engine:
                     or policy.next_change_time() <= now or not policy.skip_ahead_safe
                     or not policy.decodes_alone() or self.executor is not None
                     or not self.skip_ahead or self.duration_override is not None
-                    or self._swap_out or self._swap_in)
+                    or self._swap_out or self._swap_in or self.scheduler_steps > 1)
 
     def _single_step(self, sched, num_waiting: int) -> int:
-        tokens = attended = kv_read = 0
+        # What the service-time model needs: prefill chunks and decodes apart (separate
+        # attention kernels), and the rows that sample (the LM head runs on those only).
+        tokens = p_tokens = p_attended = p_cached = d_seqs = d_cached = sampling = 0
+        is_prefill = []
         for req, n in sched:
             c = req.num_computed_tokens
             tokens += n
-            attended += n * c + n * (n + 1) // 2
-            kv_read += c
-        dur, energy = self.cost.step(tokens, attended, kv_read)
+            chunk = n > 1 or req.num_output_tokens == 0 or c + n < req.num_tokens or req.recomputing
+            is_prefill.append(chunk)
+            if chunk:
+                p_tokens += n
+                p_attended += n * c + n * (n + 1) // 2
+                p_cached += c
+            else:
+                d_seqs += 1
+                d_cached += c
+            if c + n >= req.num_tokens:
+                sampling += 1
+        dur, energy = self.cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
+                                     len(sched), sampling)
         swapped = len(self._swap_out) + len(self._swap_in)
         if swapped:  # block copies over the host link delay the step
             extra = self.cost.swap_time(swapped)
@@ -786,21 +812,20 @@ class Engine:
         start = self.now
         end = start + dur
         g = self.step_count  # this step's row on the timeline
-        sampled = itl = prefill_tokens = 0
+        sampled = itl = 0
         prefilling = False
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
         caching = self.prefix_caching
-        for req, n in sched:
+        for (req, n), chunk in zip(sched, is_prefill):
             c = req.num_computed_tokens
             total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
             req.num_computed_tokens = c + n
             if caching:
                 self.kv.cache_full_blocks(req)
-            if n > 1 or req.num_output_tokens == 0 or c + n < total or req.recomputing:
+            if chunk:
                 req.prefill_chunks.append((end, c, n))
                 prefill_chunks.append((req.req_id, c, n))
-                prefill_tokens += n
             else:
                 decodes.append(req.req_id)
             if c + n < total:
@@ -844,7 +869,7 @@ class Engine:
                 if req.parent_id is None and req not in finished:
                     sampled += self._fork(req, end, g)
         if self.record_timeline:
-            self.timeline.add_row(end, dur, tokens, prefill_tokens, len(sched), sampled, itl,
+            self.timeline.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
                                   self.kv.num_used_blocks, self._empty_slots(), energy,
                                   num_waiting)
         self.now = end
@@ -940,7 +965,9 @@ class Engine:
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
         if kmax == 1:
             return self._single_step([(r, 1) for r in reqs], len(self.policy.waiting))
-        t_ext = min(self._next_external(), until, self.policy.next_change_time())
+        # (within a multi-step window, arrivals and cancellations do not end the run)
+        t_ext = min(INF if self._window else self._next_external(), until,
+                    self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, c0, kmax, t_ext)
         k = len(ends)
         used = self.kv.num_used_blocks
@@ -1059,8 +1086,7 @@ class Engine:
         t = ends[-1]
         if j == kmax or t >= t_ext:  # (the next step would start at or after the next event)
             return ends, durs, ens
-        kr = c0 + b * np.arange(j, kmax, dtype=np.int64)
-        d, en = self.cost.steps(b, kr + b, kr)
+        d, en = self.cost.decode_steps(b, c0 + b * np.arange(j, kmax, dtype=np.int64))
         e = np.cumsum(np.concatenate(([t], d)))[1:]
         m = len(d)
         if m > 1 and e[m - 2] >= t_ext:

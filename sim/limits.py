@@ -92,13 +92,14 @@ def check_deployment(sc, cost, num_blocks: int) -> None:
     the clock can carry, and block pools (device and host) whose bookkeeping fits in memory.
     `cost` is the scenario's CostModel. Raises ScenarioError naming the fields."""
     src, h = sc.source, sc.hardware
-    dur, _ = cost.step(1, 1, 0)
+    dur, _ = cost.step(0, 0, 0, 1, 1, 1, 1)  # one sequence decoding one token
     if not MIN_STEP_S <= dur <= MAX_STEP_S:
         raise ScenarioError(
             f"{src}: [hardware]: a one-token decode step would take {dur:.3g} s under "
             f"model.preset = {sc.model.preset!r} on hardware.preset = {h.preset!r} with these "
             f"sizes, outside {MIN_STEP_S:g} to {MAX_STEP_S:g} s; check "
-            "hardware.mem_bandwidth_gbps, peak_tflops, step_overhead_ms and model.num_params")
+            "hardware.mem_bandwidth_gbps, peak_tflops, step_overhead_ms, model.num_params and "
+            "the [engine] coefficients")
     if sc.scheduler.policy == "disaggregated":  # one block's K/V over the hand-off link
         t = cost.kv_bytes_per_block() / cost.tp / (sc.scheduler.kv_link_gbps * 1e9)
         if not t <= MAX_STEP_S:

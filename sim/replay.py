@@ -31,8 +31,12 @@ class Replayer:
         single engine then keeps no timeline and no ended request: faster, bounded memory,
         but nothing to summarize or export)."""
         self.log = log
+        raw = log.header["scenario"]
+        if isinstance(raw, dict) and "engine" not in raw:
+            # written before engine profiles: its clock was the single roofline
+            raw = {**raw, "engine": {"preset": "roofline"}}
         try:
-            sc = scenario_from_dict(log.header["scenario"], source=log.path, check_workload=False)
+            sc = scenario_from_dict(raw, source=log.path, check_workload=False)
         except ServesimError as e:
             raise LogError(f"{log.path}: the header's scenario does not load: {e}") from None
         self._next = 0

@@ -1,7 +1,7 @@
 """Scenario files: the schema, loading, `--set` overrides and every check made at load time.
 
 A scenario is a TOML file with top-level `name`, `description`, `seed` and the sections
-`[model]`, `[hardware]`, `[kv]`, `[scheduler]`, `[workload]`, `[slo]`, `[compute]`, `[cluster]`. Every field is
+`[model]`, `[hardware]`, `[engine]`, `[kv]`, `[scheduler]`, `[workload]`, `[slo]`, `[compute]`, `[cluster]`. Every field is
 declared once below with its type and bounds; an unknown key, a wrong type or an out-of-range
 value raises ScenarioError naming the file, the field and the value.
 """
@@ -60,7 +60,11 @@ class ModelConfig:
     head_dim: int = _f(0, min=0)
     vocab_size: int = _f(0, min=0)
     max_model_len: int = _f(0, min=0, doc="longest prompt+output a request may have")
-    dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per weight and per KV element")
+    dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per weight (and per KV element "
+                                                    "unless kv_dtype_bytes says otherwise)")
+    kv_dtype_bytes: int = _f(0, choices=[0, 1, 2, 4], doc="bytes per KV-cache element "
+                                                          "(0 = dtype_bytes)")
+    act_dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per activation element")
     tensor_parallel: int = _f(1, min=1, max=64, doc="GPUs the model is sharded over")
 
 
@@ -70,13 +74,63 @@ class HardwareConfig:
     memory_gb: float = _f(0.0, min=0)
     mem_bandwidth_gbps: float = _f(0.0, min=0, doc="HBM bandwidth, GB/s")
     peak_tflops: float = _f(0.0, min=0, doc="dense bf16 tensor TFLOP/s")
+    fp8_tflops: float = _f(0.0, min=0, doc="dense FP8 tensor TFLOP/s, used by the GEMMs of "
+                                           "1-byte weights (0 = none: they run at peak_tflops)")
     tdp_w: float = _f(0.0, min=0, doc="board power at full load, W")
     idle_w: float = _f(0.0, min=0, doc="board power when idle, W")
     interconnect_gbps: float = _f(0.0, min=0, doc="GPU-GPU link per direction, GB/s")
     pcie_gbps: float = _f(0.0, min=0, doc="host link, GB/s (swap)")
-    flops_efficiency: float = _f(0.6, gt=0, max=1, doc="achieved / peak FLOP/s")
-    bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="achieved / peak bandwidth")
-    step_overhead_ms: float = _f(1.0, min=0, doc="fixed cost per engine step (scheduling, launch)")
+    flops_efficiency: float = _f(0.6, gt=0, max=1, doc="engine.preset = \"roofline\" only: "
+                                                       "achieved / peak FLOP/s")
+    bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="roofline only: achieved / peak "
+                                                             "bandwidth")
+    step_overhead_ms: float = _f(1.0, min=0, doc="roofline only: fixed cost per engine step")
+
+
+_ENGINE = presets.ENGINES[presets.DEFAULT_ENGINE]
+
+
+@dataclass
+class EngineConfig:
+    """The serving engine's fitted coefficients (sim.costmodel defines each term). A key left
+    out takes the preset's value."""
+    preset: str = _f(presets.DEFAULT_ENGINE, kind="engine",
+                     doc="an engine profile (" + ", ".join(f"`{n}`" for n in presets.ENGINE_PRESETS)
+                         + ") or a TOML file written by `servesim calibrate`")
+    gemm_efficiency: float = _f(_ENGINE["gemm_efficiency"], gt=0, max=1,
+                                doc="linear layers: achieved / peak FLOP/s at large token counts")
+    fp8_gemm_efficiency: float = _f(_ENGINE["fp8_gemm_efficiency"], gt=0, max=1,
+                                    doc="linear layers of 1-byte weights: achieved / "
+                                        "hardware.fp8_tflops at large token counts")
+    bandwidth_efficiency: float = _f(_ENGINE["bandwidth_efficiency"], gt=0, max=1,
+                                     doc="streaming the weights: achieved / peak bandwidth")
+    kv_bandwidth_efficiency: float = _f(_ENGINE["kv_bandwidth_efficiency"], gt=0, max=1,
+                                        doc="attention reading the paged K/V cache: achieved / "
+                                            "peak bandwidth")
+    attention_efficiency: float = _f(_ENGINE["attention_efficiency"], gt=0, max=1,
+                                     doc="attention kernels: achieved / peak FLOP/s")
+    elementwise_efficiency: float = _f(_ENGINE["elementwise_efficiency"], gt=0, max=1,
+                                       doc="norms, rotary, activation, residual adds: achieved "
+                                           "/ peak bandwidth")
+    layer_overhead_us: float = _f(_ENGINE["layer_overhead_us"], min=0,
+                                  doc="fixed GPU time per layer per step (launch gaps, tails)")
+    allreduce_latency_us: float = _f(_ENGINE["allreduce_latency_us"], min=0,
+                                     doc="fixed time of one tensor-parallel all-reduce")
+    allreduce_efficiency: float = _f(_ENGINE["allreduce_efficiency"], gt=0, max=1,
+                                     doc="all-reduce: achieved / interconnect bandwidth")
+    cpu_base_us: float = _f(_ENGINE["cpu_base_us"], min=0,
+                            doc="CPU time per step (scheduling, input preparation, sampling)")
+    cpu_per_seq_us: float = _f(_ENGINE["cpu_per_seq_us"], min=0,
+                               doc="CPU time per step per sequence in the batch")
+    cpu_overlap: bool = _f(_ENGINE["cpu_overlap"],
+                           doc="the CPU time overlaps the GPU time (multi-step or async "
+                               "scheduling): a step takes the longer of the two, not the sum")
+    num_scheduler_steps: int = _f(_ENGINE["num_scheduler_steps"], min=1, max=64,
+                                  doc="decode steps per scheduling decision (vLLM multi-step "
+                                      "scheduling): arrivals wait for the end of the window")
+    gqa_shared_kv: bool = _f(_ENGINE["gqa_shared_kv"],
+                             doc="decode attention reads K/V once per KV head (false: once per "
+                                 "query head)")
 
 
 @dataclass
@@ -111,7 +165,8 @@ class SchedulerConfig:
 
 @dataclass
 class WorkloadConfig:
-    arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace"])
+    arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace", "batch"],
+                      doc="batch: all num_requests at t = 0 (a fixed batch, offline runs)")
     rate: float = _f(1.0, gt=0, doc="requests per second")
     cv: float = _f(1.0, gt=0, max=100, doc="gamma: coefficient of variation of inter-arrival times")
     trace: str = _f("", doc="trace file (Azure CSV, Mooncake JSONL, length-pairs CSV)")
@@ -174,6 +229,7 @@ class ComputeConfig:
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "hardware": HardwareConfig,
+    "engine": EngineConfig,
     "kv": KVConfig,
     "scheduler": SchedulerConfig,
     "workload": WorkloadConfig,
@@ -191,6 +247,7 @@ class Scenario:
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -456,7 +513,10 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
     if not isinstance(raw, dict):
         raise ScenarioError(f"{source}: a scenario must be a table")
     kwargs: dict[str, Any] = {}
+    base = base_dir or BUNDLED_DIR
     for key, value in raw.items():
+        if key == "engine" and isinstance(value, dict):
+            value = resolve_engine(value, source, base)
         if key in TOP_LEVEL:
             kwargs[key] = _check_type(f"{source}: {key}", value, TOP_LEVEL[key])
             if key == "seed" and value < 0:  # seeds NumPy's generators, which take none below 0
@@ -466,10 +526,57 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
         else:
             raise ScenarioError(
                 f"{source}: {_key(key)}: unknown key{_suggest(key, [*TOP_LEVEL, *SECTIONS])}")
-    sc = Scenario(**kwargs, base_dir=base_dir or BUNDLED_DIR, source=source)
+    if "engine" not in kwargs:
+        kwargs["engine"] = _section(source, "engine", EngineConfig,
+                                    resolve_engine({}, source, base))
+    sc = Scenario(**kwargs, base_dir=base, source=source)
     _fill_presets(sc)
     _check_whole(sc, check_workload)
     return sc
+
+
+def engine_preset(name: str, where: str, base_dir: Path) -> dict:
+    """The coefficients an `engine.preset` names: a built-in profile, `roofline` (whose
+    coefficients go unused), or a TOML file written by `servesim calibrate` (its `[engine]`
+    table over the built-in profile it names). Raises ScenarioError."""
+    if name in presets.ENGINES:
+        return dict(presets.ENGINES[name])
+    if name == "roofline":
+        return dict(presets.ENGINES[presets.DEFAULT_ENGINE])
+    if not name.endswith(".toml"):
+        raise ScenarioError(
+            f"{where} = {name!r}: unknown engine (known: {', '.join(presets.ENGINE_PRESETS)}, "
+            f"or a .toml file from servesim calibrate){_suggest(name, presets.ENGINE_PRESETS)}")
+    path = Path(name).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    try:
+        table = tomllib.loads(path.read_text()).get("engine")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{where} = {name!r}: cannot read {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{path}: not valid TOML: {e}") from None
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{path}: no [engine] table (expected a file written by "
+                            "servesim calibrate)")
+    base = table.get("preset", presets.DEFAULT_ENGINE)
+    if base not in presets.ENGINES:
+        raise ScenarioError(f"{path}: engine.preset = {base!r}: must name a built-in engine "
+                            f"({', '.join(presets.ENGINES)})")
+    return {**presets.ENGINES[base], **{k: v for k, v in table.items() if k != "preset"}}
+
+
+def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:
+    """The `[engine]` table with every key it leaves out taken from its preset. A table that
+    already holds every key (a session log's) is returned as it is, its preset not read."""
+    keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "preset"]
+    if all(k in raw for k in keys):
+        return raw
+    name = raw.get("preset", presets.DEFAULT_ENGINE)
+    if not isinstance(name, str):
+        raise ScenarioError(f"{source}: engine.preset = {name!r}: expected a string")
+    base = engine_preset(name, f"{source}: engine.preset", base_dir)
+    return {**base, **raw}
 
 
 def _fill_presets(sc: Scenario) -> None:
@@ -479,7 +586,8 @@ def _fill_presets(sc: Scenario) -> None:
         for k, v in base.items():
             if getattr(cfg, k) == 0:
                 setattr(cfg, k, type(getattr(cfg, k))(v))
-        missing = [k for k in next(iter(table.values())) if getattr(cfg, k) == 0]
+        missing = [k for k in next(iter(table.values()))
+                   if getattr(cfg, k) == 0 and k not in presets.OPTIONAL_HARDWARE]
         if missing:
             raise ScenarioError(
                 f"{sc.source}: {sec}: preset = \"\" needs every size; missing {', '.join(missing)}"

@@ -92,7 +92,7 @@ class Timeline:
         self.keep = keep
         self.pinned = pinned
         self.hold_kv = False  # keep (end, kv_used) of sealed rows until `release_kv` (a cluster)
-        self.on_seal = None   # called after each chunk is sealed
+        self.on_seal = None   # called after a write that sealed chunks
         self._rows: list[tuple] = []
         self._tail = {k: np.zeros(min(4096, CHUNK), dtype=t) for k, t in COLUMNS.items()}
         self._tail_n = 0
@@ -148,6 +148,7 @@ class Timeline:
         """Write k rows (each column a scalar, an array or a tuple of length k) to the tail,
         sealing it each time it fills."""
         done = 0
+        sealed = False
         while done < k:
             tail, at = self._tail, self._tail_n
             cap = len(tail["end"])
@@ -164,6 +165,12 @@ class Timeline:
             done += m
             if self._tail_n == CHUNK:
                 self._seal()
+                sealed = True
+        # Only now, with every row written: a reader called back mid-write (a deployment
+        # merging its instances' KV use) would take the rows not yet written, which end before
+        # the engine's clock, for rows still to come.
+        if sealed and self.on_seal is not None:
+            self.on_seal()
 
     def _grow_tail(self, need: int) -> None:
         cap = len(self._tail["end"])
@@ -189,8 +196,6 @@ class Timeline:
             self._chunks.append(held)
         self._tail = {k: np.zeros(CHUNK, dtype=t) for k, t in COLUMNS.items()}
         self._tail_n = 0
-        if self.on_seal is not None:
-            self.on_seal()
         if not self.keep:
             self._trim()
 

@@ -1,10 +1,10 @@
 """Workloads: the requests of a run, materialized before it starts so that every policy sees the
 same trace.
 
-Arrivals come from a process (Poisson, gamma, constant) or from a trace's timestamps; prompt and
-output lengths from a fixed number, a distribution, or an empirical length file. Traces are read
-from the Azure 2023 CSV, the Mooncake JSONL (whose `hash_ids` are kept for prefix caching) and
-length-pairs CSVs. Each random draw uses its own seeded stream, so changing one knob (say the
+Arrivals come from a process (Poisson, gamma, constant, or a batch at t = 0) or from a trace's
+timestamps; prompt and output lengths from a fixed number, a distribution, or an empirical length
+file. Traces are read from the Azure 2023 CSV, the Mooncake JSONL (whose `hash_ids` are kept for
+prefix caching) and length-pairs CSVs. Each random draw uses its own seeded stream, so changing one knob (say the
 cancellation fraction) does not reshuffle the others.
 """
 
@@ -388,6 +388,8 @@ def _num_draws(scenario) -> int:
 
 
 def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
+    if w.arrival == "batch":  # a fixed batch: everything at t = 0 (offline benchmarks)
+        return np.zeros(n_max)
     mean_gap = 1.0 / w.rate
     if w.arrival == "constant":
         gaps = np.full(n_max, mean_gap)

@@ -83,7 +83,8 @@ def a_log(tmp_path_factory):
 @pytest.mark.parametrize("cmd", [c for c in COMMANDS if not _syntax(c)])
 def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
     """Each example as written, headless: the simulations cut to 40 requests (their options,
-    scenarios and overrides as shown), the dashboard and the benchmarks parsed, not run."""
+    scenarios and overrides as shown), the dashboard, the benchmarks and the server parsed,
+    not run."""
     import shlex
 
     from tui.cli import build_parser, main
@@ -92,8 +93,10 @@ def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
             for w in shlex.split(cmd)][1:]
     if len(argv) == 1 and argv[0] not in ("scenarios", "run"):
         return  # the name of a command in a sentence ("`servesim compare` shows both")
-    if argv[0] in ("run", "bench"):
-        build_parser().parse_args(argv)  # (interactive, or minutes of measuring)
+    if argv[0] in ("run", "bench", "serve", "calibrate"):
+        # (interactive, minutes of measuring, serving until a signal, or the user's own
+        # measurement file)
+        build_parser().parse_args(argv)
         return
     if argv[0] in ("sim", "compare", "sweep"):
         argv += ["--set", "workload.num_requests=40"]

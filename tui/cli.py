@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
@@ -460,6 +461,103 @@ def _speed(text: str) -> float:
         return check_speed(text)
     except ServesimError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speed ")) from None
+def cmd_validate(args) -> int:
+    from sim import validate as V
+    from sim.scenario import BUNDLED_DIR
+
+    spec = Path(args.points) if args.points else BUNDLED_DIR / "fidelity"
+    if spec.suffix.lower() == ".json":
+        from sim.calibrate import read_bench_json, validate_bench
+
+        results = validate_bench(read_bench_json(spec), _scenario(args))
+    else:
+        points = V.load_points(spec)
+        if args.only:
+            wanted = set(args.only.split(","))
+            points = [p for p in points if p.id in wanted]
+            if not points:
+                raise V.ValidationError(f"--only {args.only}: no such point in {spec}")
+        if args.fit or args.loo:
+            return _fit_profiles(points, args)
+        results = []
+        for i, p in enumerate(points):
+            if not args.json:
+                print(f"\r[{i + 1}/{len(points)}] {p.id} ", end="", file=sys.stderr, flush=True)
+            try:
+                results.append(V.run_point(p, args.engine, args.overrides))
+            finally:  # the progress line goes before a result or an error's one line
+                if not args.json:
+                    print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+    stats = V.summary(results)
+    if args.plot:
+        _check_writable(args.plot, "--plot")
+        V.plot(results, args.plot)
+    if args.json:
+        print(json.dumps({"points": results, "summary": stats}, indent=2))
+    else:
+        print(V.format_report(results, stats))
+    return 0
+
+
+def _fit_profiles(points, args) -> int:
+    """`validate --fit` / `--loo`: fit the engine profiles on the `use = fit` points (how the
+    built-in ones were made), or their leave-one-out error."""
+    from sim import profiles as P
+    from sim.validate import error_stats
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    rows = P.prepare([p for p in points if p.use == "fit"])
+    c = P.fit(rows, log=log)
+    profiles = P.profiles(c)
+    if not args.loo:  # the derived profiles need the fitted ones as their reference
+        from sim.presets import ENGINES
+
+        profiles = P.fit_ratios({**ENGINES, **profiles}, log=log)
+    out = {"coefficients": c, "profiles": profiles}
+    if args.loo:
+        loo = P.leave_one_out(rows, c, log=log)
+        out["leave_one_out"] = {p.id: ratio for p, ratio in loo}
+        out["leave_one_out_error"] = error_stats([r for _, r in loo])
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    import numpy as np
+
+    from sim.calibrate import calibrate, preset_toml
+
+    path = Path(args.measurements)
+    if not path.is_file():
+        raise ScenarioError(f"{path}: no such measurement file")
+    sc = _scenario(args)
+    _check_writable(args.output, "-o")
+    fit = calibrate(path, sc)
+    text = preset_toml(fit, sc, path)
+    err = fit.errors()
+    if args.json:
+        print(json.dumps({"coefficients": fit.coeffs, "residuals": fit.residuals,
+                          "median_abs_error": float(np.median(err)),
+                          "worst_abs_error": float(err.max())}, indent=2))
+    else:
+        for r in fit.residuals[:40]:
+            print(f"{r['what']:<48} measured {r['measured'] * 1e3:>10.4g} ms  fitted "
+                  f"{r['fitted'] * 1e3:>10.4g} ms  {r['error']:+.3f}")
+        if len(fit.residuals) > 40:
+            print(f"... {len(fit.residuals) - 40} more")
+        print(f"residuals: median |fitted / measured - 1| = {np.median(err):.3f}, "
+              f"worst {err.max():.3f} over {len(err)} measurements")
+    if args.output:
+        from sim.fileio import write_atomic
+
+        write_atomic(args.output, text)
+        if not args.json:
+            print(f"wrote {args.output}: use it with [engine] preset = \"{args.output}\"")
+    elif not args.json:
+        print(text, end="")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -560,6 +658,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TTFT and TPOT (p50, p99) against achieved throughput per configuration:"
                         " to FILE.svg or FILE.png (needs servesim[plot]), or on the terminal")
     s.set_defaults(func=cmd_sweep)
+
+    s = sub.add_parser("validate", help="predicted against published measurements")
+    s.add_argument("points", nargs="?", default=None,
+                   help="a points CSV (or a folder holding published.csv and scenarios/), or a "
+                        "vllm bench serve result JSON (default: the bundled points)")
+    s.add_argument("--scenario", dest="scenario", default="chat",
+                   help="for a bench JSON: the deployment it ran on (default: chat)")
+    s.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override a field of every scenario")
+    s.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    s.add_argument("--engine", help="run every point on this engine profile")
+    s.add_argument("--only", metavar="ID,ID", help="only these points")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--plot", metavar="FILE.png|svg",
+                   help="write predicted against published, log-log (needs servesim[plot])")
+    s.add_argument("--fit", action="store_true",
+                   help="fit the engine profiles on the use = fit points (prints JSON)")
+    s.add_argument("--loo", action="store_true", help="with the fit, its leave-one-out error")
+    s.set_defaults(func=cmd_validate)
+
+    s = sub.add_parser("calibrate", help="fit an engine profile to measurements")
+    s.add_argument("measurements", help="a kernel-timing CSV or a vllm bench serve result JSON")
+    s.add_argument("--scenario", dest="scenario", default="chat",
+                   help="the measured deployment: model, hardware, engine to start from "
+                        "(default: chat)")
+    s.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override any scenario field")
+    s.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    s.add_argument("-o", "--output", metavar="FILE.toml", help="write the engine profile here")
+    s.add_argument("--json", action="store_true", help="print the fit as one JSON object")
+    s.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")
     from tui import bench

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from sim.errors import ScenarioError
 
@@ -135,8 +136,13 @@ def write_plot(path: str, cs: list[Curve], slos: dict, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[-1].legend(fontsize=7, loc="best")
     fig.suptitle(title)
-    fig.savefig(path)
-    plt.close(fig)
+    from sim.fileio import atomic_open
+
+    try:
+        with atomic_open(path, "wb") as fh:  # never a half-written or replaced special file
+            fig.savefig(fh, format=Path(path).suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(fig)
 
 
 # --- the terminal --------------------------------------------------------------------------------

@@ -30,12 +30,12 @@ def test_attend_last_matches_attend_row_by_row_and_softmax():
     kvs = [ca.contiguous_kv(k.astype(np.float32), v.astype(np.float32)) for k, v in raw]
     q = _grid(rng, (len(lens), kvh, group, dim), 0.5)
     together = ca.attend_last(q, kvs, scale)
-    for i, (k_t, v_e, kmax) in enumerate(kvs):
-        alone = ca.attend(q[i:i + 1], k_t, v_e, kmax, scale)[0]
+    for i, (k_t, v_t, kmax) in enumerate(kvs):
+        alone = ca.attend(q[i:i + 1], k_t, v_t, kmax, scale)[0]
         assert np.array_equal(together[i], alone)  # bits, not closeness
         # and the same row among others of its own sequence, seeing every key
         rows = np.concatenate([q[i:i + 1], _grid(rng, (3, kvh, group, dim), 0.5)])
-        assert np.array_equal(ca.attend(rows, k_t, v_e, kmax, scale)[0], alone)
+        assert np.array_equal(ca.attend(rows, k_t, v_t, kmax, scale)[0], alone)
         np.testing.assert_allclose(alone, _softmax_attention(q[i], *raw[i], scale), rtol=0, atol=2e-6)
 
 
@@ -74,10 +74,10 @@ class _Cache:
 
 
 def _assert_is_gather(kv, cache, table, n):
-    k_t, v_e, kmax = kv
+    k_t, v_t, kmax = kv
     want = ca.contiguous_kv(cache.k[0][table].reshape(-1, *cache.k.shape[3:])[:n],
                             cache.v[0][table].reshape(-1, *cache.v.shape[3:])[:n])
-    assert np.array_equal(k_t, want[0]) and np.array_equal(v_e, want[1])
+    assert np.array_equal(k_t, want[0]) and np.array_equal(v_t, want[1])
     assert kmax >= want[2]
 
 

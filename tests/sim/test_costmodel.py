@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -5,73 +7,217 @@ from hypothesis import given, settings, strategies as st
 from sim.costmodel import CostModel
 from sim.scenario import load_scenario
 
+ROOFLINE = 'engine.preset="roofline"'
+# No CPU, no fixed costs: what is left is the kernels' time.
+BARE = ("engine.cpu_base_us=0", "engine.cpu_per_seq_us=0", "engine.layer_overhead_us=0")
+
 
 def model(*o):
     return CostModel(load_scenario("chat", list(o)))
 
 
-def test_decode_step_is_memory_bound_and_matches_the_formula():
-    m = model("hardware.step_overhead_ms=0")
+def decode(m, batch, context):
+    """A decode-only step of `batch` sequences holding `context` cached tokens each."""
+    return m.step(0, 0, 0, batch, batch * context, batch, batch)[0]
+
+
+def prefill(m, tokens, cached=0, sampled=1):
+    """A prefill chunk of `tokens` tokens after `cached` cached ones."""
+    return m.step(tokens, tokens * cached + tokens * (tokens + 1) // 2, cached, 0, 0, 1,
+                  sampled)[0]
+
+
+# --- the roofline kept for teaching ------------------------------------------------------------
+def test_roofline_decode_step_is_memory_bound_and_matches_the_formula():
+    m = model(ROOFLINE, "hardware.step_overhead_ms=0")
     # one decode token with 1000 cached tokens, Llama-3.1-8B on an H100
-    dur, energy = m.step(1, 1001, 1000)
+    dur, energy = m.step(0, 0, 0, 1, 1000, 1, 1)
     bytes_ = 8.03e9 * 2 + 131072 * (1000 + 1)
     assert dur == pytest.approx(bytes_ / (3350e9 * 0.85))
     assert energy == pytest.approx(90 * dur + (700 - 90) * dur)
 
 
-def test_big_prefill_is_compute_bound():
-    m = model("hardware.step_overhead_ms=0")
+def test_roofline_big_prefill_is_compute_bound():
+    m = model(ROOFLINE, "hardware.step_overhead_ms=0")
     n = 8192
-    dur, _ = m.step(n, n * (n + 1) // 2, 0)
     flops = 2 * 8.03e9 * n + 4 * 32 * 32 * 128 * (n * (n + 1) // 2)
-    assert dur == pytest.approx(flops / (989e12 * 0.6))
+    assert prefill(m, n) == pytest.approx(flops / (989e12 * 0.6))
 
 
-def test_tensor_parallel_divides_work_and_adds_communication():
-    tp1 = model("model.preset=\"llama-3.1-70b\"", "kv.num_blocks=1000")
-    tp4 = model("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4")
+def test_roofline_tensor_parallel_divides_work_and_adds_communication():
+    tp1 = model(ROOFLINE, "model.preset=\"llama-3.1-70b\"", "kv.num_blocks=1000")
+    tp4 = model(ROOFLINE, "model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4")
     assert tp4._comm == pytest.approx(2 * 80 * 2 * 0.75 * 8192 * 2 / 450e9)
-    d1, _ = tp1.step(64, 64 * 500, 64 * 500)
-    d4, _ = tp4.step(64, 64 * 500, 64 * 500)
+    d1, d4 = decode(tp1, 64, 500), decode(tp4, 64, 500)
     assert d4 < d1 / 2  # weights and KV are read four ways in parallel
     assert d4 > (d1 - tp1.overhead) / 4 + tp4.overhead  # ...but the all-reduces cost time
 
 
+# --- the per-kernel model ----------------------------------------------------------------------
+def test_batch_one_decode_streams_the_weights_once():
+    m = model(*BARE)
+    d = decode(m, 1, 100)
+    # the transformer blocks and the LM head, not the embedding table (one row of it)
+    weights = (8.03e9 - 128256 * 4096) * 2
+    assert d == pytest.approx(weights / (3350e9 * 0.85), rel=0.03)
+    assert d > weights / (3350e9 * 0.85)
+
+
+def test_gemm_efficiency_grows_with_the_tokens_in_a_step():
+    m = model(*BARE)
+    e = load_scenario("chat").engine
+
+    def linear(n):  # a chunk without attention work and without the LM head
+        return m.step(n, 0, 0, 0, 0, 1, 0)[0]
+
+    per_token = [linear(n) / n for n in (16, 128, 512, 2048, 8192)]
+    assert all(a > b for a, b in zip(per_token, per_token[1:]))
+    # at 8k tokens the linear layers run near their compute roofline, 2 P / (F e_g)
+    roof = 2 * (8.03e9 - 2 * 128256 * 4096) / (989e12 * e.gemm_efficiency)
+    assert roof < per_token[-1] < 1.3 * roof
+    # where the compute and memory rooflines meet, the step is 1.4x the larger of them
+    ridge = (8.03e9 - 2 * 128256 * 4096) * 2 / (3350e9 * e.bandwidth_efficiency) / roof
+    assert linear(int(ridge)) > 1.35 * max(roof * int(ridge), roof * ridge)
+
+
+def test_lm_head_runs_only_for_sampling_rows():
+    m = model(*BARE)
+    full = prefill(m, 512, sampled=1)
+    partial = prefill(m, 512, sampled=0)  # a chunk that does not reach the prompt's end
+    e = load_scenario("chat").engine.bandwidth_efficiency
+    head = 128256 * 4096 * 2 / (3350e9 * e)
+    assert full - partial == pytest.approx(head, rel=0.1)
+
+
+def test_prefill_attention_grows_with_the_context_and_decode_attention_with_the_cache():
+    m = model(*BARE)
+    assert prefill(m, 512, cached=16000) > prefill(m, 512, cached=0) * 1.2
+    assert decode(m, 64, 8000) > 2 * decode(m, 64, 500)
+
+
+def test_gqa_kernels_that_do_not_share_kv_read_it_per_query_head():
+    shared = model(*BARE)
+    per_head = model(*BARE, "engine.gqa_shared_kv=false")
+    kv = decode(shared, 64, 4000) - decode(shared, 64, 0)
+    kv_per_head = decode(per_head, 64, 4000) - decode(per_head, 64, 0)
+    assert kv_per_head == pytest.approx(4 * kv, rel=0.05)  # 32 heads over 8 KV heads
+
+
+def test_tensor_parallel_all_reduce_is_latency_plus_bytes():
+    base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE)
+    a = model(*base, "engine.allreduce_latency_us=10")
+    b = model(*base, "engine.allreduce_latency_us=50")
+    # 2 all-reduces per layer, 80 layers: 40 us more each
+    assert decode(b, 8, 100) - decode(a, 8, 100) == pytest.approx(2 * 80 * 40e-6)
+    # the bytes grow with the tokens: 2 (tp-1)/tp tokens hidden bytes each
+    slow_link = model(*base, "engine.allreduce_latency_us=0", "engine.allreduce_efficiency=0.1")
+    fast_link = model(*base, "engine.allreduce_latency_us=0", "engine.allreduce_efficiency=1")
+    extra = prefill(slow_link, 4096) - prefill(fast_link, 4096)
+    per_call = 1.5 * 4096 * 8192 * 2 / 450e9
+    assert extra == pytest.approx(2 * 80 * (per_call / 0.1 - per_call))
+    one = model("model.preset=\"llama-3.1-70b\"", "kv.num_blocks=100", *BARE,
+                "engine.allreduce_latency_us=50")
+    assert one._ar_fix == 0.0  # one GPU: no all-reduce
+
+
+def test_cpu_time_adds_to_the_step_unless_it_overlaps():
+    serial = model("engine.cpu_base_us=2000", "engine.cpu_per_seq_us=50",
+                   "engine.cpu_overlap=false")
+    overlap = model("engine.cpu_base_us=2000", "engine.cpu_per_seq_us=50",
+                    "engine.cpu_overlap=true")
+    bare = model("engine.cpu_base_us=0", "engine.cpu_per_seq_us=0")
+    for batch in (1, 32, 256):
+        gpu = decode(bare, batch, 300)
+        cpu = 2000e-6 + 50e-6 * batch
+        assert decode(serial, batch, 300) == pytest.approx(gpu + cpu)
+        assert decode(overlap, batch, 300) == pytest.approx(max(gpu, cpu))
+
+
+def test_weights_kv_and_activations_have_their_own_dtypes():
+    bf16 = model(*BARE)
+    fp8 = model(*BARE, "model.dtype_bytes=1")
+    fp8_kv16 = model(*BARE, "model.dtype_bytes=1", "model.kv_dtype_bytes=2")
+    # batch-1 decode streams the weights: FP8 weights halve it
+    assert decode(fp8, 1, 10) == pytest.approx(decode(bf16, 1, 10) / 2, rel=0.05)
+    # the K/V read follows kv_dtype_bytes, not the weights'
+    kv = decode(bf16, 64, 8000) - decode(bf16, 64, 0)
+    assert decode(fp8_kv16, 64, 8000) - decode(fp8_kv16, 64, 0) == pytest.approx(kv)
+    assert decode(fp8, 64, 8000) - decode(fp8, 64, 0) == pytest.approx(kv / 2)
+    # FP8 weights run their GEMMs on the FP8 tensor cores (H100: 2x the bf16 peak)
+    assert fp8._blk_c < bf16._blk_c
+    # activations: the all-reduce bytes (tensor parallel) and the elementwise kernels
+    tp = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE)
+    assert (prefill(model(*tp, "model.act_dtype_bytes=4"), 4096)
+            > prefill(model(*tp, "model.act_dtype_bytes=2"), 4096))
+
+
+def test_a_mixed_step_pays_prefill_and_decode_attention():
+    m = model(*BARE)
+    n, c = 256, 2000
+    chunk = (n, n * c + n * (n + 1) // 2, c)
+    mixed = m.step(*chunk, 100, 100 * 3000, 101, 101)[0]
+    only_prefill = m.step(*chunk, 0, 0, 1, 1)[0]
+    only_decode = m.step(0, 0, 0, 100, 100 * 3000, 100, 100)[0]
+    assert mixed > max(only_prefill, only_decode)
+    attention = decode(m, 100, 3000) - decode(m, 100, 0)
+    assert mixed - m.step(n, chunk[1], c, 100, 0, 101, 101)[0] == pytest.approx(attention,
+                                                                               rel=0.05)
+
+
+def test_engines_differ_in_cpu_and_multi_step():
+    from sim.presets import ENGINES
+
+    assert ENGINES["vllm-0.6-multistep"]["num_scheduler_steps"] == 10
+    assert not ENGINES["tensorrt-llm-0.6"]["gqa_shared_kv"]
+    assert ENGINES["tensorrt-llm"]["gqa_shared_kv"]
+    assert ENGINES["sglang"]["cpu_overlap"]
+
+
 @settings(max_examples=50, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 10**7), st.integers(0, 10**7)),
+@given(st.sampled_from(["vllm-v1", "roofline", "sglang"]),
+       st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 10**7), st.integers(0, 10**6),
+                          st.integers(1, 512), st.integers(0, 10**7), st.integers(0, 64)),
                 min_size=1, max_size=20))
-def test_scalar_and_array_paths_are_bit_identical(rows):
-    m = model()
-    t = np.array([r[0] for r in rows], dtype=np.int64)
-    a = np.array([r[1] for r in rows], dtype=np.int64)
-    k = np.array([r[2] for r in rows], dtype=np.int64)
-    dv, ev = m.steps(t, a, k)
-    for i, (ti, ai, ki) in enumerate(rows):
-        ds, es = m.step(ti, ai, ki)
-        assert ds == dv[i] and es == ev[i]
+def test_scalar_and_array_paths_are_bit_identical(preset, rows):
+    m = model(f'engine.preset="{preset}"', "model.preset=\"llama-3.1-70b\"",
+              "model.tensor_parallel=4")
+    cols = [np.array([r[i] for r in rows], dtype=np.int64) for i in range(6)]
+    pt, pa, pc, ds, dc, extra = cols
+    dv, ev = m.steps(pt, pa, pc, ds, dc, ds + extra, ds + extra)
+    for i, r in enumerate(rows):
+        d, e = m.step(r[0], r[1], r[2], r[3], r[4], r[3] + r[5], r[3] + r[5])
+        assert d == dv[i] and e == ev[i]
+    # and the decode-run helper with a scalar batch
+    b = int(ds[0])
+    dr, er = m.decode_steps(b, dc)
+    f = m.decode_step_fn(b)
+    for i, kv in enumerate(dc.tolist()):
+        assert m.step(0, 0, 0, b, kv, b, b) == (dr[i], er[i]) == f(kv)
 
 
 def test_presets_change_speed():
-    h100 = model("hardware.preset=\"h100-sxm\"").step(32, 32 * 1001, 32 * 1000)[0]
-    a100 = model("hardware.preset=\"a100-80gb\"").step(32, 32 * 1001, 32 * 1000)[0]
-    h200 = model("hardware.preset=\"h200\"").step(32, 32 * 1001, 32 * 1000)[0]
+    h100 = decode(model("hardware.preset=\"h100-sxm\""), 32, 1000)
+    a100 = decode(model("hardware.preset=\"a100-80gb\""), 32, 1000)
+    h200 = decode(model("hardware.preset=\"h200\""), 32, 1000)
     assert h200 < h100 < a100
+    assert math.isfinite(h100)
 
 
 @settings(max_examples=60, deadline=None)
-@given(b=st.integers(1, 300), c0=st.integers(0, 500_000), n=st.integers(1, 30),
-       t0=st.floats(0, 1e5), cut=st.floats(0, 0.5),
-       tp=st.sampled_from([1, 2, 8]), hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]))
-def test_decode_times_equal_steps_one_at_a_time(b, c0, n, t0, cut, tp, hw):
+@given(preset=st.sampled_from(["vllm-v1", "roofline", "sglang", "tensorrt-llm-0.6"]),
+       b=st.integers(1, 300), c0=st.integers(0, 500_000), n=st.integers(1, 30),
+       t0=st.floats(0, 1e5), cut=st.floats(0, 0.5), tp=st.sampled_from([1, 2, 8]),
+       hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]))
+def test_decode_times_equal_steps_one_at_a_time(preset, b, c0, n, t0, cut, tp, hw):
     # The engine times the scalar part of decode runs with decode_times: one call, no call a
     # step; it must give the very floats step() gives, and stop at the step ending at t_ext.
-    m = model(f"model.tensor_parallel={tp}", f'hardware.preset="{hw}"',
-              "hardware.interconnect_gbps=450")
+    m = model(f'engine.preset="{preset}"', f"model.tensor_parallel={tp}",
+              f'hardware.preset="{hw}"', "hardware.interconnect_gbps=450")
     t_ext = t0 + cut
     ends, durs, ens = m.decode_times(b, c0, n, t0, t_ext)
     t, want = t0, []
     for j in range(n):
-        d, en = m.step(b, c0 + b * j + b, c0 + b * j)
+        d, en = m.step(0, 0, 0, b, c0 + b * j, b, b)
         t = t + d
         want.append((t, d, en))
         if t >= t_ext:

@@ -30,6 +30,37 @@ def test_skip_ahead_equals_step_by_step(policy):
     assert fast.timeline.n > sum(1 for x in fast.events if x.kind == "steps")
 
 
+def test_multi_step_windows_step_by_step_equal_skip_ahead():
+    sc = small_scenario('engine.preset="vllm-0.6-multistep"', 'scheduler.policy="fcfs"',
+                        "kv.num_blocks=600", "workload.cancel_fraction=0.1")
+    assert sc.engine.num_scheduler_steps == 10
+    fast, slow = Engine(sc), Engine(sc, skip_ahead=False)
+    fast.run()
+    slow.run()
+    assert fast.counts == slow.counts
+    assert expand_steps(fast) == expand_steps(slow)
+    assert np.array_equal(fast.timeline.column("end"), slow.timeline.column("end"))
+    assert [encode(x) for x in fast.events] == [encode(x) for x in slow.events]
+
+
+def test_multi_step_arrivals_wait_for_the_window():
+    # one long request decoding; a second arrives while it does
+    rows = [(0.0, 100, 200), (0.05, 100, 5)]
+    prefill_step = {}
+    for k in (1, 10):
+        sc = small_scenario('scheduler.policy="fcfs"', f"engine.num_scheduler_steps={k}")
+        e = Engine(sc, workload=workload_of(rows))
+        e.run()
+        ends = e.timeline.column("end")
+        g = int(np.searchsorted(ends, e.requests[1].prefill_chunks[0][0]))
+        assert ends[g - 1] >= 0.05  # it could not start before the request arrived
+        prefill_step[k] = g
+    # step 0 prefilled the first request; its decode windows are steps 1-10, 11-20, ...
+    assert (prefill_step[10] - 1) % 10 == 0
+    # one step at a time, the second request goes at the first step boundary after it arrives
+    assert prefill_step[1] <= prefill_step[10]
+
+
 def test_invariants_hold_after_every_step_under_memory_pressure():
     sc = small_scenario("kv.num_blocks=300", "workload.cancel_fraction=0.2",
                         "workload.cancel_after_s={dist=\"uniform\", min=0, max=3}")

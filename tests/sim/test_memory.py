@@ -168,9 +168,17 @@ def test_cancelling_the_queue_cancels_a_request_and_its_waiting_samples_once():
                         'workload.prompt_tokens={dist="uniform", min=1, max=200}',
                         'workload.output_tokens={dist="uniform", min=1, max=150}')
     e = Engine(sc)
-    e.run_until(float("inf"), 100)
+
+    def parent_and_sample_queued():
+        waiting = e.policy.waiting_in_order()
+        return any(r.parent_id is not None and e.get(r.parent_id) in waiting for r in waiting)
+
+    for _ in range(2000):  # step to a moment with a request and one of its samples queued
+        e.run_until(float("inf"), 1)
+        if parent_and_sample_queued():
+            break
+    assert parent_and_sample_queued()
     waiting = e.policy.waiting_in_order()
-    assert any(r.parent_id is not None and e.get(r.parent_id) in waiting for r in waiting)
     ids = e.cancel_waiting()
     assert sorted(ids) == sorted(r.req_id for r in waiting)
     assert all(e.get(i).state is S.CANCELLED for i in ids) and not e.policy.waiting

@@ -161,8 +161,11 @@ def test_repeat_is_checked_like_every_field(base, override, message):
     (["kv.num_blocks=9223372036854775807"], "kv.num_blocks = 9223372036854775807: needs about"),
     (['scheduler.preemption="swap"', "kv.swap_space_gb=1e300"], "kv.swap_space_gb = 1e+300"),
     (["hardware.memory_gb=1e300"], "overflow the service-time model"),
-    (["hardware.mem_bandwidth_gbps=1e-300"], "a one-token decode step would take 1.89e+301 s"),
-    (["hardware.step_overhead_ms=1e308"], "a one-token decode step would take"),
+    (["hardware.mem_bandwidth_gbps=1e-300"], "a one-token decode step would take inf s"),
+    (['engine.preset="roofline"', "hardware.step_overhead_ms=1e308"],
+     "a one-token decode step would take"),
+    (["engine.layer_overhead_us=1e308"], "a one-token decode step would take"),
+    (["engine.cpu_base_us=1e300"], "a one-token decode step would take"),
     (["hardware.tdp_w=1e308"], "hardware.tdp_w = 1e+308, idle_w = 90: energies"),
     (['scheduler.policy="disaggregated"', "scheduler.kv_link_gbps=1e-300"],
      "scheduler.kv_link_gbps = 1e-300: one block's K/V would take"),
@@ -230,3 +233,39 @@ def test_a_shared_system_prompt_counts_toward_the_smallest_request(tmp_path):
     with pytest.raises(ScenarioError, match="kv.num_blocks = 100: no request could ever fit"):
         load_scenario(write(tmp_path, BASE), ["kv.num_blocks=100",
                                               "workload.shared_prefix_tokens=5000"])
+def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
+    from sim.presets import ENGINES
+
+    sc = load_scenario(write(tmp_path, BASE))
+    assert sc.engine.preset == "vllm-v1"
+    for k, v in ENGINES["vllm-v1"].items():
+        assert getattr(sc.engine, k) == v, k
+    sc = load_scenario(write(tmp_path, BASE + '[engine]\npreset = "tensorrt-llm-0.6"\n'
+                                              'cpu_base_us = 5.0\n'))
+    assert sc.engine.cpu_base_us == 5.0
+    assert sc.engine.gqa_shared_kv is False  # the rest from the profile
+    with pytest.raises(ScenarioError, match=r"engine.preset = 'sglang3': unknown engine .*"
+                                            r"did you mean 'sglang"):
+        load_scenario(write(tmp_path, BASE + '[engine]\npreset = "sglang3"\n'))
+
+
+def test_engine_profile_from_a_calibrated_file(tmp_path):
+    from sim.scenario import scenario_from_dict
+
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "sglang"\ncpu_base_us = 1234.0\n'
+                                        '[calibration]\nrows = 3\n')
+    path = write(tmp_path, BASE + '[engine]\npreset = "mine.toml"\n')
+    sc = load_scenario(path)
+    assert sc.engine.cpu_base_us == 1234.0 and sc.engine.cpu_overlap  # sglang's flag
+    # a resolved scenario (a session log's) reloads without the file
+    (tmp_path / "mine.toml").unlink()
+    again = scenario_from_dict(sc.to_dict(), source="log", base_dir=tmp_path)
+    assert again.engine == sc.engine
+    with pytest.raises(ScenarioError, match="mine.toml.*cannot read"):
+        load_scenario(path)
+    (tmp_path / "mine.toml").write_text("[model]\nx = 1\n")
+    with pytest.raises(ScenarioError, match=r"no \[engine\] table"):
+        load_scenario(path)
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "nope"\n')
+    with pytest.raises(ScenarioError, match="must name a built-in engine"):
+        load_scenario(path)

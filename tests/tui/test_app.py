@@ -29,7 +29,9 @@ def pilot_test(fn):
 
 
 def make_engine(until: float = 20.0) -> Engine:
-    sc = load_scenario("chat", ["kv.num_blocks=1500", "workload.duration_s=60"])
+    # (the snapshots show figures of the single roofline's clock)
+    sc = load_scenario("chat", ["kv.num_blocks=1500", "workload.duration_s=60",
+                                'engine.preset="roofline"'])
     engine = Engine(sc)
     engine.run_until(until)
     return engine

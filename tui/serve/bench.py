@@ -2,7 +2,8 @@
 
 Starts `servesim serve --record-timing` as a child process, opens `--streams` concurrent
 streaming completions from one asyncio client (each stream starts its next request when one
-ends) for `--duration` wall seconds, then reads the server's own record:
+ends, on the same keep-alive connection) for `--duration` wall seconds, then reads the
+server's own record:
 
 - send lateness: for every token, wall time its frame was handed to the socket minus the wall
   time of its simulated time (the server measures it);
@@ -62,51 +63,117 @@ def _cpu_s(pid: int) -> float:
         return float("nan")
 
 
-async def _load(url: str, streams: int, duration: float, prompt: str, max_tokens: int):
-    import aiohttp
+class _Stream(asyncio.Protocol):
+    """One keep-alive connection posting the same streaming completion again and again until
+    `stop_at`. It does not parse HTTP or SSE per token: each read is timestamped and the frames
+    in it counted (`data: {` in the bytes), so the load generator takes as little as it can of
+    the cores it shares with the server. Records `rid -> (sent, receive time of each token)`."""
 
+    def __init__(self, request: bytes, stop_at: float, records: dict) -> None:
+        self.request, self.stop_at, self.records = request, stop_at, records
+        self.closed = asyncio.get_running_loop().create_future()
+        self.errors = 0
+        self.transport = None
+        self.busy = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self._post()
+
+    def _post(self) -> None:
+        if time.monotonic() >= self.stop_at:
+            self.busy = False
+            self.transport.close()
+            return
+        self.busy = True
+        self.status = None
+        self.head = b""
+        self.tail = b""  # the last bytes of the body so far: a frame split across reads
+        self.rid = None
+        self.recv: list[float] = []
+        self.sent = time.monotonic()
+        self.transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.monotonic()
+        if self.status is None:  # the status line and headers
+            self.head += data
+            end = self.head.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            self.status = int(self.head.split(None, 2)[1])
+            if self.status != 200:  # an error body: count it, start over on a new connection
+                self.errors += 1
+                self.busy = False
+                self.transport.close()
+                return
+            data, self.head = self.head[end + 4:], b""
+            if not data:
+                return
+        # `tail` is 6 bytes, shorter than `data: {`: a frame is never counted twice.
+        buf = self.tail + data
+        n = buf.count(b"data: {")
+        if n:
+            self.recv.extend([now] * n)
+        if self.rid is None:
+            self.head += data
+            start = self.head.find(b'"id": "')
+            stop = self.head.find(b'"', start + 7) if start >= 0 else -1
+            if stop > 0:
+                self.rid = self.head[start + 7:stop].decode()
+                self.head = b""
+        # The last chunk of a chunked body; a chunk's data here always starts with `data:`.
+        if buf.endswith(b"\r\n0\r\n\r\n"):
+            if self.rid is not None:
+                self.records[self.rid] = (self.sent, self.recv)
+            self._post()
+            return
+        self.tail = buf[-6:]
+
+    def connection_lost(self, exc) -> None:
+        if self.busy:  # closed in the middle of a response
+            self.errors += 1
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+async def _load(host: str, port: int, streams: int, duration: float, prompt: str,
+                max_tokens: int):
+    loop = asyncio.get_running_loop()
     records: dict[str, tuple[float, list[float]]] = {}
     errors = 0
     stop_at = time.monotonic() + duration
-    conn = aiohttp.TCPConnector(limit=streams)
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
 
-    async def worker(session) -> None:
+    async def worker() -> None:
         nonlocal errors
-        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
-                           "ignore_eos": True}).encode()
         while time.monotonic() < stop_at:
-            sent = time.monotonic()
-            recv: list[float] = []
-            rid = None
             try:
-                async with session.post(url, data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
-                    if r.status != 200:
-                        errors += 1
-                        await r.read()
-                        continue
-                    # Whole reads, not lines: a read's frames were received together, and
-                    # the client spends less per token (it shares the machine's cores).
-                    head = b""
-                    async for chunk in r.content.iter_any():
-                        now = time.monotonic()
-                        recv.extend([now] * chunk.count(b"data: {"))
-                        if rid is None:
-                            head += chunk
-                            start = head.find(b'"id": "')
-                            if start >= 0 and head.find(b'"', start + 7) > 0:
-                                rid = head[start + 7:head.find(b'"', start + 7)].decode()
-            except aiohttp.ClientError:
+                _, proto = await loop.create_connection(
+                    lambda: _Stream(request, stop_at, records), host, port)
+            except OSError:
                 errors += 1
+                await asyncio.sleep(0.1)
                 continue
-            if rid is not None:
-                records[rid] = (sent, recv)
+            try:  # a server that stops answering must not hang the benchmark
+                await asyncio.wait_for(asyncio.shield(proto.closed), stop_at - time.monotonic()
+                                       + 120)
+            except asyncio.TimeoutError:
+                proto.transport.abort()
+                errors += 1
+            errors += proto.errors
 
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await asyncio.gather(*(worker(session) for _ in range(streams)))
-        async with session.get(url.rsplit("/v1/", 1)[0] + "/servesim/timing") as r:
-            timing = await r.json()
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"GET /servesim/timing HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                 "Connection: close\r\n\r\n".encode())
+    raw = await reader.read()
+    writer.close()
+    timing = json.loads(raw.split(b"\r\n\r\n", 1)[1])
     return records, errors, timing
 
 
@@ -125,9 +192,9 @@ def bench_serve(args) -> dict:
         cpu0, wall0 = _cpu_s(proc.pid), time.monotonic()
         client0 = time.process_time()
         load0 = os.getloadavg()[0]
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        records, errors, timing = asyncio.run(_load(url, args.streams, args.duration,
-                                                    "x" * args.prompt_tokens, args.max_tokens))
+        records, errors, timing = asyncio.run(_load("127.0.0.1", port, args.streams,
+                                                    args.duration, "x" * args.prompt_tokens,
+                                                    args.max_tokens))
         wall = time.monotonic() - wall0
         server_cpu = _cpu_s(proc.pid) - cpu0
         client_cpu = time.process_time() - client0

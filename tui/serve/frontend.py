@@ -77,7 +77,7 @@ class Choice:
     """One engine request serving one choice of an HTTP call."""
 
     __slots__ = ("call", "index", "req_id", "reason", "n_out", "parts", "decoder", "done",
-                 "last_entry", "times")
+                 "times", "head", "tails")
 
     def __init__(self, call: "Call", index: int, req_id: int, reason: str,
                  decode_bytes: bool) -> None:
@@ -86,8 +86,13 @@ class Choice:
         self.parts: list[str] = []
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace") if decode_bytes else None
         self.done = False
-        self.last_entry: list | None = None
         self.times: list[float] | None = None
+        # A streamed token's frame is `head + tails[text]` (shared bytes), unless the call
+        # sends usage with every token.
+        w = call.writer
+        plain = w is not None and not call.spec.continuous_usage
+        self.head = w.head if plain else None
+        self.tails = w.tails(index) if plain else None
 
     def text(self, token: int) -> str:
         """The text of output token number `n_out`: the tiny model's byte `token` (UTF-8
@@ -118,6 +123,10 @@ class Call:
         self.transport = None
         self.chunked = False
         self.backlog: list[bytes] = []
+        # What a pass of the pump sends it: frames, the wall time each token was due.
+        self.frames: list[bytes] = []
+        self.walls: list[float] = []
+        self.mark = -1  # the last pass that sent it something
         self._kick: asyncio.Future | None = None
         self.done = loop.create_future()  # set when complete (the non-streamed response)
 
@@ -154,6 +163,20 @@ class Call:
             self._kick = loop.create_future()
             await self._kick
         await resp.write_eof()
+
+
+class _Due:
+    """What leaves at one simulated time: a token for each of `choices` (with real compute,
+    the token ids in `toks`, in step), then `ends` (choice -> finish reason): an end folds into
+    its choice's token frame at that time, or has a frame of its own. One per engine step, not
+    per token: a step of 500 decodes is 500 appends and one heap entry."""
+
+    __slots__ = ("choices", "toks", "ends")
+
+    def __init__(self) -> None:
+        self.choices: list[Choice] = []
+        self.toks: list[int] = []
+        self.ends: dict[Choice, str] = {}
 
 
 class _Track:
@@ -197,8 +220,9 @@ class Frontend:
         self.prompt_tokens = 0
         self._pending: list[Call] = []
         self._tracks: dict[int, _Track] = {}
-        self._due: dict[float, list[list]] = {}
+        self._due: dict[float, _Due] = {}
         self._due_times: list[float] = []
+        self._pass = 0
         self._event_i = len(engine.events)
         self._open_steps = None  # the last `steps` event read, which may still grow
         self._open_n = 0
@@ -406,7 +430,9 @@ class Frontend:
             self.error = f"{type(err).__name__}: {err}"
             print(f"servesim serve: the engine stopped: {self.error}", file=sys.stderr)
         calls = {tr.choice.call for tr in self._tracks.values() if tr.choice is not None}
-        calls.update(c.call for entries in self._due.values() for _, c, _, _ in entries)
+        for due in self._due.values():
+            calls.update(c.call for c in due.choices)
+            calls.update(c.call for c in due.ends)
         self._tracks.clear()
         self._due.clear()
         self._due_times.clear()
@@ -435,7 +461,7 @@ class Frontend:
         for tr in self._tracks.values():
             c = tr.choice
             if c is not None and not c.done:
-                self._schedule(self.engine.now, c, None, "abort")
+                self._due_at(self.engine.now).ends[c] = "abort"
 
     # --- events -> token times ----------------------------------------------------------------
     def _read_events(self) -> None:
@@ -471,7 +497,7 @@ class Frontend:
                 self.metrics.observe_finished(reason, tr.arrival, tr.admitted, tr.first, ev.t,
                                               tr.prompt_len, tr.n_out)
                 if c is not None:
-                    self._schedule(ev.t, c, None, reason)
+                    self._due_at(ev.t).ends[c] = reason
         self._event_i = len(events)
         if self.trim_events and len(events) > 1:
             del events[:-1]
@@ -495,16 +521,39 @@ class Frontend:
                 if tr is not None and c + n == tr.prompt_len + tr.n_out:
                     self._token(tr, t, ids[rid][0] if ids else None, itl, ttft)
         times = ends[start:].tolist()
+        if not times or not ev.decode:
+            return
+        # Every decode of the run gets a token at each of `times`: the same buckets, and the
+        # same gaps between them, for all of them.
+        k = len(times)
+        dues = [self._due_at(t) for t in times]
+        real = self.real_compute
+        t0, t_last = times[0], times[-1]
+        itl_append = itl.append
+        continued = 0
         for rid in ev.decode:
             tr = tracks.get(rid)
             if tr is None:
                 continue
-            if ids:
-                for t, tok in zip(times, ids[rid]):
+            if tr.n_out == 0:  # (a decode before the first token: the general path)
+                for t, tok in zip(times, ids[rid] if ids else [None] * k):
                     self._token(tr, t, tok, itl, ttft)
-            else:
-                for t in times:
-                    self._token(tr, t, None, itl, ttft)
+                continue
+            itl_append(t0 - tr.last)
+            continued += 1
+            tr.n_out += k
+            tr.last = t_last
+            c = tr.choice
+            if c is None:
+                continue
+            for due in dues:
+                due.choices.append(c)
+            if real:
+                toks = ids[rid] if ids else [-1] * k
+                for due, tok in zip(dues, toks):
+                    due.toks.append(int(tok))
+        if k > 1 and continued:
+            itl.extend(np.diff(times).tolist() * continued)
 
     def _token(self, tr: _Track, t: float, tok, itl: list, ttft: list) -> None:
         tr.n_out += 1
@@ -517,81 +566,82 @@ class Frontend:
         tr.last = t
         c = tr.choice
         if c is not None:
-            self._schedule(t, c, -1 if tok is None else int(tok), None)
+            due = self._due_at(t)
+            due.choices.append(c)
+            if self.real_compute:
+                due.toks.append(-1 if tok is None else int(tok))
 
-    def _schedule(self, t: float, c: Choice, tok: int | None, reason: str | None) -> None:
-        """Send at simulated time `t`: a token (`tok`, -1 without real compute), or the end of
-        choice `c` (`reason`), folded into its last token's frame when they coincide."""
-        if tok is None:
-            last = c.last_entry
-            if last is not None and last[0] == t and last[3] is None:
-                last[3] = reason
-                return
-        entry = [t, c, tok, reason]
-        if tok is not None:
-            c.last_entry = entry
-        lst = self._due.get(t)
-        if lst is None:
-            self._due[t] = lst = []
+    def _due_at(self, t: float) -> _Due:
+        """What leaves at simulated time `t` (created, and its time queued, when new)."""
+        due = self._due.get(t)
+        if due is None:
+            self._due[t] = due = _Due()
             heapq.heappush(self._due_times, t)
-        lst.append(entry)
+        return due
 
     # --- sending ------------------------------------------------------------------------------
     def _send_due(self) -> None:
         """Send every token whose time has come: each call's frames in one write (when the
         pump fell behind, those of several instants: fewer syscalls is how it catches up)."""
-        clock, due, times = self.clock, self._due, self._due_times
+        clock, dues, times = self.clock, self._due, self._due_times
         now = clock.now()
         if not times or times[0] > now:
             return
-        out: dict[Call, list[bytes]] = {}
-        sent_at: dict[Call, list[float]] = {}  # the simulated time of each token written
+        self._pass = mark = self._pass + 1
+        sent: list[Call] = []  # each call sent something in this pass, once
         ended: list[Call] = []
+        real, record = self.real_compute, self.record_timing
+        n_filler = len(FILLER)
         while times and times[0] <= now:
             t = heapq.heappop(times)
-            for entry in due.pop(t):
-                _, c, tok, reason = entry
-                if c.last_entry is entry:  # sent: an end at this time needs a frame of its own
-                    c.last_entry = None
+            due = dues.pop(t)
+            wall_t = clock.wall_at(t)
+            ends = due.ends
+            toks = due.toks
+            for i, c in enumerate(due.choices):
                 call = c.call
                 if call.closed:
                     continue
-                frames = out.get(call)
-                if frames is None:
-                    out[call] = frames = []
-                    sent_at[call] = []
-                if tok is not None:
-                    c.n_out += 1
-                    text = c.text(tok)
-                    sent_at[call].append(t)
+                if call.mark != mark:
+                    call.mark = mark
+                    sent.append(call)
+                n = c.n_out = c.n_out + 1
+                text = c.text(toks[i]) if real else FILLER[(n - 1) % n_filler]
+                if record:
+                    call.walls.append(wall_t)
                     if c.times is not None:
                         c.times.append(t)
+                if ends and c in ends:
+                    self._frame(c, text, ends.pop(c), call.frames, ended)
+                elif c.tails is not None and n > 1:  # the usual token: mostly shared bytes
+                    tail = c.tails.get(text)
+                    call.frames.append(c.head + tail if tail is not None
+                                       else call.writer.token(c.index, text))
+                elif call.writer is None:
+                    c.parts.append(text)
                 else:
-                    text = ""
-                if reason is not None:
-                    c.done = True
-                    if reason == "abort":
-                        c.reason = "abort"
-                    call.open -= 1
-                w = call.writer
-                if w is None:
-                    if tok is not None:
-                        c.parts.append(text)
+                    self._frame(c, text, None, call.frames, ended)
+            for c, reason in ends.items():  # ends without a token at this time
+                call = c.call
+                if not call.closed:
+                    if call.mark != mark:
+                        call.mark = mark
+                        sent.append(call)
+                    self._frame(c, None, reason, call.frames, ended)
+        lateness = self.lateness
+        for call in sent:
+            frames = call.frames
+            if frames:
+                self._write(call, frames[0] if len(frames) == 1 else b"".join(frames))
+                frames.clear()
+            walls = call.walls
+            if walls:
+                sent_at = time.monotonic()
+                if len(walls) == 1:
+                    lateness.append(sent_at - walls[0])
                 else:
-                    if c.n_out == 1 and tok is not None and w.chat:
-                        frames.append(w.role(c.index))
-                    frames.append(w.token(c.index, text, c.reason if reason else None,
-                                          call.usage() if call.spec.continuous_usage else None))
-                if reason is not None and call.open == 0:
-                    self._end(call, frames)
-                    ended.append(call)
-        record = self.record_timing
-        for call, frames in out.items():
-            if frames and call.writer is not None:
-                self._write(call, b"".join(frames))
-            if record:
-                sent = time.monotonic()
-                self.lateness.extend([sent - clock.wall_at(t) for t in sent_at[call]])
+                    lateness.extend([sent_at - w for w in walls])
+                walls.clear()
         for call in ended:
             if record:
                 self._record(call)
@@ -599,6 +649,30 @@ class Frontend:
             call.kick()
             if not call.done.done():
                 call.done.set_result(None)
+
+    def _frame(self, c: Choice, text: str | None, reason: str | None, frames: list[bytes],
+               ended: list[Call]) -> None:
+        """Choice `c`'s token `text` (None: no token) and, with `reason`, its end: the frames
+        they make (a chat's role first; the finish reason in the token's frame; after the
+        call's last choice, its usage and [DONE]), or the text kept for a whole response."""
+        call = c.call
+        if reason is not None:
+            c.done = True
+            if reason == "abort":
+                c.reason = "abort"
+            call.open -= 1
+        w = call.writer
+        if w is None:
+            if text is not None:
+                c.parts.append(text)
+        else:
+            if text is not None and c.n_out == 1 and w.chat:
+                frames.append(w.role(c.index))
+            frames.append(w.token(c.index, text or "", c.reason if reason else None,
+                                  call.usage() if call.spec.continuous_usage else None))
+        if reason is not None and call.open == 0:
+            self._end(call, frames)
+            ended.append(call)
 
     def _end(self, call: Call, frames: list[bytes]) -> None:
         if call.writer is not None:

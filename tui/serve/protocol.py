@@ -289,19 +289,44 @@ def chat_body(rid: str, created: int, model: str, choices: list[tuple[str, str]]
 
 
 class ChunkWriter:
-    """Server-sent-event frames of one streamed response, built from a prefix rendered once so
-    that a token costs one small `json.dumps` (the server sends hundreds per engine step)."""
+    """Server-sent-event frames of one streamed response, built from a prefix rendered once.
+    A token frame is that prefix and a tail shared by every stream (the same index and text
+    give the same bytes), so the usual token costs a dict look-up and one concatenation: the
+    server sends hundreds per engine step."""
 
     def __init__(self, rid: str, created: int, model: str, chat: bool) -> None:
         self.chat = chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = json.dumps({"id": rid, "object": obj, "created": created, "model": model})
         self._prefix = b"data: " + head[:-1].encode() + b', "choices": '
-        self._head = self._prefix + b'[{"index": '
+        self.head = self._prefix + b'[{"index": '
+
+    def tails(self, index: int) -> dict[str, bytes]:
+        """Choice `index`'s token frames after `head`, by text, shared by every stream (no
+        finish reason, no usage); `token` fills it. A frame is `head + tails(index)[text]`."""
+        key = (self.chat, index)
+        tails = _TAILS.get(key)
+        if tails is None:
+            _TAILS[key] = tails = {}
+        return tails
 
     def token(self, index: int, text: str, finish_reason: str | None = None,
               usage_: dict | None = None) -> bytes:
         """One choice's text delta (and its finish reason, on its last token)."""
+        if finish_reason is None and usage_ is None:
+            tails = self.tails(index)
+            tail = tails.get(text)
+            if tail is None:
+                tail = self._tail(index, text, None, None)
+                if len(tails) >= MAX_TAILS:  # bounded: texts of real compute vary
+                    tails.clear()
+                tails[text] = tail
+            return self.head + tail
+        return self.head + self._tail(index, text, finish_reason, usage_)
+
+    def _tail(self, index: int, text: str, finish_reason: str | None,
+              usage_: dict | None) -> bytes:
+        """A token frame after `{"index": `."""
         reason = "null" if finish_reason is None else _js(finish_reason)
         if self.chat:
             delta = f'"delta": {{"content": {_js(text)}}}'
@@ -310,11 +335,11 @@ class ChunkWriter:
             body = (f'{index}, "text": {_js(text)}, "logprobs": null, '
                     f'"finish_reason": {reason}, "stop_reason": null}}]')
         tail = "}" if usage_ is None else f', "usage": {json.dumps(usage_)}}}'
-        return self._head + body.encode() + tail.encode() + b"\n\n"
+        return body.encode() + tail.encode() + b"\n\n"
 
     def role(self, index: int) -> bytes:
         """A chat stream's first frame for a choice: the assistant role, empty content."""
-        return (self._head + f'{index}, "delta": {{"role": "assistant", "content": ""}}, '
+        return (self.head + f'{index}, "delta": {{"role": "assistant", "content": ""}}, '
                 f'"logprobs": null, "finish_reason": null}}]}}\n\n'.encode())
 
     def usage(self, usage_: dict) -> bytes:
@@ -323,6 +348,9 @@ class ChunkWriter:
 
 
 DONE = b"data: [DONE]\n\n"
+# Token frame tails (after a stream's own head) by (chat, choice index), then by text.
+_TAILS: dict[tuple[bool, int], dict[str, bytes]] = {}
+MAX_TAILS = 4096
 
 
 @functools.lru_cache(maxsize=4096)

@@ -4,6 +4,7 @@ timing, cancellation by disconnect, errors, /metrics, and exact replay of a serv
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -379,3 +380,95 @@ def test_a_bounded_server_holds_only_what_is_in_flight():
         ok = sum(x.value for x in fams["vllm:request_success"].samples
                  if x.name.endswith("_total"))
         assert ok >= 300
+
+
+def test_a_stream_is_vllms_frames_byte_for_byte(server):
+    """The whole body of a streamed call with two choices and continuous usage: each token's
+    frame in step order, the finish reason folded into each choice's last token, the usage
+    frame, [DONE]."""
+    req = urllib.request.Request(
+        server.url + "/v1/completions", headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": "abc", "max_tokens": 3, "n": 2, "stream": True,
+                         "stream_options": {"include_usage": True,
+                                            "continuous_usage_stats": True}}).encode())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        body = r.read()
+    head = json.loads(body.split(b"\n\n", 1)[0][len(b"data: "):])
+    rid, created = head["id"], head["created"]
+
+    def chunk(choices, usage) -> bytes:
+        return b"data: " + json.dumps({"id": rid, "object": "text_completion",
+                                       "created": created, "model": MODEL,
+                                       "choices": choices, "usage": usage}).encode() + b"\n\n"
+
+    def usage(n):
+        return {"prompt_tokens": 3, "total_tokens": 3 + n, "completion_tokens": n,
+                "prompt_tokens_details": None}
+
+    want, sent = [], 0
+    for k in range(3):
+        for i in range(2):
+            sent += 1
+            want.append(chunk([{"index": i, "text": FILLER[k], "logprobs": None,
+                                "finish_reason": "length" if k == 2 else None,
+                                "stop_reason": None}], usage(sent)))
+    want.append(chunk([], usage(6)))
+    want.append(b"data: [DONE]\n\n")
+    assert body == b"".join(want)
+
+
+def _read_chunked(sock) -> bytes:
+    """The body of one chunked HTTP response read from `sock`, headers dropped."""
+    data = b""
+    while not data.endswith(b"\r\n0\r\n\r\n"):
+        got = sock.recv(1 << 16)
+        assert got, "the server closed the stream early"
+        data += got
+    head, rest = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200")
+    body = b""
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        if int(size, 16) == 0:
+            return body
+        body, rest = body + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+
+
+def test_a_client_that_stops_reading_holds_up_nobody_and_gets_its_whole_stream():
+    """The pump writes to a socket only while its buffer is short; a stalled client's frames
+    wait, in order, for its own task to write them with flow control."""
+    n = 6000
+    with serving(speed=20.0) as s:
+        slow = socket.socket()
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", int(s.url.rsplit(":", 1)[1])))
+        body = json.dumps({"prompt": "s", "max_tokens": n, "stream": True}).encode()
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        fe = s.frontend
+
+        def calls():
+            with fe.lock:
+                return [tr.choice.call for tr in fe._tracks.values() if tr.choice]
+
+        deadline = time.monotonic() + 20
+        while not any(c.transport for c in calls()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        [call] = calls()
+        # A small kernel buffer on the server's side (loopback autotunes it to megabytes,
+        # which would take the whole stream): the stall reaches the server at once.
+        s.call(lambda: call.transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096))
+        while not call.backlog and not call.complete and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert call.backlog and not call.complete  # frames held for it, none lost
+        # another client is served meanwhile
+        texts = [ch.choices[0].text for ch in client(s).completions.create(
+            model=MODEL, prompt="f", max_tokens=30, stream=True) if ch.choices]
+        assert "".join(texts) == filler(30)
+        frames = _read_chunked(slow).split(b"\n\n")
+        slow.close()
+    assert frames[-2:] == [b"data: [DONE]", b""]
+    chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == filler(n)
+    assert len(chunks) == n and chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,371 @@
+"""Published measurements of real engines, and servesim's predictions of them.
+
+A points file is a CSV with one measured point per row: `id`, `engine` (name and version, as
+published), `config`, `metric` (what was measured, in the publication's words), `published`
+(the value) and optionally `regime`, `source` and `use` (`fit`: the engine profiles were fitted
+on it; `holdout`: never fitted, validation only). Each row is reproduced by a scenario: the
+`scenario` column's path, else `scenarios/<id>.toml` next to the CSV (a folder holding
+`published.csv` and `scenarios/` is accepted for the CSV). A scenario that does not set
+`[engine] preset` gets the profile `engine_preset_for` infers from the `engine` column.
+
+`parse_metric` understands the usual wordings: TTFT / time to first token / 1st-token latency,
+TPOT / time per output token, ITL / inter-token latency, E2E / end-to-end / request latency, each
+with mean (the default), median / p50 or a percentile, in s, ms or us; output / total / input
+token throughput and request throughput, per GPU (`/GPU`, `per GPU`) or not, and tokens/s per
+user (1 / TPOT).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from sim.errors import ServesimError
+
+
+class ValidationError(ServesimError):
+    """A points file or one of its rows that cannot be read or reproduced."""
+
+
+# --- what a metric column says --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Metric:
+    """A published metric: `quantity` (ttft, tpot, itl, e2e, output_tps, total_tps, input_tps,
+    request_tps, user_tps), its statistic over requests (mean, p50, p90, ...), whether it is per
+    GPU, and the factor from servesim's unit (s, or per s) to the published one."""
+
+    quantity: str
+    stat: str = "mean"
+    per_gpu: bool = False
+    scale: float = 1.0
+
+    @property
+    def is_latency(self) -> bool:
+        return self.quantity in ("ttft", "tpot", "itl", "e2e")
+
+
+_LATENCY = [  # checked in this order: the first match names the quantity
+    ("ttft", r"ttft|time[ -]to[ -]first|first[ -]token|1st[ -]token"),
+    ("tpot", r"tpot|time[ -]per[ -]output[ -]token|per[ -]output[ -]token|ms/tok"),
+    ("itl", r"\bitl\b|inter[ -]?token"),
+    ("e2e", r"e2e|end[ -]to[ -]end|request latency|\blatency\b"),
+]
+_RATE = r"tok(en)?s?\s*/\s*s|tokens?\s+per\s+s(ec(ond)?)?|throughput|req(uest)?s?\s*/\s*s"
+
+
+def parse_metric(text: str) -> Metric:
+    """The Metric a published metric's wording names. Raises ValueError naming what is
+    missing (the quantity or the unit)."""
+    t = text.lower().strip()
+    per_gpu = bool(re.search(r"/\s*gpu|per[ -]gpu", t))
+    if re.search(r"/\s*user|per[ -]user", t):
+        return Metric("user_tps", "mean", per_gpu)
+    for quantity, pattern in _LATENCY:
+        if re.search(pattern, t) and not re.search(r"tok(en)?s?\s*/\s*s", t):
+            stat = "mean"
+            m = re.search(r"\bp(\d{2}(\.\d+)?)\b", t)
+            if re.search(r"median|\bp50\b", t):
+                stat = "p50"
+            elif m:
+                stat = f"p{m.group(1)}"
+            elif re.search(r"\bmax(imum)?\b", t):
+                stat = "max"
+            if re.search(r"\(\s*ms\s*\)|\bms\b|millisec", t):
+                scale = 1e3
+            elif re.search(r"\(\s*(us|µs|μs)\s*\)|\b(us|µs|μs)\b|microsec", t):
+                scale = 1e6
+            elif re.search(r"\(\s*s\s*\)|\bs\b|\bsec(ond)?s?\b", t):
+                scale = 1.0
+            else:
+                raise ValueError(f"{text!r}: no unit (ms, s or us)")
+            return Metric(quantity, stat, per_gpu, scale)
+    if re.search(_RATE, t):
+        if re.search(r"req(uest)?s?\s*/\s*s|request throughput|requests per", t):
+            return Metric("request_tps", "mean", per_gpu)
+        if re.search(r"total|input\s*\+\s*output|prompt\s*\+", t):
+            return Metric("total_tps", "mean", per_gpu)
+        if re.search(r"\b(input|prompt|prefill)\b", t):
+            return Metric("input_tps", "mean", per_gpu)
+        return Metric("output_tps", "mean", per_gpu)
+    raise ValueError(f"{text!r}: not a latency (TTFT, TPOT, ITL, E2E) or a throughput (tok/s)")
+
+
+def metric_value(metric: Metric, summary: dict, tensor_parallel: int = 1) -> float:
+    """The value a servesim summary (sim.metrics.summarize) gives for `metric`, in the
+    published unit."""
+    if metric.is_latency:
+        stats = summary[f"{metric.quantity}_ms"]
+        v = stats.get(metric.stat)
+        if v is None:
+            raise ValueError(f"statistic {metric.stat!r} is not reported for {metric.quantity}")
+        v = v / 1e3 * metric.scale
+    elif metric.quantity == "user_tps":
+        v = 1e3 / summary["tpot_ms"]["mean"]
+    else:
+        th = summary["throughput"]
+        v = {"output_tps": th["output_tokens_per_s"], "total_tps": th["total_tokens_per_s"],
+             "request_tps": th["requests_per_s"],
+             "input_tps": th["total_tokens_per_s"] - th["output_tokens_per_s"]}[metric.quantity]
+    if metric.per_gpu:
+        v /= tensor_parallel
+    return float(v)
+
+
+# --- which engine profile a publication's engine column means -------------------------------------
+def _version(text: str) -> tuple[int, ...] | None:
+    m = re.search(r"\bv?(\d+)\.(\d+)(?:\.(\d+))?", text)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else None
+
+
+def engine_preset_for(engine: str) -> str | None:
+    """The engine profile for a publication's engine name and version, or None when it names
+    none servesim has. The mapping (the README's table):
+
+    TensorRT-LLM up to 0.6 -> tensorrt-llm-0.6 (its decode attention read K/V per query head);
+    later -> tensorrt-llm. SGLang up to 0.3 -> sglang-0.3; later (its overlap scheduler) or of no
+    stated version -> sglang. vLLM with multi-step scheduling
+    (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM V1, or 0.8 and later
+    (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine (`VLLM_USE_V1=0`) ->
+    vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
+    """
+    t = engine.lower()
+    if re.search(r"tensorrt|trt[ -]?llm", t):
+        v = _version(t)
+        return "tensorrt-llm-0.6" if v is not None and v[:2] <= (0, 6) else "tensorrt-llm"
+    if "sglang" in t:
+        v = _version(t)
+        return "sglang-0.3" if v is not None and v[:2] <= (0, 3) else "sglang"
+    if "vllm" in t:
+        if re.search(r"scheduler[ -]steps|multi[ -]?step", t):
+            return "vllm-0.6-multistep"
+        if re.search(r"\bv0\b|vllm_use_v1=0", t):  # the V0 engine of 0.6-0.10
+            return "vllm-0.6"
+        if re.search(r"\bv1\b|vllm_use_v1", t):
+            return "vllm-v1"
+        v = _version(t)
+        if v is None or v[:2] >= (0, 8):
+            return "vllm-v1"
+        return "vllm-0.5" if v[:2] <= (0, 5) else "vllm-0.6"
+    return None
+
+
+# --- points files ---------------------------------------------------------------------------------
+@dataclass
+class Point:
+    """One published measurement and the scenario that reproduces it."""
+
+    id: str
+    engine: str
+    config: str
+    metric_text: str
+    metric: Metric
+    published: float
+    regime: str
+    source: str
+    use: str
+    scenario_path: Path
+    line: int
+    origin: str  # the points file
+    extra: dict = field(default_factory=dict)
+
+
+REQUIRED = ("id", "engine", "metric", "published")
+
+
+def points_file(spec: str | Path) -> Path:
+    """The CSV a points argument names: a CSV file, or a folder holding `published.csv`."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        for name in ("published.csv", "points.csv"):
+            if (p / name).is_file():
+                return p / name
+        raise ValidationError(f"{p}: no published.csv in this folder")
+    if not p.is_file():
+        raise ValidationError(f"{p}: no such file or folder")
+    return p
+
+
+def load_points(spec: str | Path) -> list[Point]:
+    """Every row of a points file, checked. Raises ValidationError naming the file, line and
+    field of the first bad row."""
+    path = points_file(spec)
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValidationError(f"{path}: cannot read: {e}") from None
+    reader = csv.DictReader(text.splitlines())
+    header = [h.strip() for h in (reader.fieldnames or [])]
+    missing = [c for c in REQUIRED if c not in header]
+    if missing:
+        raise ValidationError(f"{path}:1: missing column(s) {', '.join(missing)} "
+                              f"(need {', '.join(REQUIRED)})")
+    out, seen = [], set()
+    for line, row in enumerate(reader, start=2):
+        row = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
+        pid = row["id"]
+        if not pid:
+            raise ValidationError(f"{path}:{line}: id: empty")
+        if pid in seen:
+            raise ValidationError(f"{path}:{line}: id: {pid!r} appears twice")
+        seen.add(pid)
+        try:
+            metric = parse_metric(row["metric"])
+        except ValueError as e:
+            raise ValidationError(f"{path}:{line}: metric: {e}") from None
+        try:
+            value = float(row["published"].replace(",", ""))
+        except ValueError:
+            raise ValidationError(f"{path}:{line}: published: {row['published']!r} is not a "
+                                  "number") from None
+        if not math.isfinite(value) or value <= 0:
+            raise ValidationError(f"{path}:{line}: published: {row['published']!r} must be a "
+                                  "positive number")
+        use = row.get("use", "") or "validate"
+        if use not in ("fit", "holdout", "validate"):
+            raise ValidationError(f"{path}:{line}: use: {use!r}: expected fit or holdout")
+        sc = row.get("scenario") or f"scenarios/{pid}.toml"
+        sc_path = Path(sc) if Path(sc).is_absolute() else path.parent / sc
+        if not sc_path.is_file():
+            raise ValidationError(f"{path}:{line}: scenario: {sc_path} not found (one scenario "
+                                  "per row: the scenario column, or scenarios/<id>.toml)")
+        out.append(Point(pid, row["engine"], row.get("config", ""), row["metric"], metric, value,
+                         row.get("regime", "") or "-", row.get("source", ""), use, sc_path, line,
+                         str(path)))
+    if not out:
+        raise ValidationError(f"{path}: no rows")
+    return out
+
+
+def point_scenario(point: Point, engine: str | None = None, overrides: list[str] | None = None):
+    """The point's scenario, with `engine` (a profile name) as its engine unless the scenario
+    names one; else the profile its engine column maps to. Raises ServesimError."""
+    import tomllib
+
+    from sim.scenario import load_scenario
+
+    sets = list(overrides or [])
+    try:
+        raw = tomllib.loads(point.scenario_path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        raw = {}  # load_scenario reports it
+    named = isinstance(raw.get("engine"), dict) and "preset" in raw["engine"]
+    preset = engine or (None if named else engine_preset_for(point.engine))
+    if preset is not None:
+        sets.insert(0, f'engine.preset="{preset}"')
+    return load_scenario(str(point.scenario_path), sets)
+
+
+# --- summaries --------------------------------------------------------------------------------------
+def error_stats(ratios) -> dict:
+    """Median and worst |ratio - 1| of predicted / published ratios."""
+    e = np.abs(np.asarray(ratios, dtype=np.float64) - 1.0)
+    if not len(e):
+        return {"count": 0, "median_abs_error": None, "worst_abs_error": None}
+    return {"count": int(len(e)), "median_abs_error": float(np.median(e)),
+            "worst_abs_error": float(e.max())}
+
+
+# --- running points ---------------------------------------------------------------------------------
+def run_point(point: Point, engine: str | None = None,
+              overrides: list[str] | None = None) -> dict:
+    """Simulate one point. Returns its result row (predicted, ratio, the engine profile used).
+    Raises ServesimError naming the point when its scenario cannot run."""
+    from sim import build, summarize
+
+    try:
+        sc = point_scenario(point, engine, overrides)
+        eng = build(sc, record_events=False)
+        eng.run()
+        predicted = metric_value(point.metric, summarize(eng), sc.model.tensor_parallel)
+    except ServesimError as e:
+        raise ValidationError(f"{point.origin}:{point.line}: {point.id}: {e}") from None
+    except (KeyError, ValueError) as e:
+        raise ValidationError(f"{point.origin}:{point.line}: {point.id}: metric "
+                              f"{point.metric_text!r}: {e}") from None
+    return {"id": point.id, "engine": point.engine, "profile": sc.engine.preset,
+            "metric": point.metric_text, "published": point.published,
+            "predicted": predicted, "ratio": predicted / point.published,
+            "regime": point.regime, "use": point.use, "source": point.source}
+
+
+def summary(results: list[dict]) -> dict:
+    """Median and worst |ratio - 1| over all rows, per `use` and per regime."""
+    out = {"all": error_stats([r["ratio"] for r in results]), "use": {}, "regimes": {}}
+    for key, field_ in (("use", "use"), ("regimes", "regime")):
+        for name in dict.fromkeys(r[field_] for r in results):
+            out[key][name] = error_stats([r["ratio"] for r in results if r[field_] == name])
+    return out
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
+
+def format_report(results: list[dict], stats: dict) -> str:
+    """The table `servesim validate` prints."""
+    w_id = max(4, *(len(r["id"]) for r in results))
+    w_pr = max(7, *(len(r["profile"]) for r in results))
+    w_me = min(34, max(6, *(len(r["metric"]) for r in results)))
+    lines = [f"{'id':<{w_id}}  {'profile':<{w_pr}}  {'metric':<{w_me}}  {'published':>10}  "
+             f"{'predicted':>10}  {'ratio':>6}  use"]
+    for r in results:
+        lines.append(f"{r['id']:<{w_id}}  {r['profile']:<{w_pr}}  {r['metric'][:w_me]:<{w_me}}  "
+                     f"{_fmt(r['published']):>10}  {_fmt(r['predicted']):>10}  "
+                     f"{r['ratio']:>6.3f}  {r['use']}")
+    w_re = max(10, *(len(k) for k in stats["regimes"]))
+    lines += ["", f"{'regime':<{w_re}}  {'rows':>4}  {'median |err|':>12}  {'worst |err|':>11}"]
+
+    def row(name, s):
+        return (f"{name:<{w_re}}  {s['count']:>4}  {s['median_abs_error']:>12.3f}  "
+                f"{s['worst_abs_error']:>11.3f}")
+
+    for name, s in stats["regimes"].items():
+        lines.append(row(name, s))
+    lines.append("")
+    for name, s in stats["use"].items():
+        lines.append(row(f"use = {name}", s))
+    lines.append(row("all", stats["all"]))
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Predicted against published, log-log, with the y = x line, one colour per regime; PNG
+    or SVG by the file's suffix. Raises ValidationError when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValidationError("--plot needs matplotlib: pip install 'servesim[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 7))
+    for regime in dict.fromkeys(r["regime"] for r in results):
+        pts = [r for r in results if r["regime"] == regime]
+        ax.scatter([r["published"] for r in pts], [r["predicted"] for r in pts], label=regime,
+                   s=24, marker="o" if pts[0]["use"] != "holdout" else "^")
+    lo = min(min(r["published"], r["predicted"]) for r in results) / 1.5
+    hi = max(max(r["published"], r["predicted"]) for r in results) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, label="y = x")
+    ax.plot([lo, hi], [lo * 1.3, hi * 1.3], color="grey", linewidth=0.5, linestyle="--")
+    ax.plot([lo, hi], [lo / 1.3, hi / 1.3], color="grey", linewidth=0.5, linestyle="--")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("published (ms or tokens/s)")
+    ax.set_ylabel("servesim (same unit)")
+    ax.set_title("servesim validate: predicted against published (dashed: ±30%)")
+    ax.legend(fontsize=7, loc="upper left")
+    from sim.fileio import atomic_open
+
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    try:
+        with atomic_open(path, "wb") as fh:  # never a half-written or replaced special file
+            fig.savefig(fh, format=fmt, bbox_inches="tight")
+    except (OSError, ValueError) as e:
+        raise ValidationError(f"--plot {path}: cannot write: {e}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,186 @@
+import dataclasses
+import json
+import tomllib
+
+import numpy as np
+import pytest
+
+from sim import build
+from sim.calibrate import fit_bench, read_bench_json, read_kernel_csv, fit_kernels
+from sim.costmodel import CostModel
+from sim.fit import record_run
+from sim.scenario import load_scenario
+from tui.cli import main
+
+TRUE = dict(gemm_efficiency=0.62, bandwidth_efficiency=0.78, kv_bandwidth_efficiency=0.66,
+            attention_efficiency=0.42, layer_overhead_us=35.0)
+
+
+def _with(sc, **coeffs):
+    return dataclasses.replace(sc, engine=dataclasses.replace(sc.engine, **coeffs))
+
+
+def kernel_csv(tmp_path, name="kernels.csv", extra=()):
+    """Synthetic kernel timings of a known engine: forward passes from the cost model,
+    all-reduces at 22 us + bytes at 60% of the link, CPU at 1.5 ms + 12 us per sequence."""
+    sc = _with(load_scenario("chat"), **TRUE, cpu_base_us=0.0, cpu_per_seq_us=0.0)
+    cm = CostModel(sc)
+    lines = ["kind,batch,context,tokens,bytes,gpus,time_ms"]
+    for b in (1, 8, 32, 128, 256):
+        for c in (128, 1024, 4096):
+            lines.append(f"decode,{b},{c},,,,{cm.step(0, 0, 0, b, b * c, b, b)[0] * 1e3!r}")
+    for n in (64, 256, 1024, 4096, 8192):
+        for c in (0, 4096):
+            t = cm.step(n, n * c + n * (n + 1) / 2, c, 0, 0, 1, 1)[0]
+            lines.append(f"prefill,,{c},{n},,,{t * 1e3!r}")
+    for size in (1e3, 1e5, 1e6, 1e7, 1e8):
+        t = 22e-6 + 1.5 * size / (450e9 * 0.6)
+        lines.append(f"allreduce,,,,{size:g},4,{t * 1e3!r}")
+    for b in (1, 16, 64, 256):
+        lines.append(f"cpu,{b},,,,,{(1.5 + 0.012 * b)!r}")
+    lines += list(extra)
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_kernel_timings_recover_the_coefficients_that_made_them(tmp_path):
+    path = kernel_csv(tmp_path)
+    chat = load_scenario("chat")
+    fit = fit_kernels(read_kernel_csv(path), chat, path)
+    c = fit.coeffs
+    # what the timings pin down: the compute-bound GEMMs, the K/V reads, the linear terms
+    assert c["gemm_efficiency"] == pytest.approx(TRUE["gemm_efficiency"], rel=0.03)
+    assert c["kv_bandwidth_efficiency"] == pytest.approx(TRUE["kv_bandwidth_efficiency"],
+                                                         rel=0.03)
+    assert c["allreduce_latency_us"] == pytest.approx(22.0, rel=0.02)
+    assert c["allreduce_efficiency"] == pytest.approx(0.6, rel=0.02)
+    assert c["cpu_base_us"] == pytest.approx(1500.0, rel=0.01)
+    assert c["cpu_per_seq_us"] == pytest.approx(12.0, rel=0.01)
+    assert np.median(fit.errors()) < 0.01
+    # weight streaming and the fixed cost per layer both cost the same every decode step (one
+    # model cannot tell them apart), but together they are recovered: so is every step time,
+    # including configurations that were not measured
+    gpu = dict(cpu_base_us=0.0, cpu_per_seq_us=0.0)
+    got = CostModel(_with(chat, **{**c, **gpu}))
+    want = CostModel(_with(chat, **TRUE, **gpu))
+    for args in [(0, 0, 0, 64, 64 * 2000, 64, 64), (0, 0, 0, 3, 3 * 9000, 3, 3),
+                 (2000, 2000 * 1000 + 2000 * 2001 // 2, 1000, 0, 0, 1, 1),
+                 (300, 300 * 301 // 2, 0, 40, 40 * 700, 41, 41)]:
+        assert got.step(*args)[0] == pytest.approx(want.step(*args)[0], rel=0.01), args
+
+
+def test_calibrate_writes_a_preset_a_scenario_can_name(tmp_path, capsys):
+    path = kernel_csv(tmp_path)
+    out = tmp_path / "mine.toml"
+    assert main(["calibrate", str(path), "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "residuals: median" in text and "worst" in text
+    table = tomllib.loads(out.read_text())["engine"]
+    assert table["preset"] == "vllm-v1" and table["cpu_base_us"] == pytest.approx(1500, rel=0.01)
+    sc = load_scenario("chat", [f'engine.preset="{out}"'])
+    assert sc.engine.gemm_efficiency == pytest.approx(0.62, rel=0.03)
+    assert sc.engine.cpu_per_seq_us == pytest.approx(12.0, rel=0.01)
+    # a key set in the scenario wins over the file's
+    sc = load_scenario("chat", [f'engine.preset="{out}"', "engine.cpu_base_us=7"])
+    assert sc.engine.cpu_base_us == 7
+
+
+def bench_result(tmp_path, coeffs, n=80, name="bench.json", rate=6):
+    """What `vllm bench serve --save-result --save-detailed` would have written for a
+    deployment behaving as the chat scenario with `coeffs`: every request's lengths, TTFT and
+    inter-token gaps, and its start time."""
+    sc = _with(load_scenario("chat", [f"workload.num_requests={n}", f"workload.rate={rate}",
+                                      "workload.duration_s=0"]), **coeffs)
+    eng = build(sc, record_events=False)
+    eng.run()
+    reqs = sorted(eng.requests.values(), key=lambda r: r.req_id)
+    data = {"backend": "vllm", "model_id": "meta-llama/Llama-3.1-8B-Instruct",
+            "request_rate": float(rate), "burstiness": 1.0, "max_concurrency": None,
+            "duration": float(eng.now), "completed": n,
+            "input_lens": [r.prompt_len for r in reqs],
+            "output_lens": [r.num_output_tokens for r in reqs],
+            "ttfts": [r.first_token_time - r.arrival_time for r in reqs],
+            "itls": [np.diff(r.token_times()).tolist() for r in reqs],
+            "start_times": [1000.0 + r.arrival_time for r in reqs],
+            "errors": ["" for _ in reqs]}
+    p = tmp_path / name
+    p.write_text(json.dumps(data))
+    return p, sc
+
+
+def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path):
+    # A serial engine (CPU time added to every step): with the CPU overlapped, a step's time is
+    # max(GPU, CPU) and whichever is shorter leaves no trace in the latencies to recover.
+    # The truth lies within the priors' reach (bandwidth efficiency 0.85 +- 10%): the fit is
+    # the most probable profile, priors included, not the least-squares one.
+    truth = dict(gemm_efficiency=0.6, bandwidth_efficiency=0.78, cpu_base_us=3000.0,
+                 cpu_per_seq_us=40.0, cpu_overlap=False)
+    path, true_sc = bench_result(tmp_path, truth, n=120, rate=30)
+    run = read_bench_json(path)
+    assert len(run.ttft) == 120 and run.arrival[0] == 0.0
+    serial = load_scenario("chat", ["engine.cpu_overlap=false"])
+    fit = fit_bench(run, serial)
+    assert np.median(fit.errors()) < 0.03
+    assert {"ttft p5", "ttft p95", "tpot p55", "tpot mean"} <= {r["what"] for r in fit.residuals}
+    got = CostModel(_with(serial, **fit.coeffs))
+    want = CostModel(true_sc)
+    # End-to-end latencies pin down how long the steps this load ran take (not how that time
+    # splits between per-step and per-sequence costs): re-time the true run's steps.
+    steps = record_run(true_sc)
+    d_got, d_want = steps.durations(got), steps.durations(want)
+    # (a loaded run, so that batches of many sizes separate the per-step from the per-sequence
+    # CPU time; what the priors still pull moves the busy time a few percent)
+    assert d_got.sum() == pytest.approx(d_want.sum(), rel=0.05)
+    assert np.median(d_got / d_want) == pytest.approx(1.0, abs=0.1)
+    prefill_1k = (1024, 1024 * 1025 // 2, 0, 0, 0, 1, 1)
+    assert got.step(*prefill_1k)[0] == pytest.approx(want.step(*prefill_1k)[0], rel=0.1)
+
+
+BAD_CSV = [
+    ("batch,context,time_ms\n1,2,3\n", "kind: missing column"),
+    ("kind,batch,context\ndecode,1,2\n", "time column"),
+    ("kind,batch,context,time_min\ndecode,1,2,3\n", "time_min"),
+    ("kind,batch,context,time_ms,time_us\ndecode,1,2,3,4\n", "exactly one"),
+    ("kind,batch,time_ms\ndecode,1,3\n", ":2: context: missing"),
+    ("kind,batch,context,time_ms\ndecode,1,2,-3\n", ":2: time_ms: '-3' is negative"),
+    ("kind,batch,context,time_ms\ndecode,1,2,nan\n", ":2: time_ms: 'nan' is not a finite"),
+    ("kind,batch,context,time_ms\ndecode,1,2,abc\n", ":2: time_ms: 'abc' is not a number"),
+    ("kind,batch,context,time_ms\nbackward,1,2,3\n", ":2: kind: 'backward'"),
+    ("kind,batch,context,time_ms\ndecode,1,2,3\ndecode,2,2,4\n", "too few decode and prefill"),
+    ("kind,batch,context,time_ms\ndecode,1,2,3\ndecode,2,2,4\ndecode,1,2,9\n",
+     ":4: time: contradicts line 2"),
+    ("kind,batch,time_ms\ncpu,1,3\ncpu,1,3.1\n", "at least two different batch"),
+    ("kind,batch,time_ms\ncpu,1,3\ncpu,8,2\ncpu,64,1\n", "fall as batch grows"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_CSV)
+def test_bad_kernel_files_are_one_line_and_exit_2(tmp_path, capsys, text, message):
+    p = tmp_path / "bad.csv"
+    p.write_text(text)
+    assert main(["calibrate", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(p) in err and message in err, err
+
+
+def test_bad_bench_files_are_one_line_and_exit_2(tmp_path, capsys):
+    good, _ = bench_result(tmp_path, {}, n=12)
+    data = json.loads(good.read_text())
+    cases = [
+        ({k: v for k, v in data.items() if k != "itls"}, "itls: missing"),
+        ({**data, "ttfts": data["ttfts"][:-1]}, "ttfts: expected a list of 12"),
+        ({**data, "ttfts": [-1.0] + data["ttfts"][1:]}, "ttfts[0]: -1.0 is negative"),
+        ({**data, "errors": ["boom"] * 5 + [""] * 7}, "too few successful requests (7"),
+        ({k: v for k, v in data.items() if k != "start_times"}, "request_rate: 6.0"),
+    ]
+    for i, (bad, message) in enumerate(cases):
+        p = tmp_path / f"bad{i}.json"
+        p.write_text(json.dumps(bad))
+        assert main(["calibrate", str(p)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(p) in err and message in err, err
+    p = tmp_path / "broken.json"
+    p.write_text("{ not json")
+    assert main(["calibrate", str(p)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
