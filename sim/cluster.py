@@ -595,6 +595,9 @@ class Cluster:
             delivered |= self._deliver(i)
             bound = min(self._bound(i, until, frozen), idle_cap)
             if e.policy.has_work():
+                if (self.disaggregated and i == 1 and self._ready
+                        and self._ready[0].ready <= e.now and e.has_finishing()):
+                    steps = 1  # finishing requests give blocks back after it: room for a hand-off
                 before = (e.step_count, e.now, e.counts["preemptions"], e.counts["cancelled"])
                 n = e.decide(bound, steps)
                 if n or before != (e.step_count, e.now, e.counts["preemptions"],

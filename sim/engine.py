@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -186,7 +186,10 @@ class Engine:
                              if scenario.scheduler.preemption == "swap" else 0),
             prefix_caching=scenario.kv.enable_prefix_caching,
             hash_block_size=self.workload.hash_block_size,
-            sharing=scenario.workload.num_samples > 1)
+            sharing=scenario.workload.num_samples > 1,
+            register_at_allocation=scenario.kv.register_at_allocation,
+            uncached_first=scenario.kv.free_uncached_first,
+            duplicates=scenario.kv.duplicate_cached_blocks)
         self.num_samples = scenario.workload.num_samples
         self._copies: list[tuple[int, int]] = []  # copy-on-write block copies of the coming step
         self.prefix_caching = scenario.kv.enable_prefix_caching
@@ -224,6 +227,9 @@ class Engine:
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
         self._freed: list[int] = []
+        # Async scheduling: requests finished by the last step, whose blocks and seats come back
+        # once the next step is scheduled (vLLM processes step k's output after scheduling k+1).
+        self._releasing: list[Request] = []
         self._prompt_ids: dict[int, np.ndarray] = {}
         self.duration_override = None  # an iterator of step durations (replay of measured runs)
         # Running figures for the summary.
@@ -345,7 +351,16 @@ class Engine:
         return ids
 
     def cancel(self, req_id: int) -> None:
-        """Cancel a request in any live state. Raises UnknownRequestError / EngineError."""
+        """Cancel a request in any live state. Raises UnknownRequestError / EngineError.
+        (A request that finished in the last step but still holds its blocks, under async
+        scheduling, gives them back now, as vLLM's abort of it would.)"""
+        # (looked up among them, not in `requests`: a run that keeps no history has
+        # forgotten a finished request, blocks or not)
+        req = next((r for r in self._releasing if r.req_id == req_id), None)
+        if req is not None:
+            self._action("cancel", req_id=req_id)
+            self._release_now(req)
+            return
         req = cancellable(self.requests, req_id)
         self._action("cancel", req_id=req_id)
         self._cancel(req, by="user")
@@ -365,6 +380,7 @@ class Engine:
             raise EngineError(f"switch_policy: unknown policy {name!r} "
                               f"(known: {', '.join(POLICIES)})")
         self._action("switch_policy", policy=name, previous=self.policy.name)
+        self._release()
         new = POLICIES[name](self)
         new.adopt(self.policy)
         self.policy = new
@@ -405,7 +421,7 @@ class Engine:
         refs = np.asarray(pool.ref_cnt, dtype=np.int32)
         cached = np.zeros(nb, dtype=bool)
         if pool.cached:
-            cached[list(pool.cached.values())] = True
+            cached[pool.cached_block_ids()] = True
             cached &= refs == 0  # free, but still holding a reusable prefix
         waiting = self.policy.waiting_in_order()
         shown = waiting if waiting_limit is None else waiting[:waiting_limit]
@@ -494,13 +510,23 @@ class Engine:
         req.transition(RS.RUNNING)
         self.policy.running.append(req)
         if self.prefix_caching:
-            self.kv.cache_full_blocks(req)
+            self.kv.cache_blocks(req, req.num_computed_tokens)
 
     # ============================================================ transitions used by policies
+    def has_finishing(self) -> bool:
+        """Whether requests finished by the last step still hold blocks and seats in the batch
+        (async scheduling: vLLM processes a step's output after scheduling the next)."""
+        return bool(self._releasing)
+
     def preempt(self, req: Request) -> None:
         """Preempt a running request: by swap (its blocks go to host memory and come back
         when it resumes) when `scheduler.preemption = "swap"` and the host pool has room,
-        else by recompute (its blocks are freed; it re-prefills every token it had)."""
+        else by recompute (its blocks are freed; it re-prefills every token it had). A request
+        that finished in the last step, still holding its blocks (async scheduling), frees
+        them and stays finished (vLLM counts a preemption; it is none here)."""
+        if req.state is RS.FINISHED:
+            self._release_now(req)
+            return
         pairs = self.kv.swap_out(req) if self.preemption == "swap" else None
         if pairs is not None:
             req.transition(RS.SWAPPED)
@@ -570,6 +596,8 @@ class Engine:
             req = self.requests.get(rid)  # (gone: it ended, and keep_history is off)
             if req is not None and not req.state.is_done:
                 self._cancel(req, by="client")
+            elif req in self._releasing:  # finished, its output not yet processed: freed now
+                self._release_now(req)
 
     def _on_arrival(self, req: Request) -> None:
         req._timeline = self.timeline
@@ -620,8 +648,11 @@ class Engine:
     def _finish(self, req: Request, t: float) -> None:
         req.transition(RS.FINISHED)
         req.finish_time = t
-        self.kv.free(req)
-        self.policy.finished(req)
+        if self.policy.async_scheduling:
+            self._releasing.append(req)
+        else:
+            self.kv.free(req)
+            self.policy.finished(req)
         self.recent.append(req)
         self._drop(req)
         self.finished_prompt_tokens += req.prompt_len
@@ -664,6 +695,44 @@ class Engine:
         """The first timeline row a live request's token times point into (math.inf: none)."""
         return min((s for r in self.requests.values() for s, _ in r.token_segments[:2]
                     if s >= 0), default=INF)
+
+    def _finish_step(self, finished: list[Request], t: float) -> None:
+        """The requests whose last token the step ending at `t` computed end."""
+        for req in finished:
+            self._finish(req, t)
+        if (self._releasing and not self.policy.waiting
+                and len(self.policy.running) == len(self._releasing)):
+            # Nothing else runs or waits: the next step would schedule nothing but let vLLM
+            # process this one's output, at once (short of an arrival at exactly `t`).
+            self._release()
+
+    def _release(self) -> None:
+        """Async scheduling: the step scheduled after the one that finished these requests
+        has been; their output is processed now, their blocks freed and seats given back."""
+        if not self._releasing:
+            return
+        done, self._releasing = self._releasing, []
+        for req in done:
+            if self.kv.register_at_allocation:  # the blocks its last step filled
+                self.kv.cache_blocks(req, req.num_computed_tokens)
+            self.kv.free(req)
+            self.policy.finished(req)
+
+    def _blocks_freed_by(self, reqs: list[Request]) -> int:
+        """How many blocks freeing `reqs` would return (those no other request shares)."""
+        if not self.kv.pool.sharing:
+            return sum([len(r.block_table) for r in reqs])
+        ref = self.kv.pool.ref_cnt
+        held = Counter([blk for r in reqs for blk in r.block_table])
+        return sum([1 for blk, c in held.items() if ref[blk] == c])
+
+    def _release_now(self, req: Request) -> None:
+        """Free a finished request's blocks and seat before its output is processed (it was
+        preempted, or its client went away)."""
+        self._releasing.remove(req)
+        self.kv.free(req)
+        if req in self.policy.running:  # (a victim has left it already)
+            self.policy.finished(req)
 
     def _drop(self, req: Request) -> None:
         if self.executor is not None:  # it tells the executor, then forgets
@@ -712,6 +781,13 @@ class Engine:
             return 0
         out = policy.schedule()
         sched = out.scheduled
+        if not sched and self._releasing:
+            # Only requests finishing (async scheduling): their output is processed now, and
+            # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
+            # would (nothing else arrives meanwhile).
+            self._release()
+            out = policy.schedule()
+            sched = out.scheduled
         if not sched:
             return 0  # everything was preempted; the next decision admits again
         for req, _ in sched:
@@ -749,7 +825,13 @@ class Engine:
         request whose table is full given the block its next token needs, in batch order as
         `schedule_running` allocates them. None, changing nothing, when blocks are short."""
         bs = self.block_size
-        reqs = list(self.policy.running)
+        running = self.policy.running
+        # (async scheduling: requests that finished in the last step hold their seats until
+        # the run's first step is scheduled, as schedule_running skips them)
+        reqs = ([r for r in running if r.state is RS.RUNNING] if self._releasing
+                else list(running))
+        if not reqs:
+            return None
         full = [r for r in reqs if len(r.block_table) * bs == r.num_computed_tokens]
         if full:
             if len(full) > self.kv.num_free_blocks:
@@ -770,7 +852,9 @@ class Engine:
                     or policy.next_change_time() <= now or not policy.skip_ahead_safe
                     or not policy.decodes_alone() or self.executor is not None
                     or not self.skip_ahead or self.duration_override is not None
-                    or self._swap_out or self._swap_in or self.scheduler_steps > 1)
+                    or self._swap_out or self._swap_in or self.scheduler_steps > 1
+                    # (blocks cached when scheduled are registered by schedule_running)
+                    or self.kv.register_at_allocation)
 
     def _single_step(self, sched, num_waiting: int) -> int:
         # What the service-time model needs: prefill chunks and decodes apart (separate
@@ -816,13 +900,13 @@ class Engine:
         prefilling = False
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
-        caching = self.prefix_caching
+        caching = self.prefix_caching and not self.kv.register_at_allocation
         for (req, n), chunk in zip(sched, is_prefill):
             c = req.num_computed_tokens
             total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
             req.num_computed_tokens = c + n
-            if caching:
-                self.kv.cache_full_blocks(req)
+            if caching:  # blocks enter the cache once computed (else when scheduled)
+                self.kv.cache_blocks(req, c + n)
             if chunk:
                 req.prefill_chunks.append((end, c, n))
                 prefill_chunks.append((req.req_id, c, n))
@@ -863,7 +947,8 @@ class Engine:
                 finished.append(req)
         # Every request of the batch (finishing aside) decodes in the next step, as the
         # policy's `schedule_running` tests it.
-        self._batch_decodes = not prefilling and len(sched) == len(self.policy.running)
+        self._batch_decodes = (not prefilling and len(sched) + len(self._releasing)
+                               == len(self.policy.running))
         if self.num_samples > 1:
             for req in first:
                 if req.parent_id is None and req not in finished:
@@ -883,8 +968,10 @@ class Engine:
                 self.events.append(ev.FirstToken(end, req.req_id))
             for req in recomputed:
                 self.events.append(ev.Recomputed(end, req.req_id))
-        for req in finished:
-            self._finish(req, end)
+        if self._releasing:
+            self._release()
+        if finished:
+            self._finish_step(finished, end)
         return 1
 
     def _fork(self, parent: Request, t: float, g: int) -> int:
@@ -958,9 +1045,15 @@ class Engine:
             left = r.max_output_tokens - r.num_output_tokens
             if left < kmax:
                 kmax = left
+        # Requests that finished in the last step (async scheduling) give their blocks back
+        # once this run's first step is scheduled: before step 1 allocates.
+        pending = self._releasing
         if kmax > 1:
             free = self.kv.num_free_blocks
-            if sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax]) > free:
+            need = sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax])
+            if need > free and pending:
+                free += self._blocks_freed_by(pending)
+            if need > free:
                 cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
         if kmax == 1:
@@ -970,22 +1063,32 @@ class Engine:
                     self.policy.next_change_time())
         ends, dur, energy = self._run_times(b, c0, kmax, t_ext)
         k = len(ends)
+        used_first = self.kv.num_used_blocks
+        empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
+        if pending:
+            empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens for r in pending])
+            self._release()
+            empty_first -= bs * (used_first - self.kv.num_used_blocks)
         used = self.kv.num_used_blocks
         kv_used = self._allocate_run(reqs, first_cross, k)
         # Empty slots after the run over the batch (every request holding blocks): those its
         # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
         empty_end = sum(first_cross) + bs * (kv_used[-1] - used) - b * k
+        kv_used[0] = used_first
         g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
         first_end = ends[0]
         itl0 = 0
         finished = []
         caching = self.prefix_caching
+        # Registered when scheduled, a block holding the run's last token waits, under async
+        # scheduling, for the next step (the scheduler has not seen that token yet).
+        unseen = 1 if self.kv.register_at_allocation and self.policy.async_scheduling else 0
         for r in reqs:
             r.num_computed_tokens += k
             r.num_output_tokens += k
             if caching:
-                self.kv.cache_full_blocks(r)
+                self.kv.cache_blocks(r, r.num_computed_tokens - unseen)
             last = r.token_segments[-1]
             if last[0] + last[1] == g:
                 last[1] += k
@@ -997,15 +1100,15 @@ class Engine:
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
         if self.record_timeline:
-            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end)
+            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end, empty_first)
         if self.record_events:
             self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
                                       tuple([r.req_id for r in reqs]), None, kv_used[-1]))
         self.now = end
         self.step_count += k
         self.counts["output_tokens"] += b * k
-        for r in finished:
-            self._finish(r, end)
+        if finished:
+            self._finish_step(finished, end)
         return k
 
     def _allocate_run(self, reqs: list, first_cross: list, k: int) -> list:
@@ -1052,23 +1155,27 @@ class Engine:
         return (used + np.cumsum(at)).tolist()
 
     def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
-                    empty_end: int) -> None:
+                    empty_end: int, empty_first: int = 0) -> None:
         """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
-        with `empty_end` empty slots."""
+        with `empty_end` empty slots (`empty_first` more in its first step, held by requests
+        released after it)."""
         k, bs = len(ends), self.block_size
         waiting = len(self.policy.waiting)
         # Empty slots after step j: those at the end, plus the tokens of later steps, minus
         # the slots of blocks allocated later.
         if k <= self.SCALAR_STEPS:
             e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
-            self.timeline.add_rows([
-                (ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
-                 e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)])
+            rows = [(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
+                     e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)]
+            if empty_first:  # step 0 also counts the finishing requests' slots
+                rows[0] = (*rows[0][:8], rows[0][8] + empty_first, *rows[0][9:])
+            self.timeline.add_rows(rows)
         else:
             itl = np.full(k, b, dtype=np.int64)
             itl[0] = itl0
             used = np.asarray(kv_used, dtype=np.int64)
             empty = empty_end + b * np.arange(k - 1, -1, -1) - bs * (used[-1] - used)
+            empty[0] += empty_first
             self.timeline.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
                                  sampled=b, itl_count=itl, kv_used=used, kv_empty=empty,
                                  energy=energy, waiting=waiting)

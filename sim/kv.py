@@ -5,8 +5,9 @@ the hash of each full block. `KVCacheManager` speaks in requests and tokens: it 
 append-only block table as its tokens are computed (nothing is reserved up front) and frees it on
 finish, cancel or preemption. Neither knows about kernels or scheduling.
 
-The free queue keeps LRU order (as vLLM V1's `FreeKVCacheBlockQueue` does with an intrusive
-doubly linked list), and a cached free block hit by a new request leaves it in O(1).
+The free queue keeps vLLM V1's order (its `FreeKVCacheBlockQueue` is an intrusive doubly linked
+list: reused from the head, cached blocks evicted in LRU order), and a cached free block hit by a
+new request leaves it in O(1).
 """
 
 from __future__ import annotations
@@ -22,28 +23,42 @@ class OutOfBlocks(Exception):
 
 
 class BlockPool:
-    """`num_blocks` blocks with reference counts and an LRU queue of free blocks.
+    """`num_blocks` blocks with reference counts and a queue of free blocks.
 
     A block is free when its ref count is 0. Free blocks that still hold a cached prefix (a hash)
-    stay reusable until `allocate` pops them from the head of the queue, which evicts the hash.
+    stay reusable until `allocate` takes them from the head of the queue, which evicts the hash.
 
-    The queue is a list of block ids consumed from `_head`. Taking a free block out of the middle
-    (a prefix-cache hit) leaves its entry behind as stale: an entry is live only while its block
-    is free and `_pos` records that entry's position, so the queue keeps exact LRU order with O(1)
-    removal, and while nothing is stale an allocation is one list slice.
+    Where a freed block joins the queue follows vLLM V1's `BlockPool.free_blocks`: with
+    `uncached_first`, a block holding no cached prefix goes to the head (it can never be hit, so
+    it is reused first) and a cached one to the tail (LRU eviction); without, every freed block
+    goes to the tail. `duplicates` lets a second block holding the same prefix register as a
+    further holder (a lookup returns the first), as vLLM's `BlockHashToBlockMap` does; without,
+    only the first block to register a prefix holds it.
+
+    The queue is a stack of blocks put at the head (`_front`, its top reused first) followed by
+    a list of blocks consumed from `_head`. Taking a free block out of the middle (a prefix-cache
+    hit) leaves its entry behind as stale: an entry is live only while its block is free and
+    `_pos` records that entry's position (-1 - i for index i of the stack, base + i in the list),
+    so the queue keeps exact order with O(1) removal, and while nothing is stale an allocation
+    is one or two list slices.
     """
 
-    def __init__(self, num_blocks: int, sharing: bool = False) -> None:
+    def __init__(self, num_blocks: int, sharing: bool = False, *,
+                 uncached_first: bool = False, duplicates: bool = False) -> None:
         if num_blocks <= 0:
             raise ScenarioError(f"kv.num_blocks: must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         # Without sharing no entry ever goes stale, and blocks move in bulk (C-level map/slice).
         self.sharing = sharing
+        self.uncached_first = uncached_first
+        self.duplicates = duplicates
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> block id
+        self.cached: dict[int, int] = {}  # hash -> first block holding it
+        self._more: dict[int, list[int]] = {}  # hash -> further holders, in registration order
+        self._front: list[int] = []
         self._queue = list(range(num_blocks))
-        self._pos = list(range(num_blocks))  # absolute queue position of each block's entry
+        self._pos = list(range(num_blocks))  # queue position of each block's live entry
         self._base = 0  # absolute position of _queue[0]
         self._head = 0
         self._stale = 0
@@ -51,31 +66,47 @@ class BlockPool:
 
     def free_block_ids(self) -> list[int]:
         """Free blocks in queue order, head (next to allocate) first. O(queue length)."""
-        ref, pos, base = self.ref_cnt, self._pos, self._base
-        q = self._queue
         if not self.sharing:  # no entry is ever stale
-            return q[self._head:]
-        return [b for i, b in enumerate(q[self._head:], self._head)
-                if ref[b] == 0 and pos[b] == base + i]
+            return self._front[::-1] + self._queue[self._head:]
+        ref, pos, base = self.ref_cnt, self._pos, self._base
+        f = self._front
+        front = [b for i, b in reversed(list(enumerate(f))) if ref[b] == 0 and pos[b] == -1 - i]
+        return front + [b for i, b in enumerate(self._queue[self._head:], self._head)
+                        if ref[b] == 0 and pos[b] == base + i]
 
     def allocate(self, n: int) -> list[int]:
-        """Pop `n` blocks from the head of the free queue, each with ref count 1.
+        """Take `n` blocks from the head of the free queue, each with ref count 1.
 
         Raises OutOfBlocks (and allocates nothing) when fewer than `n` are free.
         """
         if n > self.num_free:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
-        q, ref = self._queue, self.ref_cnt
+        q, ref, f = self._queue, self.ref_cnt, self._front
         h = self._head
         if not self._stale:
-            out = q[h:h + n]
-            h += n
+            k = min(n, len(f))
+            if k:
+                out = f[-1:-k - 1:-1]
+                del f[-k:]
+                if k < n:
+                    out += q[h:h + n - k]
+                    h += n - k
+            else:
+                out = q[h:h + n]
+                h += n
             # (a plain loop: map(ref.__setitem__, ...) calls a slot wrapper per block, 5x slower)
             for b in out:
                 ref[b] = 1
         else:
             out = []
             pos, base = self._pos, self._base
+            while f and len(out) < n:
+                b = f.pop()
+                if ref[b] == 0 and pos[b] == -1 - len(f):
+                    ref[b] = 1
+                    out.append(b)
+                else:
+                    self._stale -= 1
             while len(out) < n:
                 b = q[h]
                 if ref[b] == 0 and pos[b] == base + h:
@@ -88,8 +119,7 @@ class BlockPool:
             bh = self.block_hash
             for b in out:
                 if bh[b] is not None:
-                    del self.cached[bh[b]]
-                    bh[b] = None
+                    self._evict(b)
         self.num_free -= n
         if h > 4096 and h * 2 > len(q):
             del q[:h]
@@ -99,10 +129,12 @@ class BlockPool:
         return out
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks that reach 0 join the tail of the queue.
+        """Drop one reference to each block; blocks that reach 0 join the free queue (see the
+        class docstring for which end).
 
-        Callers pass a request's blocks tail-first so that its last blocks, the least likely
-        to be shared, are evicted first. Raises AssertionError on a block already free.
+        Callers pass a request's blocks tail-first: at the tail its last blocks, the least
+        likely to be shared, are evicted first; at the head they are reused first. Raises
+        AssertionError on a block already free.
         """
         ref, q = self.ref_cnt, self._queue
         if not self.sharing:
@@ -113,23 +145,35 @@ class BlockPool:
                         ref[b2] = 1
                     raise AssertionError(f"block {b} freed twice")
                 ref[b] = 0
-            q.extend(blocks)
+            if self.uncached_first:  # without sharing no block holds a cached prefix
+                self._front.extend(reversed(blocks))
+            else:
+                q.extend(blocks)
             self.num_free += len(blocks)
             return
-        pos = self._pos
+        pos, bh, first = self._pos, self.block_hash, self.uncached_first
         start = p = self._base + len(q)
+        front = []
         for b in blocks:
             rc = ref[b]
             if rc == 1:
                 ref[b] = 0
-                pos[b] = p
-                p += 1
-                q.append(b)
+                if first and bh[b] is None:
+                    front.append(b)
+                else:
+                    pos[b] = p
+                    p += 1
+                    q.append(b)
             elif rc > 1:
                 ref[b] = rc - 1
             else:
                 raise AssertionError(f"block {b} freed twice")
-        self.num_free += p - start
+        if front:
+            f = self._front
+            for b in reversed(front):
+                pos[b] = -1 - len(f)
+                f.append(b)
+        self.num_free += p - start + len(front)
 
     def enable_sharing(self) -> None:
         """Switch a pool made without sharing to the mode that tracks queue positions."""
@@ -138,6 +182,8 @@ class BlockPool:
         pos, base = self._pos, self._base
         for i, b in enumerate(self._queue[self._head:], self._head):
             pos[b] = base + i
+        for i, b in enumerate(self._front):
+            pos[b] = -1 - i
         self.sharing = True
 
     def free_runs(self):
@@ -158,11 +204,43 @@ class BlockPool:
         self.ref_cnt[b] += 1
 
     # --- prefix cache ----------------------------------------------------------------------------
-    def set_hash(self, b: int, h: int) -> None:
-        """Mark full block `b` as holding the prefix hashed `h` (first writer wins)."""
-        if self.block_hash[b] is None and h not in self.cached:
-            self.block_hash[b] = h
+    def set_hash(self, b: int, h) -> None:
+        """Mark full block `b` (in use) as holding the prefix keyed `h`. A block holds one
+        prefix; a further block holding an already cached prefix becomes a second holder with
+        `duplicates`, and stays unmarked without."""
+        if self.block_hash[b] is not None:
+            return
+        first = self.cached.get(h)
+        if first is None:
             self.cached[h] = b
+        elif not self.duplicates:
+            return
+        else:
+            self._more.setdefault(h, []).append(b)
+        self.block_hash[b] = h
+
+    def _evict(self, b: int) -> None:
+        """Block `b` is being reused: it no longer holds its prefix; a further holder of the
+        same prefix, if any, answers lookups from now on."""
+        h = self.block_hash[b]
+        self.block_hash[b] = None
+        more = self._more.get(h)
+        if self.cached[h] == b:
+            if more:
+                self.cached[h] = more.pop(0)
+            else:
+                del self.cached[h]
+        else:
+            more.remove(b)
+        if more is not None and not more:
+            del self._more[h]
+
+    def cached_block_ids(self) -> list[int]:
+        """Every block holding a cached prefix (in use or free)."""
+        out = list(self.cached.values())
+        for more in self._more.values():
+            out.extend(more)
+        return out
 
     @property
     def num_used(self) -> int:
@@ -183,10 +261,17 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, sharing: bool = False,
                  num_host_blocks: int = 0, prefix_caching: bool = False,
-                 hash_block_size: int = 512) -> None:
+                 hash_block_size: int = 512, *, register_at_allocation: bool = False,
+                 uncached_first: bool = False, duplicates: bool = False) -> None:
+        """The last three are vLLM V1's behaviours (see `BlockPool` and `cache_scheduled`);
+        a scenario's `[kv]` section turns them on by default, this class does not."""
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.pool = BlockPool(num_blocks, sharing or prefix_caching)
+        self.pool = BlockPool(num_blocks, sharing or prefix_caching,
+                              uncached_first=uncached_first, duplicates=duplicates)
+        # Whether full blocks enter the prefix cache when the step filling them is scheduled
+        # (else after it has run): the policy then calls `cache_scheduled`.
+        self.register_at_allocation = prefix_caching and register_at_allocation
         self.hash_block_size = hash_block_size
         self._chains: dict[tuple, int] = {}  # (parent chain id, hash id) -> chain id
         self.hit_tokens = 0
@@ -207,13 +292,23 @@ class KVCacheManager:
         return self.pool.num_used
 
     def allocate_slots(self, req, num_new_tokens: int, reserve: int = 0,
-                       prefix: list[int] | None = None) -> bool:
+                       prefix: list[int] | None = None, full_sequence: bool = False) -> bool:
         """Grow `req.block_table` to hold `num_new_tokens` more tokens.
 
         `prefix` (from `match_prefix`, for a request with nothing computed) are cached blocks
         that become the start of its table, their tokens counted as computed. Returns False,
-        changing nothing, if that would leave fewer than `reserve` blocks free.
+        changing nothing, if that would leave fewer than `reserve` blocks free, or, with
+        `full_sequence` (vLLM's admission gate), if the blocks for all of `req`'s tokens so far
+        would not fit while leaving `reserve` free.
         """
+        if full_sequence:
+            pool = self.pool
+            hits = prefix or ()
+            need = blocks_for(req.num_tokens, self.block_size) - len(hits) - len(req.block_table)
+            # Hit blocks that sit free in the cache stop being free when taken.
+            taken_free = sum(1 for b in hits if pool.ref_cnt[b] == 0)
+            if max(need, 0) + taken_free + reserve > pool.num_free:
+                return False
         if prefix:
             return self._allocate_with_prefix(req, num_new_tokens, reserve, prefix)
         need = (-(-(req.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -229,7 +324,6 @@ class KVCacheManager:
         pool = self.pool
         cached = len(prefix) * self.block_size
         need = blocks_for(cached + n, self.block_size) - len(prefix)
-        # Hit blocks that sit free in the cache stop being free when taken.
         taken_free = sum(1 for b in prefix if pool.ref_cnt[b] == 0)
         if need + reserve > pool.num_free - taken_free:
             return False
@@ -257,7 +351,7 @@ class KVCacheManager:
                     return ("t", text[:end])
             else:
                 sp = req.shared_prefix
-                if sp is not None and end <= sp[1]:
+                if sp is not None and sp[0] >= 0 and end <= sp[1]:  # group -1: none
                     return ("s", sp[0], j)
                 h = req.hash_ids
                 if h:
@@ -305,9 +399,10 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def cache_full_blocks(self, req) -> None:
-        """Register `req`'s newly filled blocks in the prefix cache."""
-        full = req.num_computed_tokens // self.block_size
+    def cache_blocks(self, req, num_tokens: int) -> None:
+        """Register the full blocks among `req`'s first `num_tokens` tokens in the prefix
+        cache (those not registered yet)."""
+        full = num_tokens // self.block_size
         j = req.cached_upto
         if j >= full:
             return
@@ -316,6 +411,15 @@ class KVCacheManager:
             set_hash(table[j], keys[j] if keys is not None and j < len(keys)
                      else self.block_key(req, j))
         req.cached_upto = full
+
+    def cache_scheduled(self, req, num_new_tokens: int, num_unknown: int = 0) -> None:
+        """`req` is scheduled to compute `num_new_tokens` tokens: register the blocks they
+        fill now (vLLM V1 caches at allocation, so a request admitted later in the same step
+        shares them), except blocks holding any of its last `num_unknown` tokens, which the
+        scheduler has not seen yet (with async scheduling, the token sampled by the step still
+        running)."""
+        self.cache_blocks(req, min(req.num_computed_tokens + num_new_tokens,
+                                   req.num_tokens - num_unknown))
 
     def free(self, req) -> None:
         """Release every block `req` holds, on the device (tail first) and on the host, and

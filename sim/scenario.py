@@ -141,6 +141,14 @@ class KVConfig:
     reserve_gb: float = _f(1.0, min=0, doc="activations and workspace kept out of the KV pool")
     swap_space_gb: float = _f(4.0, min=0, doc="host memory per GPU for swapped-out blocks")
     enable_prefix_caching: bool = _f(False, doc="share cached full blocks between requests")
+    # vLLM V1's block manager (README: "Fidelity to vLLM's scheduler"); false: the older way.
+    register_at_allocation: bool = _f(True, doc="a full block enters the prefix cache when the "
+                                      "step filling it is scheduled, so a request admitted "
+                                      "later in that step shares it; false: after the step")
+    free_uncached_first: bool = _f(True, doc="a freed block holding no cached prefix is reused "
+                                   "first, cached ones are evicted LRU; false: all LRU")
+    duplicate_cached_blocks: bool = _f(True, doc="a block computed again for a prefix already "
+                                       "cached holds it too; false: only the first")
 
 
 @dataclass
@@ -151,7 +159,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, min=1)
     preemption: str = _f("recompute", choices=["recompute", "swap"],
                          doc="recompute: free and re-prefill later; swap: copy to host memory")
-    watermark: float = _f(0.01, min=0, max=0.5, doc="share of blocks kept free at admission")
+    watermark: float = _f(0.0, min=0, max=0.5,
+                          doc="share of blocks kept free when admitting while others run "
+                              "(vLLM V1: 0; V0 used 0.01)")
     sjf_key: str = _f("prompt", choices=["prompt", "total"],
                       doc="sjf: job size is the prompt, or prompt plus output")
     sjf_aging_s: float = _f(10.0, gt=0, doc="sjf: a request waiting this long goes first")
@@ -161,6 +171,17 @@ class SchedulerConfig:
                                         "(its maximum output if larger)")
     kv_link_gbps: float = _f(50.0, gt=0, doc="disaggregated: prefill-to-decode K/V link, GB/s "
                                              "per GPU")
+    # vLLM V1's scheduler (README: "Fidelity to vLLM's scheduler"); false: the older way.
+    reserve_full_sequence: bool = _f(True, doc="admit a waiting request only if blocks for all "
+                                     "its tokens fit, not just its first chunk")
+    async_scheduling: bool = _f(True, doc="schedule each step before the output of the one "
+                                "before is processed: a finished request frees its blocks and "
+                                "seat one step later")
+    preempt_for_waiting: bool = _f(False, doc="priority: preempt lower-priority running "
+                                   "requests to admit a higher-priority waiting one (vLLM V0)")
+    continue_after_self_preemption: bool = _f(True, doc="priority: a running request that "
+                                              "preempts itself lets those after it try; "
+                                              "false: the pass over the batch ends")
 
 
 @dataclass

@@ -35,6 +35,9 @@ class Policy:
     # Whether a decode-only step stays the policy's choice until the next arrival, finish,
     # cancel or block shortage (true when admission depends only on those).
     skip_ahead_safe = True
+    # Whether the policy models vLLM V1's scheduler: it then takes `scheduler.async_scheduling`,
+    # `reserve_full_sequence` and the watermark as vLLM V1 applies them.
+    models_v1 = False
 
     def __init__(self, engine) -> None:
         # A proxy, not a reference: no engine <-> policy cycle, so a dropped engine is freed
@@ -44,6 +47,13 @@ class Policy:
         self.cfg = engine.scenario.scheduler
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # With async scheduling a request that finished in the last step stays in `running`
+        # (FINISHED), holding its blocks and seat, until the engine has scheduled the next one.
+        self.async_scheduling = self.models_v1 and self.cfg.async_scheduling
+        # After preempting itself for lack of blocks, a running request lets the requests after
+        # it in the batch try (only `priority` can have any: others preempt the last one).
+        self.continue_after_self_preemption = (self.models_v1
+                                               and self.cfg.continue_after_self_preemption)
 
     # --- queue management (called by the engine) ------------------------------------------------
     def add(self, req: Request) -> None:
@@ -108,9 +118,24 @@ class Policy:
         """The running request to preempt when blocks run short: the most recently admitted."""
         return self.running[-1]
 
+    def watermark_blocks(self) -> int:
+        """Blocks a waiting request must leave free when admitted while others run: vLLM V1
+        takes `scheduler.watermark` of its pool counting its null block (block 0)."""
+        return int(self.cfg.watermark * (self.kv.num_blocks + 1))
+
+    def schedule_admitted(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """`req`, given its blocks, leaves the queue for the batch and computes `n` tokens."""
+        self.take_waiting(req)
+        self.running.append(req)
+        out.scheduled.append((req, n))
+        if self.kv.register_at_allocation:
+            self.kv.cache_scheduled(req, n)
+
     def preempt_one(self, out: SchedulerOutput, victim: Request | None = None) -> tuple[Request, int]:
         """Preempt `victim` (default: `pick_victim()`) and requeue it. If it was already
-        scheduled in this step, unschedule it. Returns the victim and the tokens given back."""
+        scheduled in this step, unschedule it. Returns the victim and the tokens given back.
+        (A victim that has finished, its last step's output not yet processed under async
+        scheduling, gives its blocks back and is not requeued, as in vLLM.)"""
         victim = victim or self.pick_victim()
         given_back = 0
         for k, (r, m) in enumerate(out.scheduled):
@@ -120,7 +145,8 @@ class Policy:
                 break
         self.running.remove(victim)
         self.engine.preempt(victim)
-        self.requeue(victim)
+        if not victim.state.is_done:
+            self.requeue(victim)
         out.preempted.append(victim)
         return victim, given_back
 
@@ -131,17 +157,31 @@ class Policy:
     def schedule_running(self, out: SchedulerOutput, budget: float) -> float:
         """Advance the running batch in order within `budget` tokens: one decode token each, or
         the next prefill chunk of a request still prefilling. While blocks run short, preempt a
-        victim (possibly the request itself, which ends the pass). Sets `out.decode_only` when
-        every running request decodes exactly one token. Returns the budget left.
+        victim (possibly the request itself, which ends the pass unless
+        `continue_after_self_preemption`). Sets `out.decode_only` when every running request
+        decodes exactly one token. Returns the budget left.
         """
         kv = self.kv
         bs = kv.block_size
         running = self.running
         sched = out.scheduled
+        register = kv.register_at_allocation
+        # Async scheduling: a request that sampled in the last step has a token the scheduler
+        # has not seen yet, and one that finished then is skipped (it holds its seat).
+        lagging = self.async_scheduling
+        engine = self.engine
+        g = engine.step_count if register and lagging else 0
+        skip_finished = lagging and engine.has_finishing()
+        finished = RequestState.FINISHED
         all_decode = True
+        finishing = 0
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if skip_finished and req.state is finished:
+                finishing += 1
+                i += 1
+                continue
             c = req.num_computed_tokens
             total = req.prompt_len + req.num_output_tokens
             n = total - c
@@ -149,21 +189,38 @@ class Policy:
                 n = budget
             if -(-(c + n) // bs) > len(req.block_table):
                 while not kv.allocate_slots(req, n):
-                    victim, given_back = self.preempt_one(out)
+                    victim = self.pick_victim()
+                    before = victim is not running[-1] and running.index(victim) < i
+                    _, given_back = self.preempt_one(out, victim)
                     if victim is req:
                         break
-                    if given_back:  # a victim scheduled earlier in this step
-                        budget += given_back
+                    budget += given_back
+                    if before:  # a request earlier in the batch (priority): the index shifts
                         i -= 1
                 if req.state is not RequestState.RUNNING:
                     all_decode = False
+                    if self.continue_after_self_preemption:
+                        continue
                     break
             sched.append((req, n))
+            if register:
+                segs = req.token_segments
+                unseen = 1 if lagging and segs and segs[-1][0] + segs[-1][1] == g else 0
+                kv.cache_scheduled(req, n, unseen)
             if n != 1 or c + 1 != total or total == req.prompt_len or req.recomputing:
                 all_decode = False
             budget -= n
             i += 1
-        out.decode_only = all_decode and not out.preempted and len(sched) == len(running)
+        if register and lagging:
+            # The output of the last step, processed after this one is scheduled, registers
+            # the blocks its tokens filled for requests this step leaves out.
+            for req in running[i:]:
+                kv.cache_blocks(req, req.num_computed_tokens)
+        # (Requests finishing may stay beside a run of decode steps, which gives their blocks
+        # back after its first step, unless that could let a waiting request in.)
+        out.decode_only = (all_decode and not out.preempted
+                           and len(sched) + finishing == len(running)
+                           and not (finishing and self.waiting))
         return budget
 
     def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract

@@ -4,6 +4,10 @@ Running requests go first (decodes, and the next chunk of any prompt still prefi
 waiting requests fill what is left of the token budget (`max_num_batched_tokens`), so a long
 prompt is prefilled over several steps while decodes keep flowing. When blocks run short, the
 most recently admitted request is preempted; no new request is admitted in a step that preempted.
+
+Admission follows vLLM V1: a waiting (or preempted) request is admitted only if blocks for all
+its tokens so far fit (`scheduler.reserve_full_sequence`), leaving the watermark free while
+anything runs; the first request that does not fit ends admission for the step.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from sim.policies.base import Policy, SchedulerOutput
 class ChunkedPolicy(Policy):
     name = "chunked"
     description = "vLLM V1 / Sarathi-Serve: decodes first, prefill chunks fill the token budget"
+    models_v1 = True
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -30,12 +35,23 @@ class ChunkedPolicy(Policy):
         return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
 
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        full = self.cfg.reserve_full_sequence
+        watermark = self.watermark_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
             n, hits = self.plan_waiting(req, budget)
-            if not self.kv.allocate_slots(req, n, prefix=hits):
-                break
-            self.take_waiting(req)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            if not self.kv.allocate_slots(req, n, reserve=watermark if self.running else 0,
+                                          prefix=hits, full_sequence=full):
+                given_back = self.make_room(out, req)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
+            self.schedule_admitted(out, req, n)
             budget -= n
+
+    def make_room(self, out: SchedulerOutput, req) -> int | None:
+        """`req`, next in the queue, does not fit: preempt for it and return the tokens given
+        back, or None to end admission for this step (vLLM V1 never preempts for a waiting
+        request)."""
+        return None

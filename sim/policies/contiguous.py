@@ -44,7 +44,5 @@ class ContiguousPolicy(FCFSPolicy):
                     self._stalled.add(req.req_id)
                     self.engine.counts["fragmentation_stalls"] += 1
                 break
-            self.take_waiting(req)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            self.schedule_admitted(out, req, n)
             budget -= n

@@ -38,7 +38,5 @@ class FCFSPolicy(Policy):
                 break
             if not self.kv.allocate_slots(req, n, reserve=reserve, prefix=hits):
                 break
-            self.take_waiting(req)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            self.schedule_admitted(out, req, n)
             budget -= n

@@ -30,6 +30,4 @@ class StaticPolicy(FCFSPolicy):
             n, hits = self.plan_waiting(req, float("inf"))
             if not self.kv.allocate_slots(req, n, prefix=hits):
                 break
-            self.take_waiting(req)
-            self.running.append(req)
-            out.scheduled.append((req, n))
+            self.schedule_admitted(out, req, n)

@@ -9,11 +9,31 @@ from tests.helpers import (check_invariants, expand_steps, run_with_and_without_
                            small_scenario, workload_of)
 
 
-@pytest.mark.parametrize("policy", ["static", "fcfs", "chunked"])
-def test_skip_ahead_equals_step_by_step(policy):
+SHARED = ("kv.enable_prefix_caching=true", "workload.shared_prefix_tokens=300",
+          "workload.shared_prefix_groups=3")
+OLDER = ("scheduler.async_scheduling=false", "scheduler.reserve_full_sequence=false",
+         "kv.register_at_allocation=false", "kv.free_uncached_first=false",
+         "kv.duplicate_cached_blocks=false")
+
+
+@pytest.mark.parametrize("policy,extra", [
+    ("static", ()), ("fcfs", ()), ("chunked", ()),
+    # vLLM V1's behaviours (the defaults: async scheduling among them) with prefix caching,
+    # then each older behaviour
+    ("chunked", SHARED), ("chunked", SHARED + ("scheduler.watermark=0.02",)),
+    ("chunked", SHARED + OLDER), ("chunked", ("scheduler.async_scheduling=false",)),
+    ("priority", SHARED + ("workload.priority={dist=\"choice\", values=[0, 1, 2]}",)),
+])
+def test_skip_ahead_equals_step_by_step(policy, extra):
     sc = small_scenario(f"scheduler.policy=\"{policy}\"", "kv.num_blocks=600",
-                        "workload.cancel_fraction=0.1", "workload.duration_s=15")
+                        "workload.cancel_fraction=0.1", "workload.duration_s=15", *extra)
     fast, slow = Engine(sc), Engine(sc, skip_ahead=False)
+    for t in np.arange(0.5, 30.0, 0.5):  # the block pools agree whenever both stop
+        fast.run_until(t)
+        slow.run_until(t)
+        if fast.step_count == slow.step_count:
+            assert fast.kv.pool.free_block_ids() == slow.kv.pool.free_block_ids()
+            assert fast.kv.pool.block_hash == slow.kv.pool.block_hash
     fast.run()
     slow.run()
     assert fast.counts == slow.counts and fast.counts["preemptions"] > 0
@@ -229,6 +249,82 @@ def test_hand_timeline_through_the_engine():
     assert s["queue_ms"]["max"] == pytest.approx(30.0)
     assert s["e2e_ms"]["max"] == pytest.approx(580.0)
     assert s["ttft_ms"]["max"] == pytest.approx(80.0)
+
+
+# --- async scheduling: a finished request's blocks and seat come back one step late -----------
+def _admit_step(e, rid):
+    """The index of the step in which request `rid` was first scheduled."""
+    for x in e.events:
+        if x.kind == "steps" and any(c[0] == rid for c in x.prefill):
+            return x.step
+    raise AssertionError(rid)
+
+
+def _lag_workload(cancel_a=np.nan):
+    # 0 holds 7 of 12 blocks and finishes after 5 tokens; 1 decodes all along; 2 (7 blocks)
+    # fits only once 0's blocks are back
+    return workload_of([(0.0, 100, 5, 0, cancel_a), (0.0, 20, 40), (0.001, 100, 5)])
+
+
+@pytest.mark.parametrize("skip_ahead", [True, False])
+def test_async_scheduling_frees_a_finished_request_after_the_next_step(skip_ahead):
+    steps = {}
+    for mode in ("true", "false"):
+        sc = small_scenario("kv.num_blocks=12", "kv.block_size=16",
+                            f"scheduler.async_scheduling={mode}")
+        e = Engine(sc, workload=_lag_workload(), skip_ahead=skip_ahead)
+        e.step()
+        while e.get(0).state is not S.FINISHED:
+            e.step()
+        a = e.get(0)
+        if mode == "true":  # finished, its blocks and seat held until the next step is scheduled
+            assert a.block_table and a in e.policy.running
+            check_invariants(e)
+            e.step()
+            assert not a.block_table and a not in e.policy.running
+        else:
+            assert not a.block_table and a not in e.policy.running
+        e.run()
+        finished_at = next(x.step + list(x.ends).index(a.finish_time) for x in e.events
+                           if x.kind == "steps" and a.finish_time in x.ends)
+        steps[mode] = _admit_step(e, 2) - finished_at
+    assert steps == {"false": 1, "true": 2}
+
+
+def test_a_client_abort_frees_a_finished_request_at_once():
+    sc = small_scenario("kv.num_blocks=12", "kv.block_size=16")
+    e = Engine(sc, workload=_lag_workload())
+    e.run()
+    t_fin, late = e.get(0).finish_time, _admit_step(e, 2)
+    # the client goes away as the last token is computed: the blocks come back a step earlier,
+    # and the request, whose tokens are all computed, stays finished
+    e = Engine(sc, workload=_lag_workload(cancel_a=t_fin))
+    e.run()
+    assert e.get(0).state is S.FINISHED and e.counts["cancelled"] == 0
+    assert _admit_step(e, 2) == late - 1
+
+
+def test_skip_ahead_beside_finishing_requests_equals_step_by_step(monkeypatch):
+    """Under async scheduling a run of decode steps may start while requests that finished in
+    the step before still hold their blocks: it gives them back after its first step."""
+    beside = []
+    run = Engine._decode_run
+
+    def counting(self, sched, until, max_steps):
+        beside.append(bool(self._releasing))
+        return run(self, sched, until, max_steps)
+
+    monkeypatch.setattr(Engine, "_decode_run", counting)
+    sc = small_scenario("workload.rate=2", "workload.duration_s=40", *SHARED)
+    fast, slow = Engine(sc), Engine(sc, skip_ahead=False)
+    fast.run()
+    slow.run()
+    assert sum(beside) > 10
+    assert expand_steps(fast) == expand_steps(slow)
+    for col in ("end", "kv_used", "kv_empty", "itl_count", "batch"):
+        assert np.array_equal(fast.timeline.column(col), slow.timeline.column(col)), col
+    assert fast.kv.pool.free_block_ids() == slow.kv.pool.free_block_ids()
+    assert fast.kv.pool.block_hash == slow.kv.pool.block_hash
 
 
 @pytest.mark.parametrize("overrides", [

@@ -3,6 +3,7 @@
 import numpy as np
 
 from sim import Engine, summarize
+from sim.request import RequestState
 from tests.helpers import check_invariants, small_scenario, workload_of
 
 
@@ -108,8 +109,42 @@ def test_priority_admits_lower_values_first_then_by_arrival():
     assert admitted_order(e) == [0, 2, 4, 3, 1]
 
 
+def test_priority_queue_keeps_vllms_order_through_adds_takes_and_cancels():
+    """The heap gives the same head and order as a list sorted by (priority, arrival, id),
+    vLLM's order, through random mixes of arrivals (with ties in priority and arrival),
+    admissions of the head and cancellations from anywhere in the queue."""
+    import random
+    from types import SimpleNamespace
+
+    from sim.policies.priority import WaitingHeap
+
+    def key(r):
+        return (r.priority, r.arrival_time, r.req_id)
+
+    for seed in range(400):
+        rng = random.Random(seed)
+        q, ref = WaitingHeap(), []
+        for i in range(150):
+            op = rng.choice("aatc")
+            if op == "a" or not ref:
+                r = SimpleNamespace(priority=rng.randrange(4),
+                                    arrival_time=float(rng.randrange(5)), req_id=i)
+                q.push(r)
+                ref.append(r)
+            else:
+                r = min(ref, key=key) if op == "t" else rng.choice(ref)
+                q.discard(r)
+                ref.remove(r)
+            assert len(q) == len(ref) and bool(q) == bool(ref)
+            if ref:
+                assert q.head() is min(ref, key=key), (seed, i)
+        assert q.in_order() == sorted(ref, key=key)
+        assert sorted(x.req_id for x in q) == sorted(x.req_id for x in ref)
+
+
 def test_priority_preempts_lower_priority_for_a_waiting_higher_one():
-    sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20", "kv.block_size=16")
+    sc = small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20", "kv.block_size=16",
+                        "scheduler.preempt_for_waiting=true")
     # request 0 (priority 5) fills most of the pool; request 1 (priority 0) cannot fit
     w = workload_of([(0.0, 200, 60, 5), (0.05, 150, 10, 0)])
     e = Engine(sc, workload=w)
@@ -117,6 +152,12 @@ def test_priority_preempts_lower_priority_for_a_waiting_higher_one():
     pre = [x for x in e.events if x.kind == "preempt"]
     assert pre and pre[0].req_id == 0
     assert e.get(1).finish_time < e.get(0).finish_time
+    # vLLM V1 (the default) never preempts for a waiting request: request 1 waits its turn
+    e = Engine(small_scenario("scheduler.policy=\"priority\"", "kv.num_blocks=20",
+                              "kv.block_size=16"), workload=w)
+    run_steps(e)
+    assert e.counts["preemptions"] == 0
+    assert e.get(1).admitted_time >= e.get(0).finish_time
 
 
 def test_priority_victim_is_the_lowest_priority_running():
@@ -126,6 +167,22 @@ def test_priority_victim_is_the_lowest_priority_running():
     run_steps(e)
     pre = [x.req_id for x in e.events if x.kind == "preempt"]
     assert pre and pre[0] == 1
+
+
+def test_chunked_keeps_the_watermark_free_only_when_admitting_beside_others():
+    w = workload_of([(0.0, 100, 30), (0.001, 140, 5)])  # 7 blocks (growing to 9), then 9
+    admitted = {}
+    for wm in (0.0, 0.25):  # 0.25 of 20 blocks and vLLM's null block: 5 kept free
+        sc = small_scenario("kv.num_blocks=20", "kv.block_size=16", f"scheduler.watermark={wm}")
+        e = Engine(sc, workload=w)
+        run_steps(e)
+        admitted[wm] = e.get(1).admitted_time >= e.get(0).finish_time
+    assert admitted == {0.0: False, 0.25: True}
+    # alone, a request is admitted whatever the watermark
+    e = Engine(small_scenario("kv.num_blocks=20", "kv.block_size=16", "scheduler.watermark=0.25"),
+               workload=workload_of([(0.0, 300, 4)]))
+    run_steps(e)
+    assert e.get(0).state is RequestState.FINISHED
 
 
 def test_sjf_shortest_first_until_aged():
@@ -217,7 +274,9 @@ def test_priority_preempting_for_an_arrival_is_not_a_run_of_decode_steps():
     # Found by the deployment lockstep fuzzer: the arrival's prefill took the preempted
     # request's place in the batch, which still counted as decode-only, and the engine ran it
     # as a stretch of decode steps (and failed).
-    sc = small_scenario('scheduler.policy="priority"', "kv.num_blocks=20", "kv.block_size=16")
+    # (vLLM V0's rule, preempting for a waiting request: V1, the default, never does)
+    sc = small_scenario('scheduler.policy="priority"', "kv.num_blocks=20", "kv.block_size=16",
+                        "scheduler.preempt_for_waiting=true")
     runs = []
     for skip in (True, False):
         e = Engine(sc, workload=workload_of([(0.0, 200, 100, 5)]), skip_ahead=skip)
