@@ -373,7 +373,11 @@ def test_a_bounded_server_holds_only_what_is_in_flight():
             e = s.frontend.engine
             assert e.counts["finished"] >= 300
             assert len(e.events) <= 1 + e.counts["arrived"] - e.counts["finished"] + 64
-            assert len(e.requests) == len(e.policy.running) + len(e.policy.waiting)
+            # (under async scheduling a request that finished in the last step keeps its seat
+            # in `running` until the next step is scheduled; it has ended all the same)
+            live = [r.req_id for r in (*e.policy.running, *e.policy.waiting)
+                    if not r.state.is_done]
+            assert sorted(e.requests) == sorted(live)
         with urllib.request.urlopen(s.url + "/metrics", timeout=30) as resp:
             text = resp.read().decode()
         fams = {f.name: f for f in text_string_to_metric_families(text)}
