@@ -27,10 +27,12 @@ def workload_of(rows, hash_ids=None) -> Workload:
                     cancel_at=np.array([r[4] for r in rows], dtype=float), hash_ids=hash_ids)
 
 
-def check_invariants(engine: Engine, held=()) -> None:
+def check_invariants(engine: Engine, held=(), releasing_elsewhere=()) -> None:
     """Blocks owned by requests are exactly the used blocks, each owned once (or shared with a
     matching reference count), and every live request's table covers its computed tokens.
-    `held`: blocks held outside any request's table (a deployment's hand-offs)."""
+    `held`: blocks held outside any request's table (a deployment's hand-offs);
+    `releasing_elsewhere`: requests this engine knows that another instance of its deployment
+    has finished and not yet released (a prefill instance's record of a handed-off request)."""
     pool = engine.kv.pool
     owners = Counter(held)
     live = list(engine.policy.running) + list(engine.policy.waiting)
@@ -60,8 +62,9 @@ def check_invariants(engine: Engine, held=()) -> None:
         assert host.num_used == len(host_owners)
     else:
         assert not host_owners
+    elsewhere = {id(r) for r in releasing_elsewhere}
     for r in engine.requests.values():
-        if r.state.is_done and id(r) not in releasing:
+        if r.state.is_done and id(r) not in releasing and id(r) not in elsewhere:
             assert r.block_table == [] and r.host_table == [], r
     for b in range(pool.num_blocks):
         assert pool.ref_cnt[b] == owners.get(b, 0), (b, pool.ref_cnt[b], owners.get(b, 0))
@@ -95,7 +98,8 @@ def check_cluster_invariants(cluster) -> None:
         holds[0] += src
         holds[1] += dst
     for i, e in enumerate(cluster.instances):
-        check_invariants(e, holds[i] if cluster.disaggregated else ())
+        others = [r for x in cluster.instances if x is not e for r in x._releasing]
+        check_invariants(e, holds[i] if cluster.disaggregated else (), others)
         for r in list(e.policy.running) + list(e.policy.waiting):
             assert r.req_id not in inside, r
             inside[r.req_id] = i

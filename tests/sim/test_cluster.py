@@ -506,3 +506,30 @@ def test_a_deployment_without_history_has_the_same_summary(monkeypatch, override
                              for e in full.instances])
     order = np.argsort(times, kind="stable")
     assert a["kv"]["peak_used_blocks"] == np.cumsum(deltas[order]).max()
+
+
+def test_a_request_finishing_on_the_decode_instance_is_released_there_one_step_later():
+    # Async scheduling: a handed-off request that finishes on the decode instance keeps its
+    # blocks there until the next step is scheduled; the prefill instance's record of it is
+    # the same object, and owns none of them (found by the deployment lockstep fuzzer).
+    sc = small_scenario('scheduler.policy="disaggregated"', "kv.num_blocks=40", "seed=22639",
+                        "workload.duration_s=3", "workload.rate=8",
+                        'workload.prompt_tokens={dist="uniform", min=1, max=200}',
+                        'workload.output_tokens={dist="uniform", min=1, max=150}')
+    d = build(sc)
+    for _ in range(8):
+        d.step()
+    (rid,) = d.inject(1, 2)
+    prefill, decode = d.instances
+    seen = False
+    for _ in range(12):
+        d.step()
+        check_cluster_invariants(d)
+        r = d.requests[rid]
+        if r in decode._releasing:
+            seen = True
+            assert r.block_table and r.state.is_done and rid in prefill.requests
+        elif seen:
+            assert r.block_table == []  # released: the blocks went back to the decode pool
+            break
+    assert seen and d.requests[rid].block_table == []
