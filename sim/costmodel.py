@@ -201,15 +201,7 @@ class CostModel:
         if self.roofline:
             step = self.step
             return lambda d_cached: step(0, 0, 0, b, d_cached, b, b)
-        c = self._blk_c * b
-        base = math.sqrt(c * c + self._blk_m * self._blk_m)
-        c = self._head_c * b
-        m = self._head_m * (b > 0)
-        base = base + math.sqrt(c * c + m * m) + self._elem * b
-        base = base + max(self._attn_f * 0, self._kv * (0 + 0))
-        af, kv_read, kv_b = self._attn_f, self._kv_read, self._kv * b
-        fixed = self._fixed + self._ar_tok * b
-        cpu = self._cpu0 + self._cpu1 * b
+        base, af, kv_read, kv_b, fixed, cpu = self._decode_shared(b)
         overlap, idle, dyn = self._overlap, self._idle, self._dyn
 
         def f(d_cached):
@@ -220,10 +212,67 @@ class CostModel:
 
         return f
 
+    def _decode_shared(self, b: int) -> tuple:
+        """What every decode-only step of `b` sequences shares, in `step`'s order of
+        operations: the kernels' time without decode attention, its two rooflines' factors,
+        the fixed GPU time and the CPU time."""
+        c = self._blk_c * b
+        base = math.sqrt(c * c + self._blk_m * self._blk_m)
+        c = self._head_c * b
+        m = self._head_m * (b > 0)
+        base = base + math.sqrt(c * c + m * m) + self._elem * b
+        base = base + max(self._attn_f * 0, self._kv * (0 + 0))
+        return (base, self._attn_f, self._kv_read, self._kv * b, self._fixed + self._ar_tok * b,
+                self._cpu0 + self._cpu1 * b)
+
     def decode_steps(self, b, d_cached):
         """`steps` of decode-only steps of `b` sequences holding `d_cached` cached tokens
         (an array: one entry per step)."""
         return self.steps(0, 0, 0, b, d_cached, b, b)
+
+    def decode_times(self, b: int, c0: int, n: int, t: float, t_ext: float):
+        """The first (at most `n`) steps of a run of decode-only steps of `b` sequences holding
+        `c0` cached tokens, the first starting at `t`: their end times, durations and energies
+        (lists), up to the first that ends at or after `t_ext`. Equal bit for bit to
+        `decode_step_fn(b)` one step at a time (the same operations in the same order, the
+        clock advanced by sequential addition), without a call per step: the engine's
+        hottest loop. (`x if x >= y else y` is `max(x, y)` without the call.)"""
+        ends, durs, ens = [], [], []
+        idle, dyn = self._idle, self._dyn
+        kr = c0
+        if self.roofline:
+            lin_b, attn, inv_flops = self._lin * b, self._attn, self._inv_flops
+            wb, kvt, inv_bw = self.weight_bytes, self.kv_bytes_per_token, self._inv_bw
+            comm_b, overhead = self._comm * b, self.overhead
+            for _ in range(n):
+                t_compute = (lin_b + attn * (kr + b)) * inv_flops
+                t_memory = (wb + kvt * (kr + b)) * inv_bw
+                busy = t_compute if t_compute >= t_memory else t_memory
+                d = busy + comm_b + overhead
+                t = t + d
+                ends.append(t)
+                durs.append(d)
+                ens.append(idle * d + dyn * busy)
+                if t >= t_ext:
+                    break
+                kr += b
+            return ends, durs, ens
+        base, af, kv_read, kv_b, fixed, cpu = self._decode_shared(b)
+        overlap = self._overlap
+        for _ in range(n):
+            x = af * (kr + b)
+            y = kv_read * kr + kv_b
+            busy = base + (x if x >= y else y)
+            gpu = busy + fixed
+            d = (gpu if gpu >= cpu else cpu) if overlap else gpu + cpu
+            t = t + d
+            ends.append(t)
+            durs.append(d)
+            ens.append(idle * d + dyn * busy)
+            if t >= t_ext:
+                break
+            kr += b
+        return ends, durs, ens
 
     def idle_energy(self, seconds: float) -> float:
         return self._idle * seconds

@@ -18,6 +18,7 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 
@@ -249,6 +250,7 @@ class Engine:
         self.recent_ttfts: deque[tuple[float, float]] = deque()
         self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
+        self._batch_decodes = False  # set by each single step (see _decodes_follow)
 
     # ================================================================================ public API
     @property
@@ -449,7 +451,8 @@ class Engine:
         """One scheduling decision: a step, a run of identical decode steps that ends at the
         first step boundary at or after `until` (or after `max_steps` steps), or an idle advance
         toward `until`. Returns the engine steps taken."""
-        return self._advance(until, max_steps)
+        # (not fused: a deployment routes, hands off and cancels between any two decisions)
+        return self._advance(until, max_steps, fuse=False)
 
     def next_event(self) -> float:
         """The time of the next arrival or client cancellation this engine knows of."""
@@ -752,8 +755,10 @@ class Engine:
             self.events.append(ev.Admit(self.now, req.req_id, resumed))
 
     # ===================================================================== internals: stepping
-    def _advance(self, until: float, max_steps: int) -> int:
-        """One scheduling decision: a step, a run of identical decode steps, or an idle advance.
+    def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
+        """One scheduling decision: a step, a run of identical decode steps, or an idle advance;
+        with `fuse`, followed by the runs of decode steps that need no decision (see
+        `_decodes_follow`).
 
         Returns the number of engine steps taken.
         """
@@ -797,12 +802,59 @@ class Engine:
         if (out.decode_only and self.executor is None and self.skip_ahead and max_steps > 1
                 and policy.skip_ahead_safe and self.duration_override is None
                 and not (self._swap_out or self._swap_in)):
-            taken = self._decode_run(sched, until, max_steps)
+            taken = self._decode_run([r for r, _ in sched], until, max_steps)
+            decoding = True  # (what is left of a run's batch decodes on)
         else:
             taken = self._single_step(sched, len(policy.waiting))
+            decoding = self._batch_decodes
         if self._window:
             self._window = max(self._window - taken, 0)
+        # Decisions with no choice in them follow within this one: while nothing arrives and
+        # the queue is empty, the batch left after a prefill step or a run that ended with
+        # requests finishing decodes on, and the policy would only say so again.
+        while fuse and taken < max_steps - 1 and self._decodes_follow(until, decoding):
+            reqs = self._schedule_decodes()
+            if reqs is None:  # blocks are short: the policy decides (and preempts)
+                break
+            taken += self._decode_run(reqs, until, max_steps - taken)
+            decoding = True
         return taken
+
+    def _schedule_decodes(self) -> list | None:
+        """What the policy would schedule once `_decodes_follow`: the running batch, each
+        request whose table is full given the block its next token needs, in batch order as
+        `schedule_running` allocates them. None, changing nothing, when blocks are short."""
+        bs = self.block_size
+        running = self.policy.running
+        # (async scheduling: requests that finished in the last step hold their seats until
+        # the run's first step is scheduled, as schedule_running skips them)
+        reqs = ([r for r in running if r.state is RS.RUNNING] if self._releasing
+                else list(running))
+        if not reqs:
+            return None
+        full = [r for r in reqs if len(r.block_table) * bs == r.num_computed_tokens]
+        if full:
+            if len(full) > self.kv.num_free_blocks:
+                return None
+            for r, blk in zip(full, self.kv.pool.allocate(len(full))):
+                r.block_table.append(blk)
+        return reqs
+
+    def _decodes_follow(self, until: float, decoding: bool) -> bool:
+        """Whether the next decision is sure to be a run of decode steps of the whole running
+        batch: nothing is due by now, the queue is empty, every running request decodes one
+        token (`decoding`, as the last step left it), and the policy schedules such a batch
+        as it stands (`Policy.decodes_alone`)."""
+        policy = self.policy
+        now = self.now
+        return not (not decoding or now >= until or policy.waiting or not policy.running
+                    or now > MAX_TIME_S or self._next_external() <= now
+                    or policy.next_change_time() <= now or not policy.skip_ahead_safe
+                    or not policy.decodes_alone() or self.executor is not None
+                    or not self.skip_ahead or self.duration_override is not None
+                    or self._swap_out or self._swap_in or self.scheduler_steps > 1
+                    # (blocks cached when scheduled are registered by schedule_running)
+                    or self.kv.register_at_allocation)
 
     def _single_step(self, sched, num_waiting: int) -> int:
         # What the service-time model needs: prefill chunks and decodes apart (separate
@@ -845,12 +897,13 @@ class Engine:
         end = start + dur
         g = self.step_count  # this step's row on the timeline
         sampled = itl = 0
+        prefilling = False
         prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
         tokens_out = {} if sampled_ids is not None else None
         caching = self.prefix_caching and not self.kv.register_at_allocation
         for (req, n), chunk in zip(sched, is_prefill):
             c = req.num_computed_tokens
-            total = req.num_tokens
+            total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
             req.num_computed_tokens = c + n
             if caching:  # blocks enter the cache once computed (else when scheduled)
                 self.kv.cache_blocks(req, c + n)
@@ -860,6 +913,7 @@ class Engine:
             else:
                 decodes.append(req.req_id)
             if c + n < total:
+                prefilling = True
                 continue
             sampled += 1
             if sampled_ids is not None:
@@ -875,6 +929,8 @@ class Engine:
                     self._recent(self.recent_ttfts, end, end - req.arrival_time)
                 first.append(req)
                 segs.append([g, 1])
+                # (preempted before its first token: counted as re-prefilling until the next)
+                prefilling = prefilling or req.recomputing
             else:
                 last = segs[-1]
                 if last[0] + last[1] == g:
@@ -889,6 +945,10 @@ class Engine:
             req.last_token_time = end
             if req.num_output_tokens >= req.max_output_tokens:
                 finished.append(req)
+        # Every request of the batch (finishing aside) decodes in the next step, as the
+        # policy's `schedule_running` tests it.
+        self._batch_decodes = (not prefilling and len(sched) + len(self._releasing)
+                               == len(self.policy.running))
         if self.num_samples > 1:
             for req in first:
                 if req.parent_id is None and req not in finished:
@@ -965,19 +1025,26 @@ class Engine:
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20
 
-    def _decode_run(self, sched, until: float, max_steps: int) -> int:
-        """Run identical decode-only steps, up to the next event, all at once."""
+    def _decode_run(self, reqs: list, until: float, max_steps: int) -> int:
+        """Run identical decode-only steps of `reqs` (the first one scheduled, its blocks
+        allocated), up to the next event, all at once."""
         bs = self.block_size
-        reqs = [r for r, _ in sched]
         b = len(reqs)
-        comp = [r.num_computed_tokens for r in reqs]
-        kmax = min(max_steps, self.RUN_STEPS_MAX,
-                   min([r.max_output_tokens - r.num_output_tokens for r in reqs]))
         # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
         # a request needs a new block at step j when its token computed + j lies past the end
         # of its table, which holds at least step 0's token (a contiguous reservation holds
-        # far more), then every bs steps.
-        first_cross = [len(r.block_table) * bs - c for r, c in zip(reqs, comp)]
+        # far more), then every bs steps. (One loop: three comprehensions cost twice.)
+        kmax = min(max_steps, self.RUN_STEPS_MAX)
+        c0 = 0  # tokens the batch holds
+        first_cross = []
+        add = first_cross.append
+        for r in reqs:
+            c = r.num_computed_tokens
+            c0 += c
+            add(len(r.block_table) * bs - c)
+            left = r.max_output_tokens - r.num_output_tokens
+            if left < kmax:
+                kmax = left
         # Requests that finished in the last step (async scheduling) give their blocks back
         # once this run's first step is scheduled: before step 1 allocates.
         pending = self._releasing
@@ -990,11 +1057,11 @@ class Engine:
                 cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
                 kmax = cross[free]  # the step whose allocation would fail is scheduled alone
         if kmax == 1:
-            return self._single_step(sched, len(self.policy.waiting))
+            return self._single_step([(r, 1) for r in reqs], len(self.policy.waiting))
         # (within a multi-step window, arrivals and cancellations do not end the run)
         t_ext = min(INF if self._window else self._next_external(), until,
                     self.policy.next_change_time())
-        ends, dur, energy = self._run_times(b, sum(comp), kmax, t_ext)
+        ends, dur, energy = self._run_times(b, c0, kmax, t_ext)
         k = len(ends)
         used_first = self.kv.num_used_blocks
         empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
@@ -1002,15 +1069,11 @@ class Engine:
             empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens for r in pending])
             self._release()
             empty_first -= bs * (used_first - self.kv.num_used_blocks)
-        # Allocate the blocks of steps 1..k-1 in the order step-by-step scheduling would.
         used = self.kv.num_used_blocks
-        kv_used = [used] * k
-        cross = sorted([(j, i) for i, j0 in enumerate(first_cross) for j in range(j0, k, bs)])
-        if cross:
-            blocks = self.kv.pool.allocate(len(cross))
-            for (j, i), blk in zip(cross, blocks):
-                reqs[i].block_table.append(blk)
-            kv_used = (used + np.cumsum(np.bincount([j for j, _ in cross], minlength=k))).tolist()
+        kv_used = self._allocate_run(reqs, first_cross, k)
+        # Empty slots after the run over the batch (every request holding blocks): those its
+        # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
+        empty_end = sum(first_cross) + bs * (kv_used[-1] - used) - b * k
         kv_used[0] = used_first
         g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
@@ -1037,7 +1100,7 @@ class Engine:
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
         if self.record_timeline:
-            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_first)
+            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end, empty_first)
         if self.record_events:
             self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
                                       tuple([r.req_id for r in reqs]), None, kv_used[-1]))
@@ -1048,16 +1111,58 @@ class Engine:
             self._finish_step(finished, end)
         return k
 
+    def _allocate_run(self, reqs: list, first_cross: list, k: int) -> list:
+        """Allocate the blocks the `k` steps of a decode run cross (request i first at step
+        `first_cross[i]`, then every block_size steps) in the order step-by-step scheduling
+        would: by step, then batch order. Returns the used blocks after each step's
+        allocation."""
+        bs = self.block_size
+        used = self.kv.num_used_blocks
+        first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
+        if not first:
+            return [used] * k
+        if k <= bs:  # (the common case: one block each at most)
+            blocks = self.kv.pool.allocate(len(first))
+            for (_, i), blk in zip(first, blocks):
+                reqs[i].block_table.append(blk)
+        elif first[-1][0] - first[0][0] < bs:
+            # First crossings within one block's span (always, short of contiguous
+            # reservations): the order is round by round (a round is every request's next
+            # crossing), each round in (first crossing, batch) order, only the last one cut
+            # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
+            blocks = self.kv.pool.allocate(sum([(k - 1 - j0) // bs + 1 for j0, _ in first]))
+            m = len(first)
+            for p, (_, i) in enumerate(first):
+                reqs[i].block_table.extend(blocks[p::m])
+        else:
+            cross = sorted([(j, i) for j0, i in first for j in range(j0, k, bs)])
+            blocks = self.kv.pool.allocate(len(cross))
+            for (_, i), blk in zip(cross, blocks):
+                reqs[i].block_table.append(blk)
+        # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ...
+        if k <= self.SCALAR_STEPS:  # (NumPy's per-call cost would dominate)
+            at = [0] * k
+            for j0, _ in first:
+                at[j0] += 1
+            for j in range(bs, k):
+                at[j] += at[j - bs]
+            at[0] += used
+            return list(accumulate(at))
+        rounds = -(-k // bs)
+        at = np.zeros(rounds * bs, dtype=np.int64)  # (np.pad costs 0.3 ms a call)
+        at[:k] = np.bincount([j0 for j0, _ in first], minlength=k)
+        at = at.reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
+        return (used + np.cumsum(at)).tolist()
+
     def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
-                    empty_first: int = 0) -> None:
-        """The timeline rows of a decode run of `len(ends)` steps of `b` sequences (after the
-        run: the requests' counters are already advanced; `empty_first` more empty slots in
-        its first step, held by requests released after it)."""
+                    empty_end: int, empty_first: int = 0) -> None:
+        """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
+        with `empty_end` empty slots (`empty_first` more in its first step, held by requests
+        released after it)."""
         k, bs = len(ends), self.block_size
         waiting = len(self.policy.waiting)
         # Empty slots after step j: those at the end, plus the tokens of later steps, minus
         # the slots of blocks allocated later.
-        empty_end = self._empty_slots()
         if k <= self.SCALAR_STEPS:
             e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
             rows = [(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
@@ -1082,20 +1187,11 @@ class Engine:
         Step j reads c0 + b*j cached tokens. The clock advances by sequential addition in both
         the scalar and the NumPy part, so the times equal those of single steps exactly.
         """
-        step = self.cost.decode_step_fn(b)
-        t = self.now
-        ends, durs, ens = [], [], []
-        j = 0
-        while j < kmax and j < self.SCALAR_STEPS:
-            d, en = step(c0 + b * j)
-            t = t + d
-            ends.append(t)
-            durs.append(d)
-            ens.append(en)
-            j += 1
-            if t >= t_ext:  # the next step would start at or after the next event
-                return ends, durs, ens
-        if j == kmax:
+        ends, durs, ens = self.cost.decode_times(b, c0, min(kmax, self.SCALAR_STEPS), self.now,
+                                                 t_ext)
+        j = len(ends)
+        t = ends[-1]
+        if j == kmax or t >= t_ext:  # (the next step would start at or after the next event)
             return ends, durs, ens
         d, en = self.cost.decode_steps(b, c0 + b * np.arange(j, kmax, dtype=np.int64))
         e = np.cumsum(np.concatenate(([t], d)))[1:]

@@ -94,6 +94,12 @@ class Policy:
         else:
             self.waiting.remove(req)
 
+    def decodes_alone(self) -> bool:
+        """Whether `schedule()`, with the queue empty and every running request decoding, would
+        schedule each of them for one token in `running` order as `schedule_running` does
+        (the engine then runs such steps without asking: `Engine._decodes_follow`)."""
+        return False
+
     def next_change_time(self) -> float:
         """The next simulated time at which the policy's queue order changes by itself (aging);
         a run of identical decode steps must not cross it."""

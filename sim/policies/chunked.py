@@ -31,6 +31,9 @@ class ChunkedPolicy(Policy):
                 out.decode_only = False
         return out
 
+    def decodes_alone(self) -> bool:
+        return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
+
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         full = self.cfg.reserve_full_sequence
         watermark = self.watermark_blocks()

@@ -25,6 +25,9 @@ class FCFSPolicy(Policy):
         self.schedule_running(out, float("inf"))
         return out
 
+    def decodes_alone(self) -> bool:
+        return True  # (subclasses that admit otherwise say so: `static` admits only when empty)
+
     def admit_prompts(self, out: SchedulerOutput) -> None:
         budget = self.cfg.max_num_batched_tokens
         reserve = int(self.cfg.watermark * self.kv.num_blocks) if self.running else 0

@@ -201,3 +201,25 @@ def test_presets_change_speed():
     h200 = decode(model("hardware.preset=\"h200\""), 32, 1000)
     assert h200 < h100 < a100
     assert math.isfinite(h100)
+
+
+@settings(max_examples=60, deadline=None)
+@given(preset=st.sampled_from(["vllm-v1", "roofline", "sglang", "tensorrt-llm-0.6"]),
+       b=st.integers(1, 300), c0=st.integers(0, 500_000), n=st.integers(1, 30),
+       t0=st.floats(0, 1e5), cut=st.floats(0, 0.5), tp=st.sampled_from([1, 2, 8]),
+       hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]))
+def test_decode_times_equal_steps_one_at_a_time(preset, b, c0, n, t0, cut, tp, hw):
+    # The engine times the scalar part of decode runs with decode_times: one call, no call a
+    # step; it must give the very floats step() gives, and stop at the step ending at t_ext.
+    m = model(f'engine.preset="{preset}"', f"model.tensor_parallel={tp}",
+              f'hardware.preset="{hw}"', "hardware.interconnect_gbps=450")
+    t_ext = t0 + cut
+    ends, durs, ens = m.decode_times(b, c0, n, t0, t_ext)
+    t, want = t0, []
+    for j in range(n):
+        d, en = m.step(0, 0, 0, b, c0 + b * j, b, b)
+        t = t + d
+        want.append((t, d, en))
+        if t >= t_ext:
+            break
+    assert list(zip(ends, durs, ens)) == want

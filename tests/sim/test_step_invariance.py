@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import event, strategies as st
+from hypothesis import event, given, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
@@ -310,3 +310,58 @@ def test_decode_runs_cut_at_their_longest_give_the_same_session(monkeypatch):
     assert events_of(cut) == events_of(whole) and state_of(cut) == state_of(whole)
     for col in ("end", "kv_used", "itl_count", "energy"):
         assert np.array_equal(cut.timeline.column(col), whole.timeline.column(col)), col
+
+
+def counting_schedule(e: Engine) -> list:
+    """Count the engine's calls of its policy's `schedule` (one per decision it had to make)."""
+    calls, schedule = [], e.policy.schedule
+
+    def counted():
+        calls.append(1)
+        return schedule()
+    e.policy.schedule = counted
+    return calls
+
+
+@pytest.mark.fuzz
+@fuzz_settings(12)
+@given(policy=st.sampled_from(POLICY_NAMES), seed=st.integers(0, 10**6),
+       rate=st.floats(1.0, 12.0), blocks=st.integers(300, 3000), seqs=st.integers(1, 48),
+       budget=st.sampled_from([256, 700, 2048]))
+def test_decode_runs_that_follow_without_a_decision_equal_single_steps(policy, seed, rate,
+                                                                         blocks, seqs, budget):
+    # After a prefill step, or a run that ended with requests finishing, while nothing arrives
+    # and the queue is empty the engine runs the batch's decode steps without asking the
+    # policy (Engine._decodes_follow). Random pressure: short pools (preemption at the first
+    # step of such a run), few seats, small token budgets, cancellations.
+    sc = small_scenario(f'scheduler.policy="{policy}"', f"seed={seed}", f"workload.rate={rate}",
+                        f"kv.num_blocks={blocks}", f"scheduler.max_num_seqs={seqs}",
+                        f"scheduler.max_num_batched_tokens={budget}", "workload.duration_s=8",
+                        "scheduler.reserve_output_tokens=256", "workload.cancel_fraction=0.1",
+                        'workload.cancel_after_s={dist="uniform", min=0, max=4}')
+    fused = Engine(sc)
+    calls = counting_schedule(fused)
+    fused.run()
+    plain = Engine(sc, skip_ahead=False)
+    plain.run()
+    assert events_of(fused) == events_of(plain)
+    assert state_of(fused) == state_of(plain)
+    for col in ("end", "dur", "kv_used", "kv_empty", "itl_count", "batch", "energy", "waiting"):
+        assert np.array_equal(fused.timeline.column(col), plain.timeline.column(col)), col
+    a, b = summarize(fused), summarize(plain)
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b
+    runs = sum(1 for x in fused.events if x.kind == "steps")
+    event(f"decisions skipped: {'some' if len(calls) < runs else 'none'}")
+
+
+def test_decisions_are_skipped_where_nothing_is_left_to_decide():
+    sc = small_scenario("kv.num_blocks=0", "workload.rate=4")  # (blocks to spare: chat's load)
+    e = Engine(sc)
+    calls = counting_schedule(e)
+    e.run()
+    runs = sum(1 for x in e.events if x.kind == "steps")  # (one per prefill step or run)
+    assert len(calls) < 0.7 * runs
+    stepped = Engine(sc, skip_ahead=False)
+    stepped.run()
+    assert events_of(e) == events_of(stepped) and state_of(e) == state_of(stepped)
