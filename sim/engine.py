@@ -1073,8 +1073,9 @@ class Engine:
         kv_used = self._allocate_run(reqs, first_cross, k)
         # Empty slots after the run over the batch (every request holding blocks): those its
         # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
-        empty_end = sum(first_cross) + bs * (kv_used[-1] - used) - b * k
-        kv_used[0] = used_first
+        used_end = kv_used[-1]
+        empty_end = sum(first_cross) + bs * (used_end - used) - b * k
+        kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
         g = self.step_count  # the run's first row on the timeline
         end = ends[-1]
         first_end = ends[0]
@@ -1100,7 +1101,8 @@ class Engine:
             if r.num_output_tokens >= r.max_output_tokens:
                 finished.append(r)
         if self.record_timeline:
-            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end, empty_first)
+            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
+                             empty_first)
         if self.record_events:
             self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
                                       tuple([r.req_id for r in reqs]), None, kv_used[-1]))
@@ -1155,16 +1157,16 @@ class Engine:
         return (used + np.cumsum(at)).tolist()
 
     def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
-                    empty_end: int, empty_first: int = 0) -> None:
+                    empty_less_used: int, empty_first: int = 0) -> None:
         """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
-        with `empty_end` empty slots (`empty_first` more in its first step, held by requests
-        released after it)."""
+        with `empty_less_used` + block_size * (blocks used) empty slots (`empty_first` more in
+        its first step, held by requests released after it)."""
         k, bs = len(ends), self.block_size
         waiting = len(self.policy.waiting)
         # Empty slots after step j: those at the end, plus the tokens of later steps, minus
         # the slots of blocks allocated later.
         if k <= self.SCALAR_STEPS:
-            e0 = empty_end + b * (k - 1) - bs * kv_used[-1]  # (step j: e0 - b*j + bs*used_j)
+            e0 = empty_less_used + b * (k - 1)  # (step j: e0 - b*j + bs*used_j)
             rows = [(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
                      e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)]
             if empty_first:  # step 0 also counts the finishing requests' slots
@@ -1174,7 +1176,7 @@ class Engine:
             itl = np.full(k, b, dtype=np.int64)
             itl[0] = itl0
             used = np.asarray(kv_used, dtype=np.int64)
-            empty = empty_end + b * np.arange(k - 1, -1, -1) - bs * (used[-1] - used)
+            empty = empty_less_used + b * np.arange(k - 1, -1, -1) + bs * used
             empty[0] += empty_first
             self.timeline.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
                                  sampled=b, itl_count=itl, kv_used=used, kv_empty=empty,

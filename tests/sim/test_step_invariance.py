@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import event, given, strategies as st
+from hypothesis import event, example, given, strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
@@ -328,6 +328,8 @@ def counting_schedule(e: Engine) -> list:
 @given(policy=st.sampled_from(POLICY_NAMES), seed=st.integers(0, 10**6),
        rate=st.floats(1.0, 12.0), blocks=st.integers(300, 3000), seqs=st.integers(1, 48),
        budget=st.sampled_from([256, 700, 2048]))
+# (a run of one step right after async scheduling released a finished request's blocks)
+@example(policy="chunked", seed=17, rate=7.0, blocks=300, seqs=5, budget=256)
 def test_decode_runs_that_follow_without_a_decision_equal_single_steps(policy, seed, rate,
                                                                          blocks, seqs, budget):
     # After a prefill step, or a run that ended with requests finishing, while nothing arrives
