@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--sim-seconds", type=_seconds, default=60.0,
                    help="simulated seconds to run (default 60)")
     s.add_argument("--json", action="store_true")
+    s = sub.add_parser("live-memory", help="the dashboard's memory against simulated time, "
+                                           "with real compute and without")
+    s.add_argument("--scenario", default="chat")
+    s.add_argument("--speed", type=float, default=4.0, help="dashboard speed (default x4)")
+    s.add_argument("--sim-seconds", type=_seconds, default=300.0,
+                   help="simulated seconds to run (default 300)")
+    s.add_argument("--json", action="store_true")
     s = sub.add_parser("compute", help="engine steps per second with real attention")
     s.add_argument("--scenario", default="chat")
     s.add_argument("--backend", default="numpy", choices=["numpy", "cupy", "auto"])
@@ -268,6 +275,12 @@ def text_kernel(rows) -> str:
     return "\n".join(lines)
 
 
+def _tui_bench():
+    from tui import bench_tui
+
+    return bench_tui
+
+
 def bench_tui(args) -> dict:
     from tui.bench_tui import bench_tui as run
 
@@ -413,6 +426,8 @@ BENCHES = {
     "sim": (bench_sim, text_sim),
     "log": (bench_log, text_log),
     "tui": (bench_tui, text_tui),
+    "live-memory": (lambda a: _tui_bench().bench_live_memory(a),
+                    lambda r: _tui_bench().text_live_memory(r)),
     "kernel": (bench_kernel, text_kernel),
     "compute": (bench_compute, text_compute),
     "sweep": (bench_sweep, text_sweep),

@@ -126,3 +126,81 @@ def bench_tui(args) -> dict:
         "steps": engine.step_count - steps0,
         "steps_per_s": (engine.step_count - steps0) / wall if wall else 0.0,
     }
+
+
+# --- `servesim bench live-memory` ------------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+async def _sample_memory(app, sim_seconds: float, every: float) -> list[tuple[float, float]]:
+    rows = []
+    async with app.run_test(size=(200, 60)) as pilot:
+        next_at = 0.0
+        while app.engine.now < sim_seconds and not app.engine.done:
+            await pilot.pause(0.2)
+            if app.engine.now >= next_at:
+                rows.append((app.engine.now, _rss_bytes() / 2**20))
+                next_at = app.engine.now + every
+        rows.append((app.engine.now, _rss_bytes() / 2**20))
+        app.driver.set_paused(True)
+    return rows
+
+
+def bench_live_memory(args) -> dict:
+    """The dashboard as `servesim run chat` opens it (its own engine, the session log kept for
+    export), headless at 200x60, with real compute (`auto`: NumPy here) and without: resident
+    memory against simulated time, each in a fresh process (Linux: /proc/self/status)."""
+    import json
+    import subprocess
+    import sys
+
+    out = {"scenario": args.scenario, "speed": args.speed, "sim_seconds": args.sim_seconds,
+           "runs": []}
+    for backend in ("auto", "none"):
+        code = ("import json, sys; from tui.bench_tui import live_memory_child as f; "
+                f"print(json.dumps(f({args.scenario!r}, {backend!r}, {args.speed!r}, "
+                f"{args.sim_seconds!r})))")
+        p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        if p.returncode:
+            raise RuntimeError(f"bench live-memory: the {backend} run exited {p.returncode}")
+        out["runs"].append(json.loads(p.stdout.decode().strip().splitlines()[-1]))
+    return out
+
+
+def live_memory_child(scenario: str, backend: str, speed: float, sim_seconds: float) -> dict:
+    import gc
+
+    from sim import build
+    from tui.cli import make_executor
+
+    sc = load_scenario(scenario, [f"compute.backend={backend!r}".replace("'", '"')])
+    engine = build(sc, make_executor=make_executor)
+    app = Dashboard(engine, speed=speed)
+    every = max(1.0, sim_seconds / 30)
+    rows = asyncio.run(_sample_memory(app, sim_seconds, every))
+    t = np.array([r[0] for r in rows])
+    mb = np.array([r[1] for r in rows])
+    late = t >= min(60.0, t[-1] / 2)  # (past start-up: imports, first pages of the pool)
+    slope = float(np.polyfit(t[late], mb[late], 1)[0]) if late.sum() >= 3 else float("nan")
+    return {"backend": engine.executor.name if engine.executor else "none",
+            "samples": [[round(a, 1), round(b, 1)] for a, b in rows],
+            "mb_per_sim_s": slope, "gc_frozen": gc.get_freeze_count(),
+            "events": len(engine.events), "steps": engine.step_count}
+
+
+def text_live_memory(r: dict) -> str:
+    lines = [f"dashboard memory: {r['scenario']} at x{r['speed']:g}, {r['sim_seconds']:g} "
+             "simulated seconds (RSS, MB)"]
+    for x in r["runs"]:
+        s = x["samples"]
+        lines.append(f"  compute {x['backend']:<6} {s[0][1]:7.1f} MB at {s[0][0]:5.1f} s -> "
+                     f"{s[-1][1]:7.1f} MB at {s[-1][0]:6.1f} s: {x['mb_per_sim_s']:.3f} MB per "
+                     f"simulated second after start-up; {x['steps']:,} steps, "
+                     f"{x['events']:,} events kept; {x['gc_frozen']} objects frozen")
+    return "\n".join(lines)

@@ -1,0 +1,15 @@
+"""`bench live-memory`: the dashboard's resident memory against simulated time."""
+
+from tui.bench_tui import live_memory_child, text_live_memory
+
+
+def test_the_dashboard_sampled_over_simulated_time_freezes_nothing():
+    # A frame's short engine turn must not gc.freeze() what it made (it did, until 60d7764:
+    # the live dashboard's garbage cycles were kept for good).
+    r = live_memory_child("chat", "none", 8.0, 6.0)
+    times = [t for t, _ in r["samples"]]
+    assert times == sorted(times) and times[-1] >= 6.0 and len(times) >= 4
+    assert all(20 < mb < 2000 for _, mb in r["samples"])
+    assert r["gc_frozen"] == 0 and r["events"] > 0 and r["steps"] > 100
+    assert "compute none" in text_live_memory({"scenario": "chat", "speed": 8.0,
+                                               "sim_seconds": 6.0, "runs": [r]})
