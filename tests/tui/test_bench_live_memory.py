@@ -8,7 +8,7 @@ def test_the_dashboard_sampled_over_simulated_time_freezes_nothing():
     # the live dashboard's garbage cycles were kept for good).
     r = live_memory_child("chat", "none", 8.0, 6.0)
     times = [t for t, _ in r["samples"]]
-    assert times == sorted(times) and times[-1] >= 6.0 and len(times) >= 4
+    assert times == sorted(times) and times[-1] >= 6.0 and len(times) >= 2
     assert all(20 < mb < 2000 for _, mb in r["samples"])
     assert r["gc_frozen"] == 0 and r["events"] > 0 and r["steps"] > 100
     assert "compute none" in text_live_memory({"scenario": "chat", "speed": 8.0,
