@@ -183,14 +183,16 @@ def live_memory_child(scenario: str, backend: str, speed: float, sim_seconds: fl
     engine = build(sc, make_executor=make_executor)
     app = Dashboard(engine, speed=speed)
     every = max(1.0, sim_seconds / 30)
+    frozen = gc.get_freeze_count()  # (what the process froze before: none in a fresh one)
     rows = asyncio.run(_sample_memory(app, sim_seconds, every))
+    frozen = gc.get_freeze_count() - frozen
     t = np.array([r[0] for r in rows])
     mb = np.array([r[1] for r in rows])
     late = t >= min(60.0, t[-1] / 2)  # (past start-up: imports, first pages of the pool)
     slope = float(np.polyfit(t[late], mb[late], 1)[0]) if late.sum() >= 3 else float("nan")
     return {"backend": engine.executor.name if engine.executor else "none",
             "samples": [[round(a, 1), round(b, 1)] for a, b in rows],
-            "mb_per_sim_s": slope, "gc_frozen": gc.get_freeze_count(),
+            "mb_per_sim_s": slope, "gc_frozen": frozen,
             "events": len(engine.events), "steps": engine.step_count}
 
 
