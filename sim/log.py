@@ -408,6 +408,13 @@ def _check_workload(path: str, w) -> None:
         bad("prefix_tokens: expected a length")
 
 
+def is_position(v) -> bool:
+    """Whether `v` is a deployment's position: [steps run, clock] for each instance (the
+    count of instances is the header's to say)."""
+    return type(v) is list and all(type(p) is list and len(p) == 2 and _COUNT(p[0])
+                                   and _is_time(p[1]) for p in v)
+
+
 def _check_footer(path: str, footer: dict, n: int) -> None:
     def bad(key, why):
         raise LogError(f"{path}: footer: {key} = {_shown(footer.get(key), 60)}: {why}")
@@ -420,9 +427,7 @@ def _check_footer(path: str, footer: dict, n: int) -> None:
         bad("now", "expected a time from 0 to 1e9 s")
     if not (type(footer.get("summary")) is dict and is_plain(footer["summary"])):
         bad("summary", "expected a table of plain values")
-    at = footer.get("at")
-    if at is not None and not (type(at) is list and all(
-            type(p) is list and len(p) == 2 and _COUNT(p[0]) and _is_time(p[1]) for p in at)):
+    if footer.get("at") is not None and not is_position(footer["at"]):
         bad("at", "expected [step, time] per instance")
 
 
@@ -455,8 +460,7 @@ def _check_action(path: str, i: int, rec: list) -> None:
         raise LogError(f"{path}: event {i}: unknown action {_shown(action)}")
     for k, v in args.items():
         if k == "at":
-            if not (type(v) is list and all(type(p) is list and len(p) == 2 and _COUNT(p[0])
-                                            and _is_time(p[1]) for p in v)):
+            if not is_position(v):
                 raise LogError(f"{path}: event {i}: {action} at = {_shown(v)}: expected "
                                "[step, time] per instance")
         elif k not in spec or not spec[k](v):

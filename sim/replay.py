@@ -72,13 +72,15 @@ class Replayer:
                 e.duration_override = _durations(streams[i])
         # The deployment's own actions; those its instances recorded follow from them.
         self.actions = [decode(r) for r in streams[-1] if r[0] == _ACTION]
+        # (the reader checked the shape of every `at` there is: here, that there is one for
+        # each instance)
         n = len(self.engine.instances)
         for a in self.actions:
-            if not isinstance(a.args, dict) or not _is_position(a.args.get("at"), n):
+            if len(a.args.get("at") or ()) != n:
                 raise LogError(f"{log.path}: the deployment's {a.action!r} action at "
                                f"t={a.t} lacks where each of its {n} instances stood ('at')")
         at = log.footer.get("at")
-        if not _is_position(at, n):
+        if len(at or ()) != n:
             raise LogError(f"{log.path}: footer lacks where each instance stood ('at')")
         self.end_at = at
 
@@ -183,15 +185,6 @@ class Replayer:
         if self.engine.step_count != self.end_step:
             raise LogError(f"{self.log.path}: replay ended at step {self.engine.step_count}, "
                            f"the log at step {self.end_step}")
-
-
-def _is_position(at, n: int) -> bool:
-    """Whether `at` is a deployment's position: [steps run, clock] for each of n instances."""
-    return (isinstance(at, list) and len(at) == n
-            and all(isinstance(p, (list, tuple)) and len(p) == 2
-                    and type(p[0]) is int and p[0] >= 0
-                    and isinstance(p[1], (int, float)) and not isinstance(p[1], bool)
-                    and math.isfinite(p[1]) for p in at))
 
 
 def _durations(records):

@@ -63,30 +63,45 @@ def child(scenario: str, n: int, keep_history: bool) -> dict:
             "exact_percentiles": exact, "max_rss_bytes": peak_rss_bytes()}
 
 
+def status_bytes(field: str) -> int | None:
+    """A memory figure of this process from Linux's /proc/self/status (`VmRSS`, `VmHWM`...),
+    in bytes; None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """This process's own peak resident memory. Linux: VmHWM of the address space made at
     exec. (Not the ru_maxrss that wait4 reports for a child: Linux carries the parent's RSS at
     fork into it, so a child of a 9 GB test process "peaked" at 9 GB.)"""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     import resource
 
     scale = 1 if sys.platform == "darwin" else 1024  # (bytes on macOS, KiB elsewhere)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def _run_child(scenario: str, n: int, keep_history: bool) -> dict:
-    code = ("import json, sys; from tui.bench_scale import child; "
-            f"print(json.dumps(child({scenario!r}, {n}, {keep_history})))")
+def run_in_child(module: str, function: str, *args) -> dict:
+    """`module.function(*args)` (plain values) in a fresh Python process: its JSON result,
+    the last line it prints. Raises RuntimeError when the process fails."""
+    code = (f"import json; from {module} import {function} as f; "
+            f"print(json.dumps(f(*{args!r})))")
     p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
     if p.returncode:
-        raise RuntimeError(f"bench scale: the run of {n} requests exited {p.returncode}")
-    return json.loads(p.stdout)
+        raise RuntimeError(f"{module}.{function}{args!r} exited {p.returncode}")
+    return json.loads(p.stdout.decode().strip().splitlines()[-1])
+
+
+def _run_child(scenario: str, n: int, keep_history: bool) -> dict:
+    return run_in_child("tui.bench_scale", "child", scenario, n, keep_history)
 
 
 def in_flight_bytes(scenario: str = "chat") -> dict:

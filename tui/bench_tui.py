@@ -17,6 +17,7 @@ import numpy as np
 from sim import Engine, load_scenario
 from sim.workload import sample_lengths
 from tui.app import Dashboard
+from tui.bench_scale import run_in_child, status_bytes
 
 NUM_BLOCKS = 4096
 WAITING = 500
@@ -130,14 +131,6 @@ def bench_tui(args) -> dict:
 
 # --- `servesim bench live-memory` ------------------------------------------------------------
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 async def _sample_memory(app, sim_seconds: float, every: float) -> list[tuple[float, float]]:
     rows = []
     async with app.run_test(size=(200, 60)) as pilot:
@@ -145,9 +138,9 @@ async def _sample_memory(app, sim_seconds: float, every: float) -> list[tuple[fl
         while app.engine.now < sim_seconds and not app.engine.done:
             await pilot.pause(0.2)
             if app.engine.now >= next_at:
-                rows.append((app.engine.now, _rss_bytes() / 2**20))
+                rows.append((app.engine.now, status_bytes("VmRSS") / 2**20))
                 next_at = app.engine.now + every
-        rows.append((app.engine.now, _rss_bytes() / 2**20))
+        rows.append((app.engine.now, status_bytes("VmRSS") / 2**20))
         app.driver.set_paused(True)
     return rows
 
@@ -156,21 +149,10 @@ def bench_live_memory(args) -> dict:
     """The dashboard as `servesim run chat` opens it (its own engine, the session log kept for
     export), headless at 200x60, with real compute (`auto`: NumPy here) and without: resident
     memory against simulated time, each in a fresh process (Linux: /proc/self/status)."""
-    import json
-    import subprocess
-    import sys
-
-    out = {"scenario": args.scenario, "speed": args.speed, "sim_seconds": args.sim_seconds,
-           "runs": []}
-    for backend in ("auto", "none"):
-        code = ("import json, sys; from tui.bench_tui import live_memory_child as f; "
-                f"print(json.dumps(f({args.scenario!r}, {backend!r}, {args.speed!r}, "
-                f"{args.sim_seconds!r})))")
-        p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
-        if p.returncode:
-            raise RuntimeError(f"bench live-memory: the {backend} run exited {p.returncode}")
-        out["runs"].append(json.loads(p.stdout.decode().strip().splitlines()[-1]))
-    return out
+    runs = [run_in_child("tui.bench_tui", "live_memory_child", args.scenario, backend,
+                         args.speed, args.sim_seconds) for backend in ("auto", "none")]
+    return {"scenario": args.scenario, "speed": args.speed, "sim_seconds": args.sim_seconds,
+            "runs": runs}
 
 
 def live_memory_child(scenario: str, backend: str, speed: float, sim_seconds: float) -> dict:
