@@ -34,8 +34,9 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as e:  # noqa: BLE001 - any compiler or toolchain failure
+            # (no record, so no build, whole or partial, old or new, is ever trusted)
+            (ROOT / MANIFEST).unlink(missing_ok=True)
             _note(f"compiling the hot path failed ({e})")
-            return
 
 
 def ext_modules() -> list:
