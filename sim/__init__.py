@@ -2,6 +2,10 @@
 the engine, deployments of several engines, metrics and session logs. Nothing here imports
 Textual or CuPy."""
 
+from sim import _compiled
+
+_compiled.activate()  # (before anything imports a module the install may have compiled)
+
 from sim.cluster import Cluster, ClusterSnapshot, build
 from sim.engine import Engine, EngineSnapshot, RequestView
 from sim.errors import (EngineError, LogError, ScenarioError, ServesimError, TraceError,

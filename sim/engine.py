@@ -18,11 +18,12 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from itertools import accumulate
+from typing import Any
 
 import numpy as np
 
 from sim import events as ev
+from sim import stepping
 from sim.costmodel import CostModel
 from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
@@ -120,6 +121,7 @@ def checked_injection(prompt_len: int | None, max_output_tokens: int,
                               f"to {hi:,}")
     check_memory(f"inject: max_output_tokens = {max_output_tokens}",
                  max_output_tokens * BYTES_PER_STEP, " for its per-step records")
+    assert prompt_len is not None  # (checked above)
     return prompt_len, prompt_text
 
 
@@ -178,7 +180,7 @@ class Engine:
         self.scenario = scenario
         self.record_timeline = record_timeline
         self.keep_history = keep_history
-        self.cost = CostModel(scenario)
+        self.cost: Any = CostModel(scenario)  # (sim.fit wraps it to record what it is asked)
         self.workload = workload if workload is not None else build_workload(scenario)
         self.kv = KVCacheManager(
             scenario.kv.num_blocks, scenario.kv.block_size,
@@ -231,7 +233,7 @@ class Engine:
         # once the next step is scheduled (vLLM processes step k's output after scheduling k+1).
         self._releasing: list[Request] = []
         self._prompt_ids: dict[int, np.ndarray] = {}
-        self.duration_override = None  # an iterator of step durations (replay of measured runs)
+        self.duration_override: Any = None  # an iterator of step durations (replay of measured runs)
         # Running figures for the summary.
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
                            swaps=0, output_tokens=0, injected=0, finished_samples=0,
@@ -326,7 +328,7 @@ class Engine:
         """
         prompt_len, prompt_text = checked_injection(prompt_len, max_output_tokens, prompt_text,
                                                     count, priority)
-        extra = {}
+        extra: dict[str, Any] = {}
         if arrival_time is not None:
             if not 0.0 <= arrival_time <= self.now:
                 raise EngineError(f"inject: arrival_time = {arrival_time!r}: must be between 0 "
@@ -417,7 +419,7 @@ class Engine:
             if r.block_table:
                 owner[r.block_table] = r.req_id
         pool = self.kv.pool
-        slots = pool.num_used * self.block_size - self._empty_slots()
+        slots = pool.num_used * self.block_size - stepping.empty_slots(self)
         refs = np.asarray(pool.ref_cnt, dtype=np.int32)
         cached = np.zeros(nb, dtype=bool)
         if pool.cached:
@@ -593,11 +595,11 @@ class Engine:
             self._on_arrival(req)
         while self._cancels and self._cancels[0][0] <= now:
             _, rid = heapq.heappop(self._cancels)
-            req = self.requests.get(rid)  # (gone: it ended, and keep_history is off)
-            if req is not None and not req.state.is_done:
-                self._cancel(req, by="client")
-            elif req in self._releasing:  # finished, its output not yet processed: freed now
-                self._release_now(req)
+            due = self.requests.get(rid)  # (gone: it ended, and keep_history is off)
+            if due is not None and not due.state.is_done:
+                self._cancel(due, by="client")
+            elif due in self._releasing:  # finished, its output not yet processed: freed now
+                self._release_now(due)
 
     def _on_arrival(self, req: Request) -> None:
         req._timeline = self.timeline
@@ -668,7 +670,9 @@ class Engine:
 
     def _fold_finished(self, req: Request, t: float) -> None:
         """Add a finished request (not a further sample) to the run's latency figures."""
-        ttft = req.first_token_time - req.arrival_time
+        first = req.first_token_time
+        assert first is not None  # (a finished request has sampled)
+        ttft = first - req.arrival_time
         e2e = t - req.arrival_time
         tpot = req.tpot
         self.e2e.add(e2e)
@@ -813,32 +817,12 @@ class Engine:
         # the queue is empty, the batch left after a prefill step or a run that ended with
         # requests finishing decodes on, and the policy would only say so again.
         while fuse and taken < max_steps - 1 and self._decodes_follow(until, decoding):
-            reqs = self._schedule_decodes()
+            reqs = stepping.schedule_decodes(self)
             if reqs is None:  # blocks are short: the policy decides (and preempts)
                 break
             taken += self._decode_run(reqs, until, max_steps - taken)
             decoding = True
         return taken
-
-    def _schedule_decodes(self) -> list | None:
-        """What the policy would schedule once `_decodes_follow`: the running batch, each
-        request whose table is full given the block its next token needs, in batch order as
-        `schedule_running` allocates them. None, changing nothing, when blocks are short."""
-        bs = self.block_size
-        running = self.policy.running
-        # (async scheduling: requests that finished in the last step hold their seats until
-        # the run's first step is scheduled, as schedule_running skips them)
-        reqs = ([r for r in running if r.state is RS.RUNNING] if self._releasing
-                else list(running))
-        if not reqs:
-            return None
-        full = [r for r in reqs if len(r.block_table) * bs == r.num_computed_tokens]
-        if full:
-            if len(full) > self.kv.num_free_blocks:
-                return None
-            for r, blk in zip(full, self.kv.pool.allocate(len(full))):
-                r.block_table.append(blk)
-        return reqs
 
     def _decodes_follow(self, until: float, decoding: bool) -> bool:
         """Whether the next decision is sure to be a run of decode steps of the whole running
@@ -856,123 +840,10 @@ class Engine:
                     # (blocks cached when scheduled are registered by schedule_running)
                     or self.kv.register_at_allocation)
 
-    def _single_step(self, sched, num_waiting: int) -> int:
-        # What the service-time model needs: prefill chunks and decodes apart (separate
-        # attention kernels), and the rows that sample (the LM head runs on those only).
-        tokens = p_tokens = p_attended = p_cached = d_seqs = d_cached = sampling = 0
-        is_prefill = []
-        for req, n in sched:
-            c = req.num_computed_tokens
-            tokens += n
-            chunk = n > 1 or req.num_output_tokens == 0 or c + n < req.num_tokens or req.recomputing
-            is_prefill.append(chunk)
-            if chunk:
-                p_tokens += n
-                p_attended += n * c + n * (n + 1) // 2
-                p_cached += c
-            else:
-                d_seqs += 1
-                d_cached += c
-            if c + n >= req.num_tokens:
-                sampling += 1
-        dur, energy = self.cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
-                                     len(sched), sampling)
-        swapped = len(self._swap_out) + len(self._swap_in)
-        if swapped:  # block copies over the host link delay the step
-            extra = self.cost.swap_time(swapped)
-            dur += extra
-            energy += self.cost.idle_energy(extra)
-        sampled_ids = None
-        if self.executor is not None:
-            t0 = time.perf_counter()
-            sampled_ids = self.executor.execute(self._build_work(sched))
-            measured = time.perf_counter() - t0
-            self._freed = []
-            if self.clock == "measured":
-                dur, energy = measured, energy * measured / dur
-        if self.duration_override is not None:
-            dur = next(self.duration_override)
-        self._swap_out, self._swap_in, self._copies = [], [], []
-        start = self.now
-        end = start + dur
-        g = self.step_count  # this step's row on the timeline
-        sampled = itl = 0
-        prefilling = False
-        prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
-        tokens_out = {} if sampled_ids is not None else None
-        caching = self.prefix_caching and not self.kv.register_at_allocation
-        for (req, n), chunk in zip(sched, is_prefill):
-            c = req.num_computed_tokens
-            total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
-            req.num_computed_tokens = c + n
-            if caching:  # blocks enter the cache once computed (else when scheduled)
-                self.kv.cache_blocks(req, c + n)
-            if chunk:
-                req.prefill_chunks.append((end, c, n))
-                prefill_chunks.append((req.req_id, c, n))
-            else:
-                decodes.append(req.req_id)
-            if c + n < total:
-                prefilling = True
-                continue
-            sampled += 1
-            if sampled_ids is not None:
-                tok = sampled_ids[req.req_id]
-                req.output_token_ids.append(tok)
-                tokens_out[req.req_id] = [tok]
-            req.num_output_tokens += 1
-            segs = req.token_segments
-            if req.num_output_tokens == 1:
-                req.first_token_time = end
-                if req.parent_id is None:
-                    self.ttft.add(end - req.arrival_time)
-                    self._recent(self.recent_ttfts, end, end - req.arrival_time)
-                first.append(req)
-                segs.append([g, 1])
-                # (preempted before its first token: counted as re-prefilling until the next)
-                prefilling = prefilling or req.recomputing
-            else:
-                last = segs[-1]
-                if last[0] + last[1] == g:
-                    last[1] += 1
-                    itl += 1
-                else:
-                    self._gap(end, end - req.last_token_time)
-                    segs.append([g, 1])
-                if req.recomputing:  # its re-prefill after a preemption is done
-                    req.recomputing = False
-                    recomputed.append(req)
-            req.last_token_time = end
-            if req.num_output_tokens >= req.max_output_tokens:
-                finished.append(req)
-        # Every request of the batch (finishing aside) decodes in the next step, as the
-        # policy's `schedule_running` tests it.
-        self._batch_decodes = (not prefilling and len(sched) + len(self._releasing)
-                               == len(self.policy.running))
-        if self.num_samples > 1:
-            for req in first:
-                if req.parent_id is None and req not in finished:
-                    sampled += self._fork(req, end, g)
-        if self.record_timeline:
-            self.timeline.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
-                                  self.kv.num_used_blocks, self._empty_slots(), energy,
-                                  num_waiting)
-        self.now = end
-        self.step_count += 1
-        self.counts["output_tokens"] += sampled
-        if self.record_events:
-            self._emit_steps(ev.Steps(start, g, np.array([end]), tuple(prefill_chunks),
-                                      tuple(decodes), tokens_out, self.kv.num_used_blocks,
-                                      np.array([dur]) if self.clock == "measured" else None))
-            for req in first:
-                self.events.append(ev.FirstToken(end, req.req_id))
-            for req in recomputed:
-                self.events.append(ev.Recomputed(end, req.req_id))
-        if self._releasing:
-            self._release()
-        if finished:
-            self._finish_step(finished, end)
-        return 1
+    def _single_step(self, sched: list[tuple[Request, int]], num_waiting: int) -> int:
+        """One engine step of `sched` ((request, tokens) pairs, blocks allocated); returns 1.
+        (Compiled where the install could: `sim.stepping`, as the other step functions.)"""
+        return stepping.single_step(self, sched, num_waiting)
 
     def _fork(self, parent: Request, t: float, g: int) -> int:
         """Start the further samples of `parent`, which has just sampled its first token: each
@@ -1025,192 +896,10 @@ class Engine:
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20
 
-    def _decode_run(self, reqs: list, until: float, max_steps: int) -> int:
-        """Run identical decode-only steps of `reqs` (the first one scheduled, its blocks
-        allocated), up to the next event, all at once."""
-        bs = self.block_size
-        b = len(reqs)
-        # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
-        # a request needs a new block at step j when its token computed + j lies past the end
-        # of its table, which holds at least step 0's token (a contiguous reservation holds
-        # far more), then every bs steps. (One loop: three comprehensions cost twice.)
-        kmax = min(max_steps, self.RUN_STEPS_MAX)
-        c0 = 0  # tokens the batch holds
-        first_cross = []
-        add = first_cross.append
-        for r in reqs:
-            c = r.num_computed_tokens
-            c0 += c
-            add(len(r.block_table) * bs - c)
-            left = r.max_output_tokens - r.num_output_tokens
-            if left < kmax:
-                kmax = left
-        # Requests that finished in the last step (async scheduling) give their blocks back
-        # once this run's first step is scheduled: before step 1 allocates.
-        pending = self._releasing
-        if kmax > 1:
-            free = self.kv.num_free_blocks
-            need = sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax])
-            if need > free and pending:
-                free += self._blocks_freed_by(pending)
-            if need > free:
-                cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
-                kmax = cross[free]  # the step whose allocation would fail is scheduled alone
-        if kmax == 1:
-            return self._single_step([(r, 1) for r in reqs], len(self.policy.waiting))
-        # (within a multi-step window, arrivals and cancellations do not end the run)
-        t_ext = min(INF if self._window else self._next_external(), until,
-                    self.policy.next_change_time())
-        ends, dur, energy = self._run_times(b, c0, kmax, t_ext)
-        k = len(ends)
-        used_first = self.kv.num_used_blocks
-        empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
-        if pending:
-            empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens for r in pending])
-            self._release()
-            empty_first -= bs * (used_first - self.kv.num_used_blocks)
-        used = self.kv.num_used_blocks
-        kv_used = self._allocate_run(reqs, first_cross, k)
-        # Empty slots after the run over the batch (every request holding blocks): those its
-        # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
-        used_end = kv_used[-1]
-        empty_end = sum(first_cross) + bs * (used_end - used) - b * k
-        kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
-        g = self.step_count  # the run's first row on the timeline
-        end = ends[-1]
-        first_end = ends[0]
-        itl0 = 0
-        finished = []
-        caching = self.prefix_caching
-        # Registered when scheduled, a block holding the run's last token waits, under async
-        # scheduling, for the next step (the scheduler has not seen that token yet).
-        unseen = 1 if self.kv.register_at_allocation and self.policy.async_scheduling else 0
-        for r in reqs:
-            r.num_computed_tokens += k
-            r.num_output_tokens += k
-            if caching:
-                self.kv.cache_blocks(r, r.num_computed_tokens - unseen)
-            last = r.token_segments[-1]
-            if last[0] + last[1] == g:
-                last[1] += k
-                itl0 += 1
-            else:
-                self._gap(first_end, first_end - r.last_token_time)
-                r.token_segments.append([g, k])
-            r.last_token_time = end
-            if r.num_output_tokens >= r.max_output_tokens:
-                finished.append(r)
-        if self.record_timeline:
-            self._record_run(ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
-                             empty_first)
-        if self.record_events:
-            self._emit_steps(ev.Steps(self.now, g, np.asarray(ends), (),
-                                      tuple([r.req_id for r in reqs]), None, kv_used[-1]))
-        self.now = end
-        self.step_count += k
-        self.counts["output_tokens"] += b * k
-        if finished:
-            self._finish_step(finished, end)
-        return k
-
-    def _allocate_run(self, reqs: list, first_cross: list, k: int) -> list:
-        """Allocate the blocks the `k` steps of a decode run cross (request i first at step
-        `first_cross[i]`, then every block_size steps) in the order step-by-step scheduling
-        would: by step, then batch order. Returns the used blocks after each step's
-        allocation."""
-        bs = self.block_size
-        used = self.kv.num_used_blocks
-        first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
-        if not first:
-            return [used] * k
-        if k <= bs:  # (the common case: one block each at most)
-            blocks = self.kv.pool.allocate(len(first))
-            for (_, i), blk in zip(first, blocks):
-                reqs[i].block_table.append(blk)
-        elif first[-1][0] - first[0][0] < bs:
-            # First crossings within one block's span (always, short of contiguous
-            # reservations): the order is round by round (a round is every request's next
-            # crossing), each round in (first crossing, batch) order, only the last one cut
-            # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
-            blocks = self.kv.pool.allocate(sum([(k - 1 - j0) // bs + 1 for j0, _ in first]))
-            m = len(first)
-            for p, (_, i) in enumerate(first):
-                reqs[i].block_table.extend(blocks[p::m])
-        else:
-            cross = sorted([(j, i) for j0, i in first for j in range(j0, k, bs)])
-            blocks = self.kv.pool.allocate(len(cross))
-            for (_, i), blk in zip(cross, blocks):
-                reqs[i].block_table.append(blk)
-        # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ...
-        if k <= self.SCALAR_STEPS:  # (NumPy's per-call cost would dominate)
-            at = [0] * k
-            for j0, _ in first:
-                at[j0] += 1
-            for j in range(bs, k):
-                at[j] += at[j - bs]
-            at[0] += used
-            return list(accumulate(at))
-        rounds = -(-k // bs)
-        at = np.zeros(rounds * bs, dtype=np.int64)  # (np.pad costs 0.3 ms a call)
-        at[:k] = np.bincount([j0 for j0, _ in first], minlength=k)
-        at = at.reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
-        return (used + np.cumsum(at)).tolist()
-
-    def _record_run(self, ends, dur, energy, kv_used: list, b: int, itl0: int,
-                    empty_less_used: int, empty_first: int = 0) -> None:
-        """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
-        with `empty_less_used` + block_size * (blocks used) empty slots (`empty_first` more in
-        its first step, held by requests released after it)."""
-        k, bs = len(ends), self.block_size
-        waiting = len(self.policy.waiting)
-        # Empty slots after step j: those at the end, plus the tokens of later steps, minus
-        # the slots of blocks allocated later.
-        if k <= self.SCALAR_STEPS:
-            e0 = empty_less_used + b * (k - 1)  # (step j: e0 - b*j + bs*used_j)
-            rows = [(ends[j], dur[j], b, 0, b, b, itl0 if j == 0 else b, kv_used[j],
-                     e0 - b * j + bs * kv_used[j], energy[j], waiting) for j in range(k)]
-            if empty_first:  # step 0 also counts the finishing requests' slots
-                rows[0] = (*rows[0][:8], rows[0][8] + empty_first, *rows[0][9:])
-            self.timeline.add_rows(rows)
-        else:
-            itl = np.full(k, b, dtype=np.int64)
-            itl[0] = itl0
-            used = np.asarray(kv_used, dtype=np.int64)
-            empty = empty_less_used + b * np.arange(k - 1, -1, -1) + bs * used
-            empty[0] += empty_first
-            self.timeline.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
-                                 sampled=b, itl_count=itl, kv_used=used, kv_empty=empty,
-                                 energy=energy, waiting=waiting)
-
-    def _run_times(self, b: int, c0: int, kmax: int, t_ext: float):
-        """End times, durations and energies of the steps of a decode run of `b` sequences
-        holding `c0` cached tokens, at most `kmax` steps, none starting at or after `t_ext`.
-
-        Step j reads c0 + b*j cached tokens. The clock advances by sequential addition in both
-        the scalar and the NumPy part, so the times equal those of single steps exactly.
-        """
-        ends, durs, ens = self.cost.decode_times(b, c0, min(kmax, self.SCALAR_STEPS), self.now,
-                                                 t_ext)
-        j = len(ends)
-        t = ends[-1]
-        if j == kmax or t >= t_ext:  # (the next step would start at or after the next event)
-            return ends, durs, ens
-        d, en = self.cost.decode_steps(b, c0 + b * np.arange(j, kmax, dtype=np.int64))
-        e = np.cumsum(np.concatenate(([t], d)))[1:]
-        m = len(d)
-        if m > 1 and e[m - 2] >= t_ext:
-            m = 1 + int(np.searchsorted(e[: m - 1], t_ext, side="left"))
-        return (np.concatenate((ends, e[:m])), np.concatenate((durs, d[:m])),
-                np.concatenate((ens, en[:m])))
-
-    def _empty_slots(self) -> int:
-        """Allocated slots holding no token, over every request holding device blocks.
-        (A shared block is full, so counting it once per sharer adds nothing.)"""
-        slots = tokens = 0
-        for r in self.policy.running:
-            slots += len(r.block_table)
-            tokens += r.num_computed_tokens
-        return slots * self.block_size - tokens
+    def _decode_run(self, reqs: list[Request], until: float, max_steps: int) -> int:
+        """Identical decode-only steps of `reqs` up to the next event, all at once
+        (`sim.stepping.decode_run`); returns the steps taken."""
+        return stepping.decode_run(self, reqs, until, max_steps)
 
     def _build_work(self, sched) -> StepWork:
         seqs = []

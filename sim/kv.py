@@ -12,7 +12,7 @@ new request leaves it in O(1).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Hashable, Iterable
 
 import numpy as np
 
@@ -53,9 +53,9 @@ class BlockPool:
         self.uncached_first = uncached_first
         self.duplicates = duplicates
         self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # hash -> first block holding it
-        self._more: dict[int, list[int]] = {}  # hash -> further holders, in registration order
+        self.block_hash: list[Hashable | None] = [None] * num_blocks
+        self.cached: dict[Hashable, int] = {}  # hash -> first block holding it
+        self._more: dict[Hashable, list[int]] = {}  # hash -> further holders, in registration order
         self._front: list[int] = []
         self._queue = list(range(num_blocks))
         self._pos = list(range(num_blocks))  # queue position of each block's live entry
@@ -223,6 +223,7 @@ class BlockPool:
         """Block `b` is being reused: it no longer holds its prefix; a further holder of the
         same prefix, if any, answers lookups from now on."""
         h = self.block_hash[b]
+        assert h is not None, f"block {b} holds no prefix"
         self.block_hash[b] = None
         more = self._more.get(h)
         if self.cached[h] == b:
@@ -231,6 +232,7 @@ class BlockPool:
             else:
                 del self.cached[h]
         else:
+            assert more is not None, f"block {b} is not a holder of its prefix"
             more.remove(b)
         if more is not None and not more:
             del self._more[h]
@@ -371,9 +373,10 @@ class KVCacheManager:
         out, cid = [], -1
         for x in h:
             k = (cid, x)
-            cid = table.get(k)
-            if cid is None:
-                cid = table[k] = len(table)
+            nxt = table.get(k)
+            if nxt is None:
+                nxt = table[k] = len(table)
+            cid = nxt
             out.append(cid)
         return out
 
@@ -429,8 +432,13 @@ class KVCacheManager:
             self.pool.free(reversed(req.block_table))
             req.block_table = []
         if req.host_table:
-            self.host.free(req.host_table)
+            self._host().free(req.host_table)
             req.host_table = []
+
+    def _host(self) -> BlockPool:
+        """The host swap pool (a request holds host blocks only where there is one)."""
+        assert self.host is not None, "no host swap space"
+        return self.host
 
     def reserve_contiguous(self, req, num_tokens: int) -> bool:
         """Give `req` (holding nothing) a run of consecutive blocks for `num_tokens` tokens,
@@ -469,6 +477,6 @@ class KVCacheManager:
         """After `allocate_slots` gave a swapped request device blocks again: release its host
         blocks. Returns the (host, device) block pairs to copy back."""
         pairs = list(zip(req.host_table, req.block_table))
-        self.host.free(req.host_table)
+        self._host().free(req.host_table)
         req.host_table = []
         return pairs

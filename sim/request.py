@@ -14,12 +14,9 @@ a chunked prompt and a request re-prefilled after preemption by recompute are th
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import Any
 
 from sim.errors import InvalidTransition
-
-if TYPE_CHECKING:
-    from sim.timeline import Timeline
 
 
 class RequestState(enum.Enum):
@@ -117,7 +114,9 @@ class Request:
         self.token_segments: list[list[int]] = []
         self.reject_reason: str | None = None
         self.cancelled_in: RequestState | None = None
-        self._timeline: Timeline | None = None
+        # The steps its token segments index: a Timeline, or an engine's view that also holds
+        # the tokens sampled before a hand-off (sim.engine._Continued).
+        self._timeline: Any = None
 
     # --- state machine -------------------------------------------------------------------------
     def transition(self, new: RequestState) -> None:
@@ -154,9 +153,10 @@ class Request:
     @property
     def tpot(self) -> float | None:
         """(last token - first token) / (n - 1); None with fewer than two tokens."""
-        if self.num_output_tokens < 2 or self.first_token_time is None:
+        first, last = self.first_token_time, self.last_token_time
+        if self.num_output_tokens < 2 or first is None or last is None:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (last - first) / (self.num_output_tokens - 1)
 
     def token_times(self):
         """Every output token's time, in order (a float64 array)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from typing import Callable, Literal
 
 import numpy as np
 
@@ -44,10 +45,13 @@ _STAGE = 2048    # single rows staged before they are written to the columns
 ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.quantiles' sketch)
 
 
+TOTALS = ("rows", "energy", "used_dur", "empty_dur", "batch_sum", "batch_max", "used_max")
+
+
 class Totals:
     """Sums over a span of rows, the figures `sim.metrics.summarize` needs."""
 
-    __slots__ = ("rows", "energy", "used_dur", "empty_dur", "batch_sum", "batch_max", "used_max")
+    __slots__ = TOTALS
 
     def __init__(self) -> None:
         self.rows = 0
@@ -75,7 +79,7 @@ class Totals:
 
     def plus(self, other: "Totals") -> "Totals":
         out = Totals()
-        for name in self.__slots__:
+        for name in TOTALS:  # (a compiled class has no __slots__ to read)
             a, b = getattr(self, name), getattr(other, name)
             setattr(out, name, max(a, b) if name.endswith("_max") else a + b)
         return out
@@ -92,7 +96,7 @@ class Timeline:
         self.keep = keep
         self.pinned = pinned
         self.hold_kv = False  # keep (end, kv_used) of sealed rows until `release_kv` (a cluster)
-        self.on_seal = None   # called after a write that sealed chunks
+        self.on_seal: Callable[[], None] | None = None  # called after a write that sealed chunks
         self._rows: list[tuple] = []
         self._tail = {k: np.zeros(min(4096, CHUNK), dtype=t) for k, t in COLUMNS.items()}
         self._tail_n = 0
@@ -266,7 +270,7 @@ class Timeline:
         """End times of rows [start, start + count)."""
         return self.rows("end", start, start + count)
 
-    def index(self, t: float, side: str = "left") -> int:
+    def index(self, t: float, side: Literal["left", "right"] = "left") -> int:
         """Like `np.searchsorted(column("end"), t, side)` over the rows held."""
         self._flush()
         firsts = [float(c["end"][0]) for c in self._chunks]

@@ -128,7 +128,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    from sim import _compiled
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+            f", hot path {'compiled (mypyc)' if _compiled.COMPILED else 'pure Python'}")
 
 
 def bench_sim(args) -> dict:

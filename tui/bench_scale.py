@@ -89,12 +89,14 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def run_in_child(module: str, function: str, *args) -> dict:
-    """`module.function(*args)` (plain values) in a fresh Python process: its JSON result,
-    the last line it prints. Raises RuntimeError when the process fails."""
+def run_in_child(module: str, function: str, *args, env: dict | None = None) -> dict:
+    """`module.function(*args)` (plain values) in a fresh Python process (`env`: variables
+    to set in it): its JSON result, the last line it prints. Raises RuntimeError when the
+    process fails."""
     code = (f"import json; from {module} import {function} as f; "
             f"print(json.dumps(f(*{args!r})))")
-    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                       env={**os.environ, **env} if env else None)
     if p.returncode:
         raise RuntimeError(f"{module}.{function}{args!r} exited {p.returncode}")
     return json.loads(p.stdout.decode().strip().splitlines()[-1])
@@ -167,13 +169,24 @@ def text_scale(r: dict) -> str:
 
 def bench_hotpath(args) -> dict:
     """A cProfile of one run: per function, its share of the run and its time and calls per
-    scheduling decision (the engine's `_advance`)."""
+    scheduling decision (the engine's `_advance`). Compiled functions are invisible to
+    cProfile, so where this process runs the compiled hot path the profile is of the
+    pure-Python modules, in a child process."""
+    from sim import _compiled
+
+    if _compiled.COMPILED:
+        return run_in_child("tui.bench_scale", "profile_hotpath", args.scenario, args.policy,
+                            args.top, env={"SERVESIM_PURE": "1"})
+    return profile_hotpath(args.scenario, args.policy, args.top)
+
+
+def profile_hotpath(scenario: str, policy: str, top: int) -> dict:
     import cProfile
     import pstats
 
     from sim import build, load_scenario
 
-    sc = load_scenario(args.scenario, [f"scheduler.policy={json.dumps(args.policy)}"])
+    sc = load_scenario(scenario, [f"scheduler.policy={json.dumps(policy)}"])
     engine = build(sc, record_events=False, keep_history=False)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -191,14 +204,16 @@ def bench_hotpath(args) -> dict:
                      "cum_us_per_decision": cumtime / decisions * 1e6,
                      "calls_per_decision": ncalls / decisions})
     rows.sort(key=lambda x: -x["share"])
-    return {"machine": _machine(), "scenario": sc.name, "policy": args.policy,
+    return {"machine": _machine(), "scenario": sc.name, "policy": policy,
+            "modules": "pure Python",
             "wall_s_profiled": wall, "decisions": decisions, "steps": engine.step_count,
             "calls_per_decision": sum(v[1] for v in st.stats.values()) / decisions,
-            "us_per_decision": total / decisions * 1e6, "functions": rows[:args.top]}
+            "us_per_decision": total / decisions * 1e6, "functions": rows[:top]}
 
 
 def text_hotpath(r: dict) -> str:
-    lines = [f"bench hotpath: {r['scenario']} under {r['policy']}, profiled, on {r['machine']}",
+    lines = [f"bench hotpath: {r['scenario']} under {r['policy']}, profiled ({r['modules']} "
+             f"modules), on {r['machine']}",
              f"  {r['decisions']:,} decisions, {r['steps']:,} steps, "
              f"{r['wall_s_profiled']:.2f} s under the profiler: "
              f"{r['us_per_decision']:.1f} us and {r['calls_per_decision']:.0f} calls "

@@ -74,4 +74,4 @@ def test_without_history_rows_are_dropped_unless_pinned(small_chunks):
     whole = Timeline()
     _fill(whole, cols, 1000)
     a, b = tl.totals(), whole.totals()
-    assert all(getattr(a, k) == getattr(b, k) for k in a.__slots__)
+    assert all(getattr(a, k) == getattr(b, k) for k in tlmod.TOTALS)

@@ -1,0 +1,112 @@
+"""The compiled hot path (mypyc, built by `pip install`): the same results as pure Python, and
+never a stale build.
+
+`sim/_compiled.py` uses the compiled modules only while their sources are those the build
+compiled; `SERVESIM_PURE=1` forces the pure-Python modules. Where the install built nothing
+(no compiler), the tests that need a build skip.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim import _compiled
+
+ROOT = Path(__file__).resolve().parent.parent
+built = pytest.mark.skipif(not _compiled._built(ROOT), reason="no compiled build (pure install)")
+
+# whether the build is used; whether sim.stepping, sim.request and sim.engine (never compiled)
+# came from source
+PROBE = ("import sim, sim._compiled as c, sim.stepping as s, sim.request as r, sim.engine as e; "
+         "print(c.COMPILED, *[m.__file__.endswith('.py') for m in (s, r, e)])")
+
+
+def _python(code: str, *, pure: bool = False, path: Path | None = None) -> str:
+    env = dict(os.environ)
+    env.pop("SERVESIM_PURE", None)
+    if pure:
+        env["SERVESIM_PURE"] = "1"
+    if path is not None:
+        env["PYTHONPATH"] = str(path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=path or ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@built
+def test_this_checkout_runs_its_compiled_build_unless_told_not_to():
+    assert _python(PROBE) == "True False False True"
+    assert _python(PROBE, pure=True) == "False True True True"
+
+
+@built
+def test_an_edited_source_loads_every_listed_module_from_source(tmp_path):
+    """A checkout edited after its build must run the edited code: all listed modules from
+    source (compiled modules call each other directly, so it is all or none)."""
+    shutil.copytree(ROOT / "sim", tmp_path / "sim",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for lib in ROOT.glob("*__mypyc*"):
+        shutil.copy(lib, tmp_path)
+    assert _python(PROBE, path=tmp_path) == "True False False True"
+    kv = tmp_path / "sim" / "kv.py"
+    kv.write_text(kv.read_text() + "\n# edited\n")
+    assert _python(PROBE, path=tmp_path) == "False True True True"
+    (tmp_path / _compiled.MANIFEST).unlink()  # (no record of what was built: not trusted)
+    kv.write_text(kv.read_text().removesuffix("\n# edited\n"))
+    assert _python(PROBE, path=tmp_path) == "False True True True"
+
+
+@built
+def test_a_leftover_build_of_a_module_no_longer_compiled_never_loads(tmp_path):
+    """A build from an older list of compiled modules (here: a stand-in for sim.engine's, which
+    is not compiled) must not shadow the module's source."""
+    shutil.copytree(ROOT / "sim", tmp_path / "sim",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for lib in ROOT.glob("*__mypyc*"):
+        shutil.copy(lib, tmp_path)
+    [so] = (tmp_path / "sim").glob("kv.*.so")
+    shutil.copy(so, tmp_path / "sim" / so.name.replace("kv.", "engine.", 1))
+    assert _python(PROBE, path=tmp_path) == "True False False True"
+    assert _python(PROBE, path=tmp_path, pure=True) == "False True True True"
+
+
+RUN = """
+import json
+from sim import _compiled, load_scenario, summarize
+from sim.log import encode
+from tui.cli import build_engine
+e = build_engine(load_scenario(NAME, SETS), keep_history=False)
+e.run()
+print(json.dumps({"compiled": _compiled.COMPILED,
+                  "summary": {k: v for k, v in summarize(e).items() if "wall" not in k},
+                  "events": [encode(x) for x in e.events]}, default=repr))
+"""
+
+CASES = [
+    ["chat", "workload.num_requests=300"],
+    ["chat", "workload.num_requests=60", "compute.backend=numpy"],
+    ["mooncake", "workload.num_requests=400"],
+    ["fragmentation"],
+    ["chat", "workload.num_requests=200", "scheduler.policy=priority", "kv.num_blocks=600"],
+    ["chat", "workload.num_requests=200", "scheduler.policy=sjf", "kv.swap_space_gb=4",
+     "scheduler.preemption=swap", "kv.num_blocks=500"],
+    ["replicas", "workload.num_requests=300"],
+    ["disaggregated", "workload.num_requests=200"],
+]
+
+
+@built
+@pytest.mark.parametrize("case", CASES, ids=[" ".join(c) for c in CASES])
+def test_compiled_and_pure_runs_are_identical(case):
+    """Every event (each step's end time, blocks, tokens) and every summary figure."""
+    code = RUN.replace("NAME, SETS", f"{case[0]!r}, {case[1:]!r}")
+    compiled, pure = json.loads(_python(code)), json.loads(_python(code, pure=True))
+    assert compiled.pop("compiled") is True and pure.pop("compiled") is False
+    assert compiled["events"], "the run recorded nothing"
+    assert compiled == pure
