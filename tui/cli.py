@@ -596,8 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 503 while N requests are waiting (default: no bound)")
     s.add_argument("--record-timing", action="store_true",
                    help="keep each token's send lateness, served at /servesim/timing")
-    s.add_argument("--send-threads", type=int, choices=[1, 2], default=2,
-                   help="threads that write a step's tokens to the sockets (default 2)")
+    s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
+                   help="threads that write a step's tokens to the sockets (default 1)")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("sim", help="run a scenario headless and print its metrics")

@@ -40,8 +40,8 @@ def add_arguments(sub) -> None:
                    metavar="SECTION.KEY=VALUE",
                    help="scenario overrides (default: scheduler.max_num_seqs=512, so that "
                         "every stream decodes in the batch)")
-    s.add_argument("--send-threads", type=int, choices=[1, 2], default=2,
-                   help="the server's --send-threads (default 2)")
+    s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
+                   help="the server's --send-threads (default 1)")
     s.add_argument("--json", action="store_true")
 
 
@@ -279,7 +279,7 @@ def text_serve(r: dict) -> str:
 
     return "\n".join([
         f"bench serve: {r['streams']} concurrent streams at x{r['speed']:g}, {r['scenario']}, "
-        f"{r['machine']}",
+        f"{r['machine']}, {r['send_threads']} send thread(s)",
         f"  {r['requests']:,} requests, {r['tokens']:,} tokens in {r['wall_s']:.1f} s "
         f"({r['tokens_per_s']:,.0f} tokens/s), {r['errors']} errors",
         f"  CPU: server {100 * r['server_cpu_share']:.0f}% of a core, client "

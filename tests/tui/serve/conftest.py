@@ -30,7 +30,6 @@ class Running:
 
 @contextlib.contextmanager
 def serving(overrides=(), scenario: str = "chat", **kw):
-    kw.setdefault("send_threads", 2)  # as `servesim serve` runs by default
     sc = load_scenario(scenario, list(overrides))
     box: dict = {}
     ready = threading.Event()
