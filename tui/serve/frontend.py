@@ -6,8 +6,10 @@ One coroutine, the pump, owns the engine (all in the event loop's thread, under 
 the dashboard shares). Each turn it sends the tokens that are due, applies the requests that came
 in (each injected with the time it arrived: a request that arrives while a step runs joins the
 queue at that step's end, as in a real engine), runs the engine up to the present (the last step
-it starts ends in the future: its tokens' times are then known), reads the new events, and
-sleeps until the next token is due or the next step is to be decided.
+it starts ends in the future: its tokens' times are then known), reads the new events, builds
+their frames (so that when their time comes only the writes remain), and sleeps until the next
+token is due or the next step is to be decided. With `send_threads=2` a pass's writes are
+shared with a second thread (`tui/serve/sender.py`).
 
 The engine's public API only: `inject` (with `arrival_time` and `tag`), `cancel`, `run_until`,
 `next_event`, `events`; finished requests are learned from events, never looked up.
