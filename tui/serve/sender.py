@@ -1,9 +1,9 @@
-"""One step's socket writes spread over two threads.
+"""One step's socket writes shared with a second thread.
 
 At a step's end the server writes one frame to each of hundreds of sockets. A loopback TCP
 send runs the receiver's TCP path in the sender's system call (several microseconds each), so
 one thread doing them one after another makes the last frame wait for all the others. The
-system call releases the GIL: a second thread writing the other half runs that kernel work on
+system call releases the GIL: a second thread writing some of them runs that kernel work on
 the other core at the same time.
 
 Only raw writes run off the event loop's thread (asyncio is not thread-safe): the caller hands
@@ -14,61 +14,76 @@ caller to give to its transport, in order.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
 
 
-def _write_range(fds: list[int], datas: list[bytes], sent: list[int], lo: int, hi: int,
-                 times: list[float] | None) -> None:
-    """Write datas[i] to fds[i] for i in [lo, hi): sent[i] = bytes taken (0 when the socket
-    was full), or -1 on an error (the transport's own write then meets it and closes); with
-    `times`, times[i] = when the write returned (time.monotonic)."""
-    write, clock = os.write, time.monotonic
-    for i in range(lo, hi):
-        try:
-            sent[i] = write(fds[i], datas[i])
-        except BlockingIOError:
-            sent[i] = 0
-        except OSError:
-            sent[i] = -1
-        if times is not None:
-            times[i] = clock()
+class _Batch:
+    """One call's writes. Both threads take the next index from `claim` (atomic under the
+    GIL), so the caller starts at once and the worker helps from whenever it gets a core."""
+
+    __slots__ = ("fds", "datas", "sent", "times", "claim", "helping", "finished")
+
+    def __init__(self, fds: list[int], datas: list[bytes], times: list[float] | None) -> None:
+        self.fds, self.datas, self.times = fds, datas, times
+        self.sent = [0] * len(fds)
+        self.claim = itertools.count()
+        self.helping = False  # the worker may hold an index it is writing
+        self.finished = threading.Event()
+
+    def write(self) -> None:
+        """Write the indices this thread claims: sent[i] = bytes taken (0 when the socket was
+        full), or -1 on an error (the transport's own write then meets it and closes); with
+        `times`, times[i] = when the write returned (time.monotonic)."""
+        fds, datas, sent, times = self.fds, self.datas, self.sent, self.times
+        n = len(fds)
+        write, clock = os.write, time.monotonic
+        for i in self.claim:
+            if i >= n:
+                return
+            try:
+                sent[i] = write(fds[i], datas[i])
+            except BlockingIOError:
+                sent[i] = 0
+            except OSError:
+                sent[i] = -1
+            if times is not None:
+                times[i] = clock()
 
 
 class PairWriter:
-    """Writes a batch of (socket, bytes) from the calling thread and one worker thread, each
-    taking half. `close` stops the worker."""
+    """Writes a batch of (socket, bytes) from the calling thread and one worker thread, which
+    share the batch as they go. `close` stops the worker."""
 
     # Below this many writes, waking the worker costs more than it saves.
     MIN_SPLIT = 16
 
     def __init__(self) -> None:
         self._go = threading.Event()
-        self._done = threading.Event()
-        self._job: tuple | None = None
+        self._batch: _Batch | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="servesim-send", daemon=True)
         self._thread.start()
 
     def write_all(self, fds: list[int], datas: list[bytes],
                   times: list[float] | None = None) -> list[int]:
-        """Write each datas[i] to non-blocking socket fds[i]; returns the bytes each took (0:
-        full, -1: an error), in the order given. A list `times` gets when each write returned."""
-        n = len(fds)
-        sent = [0] * n
+        """Write each datas[i] to non-blocking socket fds[i], the first ones first; returns the
+        bytes each took (0: full, -1: an error), in the order given. A list `times` gets when
+        each write returned."""
         if times is not None:
-            times[:] = [0.0] * n
-        if n < self.MIN_SPLIT or self._stop:
-            _write_range(fds, datas, sent, 0, n, times)
-            return sent
-        half = n // 2
-        self._job = (fds, datas, sent, half, n, times)
-        self._done.clear()
-        self._go.set()
-        _write_range(fds, datas, sent, 0, half, times)
-        self._done.wait()
-        return sent
+            times[:] = [0.0] * len(fds)
+        b = _Batch(fds, datas, times)
+        if len(fds) >= self.MIN_SPLIT and not self._stop:
+            self._batch = b
+            self._go.set()
+        b.write()
+        # Every index is claimed. The worker writes only an index it claimed after raising
+        # `helping`: if it is not helping now, it has written none and will write none.
+        if b.helping:
+            b.finished.wait()
+        return b.sent
 
     def _run(self) -> None:
         while True:
@@ -76,12 +91,15 @@ class PairWriter:
             self._go.clear()
             if self._stop:
                 return
-            fds, datas, sent, lo, hi, times = self._job
+            b = self._batch
+            if b is None:
+                continue
+            b.helping = True  # before its first claim
             try:
-                _write_range(fds, datas, sent, lo, hi, times)
+                b.write()
             finally:
-                self._job = None
-                self._done.set()
+                b.helping = False
+                b.finished.set()
 
     def close(self) -> None:
         self._stop = True
