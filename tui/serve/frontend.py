@@ -747,9 +747,9 @@ class Frontend:
                     call.done.set_result(None)
 
     def _write_split(self, out: dict, stamps: list | None) -> None:
-        """`out`'s writes, half of them from a second thread (`PairWriter`): those to sockets
-        whose transports hold nothing; the rest, and what a socket did not take, through
-        `_write` and the transport, in order, in this thread."""
+        """`out`'s writes shared with a second thread (`PairWriter`): those to sockets whose
+        transports hold nothing; the rest, and what a socket did not take, through `_write`
+        and the transport, in order, in this thread."""
         fds, datas, raw = [], [], []
         write = self._write
         for call, frames in out.items():
