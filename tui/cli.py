@@ -325,7 +325,7 @@ def cmd_serve(args) -> int:
     frontend = build_frontend(sc, background=args.background, make_executor=make_executor,
                               speed=args.speed, model_name=args.served_model_name,
                               max_waiting=args.max_waiting, record_timing=args.record_timing,
-                              bounded=not args.tui)
+                              bounded=not args.tui, send_threads=args.send_threads)
     if args.tui:
         return serve_dashboard(frontend, args.host, args.port)
     return serve_headless(frontend, args.host, args.port)
@@ -596,6 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer 503 while N requests are waiting (default: no bound)")
     s.add_argument("--record-timing", action="store_true",
                    help="keep each token's send lateness, served at /servesim/timing")
+    s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
+                   help="threads that write a step's tokens to the sockets (default 1)")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("sim", help="run a scenario headless and print its metrics")

@@ -29,7 +29,7 @@ def model_name_of(scenario) -> str:
 def build_frontend(scenario, *, background: bool = False, make_executor=None,
                    speed: float = 1.0, model_name: str | None = None,
                    max_waiting: int | None = None, record_timing: bool = False,
-                   bounded: bool = False) -> Frontend:
+                   bounded: bool = False, send_threads: int = 1) -> Frontend:
     """The engine for `scenario` (its own workload only with `background`) behind a front end.
 
     `bounded`: memory held by what is in flight, not by how long the server has run (ended
@@ -54,7 +54,8 @@ def build_frontend(scenario, *, background: bool = False, make_executor=None,
     engine = Engine(scenario, executor=executor, keep_history=not bounded,
                     workload=None if background else empty_workload())
     return Frontend(engine, model_name=model_name or model_name_of(scenario), speed=speed,
-                    max_waiting=max_waiting, record_timing=record_timing, trim_events=bounded)
+                    max_waiting=max_waiting, record_timing=record_timing, trim_events=bounded,
+                    send_threads=send_threads)
 
 
 def banner(frontend: Frontend, host: str, port: int) -> str:

@@ -40,6 +40,8 @@ def add_arguments(sub) -> None:
                    metavar="SECTION.KEY=VALUE",
                    help="scenario overrides (default: scheduler.max_num_seqs=512, so that "
                         "every stream decodes in the batch)")
+    s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
+                   help="the server's --send-threads (default 1)")
     s.add_argument("--json", action="store_true")
 
 
@@ -67,7 +69,8 @@ class _Stream(asyncio.Protocol):
     """One keep-alive connection posting the same streaming completion again and again until
     `stop_at`. It does not parse HTTP or SSE per token: each read is timestamped and the frames
     in it counted (`data: {` in the bytes), so the load generator takes as little as it can of
-    the cores it shares with the server. Records `rid -> (sent, receive time of each token)`."""
+    the cores it shares with the server. Records `rid -> (sent, receive time of each token,
+    whether it opened its connection)`."""
 
     def __init__(self, request: bytes, stop_at: float, records: dict) -> None:
         self.request, self.stop_at, self.records = request, stop_at, records
@@ -75,6 +78,7 @@ class _Stream(asyncio.Protocol):
         self.errors = 0
         self.transport = None
         self.busy = False
+        self.opening = True  # the connection's first request (all streams start at once)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -125,7 +129,8 @@ class _Stream(asyncio.Protocol):
         # The last chunk of a chunked body; a chunk's data here always starts with `data:`.
         if buf.endswith(b"\r\n0\r\n\r\n"):
             if self.rid is not None:
-                self.records[self.rid] = (self.sent, self.recv)
+                self.records[self.rid] = (self.sent, self.recv, self.opening)
+            self.opening = False
             self._post()
             return
         self.tail = buf[-6:]
@@ -140,7 +145,7 @@ class _Stream(asyncio.Protocol):
 async def _load(host: str, port: int, streams: int, duration: float, prompt: str,
                 max_tokens: int):
     loop = asyncio.get_running_loop()
-    records: dict[str, tuple[float, list[float]]] = {}
+    records: dict[str, tuple[float, list[float], bool]] = {}
     errors = 0
     stop_at = time.monotonic() + duration
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True,
@@ -180,7 +185,8 @@ async def _load(host: str, port: int, streams: int, duration: float, prompt: str
 def bench_serve(args) -> dict:
     port = _free_port()
     cmd = [sys.executable, "-m", "tui.cli", "serve", args.scenario, "--port", str(port),
-           "--speed", str(args.speed), "--record-timing"]
+           "--speed", str(args.speed), "--record-timing", "--send-threads",
+           str(args.send_threads)]
     overrides = args.overrides or [f"scheduler.max_num_seqs={max(256, 2 * args.streams)}"]
     for o in overrides:
         cmd += ["--set", o]
@@ -204,17 +210,29 @@ def bench_serve(args) -> dict:
         proc.wait(10)
     # Client minus engine, per request (TTFT) and per token gap (ITL), in wall seconds.
     ttft_diff, itl_diff, seen_late, tokens = [], [], [], 0
+    # The TTFT gap's parts (wall clocks: time.monotonic is one clock for both processes):
+    # sent -> the handler ran, the first frame's send lateness, sent -> read by the client.
+    parts: dict[str, list[float]] = {"to_handler": [], "first_send_late": [],
+                                     "client_read": [], "later": []}
     for call in timing["calls"]:
         rec = records.get(call["id"])
         if rec is None:
             continue
-        sent, recv = rec
+        sent, recv, opening = rec
         sim = np.asarray(call["tokens"])
         if len(recv) != len(sim) or not len(sim):
             continue
         tokens += len(sim)
         got = np.asarray(recv)
-        ttft_diff.append((got[0] - sent) - (sim[0] - call["arrival"]) / args.speed)
+        gap = (got[0] - sent) - (sim[0] - call["arrival"]) / args.speed
+        ttft_diff.append(gap)
+        if not opening:
+            parts["later"].append(gap)
+        if call.get("first_sent") is not None:
+            due = call["arrival_wall"] + (sim[0] - call["arrival"]) / args.speed
+            parts["to_handler"].append(call["arrival_wall"] - sent)
+            parts["first_send_late"].append(call["first_sent"] - due)
+            parts["client_read"].append(got[0] - call["first_sent"])
         itl_diff.extend((np.diff(got) - np.diff(sim) / args.speed).tolist())
         # each token's receive time against the request's send time plus its simulated delay
         seen_late.extend((got - sent - (sim - call["arrival"]) / args.speed).tolist())
@@ -223,13 +241,18 @@ def bench_serve(args) -> dict:
     late = timing["lateness_ms"]
     return {
         "scenario": args.scenario, "streams": args.streams, "speed": args.speed,
+        "send_threads": args.send_threads,
         "machine": f"{os.cpu_count()} cores", "wall_s": wall, "requests": len(ttft_diff),
         "tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
         "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
         "load_average": [load0, load1],
         "send_lateness_ms": late,
+        "send_passes": timing.get("passes"),
         "ttft_client_minus_engine_ms": {"p50": _pct(ttft_ms, 50), "p99": _pct(ttft_ms, 99),
                                         "max": _pct(ttft_ms, 100)},
+        "ttft_gap_parts_ms": {k: {"p50": _pct(np.asarray(v) * 1e3, 50),
+                                  "p99": _pct(np.asarray(v) * 1e3, 99)}
+                              for k, v in parts.items()},
         "token_seen_late_ms": {"p50": _pct(seen_ms, 50), "p99": _pct(seen_ms, 99)},
         "itl_client_minus_engine_ms": {"p1": _pct(itl_ms, 1), "p50": _pct(itl_ms, 50),
                                        "p99": _pct(itl_ms, 99),
@@ -244,9 +267,19 @@ def _fmt(v) -> str:
 def text_serve(r: dict) -> str:
     late, t, i = (r["send_lateness_ms"], r["ttft_client_minus_engine_ms"],
                   r["itl_client_minus_engine_ms"])
+    parts = r["ttft_gap_parts_ms"]
+
+    def pq(k: str) -> str:
+        return pq2(parts[k])
+
+    def pq2(d: dict) -> str:
+        return f"{_fmt(d['p50'])} / {_fmt(d['p99'])}"
+
+    ps = r.get("send_passes")
+
     return "\n".join([
         f"bench serve: {r['streams']} concurrent streams at x{r['speed']:g}, {r['scenario']}, "
-        f"{r['machine']}",
+        f"{r['machine']}, {r['send_threads']} send thread(s)",
         f"  {r['requests']:,} requests, {r['tokens']:,} tokens in {r['wall_s']:.1f} s "
         f"({r['tokens_per_s']:,.0f} tokens/s), {r['errors']} errors",
         f"  CPU: server {100 * r['server_cpu_share']:.0f}% of a core, client "
@@ -254,8 +287,14 @@ def text_serve(r: dict) -> str:
         f"start, {r['load_average'][1]:.1f} at the end",
         f"  send lateness (ms)            p50 {_fmt(late['p50'])}  p99 {_fmt(late['p99'])}  "
         f"max {_fmt(late['max'])}",
+        *([f"    its passes (p50 / p99): began late {pq2(ps['start_late_ms'])} ms, took "
+           f"{pq2(ps['duration_ms'])} ms for {ps['calls_mean']:.0f} calls on average"]
+          if ps and ps["count"] else []),
         f"  TTFT client - engine (ms)     p50 {_fmt(t['p50'])}  p99 {_fmt(t['p99'])}  "
         f"max {_fmt(t['max'])}",
+        f"    its parts, p50 / p99: request to its handler {pq('to_handler')}, first frame "
+        f"sent late {pq('first_send_late')}, frame sent to read {pq('client_read')}",
+        f"    without each connection's first request (the opening burst): {pq('later')}",
         f"  token seen by client - its time (ms)  p50 {_fmt(r['token_seen_late_ms']['p50'])}  "
         f"p99 {_fmt(r['token_seen_late_ms']['p99'])}",
         f"  ITL client - engine (ms)      p1 {_fmt(i['p1'])}  p50 {_fmt(i['p50'])}  "

@@ -6,8 +6,10 @@ One coroutine, the pump, owns the engine (all in the event loop's thread, under 
 the dashboard shares). Each turn it sends the tokens that are due, applies the requests that came
 in (each injected with the time it arrived: a request that arrives while a step runs joins the
 queue at that step's end, as in a real engine), runs the engine up to the present (the last step
-it starts ends in the future: its tokens' times are then known), reads the new events, and
-sleeps until the next token is due or the next step is to be decided.
+it starts ends in the future: its tokens' times are then known), reads the new events, builds
+their frames (so that when their time comes only the writes remain), and sleeps until the next
+token is due or the next step is to be decided. With `send_threads=2` a pass's writes are
+shared with a second thread (`tui/serve/sender.py`).
 
 The engine's public API only: `inject` (with `arrival_time` and `tag`), `cancel`, `run_until`,
 `next_event`, `events`; finished requests are learned from events, never looked up.
@@ -33,12 +35,17 @@ from sim.workload import sample_lengths
 from tui.serve.metrics import ServeMetrics
 from tui.serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
                             completion_body, created_now, usage)
+from tui.serve.sender import PairWriter
 
 SERVE_STREAM = 0x5E  # seed stream of output lengths drawn for requests without max_tokens
 WRITE_LIMIT = 32 * 1024  # above this many unsent bytes a client is slow: its own task writes
 MAX_STEPS = 256  # engine steps per pump turn, so that sends and requests are not held up
 # The pump looks at least this often (wall seconds), whatever else changed the engine.
 MAX_SLEEP_S = 0.1
+# asyncio's epoll waits whole milliseconds, rounded up: a timer fires up to 1 ms late. The pump
+# asks to be woken this much early and sleeps the rest in the kernel (a sub-millisecond wait,
+# the loop held for it), so a step's tokens leave at their time, not up to 1 ms after.
+EPOLL_GRAIN_S = 0.001
 
 
 class SimClock:
@@ -121,12 +128,10 @@ class Call:
             else None
         self.resp = None
         self.transport = None
+        self.fd = -1  # its socket, for writes off the loop's thread (`PairWriter`)
+        self.first_sent: float | None = None  # wall time the first frame left (record_timing)
         self.chunked = False
         self.backlog: list[bytes] = []
-        # What a pass of the pump sends it: frames, the wall time each token was due.
-        self.frames: list[bytes] = []
-        self.walls: list[float] = []
-        self.mark = -1  # the last pass that sent it something
         self._kick: asyncio.Future | None = None
         self.done = loop.create_future()  # set when complete (the non-streamed response)
 
@@ -152,6 +157,9 @@ class Call:
         """Handler side of a streamed call: attach the prepared response, then write what the
         pump could not write itself (a slow client's frames), until the call is complete."""
         self.resp, self.transport, self.chunked = resp, transport, resp.chunked
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            self.fd = sock.fileno()
         loop = asyncio.get_running_loop()
         while True:
             while self.backlog:
@@ -169,14 +177,27 @@ class _Due:
     """What leaves at one simulated time: a token for each of `choices` (with real compute,
     the token ids in `toks`, in step), then `ends` (choice -> finish reason): an end folds into
     its choice's token frame at that time, or has a frame of its own. One per engine step, not
-    per token: a step of 500 decodes is 500 appends and one heap entry."""
+    per token: a step of 500 decodes is 500 appends and one heap entry.
 
-    __slots__ = ("choices", "toks", "ends")
+    Built ahead: `Frontend._build` renders it into `out` (each call's frames, in order) as soon
+    as the engine's events for it are read, which is before its time on the wall clock (a step
+    is computed when it starts), so that at its time only the writes remain. What is added
+    after the build is built on the next pass over it: more choices, and ends, which then get
+    frames of their own (a cancel from the dashboard after its step was computed)."""
+
+    __slots__ = ("choices", "toks", "ends", "n_built", "out", "tokens", "ended", "fin",
+                 "dirty")
 
     def __init__(self) -> None:
         self.choices: list[Choice] = []
         self.toks: list[int] = []
         self.ends: dict[Choice, str] = {}
+        self.n_built = 0  # choices[:n_built] are in `out`
+        self.out: dict[Call, list[bytes]] = {}
+        self.tokens: dict[Call, int] = {}  # tokens each call gets here (record_timing)
+        self.ended: list[Call] = []  # calls whose last frame is in `out`
+        self.fin: list[Choice] = []  # choices whose end frame is in `out`
+        self.dirty = False  # in the frontend's list of instants to build
 
 
 class _Track:
@@ -198,11 +219,13 @@ class Frontend:
     `record_timing`: keep every token's send lateness and each call's token times (for
     `servesim bench serve`). `trim_events`: drop the engine's events once read (all but the
     last, which a run of decode steps may still extend), so a server that runs for days holds
-    only what is in flight; only when nothing else reads the engine's event list."""
+    only what is in flight; only when nothing else reads the engine's event list.
+    `send_threads`: 2 writes each step's frames from two threads (`PairWriter`), 1 from the
+    loop's alone."""
 
     def __init__(self, engine, *, model_name: str, speed: float = 1.0, lock=None,
                  max_waiting: int | None = None, record_timing: bool = False,
-                 trim_events: bool = False) -> None:
+                 trim_events: bool = False, send_threads: int = 1) -> None:
         if not engine.record_events:
             raise ServesimError("serve: the engine must record events")
         self.engine = engine
@@ -222,15 +245,19 @@ class Frontend:
         self._tracks: dict[int, _Track] = {}
         self._due: dict[float, _Due] = {}
         self._due_times: list[float] = []
-        self._pass = 0
+        self._dirty: list[float] = []  # instants with something not built yet
         self._event_i = len(engine.events)
         self._open_steps = None  # the last `steps` event read, which may still grow
         self._open_n = 0
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
+        self.send_threads = send_threads
+        self._pair: PairWriter | None = None
         self.record_timing = record_timing
         self.trim_events = trim_events
         self.lateness = array("d")         # wall seconds each token left after its time
+        # per send pass: how late it began, how long it took (wall seconds), calls written
+        self.passes = array("d")
         self.timings: list[dict] = []      # per finished call: arrival and token times
 
     # --- for the HTTP handlers ----------------------------------------------------------------
@@ -288,6 +315,8 @@ class Frontend:
 
     # --- the pump -----------------------------------------------------------------------------
     def start(self) -> None:
+        if self.send_threads == 2:
+            self._pair = PairWriter()
         self._task = asyncio.get_running_loop().create_task(self.run(), name="servesim-pump")
 
     async def stop(self) -> None:
@@ -298,6 +327,9 @@ class Frontend:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self._pair is not None:
+            self._pair.close()
+            self._pair = None
 
     def wake(self) -> None:
         w = self._waiter
@@ -317,12 +349,15 @@ class Frontend:
                 await asyncio.sleep(0)  # let the handlers run, then go on
                 continue
             self._waiter = fut = loop.create_future()
-            handle = loop.call_at(wake_at, _resolve, fut)
+            handle = loop.call_at(wake_at - EPOLL_GRAIN_S, _resolve, fut)
             try:
-                await fut
+                timer = await fut  # True: the timer, not `wake`
             finally:
                 self._waiter = None
                 handle.cancel()
+            rest = wake_at - time.monotonic()
+            if timer and rest > 0:
+                time.sleep(rest)
 
     def turn(self) -> None:
         """One turn of the pump: send what is due, inject, run the engine to now, read events,
@@ -336,6 +371,7 @@ class Frontend:
                 except EngineError as e:  # e.g. a stall: shown, and every open call ends
                     self._fail(str(e))
             self._read_events()
+        self._build()  # ahead of time: the step that ends next was computed just now
         self._send_due()
 
     def _next_time(self) -> float:
@@ -430,17 +466,20 @@ class Frontend:
             self.error = f"{type(err).__name__}: {err}"
             print(f"servesim serve: the engine stopped: {self.error}", file=sys.stderr)
         calls = {tr.choice.call for tr in self._tracks.values() if tr.choice is not None}
+        unsent = set()  # choices whose end frame was built, not sent
         for due in self._due.values():
             calls.update(c.call for c in due.choices)
             calls.update(c.call for c in due.ends)
+            unsent.update(due.fin)
         self._tracks.clear()
         self._due.clear()
         self._due_times.clear()
+        self._dirty.clear()
         for call in calls:
             if call.complete:
                 continue
             for c in call.choices:
-                if not c.done:
+                if not c.done or c in unsent:
                     c.done, c.reason = True, "abort"
                     if call.writer is not None:
                         self._write(call, call.writer.token(c.index, "", "abort"))
@@ -572,92 +611,180 @@ class Frontend:
                 due.toks.append(-1 if tok is None else int(tok))
 
     def _due_at(self, t: float) -> _Due:
-        """What leaves at simulated time `t` (created, and its time queued, when new)."""
+        """What leaves at simulated time `t` (created, and its time queued, when new), to be
+        built: the caller adds to it."""
         due = self._due.get(t)
         if due is None:
             self._due[t] = due = _Due()
             heapq.heappush(self._due_times, t)
+        if not due.dirty:
+            due.dirty = True
+            self._dirty.append(t)
         return due
 
     # --- sending ------------------------------------------------------------------------------
+    def _build(self) -> None:
+        """Render what is new in every instant, in time order (a token's text, a stream's
+        usage and its last frames follow from the tokens before it)."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        if len(dirty) > 1:
+            dirty.sort()
+        dues = self._due
+        for t in dirty:
+            due = dues.get(t)
+            if due is not None and due.dirty:
+                due.dirty = False
+                self._build_due(t, due)
+        dirty.clear()
+
+    def _build_due(self, t: float, due: _Due) -> None:
+        """Each new token of `due` (its choice's next text: a frame, or text kept for a whole
+        response) and each new end, into `due.out`. A call already closed gets nothing."""
+        out, ends, toks, choices = due.out, due.ends, due.toks, due.choices
+        real = self.real_compute
+        tally = due.tokens if self.record_timing else None
+        n_filler = len(FILLER)
+        for i in range(due.n_built, len(choices)):
+            c = choices[i]
+            call = c.call
+            if call.closed:
+                continue
+            frames = out.get(call)
+            if frames is None:
+                out[call] = frames = []
+            n = c.n_out = c.n_out + 1
+            text = c.text(toks[i]) if real else FILLER[(n - 1) % n_filler]
+            if tally is not None:
+                tally[call] = tally.get(call, 0) + 1
+                if c.times is not None:
+                    c.times.append(t)
+            if ends and c in ends:
+                self._frame(c, text, ends.pop(c), frames, due)
+            elif c.tails is not None and n > 1:  # the usual token: mostly shared bytes
+                tail = c.tails.get(text)
+                frames.append(c.head + tail if tail is not None
+                              else call.writer.token(c.index, text))
+            elif call.writer is None:
+                c.parts.append(text)
+            else:
+                self._frame(c, text, None, frames, due)
+        due.n_built = len(choices)
+        if ends:  # ends without a token at this time
+            for c, reason in ends.items():
+                call = c.call
+                if not call.closed:
+                    frames = out.get(call)
+                    if frames is None:
+                        out[call] = frames = []
+                    self._frame(c, None, reason, frames, due)
+            ends.clear()
+
     def _send_due(self) -> None:
-        """Send every token whose time has come: each call's frames in one write (when the
-        pump fell behind, those of several instants: fewer syscalls is how it catches up)."""
+        """Send every token whose time has come, built ahead (`_build`): each call's frames in
+        one write (when the pump fell behind, those of several instants: fewer syscalls is
+        how it catches up). A call closed since the build gets nothing."""
+        if self._dirty:
+            self._build()
         clock, dues, times = self.clock, self._due, self._due_times
         now = clock.now()
         if not times or times[0] > now:
             return
-        self._pass = mark = self._pass + 1
-        sent: list[Call] = []  # each call sent something in this pass, once
-        ended: list[Call] = []
-        real, record = self.real_compute, self.record_timing
-        n_filler = len(FILLER)
+        t = heapq.heappop(times)
+        ready = [(t, dues.pop(t))]
         while times and times[0] <= now:
             t = heapq.heappop(times)
-            due = dues.pop(t)
-            wall_t = clock.wall_at(t)
-            ends = due.ends
-            toks = due.toks
-            for i, c in enumerate(due.choices):
-                call = c.call
+            ready.append((t, dues.pop(t)))
+        if len(ready) == 1:  # the usual pass: one step's tokens, as built
+            out = ready[0][1].out
+        else:
+            out = {}
+            for _, due in ready:
+                for call, frames in due.out.items():
+                    merged = out.get(call)
+                    if merged is None:
+                        out[call] = list(frames)
+                    else:
+                        merged.extend(frames)
+        write = self._write
+        record = self.record_timing
+        stamps: list[tuple[Call, float]] = []  # when each call's frames left (record_timing)
+        start = time.monotonic() if record else 0.0
+        if self._pair is not None and len(out) >= self._pair.MIN_SPLIT:
+            self._write_split(out, stamps if record else None)
+        elif not record:
+            for call, frames in out.items():
+                if frames and not call.closed:
+                    write(call, frames[0] if len(frames) == 1 else b"".join(frames))
+        else:
+            for call, frames in out.items():
                 if call.closed:
                     continue
-                if call.mark != mark:
-                    call.mark = mark
-                    sent.append(call)
-                n = c.n_out = c.n_out + 1
-                text = c.text(toks[i]) if real else FILLER[(n - 1) % n_filler]
-                if record:
-                    call.walls.append(wall_t)
-                    if c.times is not None:
-                        c.times.append(t)
-                if ends and c in ends:
-                    self._frame(c, text, ends.pop(c), call.frames, ended)
-                elif c.tails is not None and n > 1:  # the usual token: mostly shared bytes
-                    tail = c.tails.get(text)
-                    call.frames.append(c.head + tail if tail is not None
-                                       else call.writer.token(c.index, text))
-                elif call.writer is None:
-                    c.parts.append(text)
-                else:
-                    self._frame(c, text, None, call.frames, ended)
-            for c, reason in ends.items():  # ends without a token at this time
-                call = c.call
-                if not call.closed:
-                    if call.mark != mark:
-                        call.mark = mark
-                        sent.append(call)
-                    self._frame(c, None, reason, call.frames, ended)
-        lateness = self.lateness
-        for call in sent:
-            frames = call.frames
+                if frames:
+                    write(call, frames[0] if len(frames) == 1 else b"".join(frames))
+                stamps.append((call, time.monotonic()))
+        if record:
+            lateness = self.lateness
+            walls = [(clock.wall_at(t), due.tokens) for t, due in ready]
+            self.passes.extend((start - walls[0][0], time.monotonic() - start, len(out)))
+            for call, sent_at in stamps:
+                for wall, tokens in walls:
+                    k = tokens.get(call)
+                    if k:
+                        lateness.extend([sent_at - wall] * k)
+                if call.first_sent is None:
+                    call.first_sent = sent_at
+        for _, due in ready:
+            for call in due.ended:
+                if call.closed:
+                    continue
+                if self.record_timing:
+                    self._record(call)
+                call.complete = True
+                call.kick()
+                if not call.done.done():
+                    call.done.set_result(None)
+
+    def _write_split(self, out: dict, stamps: list | None) -> None:
+        """`out`'s writes shared with a second thread (`PairWriter`): those to sockets whose
+        transports hold nothing; the rest, and what a socket did not take, through `_write`
+        and the transport, in order, in this thread."""
+        fds, datas, raw = [], [], []
+        write = self._write
+        for call, frames in out.items():
+            if call.closed:
+                continue
             if frames:
-                self._write(call, frames[0] if len(frames) == 1 else b"".join(frames))
-                frames.clear()
-            walls = call.walls
-            if walls:
-                sent_at = time.monotonic()
-                if len(walls) == 1:
-                    lateness.append(sent_at - walls[0])
-                else:
-                    lateness.extend([sent_at - w for w in walls])
-                walls.clear()
-        for call in ended:
-            if record:
-                self._record(call)
-            call.complete = True
-            call.kick()
-            if not call.done.done():
-                call.done.set_result(None)
+                data = frames[0] if len(frames) == 1 else b"".join(frames)
+                tr = call.transport
+                if (call.fd >= 0 and not call.backlog and call.resp is not None
+                        and not tr.get_write_buffer_size() and not tr.is_closing()):
+                    fds.append(call.fd)
+                    datas.append(_chunk(data) if call.chunked else data)
+                    raw.append(call)
+                    continue
+                write(call, data)
+            if stamps is not None:
+                stamps.append((call, time.monotonic()))
+        times: list[float] | None = [] if stamps is not None else None
+        sent = self._pair.write_all(fds, datas, times)
+        for i, call in enumerate(raw):
+            n, data = sent[i], datas[i]
+            if n != len(data):  # the rest waits in its transport (or meets the error there)
+                call.transport.write(data[n:] if n > 0 else data)
+            if stamps is not None:
+                stamps.append((call, times[i]))
 
     def _frame(self, c: Choice, text: str | None, reason: str | None, frames: list[bytes],
-               ended: list[Call]) -> None:
+               due: _Due) -> None:
         """Choice `c`'s token `text` (None: no token) and, with `reason`, its end: the frames
         they make (a chat's role first; the finish reason in the token's frame; after the
         call's last choice, its usage and [DONE]), or the text kept for a whole response."""
         call = c.call
         if reason is not None:
             c.done = True
+            due.fin.append(c)
             if reason == "abort":
                 c.reason = "abort"
             call.open -= 1
@@ -672,7 +799,7 @@ class Frontend:
                                   call.usage() if call.spec.continuous_usage else None))
         if reason is not None and call.open == 0:
             self._end(call, frames)
-            ended.append(call)
+            due.ended.append(call)
 
     def _end(self, call: Call, frames: list[bytes]) -> None:
         if call.writer is not None:
@@ -697,12 +824,15 @@ class Frontend:
         if tr.is_closing():
             self.abandon(call)
             return
-        tr.write(b"%x\r\n%b\r\n" % (len(data), data) if call.chunked else data)
+        tr.write(_chunk(data) if call.chunked else data)
 
     def _record(self, call: Call) -> None:
         c = call.choices[0]
         if c.times is not None:
-            self.timings.append({"id": call.rid, "arrival": call.arrival, "tokens": c.times})
+            # (wall times: where a request's TTFT goes outside the engine)
+            self.timings.append({"id": call.rid, "arrival": call.arrival, "tokens": c.times,
+                                 "arrival_wall": self.clock.wall_at(call.arrival),
+                                 "first_sent": call.first_sent})
 
     # --- /metrics -----------------------------------------------------------------------------
     def _read_gauges(self) -> dict:
@@ -721,11 +851,26 @@ class Frontend:
         """Send lateness percentiles (ms) and the calls' token times (record_timing)."""
         late = np.frombuffer(self.lateness, dtype=np.float64) if self.lateness else np.zeros(0)
         pct = (lambda q: float(np.percentile(late, q)) * 1e3) if len(late) else (lambda q: None)
+        passes = np.frombuffer(self.passes, dtype=np.float64).reshape(-1, 3)
+        passes = passes[passes[:, 2] > 1]  # those that wrote to several calls
+        pq = (lambda a, q: float(np.percentile(a, q)) * 1e3) if len(passes) else \
+            (lambda a, q: None)
         return {"sends": len(late), "lateness_ms": {"p50": pct(50), "p99": pct(99),
                                                     "max": pct(100)},
+                "passes": {"count": len(passes),
+                           "calls_mean": float(passes[:, 2].mean()) if len(passes) else None,
+                           "start_late_ms": {"p50": pq(passes[:, 0], 50),
+                                             "p99": pq(passes[:, 0], 99)},
+                           "duration_ms": {"p50": pq(passes[:, 1], 50),
+                                           "p99": pq(passes[:, 1], 99)}},
                 "calls": self.timings}
+
+
+def _chunk(data: bytes) -> bytes:
+    """`data` as one HTTP/1.1 chunk (what aiohttp's `write` makes of it)."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def _resolve(fut: asyncio.Future) -> None:
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(True)

@@ -476,3 +476,32 @@ def test_a_client_that_stops_reading_holds_up_nobody_and_gets_its_whole_stream()
     chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == filler(n)
     assert len(chunks) == n and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_many_streams_written_from_two_threads_each_get_their_whole_stream():
+    """With 40 streams in the batch, each step's frames go out from two threads
+    (`--send-threads 2`); every client still gets its own stream, whole and in order."""
+    n, k = 40, 20
+    with serving(send_threads=2) as s:
+        pair = s.frontend._pair
+        batches = []
+        write_all = pair.write_all
+        pair.write_all = lambda fds, datas, times=None: (batches.append(len(fds)),
+                                                         write_all(fds, datas, times))[1]
+        port = int(s.url.rsplit(":", 1)[1])
+        body = json.dumps({"prompt": "m", "max_tokens": k, "stream": True}).encode()
+        socks = []
+        for _ in range(n):
+            c = socket.create_connection(("127.0.0.1", port))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+            socks.append(c)
+        bodies = [_read_chunked(c) for c in socks]
+        for c in socks:
+            c.close()
+    assert max(batches) >= pair.MIN_SPLIT  # the split path ran
+    for b in bodies:
+        frames = b.split(b"\n\n")
+        assert frames[-2:] == [b"data: [DONE]", b""]
+        texts = [json.loads(f[len(b"data: "):])["choices"][0]["text"] for f in frames[:-2]]
+        assert "".join(texts) == filler(k)

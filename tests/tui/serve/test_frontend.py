@@ -1,0 +1,186 @@
+"""The pump's sending driven by hand: the simulated clock set step by step, stand-in
+transports in place of sockets. What a step's tokens become is built when its events are read
+(before its time), and what happens between that build and the send."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from sim import load_scenario
+from tui.serve.app import build_frontend
+from tui.serve.protocol import FILLER, parse_generate
+
+
+class Sink:
+    """A stand-in for a client's transport: keeps what is written, never fills."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+def unchunk(data: bytes) -> bytes:
+    """The body inside HTTP/1.1 chunks."""
+    body, rest = b"", bytes(data)
+    while rest:
+        size, rest = rest.split(b"\r\n", 1)
+        n = int(size, 16)
+        body, rest = body + rest[:n], rest[n + 2:]
+    return body
+
+
+def served(body: dict, **kw):
+    """A front end paused at simulated time 0 with one streamed call attached to a Sink."""
+    fe = build_frontend(load_scenario("chat", []), record_timing=True, **kw)
+    fe.clock.set(0.0, paused=True)
+    call = fe.submit(parse_generate(body, chat=False), "test", 0.0)
+    fe.turn()  # injected
+    assert call.accepted.result() is True
+    call.resp, call.transport, call.chunked = object(), Sink(), True
+    return fe, call
+
+
+def step(fe) -> float:
+    """Move the clock just past the next instant something is due and run a turn (its tokens
+    leave, the next step starts); returns that instant."""
+    t = fe._due_times[0]
+    fe.clock.set(t + 1e-9, paused=True)
+    fe.turn()
+    return t
+
+
+def test_a_steps_frames_are_built_when_its_events_are_read_and_sent_unchanged():
+    async def main():
+        fe, call = served({"prompt": "abc", "max_tokens": 4, "n": 2, "stream": True,
+                           "stream_options": {"include_usage": True,
+                                              "continuous_usage_stats": True}})
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()  # the first step starts: its end is in the future
+        sent = 0
+        while not call.complete:
+            t = fe._due_times[0]
+            built = b"".join(fe._due[t].out[call])
+            assert built and len(unchunk(call.transport.data)) == sent  # built, not sent yet
+            step(fe)
+            got = unchunk(call.transport.data)
+            assert got[sent:] == built  # at its time, exactly what was built
+            sent = len(got)
+        frames = unchunk(call.transport.data).split(b"\n\n")
+        assert frames[-2:] == [b"data: [DONE]", b""]
+        chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
+        texts = [[c["choices"][0]["text"] for c in chunks if c["choices"]
+                  and c["choices"][0]["index"] == i] for i in (0, 1)]
+        assert texts == [list(FILLER[:4])] * 2
+        # continuous usage counts the tokens sent before and with each frame
+        assert [c["usage"]["completion_tokens"] for c in chunks] == [*range(1, 9), 8]
+        assert len(fe.lateness) == 8
+    asyncio.run(main())
+
+
+def test_a_client_gone_between_build_and_send_gets_nothing_more():
+    async def main():
+        fe, call = served({"prompt": "abc", "max_tokens": 50, "stream": True})
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+        step(fe)
+        step(fe)
+        before = bytes(call.transport.data)
+        assert before and fe._due[fe._due_times[0]].out[call]  # the next token is built
+        [rid] = [c.req_id for c in call.choices]
+        fe.abandon(call)
+        fe.clock.set(fe.clock.now() + 1.0, paused=True)  # past what was built
+        fe.turn()
+        assert not fe._due_times
+        assert bytes(call.transport.data) == before
+        assert rid not in fe.engine.requests or fe.engine.requests[rid].state.is_done
+        assert not fe._tracks  # the engine's cancel was read
+    asyncio.run(main())
+
+
+def test_a_cancel_from_the_dashboard_after_the_build_ends_the_stream_after_the_built_token():
+    async def main():
+        fe, call = served({"prompt": "abc", "max_tokens": 50, "stream": True,
+                           "stream_options": {"include_usage": True}})
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+        step(fe)
+        step(fe)
+        [c] = call.choices
+        with fe.lock:
+            fe.engine.cancel(c.req_id)  # what `c` on the dashboard does
+        for _ in range(5):
+            if call.complete:
+                break
+            step(fe)
+        assert call.complete
+        frames = unchunk(call.transport.data).split(b"\n\n")
+        chunks = [json.loads(f[len(b"data: "):]) for f in frames[:-2]]
+        assert frames[-2:] == [b"data: [DONE]", b""]
+        texts = [ch["choices"][0]["text"] for ch in chunks if ch["choices"]]
+        reasons = [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"]]
+        # every token computed before the cancel, then the end, then the usage
+        assert texts[:-1] == list(FILLER[:len(texts) - 1]) and len(texts) >= 3
+        assert reasons == [None] * (len(texts) - 1) + ["abort"]
+        assert chunks[-1]["choices"] == [] and \
+            chunks[-1]["usage"]["completion_tokens"] == len(texts) - (texts[-1] == "")
+    asyncio.run(main())
+
+
+class Buffering(Sink):
+    """A transport that never drains: what is written to it waits in its buffer."""
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.data)
+
+
+class HalfWriter:
+    """A stand-in PairWriter whose sockets take the first half of each write (a full socket
+    takes none: the third)."""
+
+    MIN_SPLIT = 1
+
+    def __init__(self) -> None:
+        self.took: dict[int, bytes] = {}
+
+    def write_all(self, fds, datas, times=None):
+        sent = [0 if i == 2 else len(d) // 2 for i, d in enumerate(datas)]
+        for fd, d, n in zip(fds, datas, sent):
+            if n:
+                self.took[fd] = self.took.get(fd, b"") + d[:n]
+        if times is not None:
+            times[:] = [1.0] * len(fds)
+        return sent
+
+
+def test_split_writes_hand_what_a_socket_did_not_take_to_its_transport_in_order():
+    async def main():
+        fe = build_frontend(load_scenario("chat", []), record_timing=True)
+        fe.clock.set(0.0, paused=True)
+        calls = [fe.submit(parse_generate({"prompt": "ab", "max_tokens": 5, "stream": True},
+                                          chat=False), "t", 0.0) for _ in range(4)]
+        fe.turn()
+        pair = fe._pair = HalfWriter()
+        for i, call in enumerate(calls):
+            call.resp, call.transport, call.chunked, call.fd = object(), Buffering(), True, 100 + i
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+        while not all(c.complete for c in calls):
+            step(fe)
+        assert sorted(pair.took) == [100, 101, 103] and not calls[0].backlog
+        for i, call in enumerate(calls):
+            # the socket's part first, then its transport's, which held the rest and all after
+            wire = pair.took.get(100 + i, b"") + bytes(call.transport.data)
+            frames = unchunk(wire).split(b"\n\n")
+            texts = [json.loads(f[len(b"data: "):])["choices"][0]["text"] for f in frames[:-2]]
+            assert texts == list(FILLER[:5]) and frames[-2] == b"data: [DONE]"
+    asyncio.run(main())
