@@ -332,9 +332,10 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
 // tokens outside [start, end) when `masked`; `first` is the tile's first position), updates head
 // g's running max m_run (raw score units) and this lane's running sum l_run, and rescales the
 // O^T columns by their heads' corrections. A head's maximum is two shuffles (its four lanes),
-// the corrections of the two heads whose columns a lane holds two more (lanes 8t, 8t + 4).
+// the corrections of the two heads whose columns a lane holds two more: lanes 8t', 8t' + 4 with
+// t' = t & COL_T_MASK (3; 1 when columns 4..7 repeat heads 0..3, see MmaSteps<F32, G>).
 // Scores are scaled inside the exp2 (fma(s, scale, -m * scale)): Q stays unrounded.
-template <int NT_S, int NT_O>
+template <int NT_S, int NT_O, int COL_T_MASK>
 __device__ __forceinline__ void fragment_softmax(float (&s)[NT_S][4], float (&acc)[NT_O][4], float& m_run,
                                                  float& l_run, float scale_log2, int first, int start, int end,
                                                  bool masked, int t) {
@@ -366,9 +367,9 @@ __device__ __forceinline__ void fragment_softmax(float (&s)[NT_S][4], float (&ac
         s[nt][1] = p1;
     }
     l_run = fmaf(l_run, corr, p_sum);
-    // This lane's O^T columns are heads 2t and 2t + 1, whose corrections lanes 8t, 8t + 4 hold.
-    const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t);
-    const float corr_hi = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t + 4);
+    // This lane's O^T columns are heads 2t' and 2t' + 1, whose corrections lanes 8t', 8t' + 4 hold.
+    const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * (t & COL_T_MASK));
+    const float corr_hi = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * (t & COL_T_MASK) + 4);
 #pragma unroll
     for (int j = 0; j < NT_O; ++j) acc[j][0] *= corr_lo, acc[j][2] *= corr_lo, acc[j][1] *= corr_hi, acc[j][3] *= corr_hi;
 }
@@ -454,9 +455,11 @@ __device__ __forceinline__ void mma_decode_end(float (&sm_acc)[DECODE_WARPS][G][
 }
 
 // The storage-specific steps of paged_decode_mma_kernel. 16-bit storage: the products in the
-// storage format, m16n8k16 (S; O over 16 tokens) and m16n8k8 (O over 8 tokens).
-template <typename T>
+// storage format, m16n8k16 (S; O over 16 tokens) and m16n8k8 (O over 8 tokens). G: heads per
+// block.
+template <typename T, int G>
 struct MmaSteps {
+    static const int kColTMask = 3;  // O^T column 2t (+ 1) is head 2t (+ 1)
     // Q's A fragment of one k-step (a quad in shared memory) from its two words of Q: row g
     // holds them, rows g + 8 (padding) are zero.
     static __device__ __forceinline__ uint4 q_quad(unsigned x, unsigned y) { return make_uint4(x, 0u, y, 0u); }
@@ -477,12 +480,15 @@ struct MmaSteps {
         unsigned b[NT_S];
     };
     template <int NT_S>
-    static __device__ __forceinline__ P<NT_S> make_p(const float (&s)[NT_S][4]) {
+    static __device__ __forceinline__ P<NT_S> make_p(const float (&s)[NT_S][4], int lane) {
         P<NT_S> p;
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) p.b[nt] = T::pack2(s[nt][0], s[nt][1]);
         return p;
     }
+    // O^T's columns as heads (2t, 2t + 1) once every tile is in.
+    template <int NT_O>
+    static __device__ __forceinline__ void o_done(float (&acc)[NT_O][4]) {}
     // O^T m-tile (c, w) += V^T P^T over the tile. V^T's A fragment pairs, per register, one dim
     // of two tokens: dims CE (g + 8c) + 2w (row g) and + 1 (row g + 8) of chunk c.
     template <int NT_S, int VTOK, int VCH, int CW>
@@ -511,9 +517,13 @@ struct MmaSteps {
 // A = [Q hi; Q lo] times K lo and times K hi (two accumulators: two independent chains of
 // mma) hold Q hi K in rows g and Q lo K in rows g + 8 of the same lane, which s_done adds
 // (Q lo K lo, a fourth term 3xTF32 drops, comes free). O^T = V^T P^T has no padding rows:
-// three mma, small terms first.
-template <>
-struct MmaSteps<F32> {
+// three mma, small terms first; but with at most 4 heads its B = P^T has 4 padding columns,
+// which then carry P's lo ("folded": columns 0..3 P hi, 4..7 P lo of heads 0..3), so V lo and
+// V hi times it are two mma, and o_done adds columns 4..7 into 0..3 (V lo P lo, again free).
+template <int G>
+struct MmaSteps<F32, G> {
+    static const bool kFold = G <= 4;
+    static const int kColTMask = kFold ? 1 : 3;
     // Q's A fragment: {hi x, lo x, hi y, lo y} (a0, a2: row g; a1, a3: row g + 8).
     static __device__ __forceinline__ uint4 q_quad(unsigned x, unsigned y) {
         uint4 r;
@@ -534,18 +544,35 @@ struct MmaSteps<F32> {
 #pragma unroll
         for (int e = 0; e < 2; ++e) s[e] = acc[1][e] + (acc[0][e] + (acc[1][2 + e] + acc[0][2 + e]));
     }
+    // Folded, hi is the whole B: lane (g, t) of column g >= 4 takes head g - 4's lo from lane
+    // 16 below it.
     template <int NT_S>
     struct P {
         unsigned hi[NT_S][2], lo[NT_S][2];
     };
     template <int NT_S>
-    static __device__ __forceinline__ P<NT_S> make_p(const float (&s)[NT_S][4]) {
+    static __device__ __forceinline__ P<NT_S> make_p(const float (&s)[NT_S][4], int lane) {
         P<NT_S> p;
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) F32::split_tf32(s[nt][e], p.hi[nt][e], p.lo[nt][e]);
+            for (int e = 0; e < 2; ++e) {
+                F32::split_tf32(s[nt][e], p.hi[nt][e], p.lo[nt][e]);
+                if (kFold) {
+                    const unsigned lo_of_head_below = __shfl_xor_sync(SERVESIM_FULL_MASK, p.lo[nt][e], 16);
+                    if (lane >= 16) p.hi[nt][e] = lo_of_head_below;
+                }
+            }
         return p;
+    }
+    // Folded: lane (g, t) with t < 2 adds columns 2t + 4, 2t + 5 (lane + 2) to its heads 2t, 2t + 1.
+    template <int NT_O>
+    static __device__ __forceinline__ void o_done(float (&acc)[NT_O][4]) {
+        if (!kFold) return;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] += __shfl_xor_sync(SERVESIM_FULL_MASK, acc[j][e], 2);
     }
     // V^T's A fragment of m-tile c and n-tile nt (CE = 2: one V load is one word pair, w = 0):
     // a0, a1 = dims 2 (g + 8c), + 1 of token 8 nt + 2t (column t), a2, a3 = the same dims of
@@ -562,7 +589,7 @@ struct MmaSteps<F32> {
             for (int i = 0; i < 4; ++i) F32::split_tf32(__uint_as_float(v[i]), a_hi[i], a_lo[i]);
             const unsigned b_hi[2] = {p.hi[nt][0], p.hi[nt][1]}, b_lo[2] = {p.lo[nt][0], p.lo[nt][1]};
             F32::mma1688(acc, a_lo, b_hi, acc);
-            F32::mma1688(acc, a_hi, b_lo, acc);
+            if (!kFold) F32::mma1688(acc, a_hi, b_lo, acc);
             F32::mma1688(acc, a_hi, b_hi, acc);
         }
     }
@@ -600,7 +627,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
                   "head_dim in [32, 256]");
     static_assert(G >= 1 && G <= 8, "heads per block in [1, 8]");
     static_assert(BLOCK_SIZE >= 1 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block_size a power of two");
-    typedef MmaSteps<T> Steps;
+    typedef MmaSteps<T, G> Steps;
     constexpr int VEC = T::kVec;                  // elements per 16-byte vector
     constexpr int TOK = HEAD_DIM <= 64 ? 16 : 8;  // tokens per warp tile (the O product's k)
     constexpr int NT_S = TOK / 8;                 // n-tiles of S
@@ -632,7 +659,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     // Q as A fragments, one 16-byte quad per lane and k-step, in shared memory (re-read each
     // tile rather than held in 4 * KSTEPS registers): row g = head head0 + g (zero past G),
     // k-step 2m + h takes words 2h, 2h + 1 of its vector t + 4m (the K vectors' dims); rows
-    // 8..15 are zero (fp32: Q's lo, see MmaSteps<F32>). The warps' O^T for the epilogue reuse the buffer once the tiles are done
+    // 8..15 are zero (fp32: Q's lo, see MmaSteps<F32, G>). The warps' O^T for the epilogue reuse the buffer once the tiles are done
     // (both at once would pass 48 KiB at fp32 and head_dim 256).
     __shared__ union {
         uint4 q[KSTEPS][32];
@@ -734,12 +761,14 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     // Softmax, then O^T += V^T P^T. P^T's B fragment (k = tokens 2t, 2t + 1 [+ 8], n = head g) is
     // the S accumulator as it is; V^T's A fragments: MmaSteps::o_step.
     auto finish = [&](float (&s)[NT_S][4], int tile, bool masked) {
-        fragment_softmax<NT_S, NT_O>(s, acc, m_run, l_run, scale_log2, tile * TOK, start, end, masked, t);
-        const typename Steps::template P<NT_S> p = Steps::template make_p<NT_S>(s);
+        fragment_softmax<NT_S, NT_O, Steps::kColTMask>(s, acc, m_run, l_run, scale_log2, tile * TOK, start, end,
+                                                       masked, t);
+        const typename Steps::template P<NT_S> p = Steps::template make_p<NT_S>(s, lane);
 #pragma unroll
         for (int j = 0; j < NT_O; ++j) Steps::template o_step<NT_S>(acc[j], vw, j / (CE / 2), j % (CE / 2), p);
     };
     run_decode_tiles<TOK, NT_S>(start, end, warp, load_k, load_v, scores, finish);
+    Steps::o_done(acc);
 
     __shared__ float sm_m[DECODE_WARPS][G];
     __shared__ float sm_l[DECODE_WARPS][G];
