@@ -136,7 +136,8 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
     constexpr int ELEMS = NV * VEC;                     // head_dim elements one lane owns
     constexpr int SLOTS_PER_WARP = 32 / LANES_PER_TOKEN;
     // Tokens per slot per tile: two register buffers of UNROLL x NV vectors each for K and V;
-    // fewer when q and acc already take many registers (G * ELEMS floats each).
+    // fewer when q and acc already take many registers (G * ELEMS floats each), more at
+    // head_dim 256 with few heads (a token's shuffles and softmax then serve twice the bytes).
     constexpr int UNROLL_WANTED = (G * ELEMS >= 64) ? 2 : HEAD_DIM == 256 ? 8 : 4;
     constexpr int UNROLL = UNROLL_WANTED / NV > 0 ? UNROLL_WANTED / NV : 1;
     constexpr int TILE = SLOTS_PER_WARP * UNROLL;
@@ -612,9 +613,9 @@ struct MmaSteps<F32, G> {
 //   - O^T += V^T P^T (M = 16 dims, N = 8 heads; K = 8 tokens a step, or 16 at 16-bit storage
 //     and head_dim <= 64): P^T's B fragment (tokens 2t, 2t + 1 of head g) is S's accumulator
 //     fragment as it is, no shuffle; lane (g, t) loads tokens 2t, 2t + 1 (+ 8, + 9), chunk g
-//     (+ 8, ...) of their rows, whose words V^T's A fragment takes as they are (fp32) or
-//     paired with byte permutes (16-bit). The accumulators have no padding: all 16 rows are
-//     dims, all 8 columns heads.
+//     (+ 8, ...) of their rows, whose words V^T's A fragment takes as they are (fp32: 8-byte
+//     chunks) or paired with byte permutes (16-bit). The accumulators' 16 rows are dims, their
+//     8 columns heads (fp32 with at most 4 heads: columns 4..7 the lo parts, see MmaSteps).
 // The online softmax (fragment_softmax) and the tile schedule (run_decode_tiles) are above.
 template <typename T, int HEAD_DIM, int G, int BLOCK_SIZE>
 __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
@@ -659,8 +660,9 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     // Q as A fragments, one 16-byte quad per lane and k-step, in shared memory (re-read each
     // tile rather than held in 4 * KSTEPS registers): row g = head head0 + g (zero past G),
     // k-step 2m + h takes words 2h, 2h + 1 of its vector t + 4m (the K vectors' dims); rows
-    // 8..15 are zero (fp32: Q's lo, see MmaSteps<F32, G>). The warps' O^T for the epilogue reuse the buffer once the tiles are done
-    // (both at once would pass 48 KiB at fp32 and head_dim 256).
+    // 8..15 are zero (fp32: Q's lo, see MmaSteps<F32, G>). The warps' O^T for the epilogue
+    // reuse the buffer once the tiles are done (both at once would pass 48 KiB at fp32 and
+    // head_dim 256).
     __shared__ union {
         uint4 q[KSTEPS][32];
         float acc[DECODE_WARPS][G][HEAD_DIM];
@@ -745,7 +747,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         }
     };
     // S = Q K^T for the tile: s[nt][e] = score of head g and token 8 nt + 2t + e ([2], [3]:
-    // the zero rows).
+    // the padding rows).
     auto scores = [&](float (&s)[NT_S][4]) {
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {

@@ -395,10 +395,11 @@ static double half_value(uint32_t reg, int high, int type) {
     return (double)__builtin_bit_cast(_Float16, bits);
 }
 
-// One .tf32 element (a whole 32-bit register) as a double. The PTX ISA's tf32 keeps the sign,
-// the 8-bit exponent and the top 10 mantissa bits of an .f32 pattern; mma ignores the low 13
-// bits of its .tf32 operands, so they are dropped here (truncation, not rounding): a kernel that
-// leaves information there loses it, as it would on the GPU.
+// One .tf32 element (a whole 32-bit register) as a double: the sign, the 8-bit exponent and the
+// top 10 mantissa bits of the .f32 pattern; the low 13 bits are dropped (truncation, not
+// rounding), so a kernel that leaves information there loses it. The PTX ISA leaves tf32's
+// layout to the implementation; ptxas treats the low bits as unused (it drops an AND that clears
+// them before an mma operand), and servesim's kernels pass exact tf32 values wherever it matters.
 static double tf32_value(uint32_t reg) {
     const uint32_t u = reg & 0xffffe000u;
     float f;
