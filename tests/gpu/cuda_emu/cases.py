@@ -452,6 +452,8 @@ def suite_ci(r: Runner, rng):
         r.write_kv(rng, sn, 2, 64, 16, 11, misalign=1, label="ci-misaligned1")
     r.decode(rng, "float16", 4, 2, 64, 1, [1, 7, 300], label="ci-bs1")
     r.decode(rng, "float32", 4, 2, 64, 64, [1, 63, 64, 65, 600], label="ci-bs64")
+    # fp32 with 1 head per block runs on CUDA cores: a partial last tile (13, 517) and splits.
+    r.decode(rng, "float32", 1, 2, 64, 16, [13, 517, 2], label="ci-cuda-cores")
     r.decode(rng, "float16", 4, 2, 64, 16, [1, 5, 33, 130], split_k=True, partition_size=7, label="ci")
     r.batch_invariance(rng, "float16", 4, 2, 128, 16, [300, 37, 2500, 512, 1], label="ci")
     r.decode(rng, "float32", 4, 1, 64, 16, [2000, 10], max_seq_len=600, label="ci-max_seq_len_too_small")
