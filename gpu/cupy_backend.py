@@ -40,6 +40,10 @@ PARTITION_GRANULE = 64
 SPLIT_BLOCKS_PER_SM = 2
 MAX_SPLITS = 64
 DECODE_THREADS = 128
+# fp32 decode runs on tensor cores (3xTF32) from this many heads per block on, by head_dim:
+# below it the CUDA-core kernel issues fewer instructions per byte loaded (`servesim bench
+# kernel --static`), as 3xTF32's splits and its 16-row products cost the same at 1 head as at 8.
+FP32_MMA_MIN_HEADS = {32: 4, 64: 4, 128: 2, 256: 2}
 PREFILL_THREADS = 128
 LOG2E = 1.4426950408889634
 _NO_SPLIT_PARTITION = 1 << 30
@@ -71,9 +75,11 @@ def kernel_source() -> str:
 
 
 def decode_kernel_name(storage_name: str, head_dim: int, heads_per_block: int, block_size: int) -> str:
-    """The decode instantiation for a storage: tensor cores (mma.sync) for fp16 / bf16, CUDA
-    cores for fp32 (whose tensor-core format, tf32, would round K and V)."""
-    kernel = "paged_decode_kernel" if storage_name == "float32" else "paged_decode_mma_kernel"
+    """The decode instantiation for a storage: tensor cores (mma.sync) for fp16 / bf16, and for
+    fp32 from FP32_MMA_MIN_HEADS heads per block on (in 3xTF32, decode.cu: fp32's accuracy where
+    plain tf32 would round K and V); CUDA cores for fp32 below that."""
+    cuda_cores = storage_name == "float32" and heads_per_block < FP32_MMA_MIN_HEADS[head_dim]
+    kernel = "paged_decode_kernel" if cuda_cores else "paged_decode_mma_kernel"
     return f"{kernel}<{_TAGS[storage_name]}, {head_dim}, {heads_per_block}, {block_size}>"
 
 

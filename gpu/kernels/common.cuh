@@ -65,6 +65,30 @@ struct F32 {
         out[2] = __uint_as_float(v.z);
         out[3] = __uint_as_float(v.w);
     }
+    // fp32 on tensor cores without tf32's rounding ("3xTF32", as CUTLASS's OpMultiplyAddFastF32
+    // and cuBLAS's CUBLAS_COMPUTE_32F_FAST_TF32 do it): x = hi + lo, both tf32, and a product
+    // x * y is hi_x hi_y + hi_x lo_y + lo_x hi_y (lo_x lo_y < 2^-20 |x y| is dropped).
+    // hi is x with its low 13 mantissa bits cleared, exactly a tf32 value, so the mma's own
+    // handling of an .f32 pattern does not enter; lo = x - hi is exact in fp32 and below
+    // 2^-10 |x|, of which the mma keeps the top 11 significant bits: a product's error is below
+    // 2^-19 |x y| (fp32's own rounding: 2^-24), its sum's as in fp32. Two instructions an element.
+    static __device__ __forceinline__ void split_tf32(float x, unsigned& hi, unsigned& lo) {
+        hi = __float_as_uint(x) & 0xffffe000u;
+        lo = __float_as_uint(x - __uint_as_float(hi));
+    }
+    // d = a * b + c, mma.sync m16n8k8 with .tf32 inputs (a: 4 registers, b: 2; c, d: 4 floats).
+    static __device__ __forceinline__ void mma1688(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2],
+                                                   const float (&c)[4]) {
+#ifdef SERVESIM_CPU_EMULATION
+        __emu_mma_m16n8k8_tf32(d, a, b, c);
+#else
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%10,%11,%12,%13};"
+            : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+              "f"(c[3]));
+#endif
+    }
 };
 
 struct F16 {

@@ -136,8 +136,9 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
     constexpr int ELEMS = NV * VEC;                     // head_dim elements one lane owns
     constexpr int SLOTS_PER_WARP = 32 / LANES_PER_TOKEN;
     // Tokens per slot per tile: two register buffers of UNROLL x NV vectors each for K and V;
-    // fewer when q and acc already take many registers (G * ELEMS floats each).
-    constexpr int UNROLL_WANTED = (G * ELEMS >= 64) ? 2 : 4;
+    // fewer when q and acc already take many registers (G * ELEMS floats each), more at
+    // head_dim 256 with few heads (a token's shuffles and softmax then serve twice the bytes).
+    constexpr int UNROLL_WANTED = (G * ELEMS >= 64) ? 2 : HEAD_DIM == 256 ? 8 : 4;
     constexpr int UNROLL = UNROLL_WANTED / NV > 0 ? UNROLL_WANTED / NV : 1;
     constexpr int TILE = SLOTS_PER_WARP * UNROLL;
     constexpr int LOG2_BS = Log2<BLOCK_SIZE>::value;
@@ -180,8 +181,11 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
         for (int e = 0; e < ELEMS; ++e) acc[g][e] = 0.f;
     }
 
-    // Issues the loads of tile `tile` (tokens tile * TILE ...) into kv; tokens outside
-    // [start, end) get zeros (they are masked, and 0 * stale data must not become NaN).
+    // Issues the loads of tile `tile` (tokens tile * TILE ...) into kv. A slot whose token lies
+    // outside [start, end) loads the partition's nearest token instead, which lies in the same
+    // tile (the tile overlaps the partition) and so in the same KV block: it is masked, and
+    // its finite values times p = 0 add nothing where stale memory could be NaN. No branch and
+    // no zero fill in the loop: two integer min/max a token.
     auto load_tile = [&](int tile, uint4 (&kb)[UNROLL][NV], uint4 (&vb)[UNROLL][NV]) {
         const int first = tile * TILE;
         long long block_base = 0;
@@ -189,21 +193,15 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
             block_base = (long long)table[first >> LOG2_BS] << LOG2_BS;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            const int pos = first + u * SLOTS_PER_WARP + slot_in_warp;
-            if (pos >= start && pos < end) {
-                const long long base =
-                    TILE <= BLOCK_SIZE ? block_base : (long long)table[pos >> LOG2_BS] << LOG2_BS;
-                const long long off = (base + (pos & (BLOCK_SIZE - 1))) * row_stride + lane_off;
-                const uint4* kp = reinterpret_cast<const uint4*>(k_cache + off);
-                const uint4* vp = reinterpret_cast<const uint4*>(v_cache + off);
+            const int pos = min(max(first + u * SLOTS_PER_WARP + slot_in_warp, start), end - 1);
+            const long long base = TILE <= BLOCK_SIZE ? block_base : (long long)table[pos >> LOG2_BS] << LOG2_BS;
+            const long long off = (base + (pos & (BLOCK_SIZE - 1))) * row_stride + lane_off;
+            const uint4* kp = reinterpret_cast<const uint4*>(k_cache + off);
+            const uint4* vp = reinterpret_cast<const uint4*>(v_cache + off);
 #pragma unroll
-                for (int j = 0; j < NV; ++j) {
-                    kb[u][j] = kp[j * LANES_PER_TOKEN];
-                    vb[u][j] = vp[j * LANES_PER_TOKEN];
-                }
-            } else {
-#pragma unroll
-                for (int j = 0; j < NV; ++j) kb[u][j] = vb[u][j] = make_uint4(0u, 0u, 0u, 0u);
+            for (int j = 0; j < NV; ++j) {
+                kb[u][j] = kp[j * LANES_PER_TOKEN];
+                vb[u][j] = vp[j * LANES_PER_TOKEN];
             }
         }
     };
@@ -325,30 +323,300 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_kernel(
                                     num_splits, w.num_parts);
 }
 
-// Tensor-core decode for fp16 / bf16 storage (same grid, arguments, split rule and outputs as
-// paged_decode_kernel; the host picks it for 16-bit storage).
+// Shared by the tensor-core kernels (paged_decode_mma_kernel, paged_decode_tf32x3_kernel).
+// Both compute S = Q K^T with Q as the A operand (rows: the block's heads, padded to 16) and
+// O^T += V^T P^T, so in lane (g, t) = (lane / 4, lane % 4): s[nt][0], s[nt][1] are head g's
+// scores of tokens 8 nt + 2t and + 1 of the tile (s[nt][2..3]: padding rows), and O^T m-tile j
+// holds dims (rows g, g + 8) x heads (columns 2t, 2t + 1) in acc[j][0..3].
+
+// Online softmax on S's fragments: replaces s[nt][0..1] by p = 2^(s * scale_log2 - m) (0 for
+// tokens outside [start, end) when `masked`; `first` is the tile's first position), updates head
+// g's running max m_run (raw score units) and this lane's running sum l_run, and rescales the
+// O^T columns by their heads' corrections. A head's maximum is two shuffles (its four lanes),
+// the corrections of the two heads whose columns a lane holds two more: lanes 8t', 8t' + 4 with
+// t' = t & COL_T_MASK (3; 1 when columns 4..7 repeat heads 0..3, see MmaSteps<F32, G>).
+// Scores are scaled inside the exp2 (fma(s, scale, -m * scale)): Q stays unrounded.
+template <int NT_S, int NT_O, int COL_T_MASK>
+__device__ __forceinline__ void fragment_softmax(float (&s)[NT_S][4], float (&acc)[NT_O][4], float& m_run,
+                                                 float& l_run, float scale_log2, int first, int start, int end,
+                                                 bool masked, int t) {
+    if (masked) {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int pos = first + 8 * nt + 2 * t + e;
+                if (pos < start || pos >= end) s[nt][e] = neg_inf();
+            }
+    }
+    float mx = s[0][0];
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
+    mx = fmaxf(mx, __shfl_xor_sync(SERVESIM_FULL_MASK, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(SERVESIM_FULL_MASK, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const float corr = fast_exp2((m_run - m_new) * scale_log2);
+    const float shift = m_new * scale_log2;
+    m_run = m_new;
+    float p_sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT_S; ++nt) {
+        const float p0 = fast_exp2(fmaf(s[nt][0], scale_log2, -shift));
+        const float p1 = fast_exp2(fmaf(s[nt][1], scale_log2, -shift));
+        p_sum += p0 + p1;
+        s[nt][0] = p0;
+        s[nt][1] = p1;
+    }
+    l_run = fmaf(l_run, corr, p_sum);
+    // This lane's O^T columns are heads 2t' and 2t' + 1, whose corrections lanes 8t', 8t' + 4 hold.
+    const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * (t & COL_T_MASK));
+    const float corr_hi = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * (t & COL_T_MASK) + 4);
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) acc[j][0] *= corr_lo, acc[j][2] *= corr_lo, acc[j][1] *= corr_hi, acc[j][3] *= corr_hi;
+}
+
+// The tile schedule of the tensor-core kernels over a partition [start, end), TOK tokens a
+// tile, tiles aligned to TOK. Full tiles [full_lo, full_hi) run without masks: warp w takes
+// full_lo + w, + DECODE_WARPS, ...; the at most two partial tiles at the edges (one when start
+// and end share a tile) run afterwards in warp 0, masked. load_k / load_v(tile, masked) issue
+// a tile's loads (zeros for masked tokens), scores(s) computes S from the loaded K, and
+// finish(s, tile, masked) runs the softmax and the O update from the loaded V. The next tile's
+// K goes out once S has consumed this one's, its V once O has, so every lane keeps one tile's
+// loads in flight; they are issued unconditionally (the last iteration reloads its own tile)
+// so that the loop body has no branch around them.
+template <int TOK, int NT_S, class LoadK, class LoadV, class Scores, class Finish>
+__device__ __forceinline__ void run_decode_tiles(int start, int end, int warp, const LoadK& load_k,
+                                                 const LoadV& load_v, const Scores& scores, const Finish& finish) {
+    const int full_lo = (start + TOK - 1) / TOK;
+    const int full_hi = end / TOK;
+    int tile = full_lo + warp;
+    if (tile < full_hi) {
+        load_k(tile, false);
+        load_v(tile, false);
+    }
+    for (; tile < full_hi; tile += DECODE_WARPS) {
+        const int next = min(tile + DECODE_WARPS, full_hi - 1);
+        float s[NT_S][4];
+        scores(s);
+        load_k(next, false);
+        finish(s, tile, false);
+        load_v(next, false);
+    }
+    if (warp == 0 && start < end) {
+        const int head = start / TOK, tail = (end - 1) / TOK;
+        if (start % TOK != 0 || (head == tail && end % TOK != 0)) {
+            float s[NT_S][4];
+            load_k(head, true);
+            load_v(head, true);
+            scores(s);
+            finish(s, head, true);
+        }
+        if (tail != head && end % TOK != 0) {
+            float s[NT_S][4];
+            load_k(tail, true);
+            load_v(tail, true);
+            scores(s);
+            finish(s, tail, true);
+        }
+    }
+}
+
+// The end of a tensor-core decode block: sums l over a head's four lanes, waits for every warp
+// (sm_acc may alias what the tiles read), writes the warp's O^T (row g (+ 8) of m-tile j is dim CE (g + 8 (j / (CE / 2))) + 2 (j % (CE / 2)) (+ 1),
+// columns heads 2t, 2t + 1), m (in log2 units, as paged_decode_kernel's) and l to shared
+// memory, and runs decode_epilogue. Every thread of the block calls it.
+template <typename T, int HEAD_DIM, int G, int NT_O, int CE>
+__device__ __forceinline__ void mma_decode_end(float (&sm_acc)[DECODE_WARPS][G][HEAD_DIM], float (&sm_m)[DECODE_WARPS][G],
+                                               float (&sm_l)[DECODE_WARPS][G], const float (&acc)[NT_O][4], float m_run,
+                                               float l_run, float scale_log2, int warp, int g, int t,
+                                               typename T::raw* __restrict__ out, float* __restrict__ part_acc,
+                                               float* __restrict__ part_ml, int seq, int num_heads, int head0,
+                                               int split, int num_splits, int num_parts) {
+    l_run += __shfl_xor_sync(SERVESIM_FULL_MASK, l_run, 1);
+    l_run += __shfl_xor_sync(SERVESIM_FULL_MASK, l_run, 2);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < NT_O; ++j) {
+        const int dim = CE * (g + 8 * (j / (CE / 2))) + 2 * (j % (CE / 2));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            if (2 * t + h < G) {
+                sm_acc[warp][2 * t + h][dim] = acc[j][h];
+                sm_acc[warp][2 * t + h][dim + 1] = acc[j][2 + h];
+            }
+        }
+    }
+    if (g < G && t == 0) {
+        sm_m[warp][g] = m_run * scale_log2;
+        sm_l[warp][g] = l_run;
+    }
+    __syncthreads();
+    decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
+                                    num_splits, num_parts);
+}
+
+// The storage-specific steps of paged_decode_mma_kernel. 16-bit storage: the products in the
+// storage format, m16n8k16 (S; O over 16 tokens) and m16n8k8 (O over 8 tokens). G: heads per
+// block.
+template <typename T, int G>
+struct MmaSteps {
+    static const int kColTMask = 3;  // O^T column 2t (+ 1) is head 2t (+ 1)
+    // Q's A fragment of one k-step (a quad in shared memory) from its two words of Q: row g
+    // holds them, rows g + 8 (padding) are zero.
+    static __device__ __forceinline__ uint4 q_quad(unsigned x, unsigned y) { return make_uint4(x, 0u, y, 0u); }
+    // Q K^T over one k-step into the accumulators acc (two, zeroed before the first k-step);
+    // b0, b1: the K words of the dims q_quad's x, y hold. 16-bit storage uses acc[0] only.
+    static __device__ __forceinline__ void s_step(float (&acc)[2][4], const uint4& qv, unsigned b0, unsigned b1) {
+        const unsigned a[4] = {qv.x, qv.y, qv.z, qv.w};
+        const unsigned b[2] = {b0, b1};
+        T::mma16816(acc[0], a, b, acc[0]);
+    }
+    // S's scores (s[0], s[1]; s[2], s[3] padding) once every k-step is in.
+    static __device__ __forceinline__ void s_done(const float (&acc)[2][4], float (&s)[4]) {
+        s[0] = acc[0][0], s[1] = acc[0][1], s[2] = acc[0][2], s[3] = acc[0][3];
+    }
+    // P^T's B fragments, from the probabilities in S's fragments.
+    template <int NT_S>
+    struct P {
+        unsigned b[NT_S];
+    };
+    template <int NT_S>
+    static __device__ __forceinline__ P<NT_S> make_p(const float (&s)[NT_S][4], int lane) {
+        P<NT_S> p;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) p.b[nt] = T::pack2(s[nt][0], s[nt][1]);
+        return p;
+    }
+    // O^T's columns as heads (2t, 2t + 1) once every tile is in.
+    template <int NT_O>
+    static __device__ __forceinline__ void o_done(float (&acc)[NT_O][4]) {}
+    // O^T m-tile (c, w) += V^T P^T over the tile. V^T's A fragment pairs, per register, one dim
+    // of two tokens: dims CE (g + 8c) + 2w (row g) and + 1 (row g + 8) of chunk c.
+    template <int NT_S, int VTOK, int VCH, int CW>
+    static __device__ __forceinline__ void o_step(float (&acc)[4], const unsigned (&vw)[VTOK][VCH][CW], int c, int w,
+                                                  const P<NT_S>& p) {
+        if (NT_S == 1) {
+            const unsigned a[2] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
+                                   __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u)};
+            const unsigned b[1] = {p.b[0]};
+            T::mma1688(acc, a, b, acc);
+        } else {
+            const unsigned a[4] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
+                                   __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u),
+                                   __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x5410u),
+                                   __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x7632u)};
+            const unsigned b[2] = {p.b[0], p.b[NT_S - 1]};
+            T::mma16816(acc, a, b, acc);
+        }
+    }
+};
+
+// fp32 storage: 3xTF32 (F32::split_tf32), m16n8k8 only. A k-step of S covers 8 dims (a K word
+// per B register); O goes 8 tokens a step.
+//
+// S needs two mma a k-step, not three: the A rows that pad the heads to 16 carry Q's lo, so
+// A = [Q hi; Q lo] times K lo and times K hi (two accumulators: two independent chains of
+// mma) hold Q hi K in rows g and Q lo K in rows g + 8 of the same lane, which s_done adds
+// (Q lo K lo, a fourth term 3xTF32 drops, comes free). O^T = V^T P^T has no padding rows:
+// three mma, small terms first; but with at most 4 heads its B = P^T has 4 padding columns,
+// which then carry P's lo ("folded": columns 0..3 P hi, 4..7 P lo of heads 0..3), so V lo and
+// V hi times it are two mma, and o_done adds columns 4..7 into 0..3 (V lo P lo, again free).
+template <int G>
+struct MmaSteps<F32, G> {
+    static const bool kFold = G <= 4;
+    static const int kColTMask = kFold ? 1 : 3;
+    // Q's A fragment: {hi x, lo x, hi y, lo y} (a0, a2: row g; a1, a3: row g + 8).
+    static __device__ __forceinline__ uint4 q_quad(unsigned x, unsigned y) {
+        uint4 r;
+        F32::split_tf32(__uint_as_float(x), r.x, r.y);
+        F32::split_tf32(__uint_as_float(y), r.z, r.w);
+        return r;
+    }
+    static __device__ __forceinline__ void s_step(float (&acc)[2][4], const uint4& qv, unsigned b0, unsigned b1) {
+        const unsigned a[4] = {qv.x, qv.y, qv.z, qv.w};
+        unsigned b_hi[2], b_lo[2];
+        F32::split_tf32(__uint_as_float(b0), b_hi[0], b_lo[0]);
+        F32::split_tf32(__uint_as_float(b1), b_hi[1], b_lo[1]);
+        F32::mma1688(acc[0], a, b_lo, acc[0]);
+        F32::mma1688(acc[1], a, b_hi, acc[1]);
+    }
+    // Small terms first: Q lo K lo + Q lo K hi + Q hi K lo + Q hi K hi.
+    static __device__ __forceinline__ void s_done(const float (&acc)[2][4], float (&s)[4]) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[e] = acc[1][e] + (acc[0][e] + (acc[1][2 + e] + acc[0][2 + e]));
+    }
+    // Folded, hi is the whole B: lane (g, t) of column g >= 4 takes head g - 4's lo from lane
+    // 16 below it.
+    template <int NT_S>
+    struct P {
+        unsigned hi[NT_S][2], lo[NT_S][2];
+    };
+    template <int NT_S>
+    static __device__ __forceinline__ P<NT_S> make_p(const float (&s)[NT_S][4], int lane) {
+        P<NT_S> p;
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                F32::split_tf32(s[nt][e], p.hi[nt][e], p.lo[nt][e]);
+                if (kFold) {
+                    const unsigned lo_of_head_below = __shfl_xor_sync(SERVESIM_FULL_MASK, p.lo[nt][e], 16);
+                    if (lane >= 16) p.hi[nt][e] = lo_of_head_below;
+                }
+            }
+        return p;
+    }
+    // Folded: lane (g, t) with t < 2 adds columns 2t + 4, 2t + 5 (lane + 2) to its heads 2t, 2t + 1.
+    template <int NT_O>
+    static __device__ __forceinline__ void o_done(float (&acc)[NT_O][4]) {
+        if (!kFold) return;
+#pragma unroll
+        for (int j = 0; j < NT_O; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] += __shfl_xor_sync(SERVESIM_FULL_MASK, acc[j][e], 2);
+    }
+    // V^T's A fragment of m-tile c and n-tile nt (CE = 2: one V load is one word pair, w = 0):
+    // a0, a1 = dims 2 (g + 8c), + 1 of token 8 nt + 2t (column t), a2, a3 = the same dims of
+    // token 8 nt + 2t + 1 (column t + 4).
+    template <int NT_S, int VTOK, int VCH, int CW>
+    static __device__ __forceinline__ void o_step(float (&acc)[4], const unsigned (&vw)[VTOK][VCH][CW], int c, int w,
+                                                  const P<NT_S>& p) {
+        static_assert(CW == 2, "fp32: V loads of two words");
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+            const unsigned v[4] = {vw[2 * nt][c][0], vw[2 * nt][c][1], vw[2 * nt + 1][c][0], vw[2 * nt + 1][c][1]};
+            unsigned a_hi[4], a_lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) F32::split_tf32(__uint_as_float(v[i]), a_hi[i], a_lo[i]);
+            const unsigned b_hi[2] = {p.hi[nt][0], p.hi[nt][1]}, b_lo[2] = {p.lo[nt][0], p.lo[nt][1]};
+            F32::mma1688(acc, a_lo, b_hi, acc);
+            if (!kFold) F32::mma1688(acc, a_hi, b_lo, acc);
+            F32::mma1688(acc, a_hi, b_hi, acc);
+        }
+    }
+};
+
+// Tensor-core decode (same grid, arguments, split rule and outputs as paged_decode_kernel; the
+// host picks it for every storage). fp16 / bf16 multiply in their own format; fp32 in 3xTF32
+// (F32::split_tf32), whose products keep fp32's accuracy where plain tf32 would round K, V, Q
+// and P to 11 significant bits.
 //
 // Per warp, a tile is TOK consecutive tokens (8, or 16 for head_dim <= 64), and the math is two
 // mma.sync products with fp32 accumulation, lane (g, t) = (lane / 4, lane % 4) in the PTX
 // fragment layouts:
-//   - S = Q K^T (m16n8k16; M = the block's G heads, padded to 16 rows with zeros; N = 8 tokens;
-//     K = 16 dims per step). Lane (g, t) loads token g of each n-tile, 16-byte vectors t, t + 4,
-//     ... of its row, straight into B registers: a k-step's 16 dims may be any 16 as long as Q
-//     uses the same, so a vector's four words serve two k-steps as they are. Q's A fragments
-//     (built the same way) sit in shared memory, one 16-byte quad per lane and k-step.
-//   - O^T += V^T P^T (m16n8k8 over 8 tokens, or m16n8k16 over 16; M = 16 dims, N = 8 heads):
-//     P^T's B fragment (tokens 2t, 2t + 1 of head g) is S's accumulator fragment as it is, no
-//     shuffle; V^T's A fragment holds one dim of two tokens per register, so lane (g, t) loads
-//     tokens 2t, 2t + 1 (+ 8, + 9), chunk g (+ 8, ...) of their rows and pairs them with byte
-//     permutes. The accumulators have no padding: all 16 rows are dims, all 8 columns heads.
-// The online softmax runs on S's fragments: a lane holds two scores per n-tile of head g, so a
-// head's maximum is two shuffles, l stays per lane until the end, and the corrections of the
-// two heads whose O^T columns a lane holds are two more shuffles. Scores are scaled inside the
-// exp2 (fma(s, scale, -m * scale)): Q stays in the storage format, unrounded.
-// Tiles entirely inside the partition run without masks in the main loop; the at most two
-// partial tiles at its edges run afterwards, with per-token load predicates and masked scores.
-// The next tile's K is loaded once S has consumed this one's, its V once O has: every lane
-// keeps one tile's loads in flight.
+//   - S = Q K^T (M = the block's G heads, padded to 16 rows with zeros; N = 8 tokens; K = 16
+//     dims per step (m16n8k16) at 16-bit storage, 8 (m16n8k8) at fp32). Lane (g, t) loads
+//     token g of each n-tile, 16-byte vectors t, t + 4, ... of its row, straight into B
+//     registers: a k-step's dims may be any as long as Q uses the same, so a vector's four
+//     words serve two k-steps as they are. Q's A fragments (built the same way) sit in shared
+//     memory, one 16-byte quad per lane and k-step (fp32: the hi and lo halves of two words).
+//   - O^T += V^T P^T (M = 16 dims, N = 8 heads; K = 8 tokens a step, or 16 at 16-bit storage
+//     and head_dim <= 64): P^T's B fragment (tokens 2t, 2t + 1 of head g) is S's accumulator
+//     fragment as it is, no shuffle; lane (g, t) loads tokens 2t, 2t + 1 (+ 8, + 9), chunk g
+//     (+ 8, ...) of their rows, whose words V^T's A fragment takes as they are (fp32: 8-byte
+//     chunks) or paired with byte permutes (16-bit). The accumulators' 16 rows are dims, their
+//     8 columns heads (fp32 with at most 4 heads: columns 4..7 the lo parts, see MmaSteps).
+// The online softmax (fragment_softmax) and the tile schedule (run_decode_tiles) are above.
 template <typename T, int HEAD_DIM, int G, int BLOCK_SIZE>
 __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     const typename T::raw* __restrict__ q, const typename T::raw* __restrict__ k_cache,
@@ -356,17 +624,22 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     const int* __restrict__ seq_lens, typename T::raw* __restrict__ out, float* __restrict__ part_acc,
     float* __restrict__ part_ml, int num_heads, int num_kv_heads, int max_blocks_per_seq, int num_splits,
     int target_splits, int min_partition, int granule, float scale_log2) {
-    static_assert(sizeof(typename T::raw) == 2, "tensor-core decode: fp16 / bf16 storage");
     static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256,
                   "head_dim in [32, 256]");
     static_assert(G >= 1 && G <= 8, "heads per block in [1, 8]");
     static_assert(BLOCK_SIZE >= 1 && (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0, "block_size a power of two");
+    typedef MmaSteps<T, G> Steps;
+    constexpr int VEC = T::kVec;                  // elements per 16-byte vector
     constexpr int TOK = HEAD_DIM <= 64 ? 16 : 8;  // tokens per warp tile (the O product's k)
     constexpr int NT_S = TOK / 8;                 // n-tiles of S
-    constexpr int KSTEPS = HEAD_DIM / 16;         // k-steps of S
-    constexpr int KVEC = HEAD_DIM / 32;           // 16-byte K vectors per lane per token
+    constexpr int KVEC = HEAD_DIM / (4 * VEC);    // 16-byte K vectors per lane per token
+    constexpr int KSTEPS = 2 * KVEC;              // k-steps of S (half a vector each)
     constexpr int NT_O = HEAD_DIM / 16;           // m-tiles of O^T
-    constexpr int CE = HEAD_DIM >= 64 ? 8 : 4;    // dims per V load (16 or 8 bytes)
+    // Dims per V load: 16 bytes at 16-bit storage (8 at head_dim 32); 8 bytes at fp32, two
+    // tokens' pairs of which make V^T's A fragment in place (a 16-byte vector would have to be
+    // regrouped with four register moves an m-tile).
+    constexpr int CE = VEC == 4 ? 2 : HEAD_DIM < 64 ? 4 : 8;
+    constexpr int CW = CE * (int)sizeof(typename T::raw) / 4;  // words per V load
     constexpr int VCH = HEAD_DIM / (8 * CE);      // V chunks per lane per token
     constexpr int VTOK = TOK / 4;                 // V tokens per lane
     constexpr int LOG2_BS = Log2<BLOCK_SIZE>::value;
@@ -383,42 +656,46 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     const int t = lane & 3;   // threadID_in_group
     const int* table = block_tables + (long long)seq * max_blocks_per_seq;
     const int row_stride = num_kv_heads * HEAD_DIM;
-    const raw* k_base = k_cache + kv_head * HEAD_DIM + 8 * t;   // + row * row_stride + 32 m
-    const raw* v_base = v_cache + kv_head * HEAD_DIM + CE * g;  // + row * row_stride + 8 CE i
 
     // Q as A fragments, one 16-byte quad per lane and k-step, in shared memory (re-read each
     // tile rather than held in 4 * KSTEPS registers): row g = head head0 + g (zero past G),
     // k-step 2m + h takes words 2h, 2h + 1 of its vector t + 4m (the K vectors' dims); rows
-    // 8..15 are zero.
-    __shared__ uint4 sm_q[KSTEPS][32];
+    // 8..15 are zero (fp32: Q's lo, see MmaSteps<F32, G>). The warps' O^T for the epilogue
+    // reuse the buffer once the tiles are done (both at once would pass 48 KiB at fp32 and
+    // head_dim 256).
+    __shared__ union {
+        uint4 q[KSTEPS][32];
+        float acc[DECODE_WARPS][G][HEAD_DIM];
+    } sm;
+    uint4 (&sm_q)[KSTEPS][32] = sm.q;
     if (warp == 0) {
 #pragma unroll
         for (int m = 0; m < KVEC; ++m) {
             uint4 w = make_uint4(0u, 0u, 0u, 0u);
             if (g < G)
                 w = *reinterpret_cast<const uint4*>(q + ((long long)seq * num_heads + head0 + g) * HEAD_DIM +
-                                                    8 * (t + 4 * m));
-            sm_q[2 * m][lane] = make_uint4(w.x, 0u, w.y, 0u);
-            sm_q[2 * m + 1][lane] = make_uint4(w.z, 0u, w.w, 0u);
+                                                    VEC * (t + 4 * m));
+            sm_q[2 * m][lane] = Steps::q_quad(w.x, w.y);
+            sm_q[2 * m + 1][lane] = Steps::q_quad(w.z, w.w);
         }
     }
     __syncthreads();
 
     float m_run = SERVESIM_NO_SCORE, l_run = 0.f;  // head g's running max (raw units) and this lane's sum
     // O^T accumulators, one C fragment per m-tile of 16 dims: [0], [1] = dim row g, heads 2t,
-    // 2t + 1; [2], [3] = dim row g + 8, the same heads (dims: see `accumulate`).
+    // 2t + 1; [2], [3] = dim row g + 8, the same heads (dims: see mma_decode_end).
     float acc[NT_O][4];
 #pragma unroll
     for (int j = 0; j < NT_O; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     unsigned kw[NT_S][KVEC][4];           // K words: token 8 nt + g, vector t + 4 m
-    unsigned vw[VTOK][VCH][CE / 2];       // V words: token 2t + e + 8 p (index 2p + e), chunk g + 8 i
+    unsigned vw[VTOK][VCH][CW];           // V words: token 2t + e + 8 p (index 2p + e), chunk g + 8 i
 
     // Element offsets of this lane's rows within a tile (token part only when a tile fits in
     // one KV block: then the tile's base row is one block-table lookup).
     int k_off[NT_S], v_off[VTOK];
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
-        k_off[nt] = (TOK <= BLOCK_SIZE ? (8 * nt + g) * row_stride : 0) + kv_head * HEAD_DIM + 8 * t;
+        k_off[nt] = (TOK <= BLOCK_SIZE ? (8 * nt + g) * row_stride : 0) + kv_head * HEAD_DIM + VEC * t;
 #pragma unroll
     for (int x = 0; x < VTOK; ++x)
         v_off[x] = (TOK <= BLOCK_SIZE ? (2 * t + (x & 1) + 8 * (x >> 1)) * row_stride : 0) + kv_head * HEAD_DIM + CE * g;
@@ -459,157 +736,46 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
             const raw* p = v_cache + row + v_off[x];
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {
-                if (CE == 8) {
+                if (CW == 4) {
                     const uint4 w = live ? reinterpret_cast<const uint4*>(p)[8 * c] : make_uint4(0u, 0u, 0u, 0u);
-                    vw[x][c][0] = w.x, vw[x][c][1] = w.y, vw[x][c][CE / 2 - 2] = w.z, vw[x][c][CE / 2 - 1] = w.w;
+                    vw[x][c][0] = w.x, vw[x][c][1] = w.y, vw[x][c][CW - 2] = w.z, vw[x][c][CW - 1] = w.w;
                 } else {
                     const uint2 w = live ? reinterpret_cast<const uint2*>(p)[8 * c] : make_uint2(0u, 0u);
-                    vw[x][c][0] = w.x, vw[x][c][CE / 2 - 1] = w.y;
+                    vw[x][c][0] = w.x, vw[x][c][CW - 1] = w.y;
                 }
             }
         }
     };
     // S = Q K^T for the tile: s[nt][e] = score of head g and token 8 nt + 2t + e ([2], [3]:
-    // the zero rows).
+    // the padding rows).
     auto scores = [&](float (&s)[NT_S][4]) {
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            float sa[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
             for (int ks = 0; ks < KSTEPS; ++ks) {
                 const uint4 qv = sm_q[ks][lane];
-                const unsigned a[4] = {qv.x, qv.y, qv.z, qv.w};
-                const unsigned b[2] = {kw[nt][ks / 2][2 * (ks & 1)], kw[nt][ks / 2][2 * (ks & 1) + 1]};
-                T::mma16816(s[nt], a, b, s[nt]);
+                Steps::s_step(sa, qv, kw[nt][ks / 2][2 * (ks & 1)], kw[nt][ks / 2][2 * (ks & 1) + 1]);
             }
+            Steps::s_done(sa, s[nt]);
         }
     };
-    // Online softmax on the scores; returns P as the A registers of the O product.
-    auto softmax = [&](float (&s)[NT_S][4], int tile, bool masked, unsigned (&pa)[NT_S]) {
-        if (masked) {
+    // Softmax, then O^T += V^T P^T. P^T's B fragment (k = tokens 2t, 2t + 1 [+ 8], n = head g) is
+    // the S accumulator as it is; V^T's A fragments: MmaSteps::o_step.
+    auto finish = [&](float (&s)[NT_S][4], int tile, bool masked) {
+        fragment_softmax<NT_S, NT_O, Steps::kColTMask>(s, acc, m_run, l_run, scale_log2, tile * TOK, start, end,
+                                                       masked, t);
+        const typename Steps::template P<NT_S> p = Steps::template make_p<NT_S>(s, lane);
 #pragma unroll
-            for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int pos = tile * TOK + 8 * nt + 2 * t + e;
-                    if (pos < start || pos >= end) s[nt][e] = neg_inf();
-                }
-        }
-        float mx = s[0][0];
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) mx = fmaxf(mx, fmaxf(s[nt][0], s[nt][1]));
-        mx = fmaxf(mx, __shfl_xor_sync(SERVESIM_FULL_MASK, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(SERVESIM_FULL_MASK, mx, 2));
-        const float m_new = fmaxf(m_run, mx);
-        const float corr = fast_exp2((m_run - m_new) * scale_log2);
-        const float shift = m_new * scale_log2;
-        m_run = m_new;
-        float p_sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
-            const float p0 = fast_exp2(fmaf(s[nt][0], scale_log2, -shift));
-            const float p1 = fast_exp2(fmaf(s[nt][1], scale_log2, -shift));
-            p_sum += p0 + p1;
-            pa[nt] = T::pack2(p0, p1);
-        }
-        l_run = fmaf(l_run, corr, p_sum);
-        // This lane's O^T columns are heads 2t and 2t + 1, whose corrections lanes 8t, 8t + 4 hold.
-        const float corr_lo = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t);
-        const float corr_hi = __shfl_sync(SERVESIM_FULL_MASK, corr, 8 * t + 4);
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) acc[j][0] *= corr_lo, acc[j][2] *= corr_lo, acc[j][1] *= corr_hi, acc[j][3] *= corr_hi;
+        for (int j = 0; j < NT_O; ++j) Steps::template o_step<NT_S>(acc[j], vw, j / (CE / 2), j % (CE / 2), p);
     };
-    // O^T += V^T P^T. P^T's B fragment (k = tokens 2t, 2t + 1 [+ 8], n = head g) is the S
-    // accumulator as it is. V^T's A fragment of m-tile j = (CE / 2) c + w pairs, per register,
-    // one dim of two tokens: dims CE (g + 8c) + 2w (row g) and + 1 (row g + 8) of chunk c.
-    auto accumulate = [&](const unsigned (&pb)[NT_S]) {
-#pragma unroll
-        for (int j = 0; j < NT_O; ++j) {
-            const int c = j / (CE / 2), w = j % (CE / 2);
-            if (TOK == 8) {
-                const unsigned a[2] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
-                                       __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u)};
-                const unsigned b[1] = {pb[0]};
-                T::mma1688(acc[j], a, b, acc[j]);
-            } else {
-                const unsigned a[4] = {__byte_perm(vw[0][c][w], vw[1][c][w], 0x5410u),
-                                       __byte_perm(vw[0][c][w], vw[1][c][w], 0x7632u),
-                                       __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x5410u),
-                                       __byte_perm(vw[VTOK - 2][c][w], vw[VTOK - 1][c][w], 0x7632u)};
-                const unsigned b[2] = {pb[0], pb[NT_S - 1]};
-                T::mma16816(acc[j], a, b, acc[j]);
-            }
-        }
-    };
-    auto process = [&](int tile, bool masked) {  // a tile whose K and V are loaded
-        float s[NT_S][4];
-        unsigned pa[NT_S];
-        scores(s);
-        softmax(s, tile, masked, pa);
-        accumulate(pa);
-    };
+    run_decode_tiles<TOK, NT_S>(start, end, warp, load_k, load_v, scores, finish);
+    Steps::o_done(acc);
 
-    // Full tiles [full_lo, full_hi): warp w takes full_lo + w, + 4, ... The next tile's loads
-    // are issued unconditionally (the last iteration reloads its own tile) so that the loop
-    // body has no branch around them.
-    const int full_lo = (start + TOK - 1) / TOK;
-    const int full_hi = end / TOK;
-    int tile = full_lo + warp;
-    if (tile < full_hi) {
-        load_k(tile, false);
-        load_v(tile, false);
-    }
-    for (; tile < full_hi; tile += DECODE_WARPS) {
-        const int next = min(tile + DECODE_WARPS, full_hi - 1);
-        float s[NT_S][4];
-        unsigned pa[NT_S];
-        scores(s);
-        load_k(next, false);
-        softmax(s, tile, false, pa);
-        accumulate(pa);
-        load_v(next, false);
-    }
-    // Partial tiles at the partition's edges (one when start and end share a tile).
-    if (warp == 0 && start < end) {
-        const int head = start / TOK, tail = (end - 1) / TOK;
-        if (start % TOK != 0 || (head == tail && end % TOK != 0)) {
-            load_k(head, true);
-            load_v(head, true);
-            process(head, true);
-        }
-        if (tail != head && end % TOK != 0) {
-            load_k(tail, true);
-            load_v(tail, true);
-            process(tail, true);
-        }
-    }
-
-    l_run += __shfl_xor_sync(SERVESIM_FULL_MASK, l_run, 1);
-    l_run += __shfl_xor_sync(SERVESIM_FULL_MASK, l_run, 2);
-    __shared__ float sm_acc[DECODE_WARPS][G][HEAD_DIM];
     __shared__ float sm_m[DECODE_WARPS][G];
     __shared__ float sm_l[DECODE_WARPS][G];
-    // Row g (+ 8) of O^T m-tile (CE / 2) c + w is dim CE (g + 8c) + 2w (+ 1); columns are
-    // heads 2t, 2t + 1. The m the epilogue merges with is in log2 units, as in
-    // paged_decode_kernel.
-#pragma unroll
-    for (int j = 0; j < NT_O; ++j) {
-        const int dim = CE * (g + 8 * (j / (CE / 2))) + 2 * (j % (CE / 2));
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (2 * t + h < G) {
-                sm_acc[warp][2 * t + h][dim] = acc[j][h];
-                sm_acc[warp][2 * t + h][dim + 1] = acc[j][2 + h];
-            }
-        }
-    }
-    if (g < G && t == 0) {
-        sm_m[warp][g] = m_run * scale_log2;
-        sm_l[warp][g] = l_run;
-    }
-    __syncthreads();
-    decode_epilogue<T, HEAD_DIM, G>(sm_acc, sm_m, sm_l, out, part_acc, part_ml, seq, num_heads, head0, split,
-                                    num_splits, w.num_parts);
+    mma_decode_end<T, HEAD_DIM, G, NT_O, CE>(sm.acc, sm_m, sm_l, acc, m_run, l_run, scale_log2, warp, g, t, out,
+                                             part_acc, part_ml, seq, num_heads, head0, split, num_splits, w.num_parts);
 }
 
 // Merges the split-K partitions of paged_decode_kernel for sequences that have more than one

@@ -64,7 +64,8 @@ def test_missing_tools_give_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-def test_every_decode_instantiation_is_analysed(tmp_path):
+@pytest.mark.parametrize("storage_name, head_dim", [("float16", 128), ("float32", 64), ("float32", 256)])
+def test_every_decode_instantiation_is_analysed(tmp_path, storage_name, head_dim):
     try:
         kernel_static.find_tool("cuobjdump")
         kernel_static.find_tool("nvdisasm")
@@ -72,11 +73,16 @@ def test_every_decode_instantiation_is_analysed(tmp_path):
         pytest.skip(str(exc))
     from gpu import cupy_backend
 
-    names = cupy_backend.name_expressions("float16", 128, 16)
+    names = cupy_backend.name_expressions(storage_name, head_dim, 16)
     rows = kernel_static.analyse(cupy_backend, names, tmp_path, lambda n: 128)
-    # fp16 decode is the tensor-core kernel: every heads-per-block variant, each with a main loop
-    # that loads K/V and keeps its registers (a few spilled bytes outside the loop are reported
-    # by `bench kernel --static`, not failed here).
-    decode = [r for r in rows if r["kernel"].startswith("paged_decode_mma_kernel<")]
+    # Every heads-per-block variant has a main loop that loads K/V and keeps its registers (a
+    # few spilled bytes outside the loop are reported by `bench kernel --static`, not failed
+    # here). fp16 decode is the tensor-core kernel; fp32 is too (3xTF32) from
+    # FP32_MMA_MIN_HEADS heads per block on, the CUDA-core kernel below.
+    decode = [r for r in rows if kernel_static._is_decode(r["kernel"])]
     assert len(decode) == len(cupy_backend.HEADS_PER_BLOCK)
     assert all(r["instructions_per_16B"] > 0 and r["loop_local_memory"] == 0 for r in decode), decode
+    mma = {kernel_static.decode_shape(r["kernel"])[2] for r in decode if r["kernel"].startswith("paged_decode_mma")}
+    expect = set(cupy_backend.HEADS_PER_BLOCK) if storage_name != "float32" else {
+        g for g in cupy_backend.HEADS_PER_BLOCK if g >= cupy_backend.FP32_MMA_MIN_HEADS[head_dim]}
+    assert mma == expect

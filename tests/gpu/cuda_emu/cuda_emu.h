@@ -85,7 +85,9 @@ unsigned vote(int kind, unsigned mask, int pred, const char* file, int line);
 unsigned activemask();
 // Tensor cores: mma.sync.aligned.m16n8k{k}.row.col.f32.{f16|bf16}.{f16|bf16}.f32, warp-collective.
 // a: k / 4 registers of .f16x2 / .bf16x2, b: k / 8, c and d: 4 floats (PTX fragment layouts).
-enum { MMA_F16 = 0, MMA_BF16 = 1 };
+// MMA_TF32: mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 (k = 8 only): a: 4 registers of
+// one .tf32 each, b: 2 (the low 13 bits of each are ignored).
+enum { MMA_F16 = 0, MMA_BF16 = 1, MMA_TF32 = 2 };
 void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* b, const float* c, const char* file,
                   int line);
 
@@ -238,6 +240,10 @@ inline void __emu_mma_m16n8k16_f32(int type, float* d, const unsigned* a, const 
 inline void __emu_mma_m16n8k8_f32(int type, float* d, const unsigned* a, const unsigned* b, const float* c,
                                   const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
     ::emu::mma_sync_f32(8, type, d, a, b, c, file, line);
+}
+inline void __emu_mma_m16n8k8_tf32(float* d, const unsigned* a, const unsigned* b, const float* c,
+                                   const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    ::emu::mma_sync_f32(8, ::emu::MMA_TF32, d, a, b, c, file, line);
 }
 
 // Atomics: fibers of a block never run at the same time, so plain read-modify-write is atomic.

@@ -395,9 +395,22 @@ static double half_value(uint32_t reg, int high, int type) {
     return (double)__builtin_bit_cast(_Float16, bits);
 }
 
+// One .tf32 element (a whole 32-bit register) as a double: the sign, the 8-bit exponent and the
+// top 10 mantissa bits of the .f32 pattern; the low 13 bits are dropped (truncation, not
+// rounding), so a kernel that leaves information there loses it. The PTX ISA leaves tf32's
+// layout to the implementation; ptxas treats the low bits as unused (it drops an AND that clears
+// them before an mma operand), and servesim's kernels pass exact tf32 values wherever it matters.
+static double tf32_value(uint32_t reg) {
+    const uint32_t u = reg & 0xffffe000u;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* b, const float* c, const char* file,
                   int line) {
-    if ((k != 8 && k != 16) || (type != MMA_F16 && type != MMA_BF16)) {
+    const bool tf32 = type == MMA_TF32;
+    if (tf32 ? k != 8 : ((k != 8 && k != 16) || (type != MMA_F16 && type != MMA_BF16))) {
         add_error("mma shape/type not emulated at " + site(file, line));
         suspend();
     }
@@ -405,7 +418,8 @@ void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* 
     // rebuilds A [16 x k], B [k x 8] and C [16 x 8] from all of them and computes its own 4
     // elements of D, with the layouts of the PTX ISA ("Matrix Fragments for mma.m16n8k16 /
     // mma.m16n8k8 with floating point type"): groupID = lane >> 2, threadID_in_group = lane % 4.
-    const int na = k / 4, nb = k / 8;
+    // .tf32 (m16n8k8 only): one element per register, A: 4 registers, B: 2.
+    const int na = tf32 ? 4 : k / 4, nb = tf32 ? 2 : k / 8;
     uint32_t words[kExchangeWords];
     memcpy(words, a, 4 * na);
     memcpy(words + na, b, 4 * nb);
@@ -414,9 +428,15 @@ void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* 
     double A[16][16], B[16][8], C[16][8];
     for (int lane = 0; lane < 32; ++lane) {
         const int g = lane >> 2, t = lane & 3;
-        for (int i = 0; i < 2 * na; ++i)  // a_i: row g (+8 for i = 2,3,6,7), col 2t + (i & 1) (+8 for i >= 4)
+        if (tf32) {
+            for (int i = 0; i < 4; ++i)  // a_i: row g (+8 for i = 1, 3), col t (+4 for i = 2, 3)
+                A[g + 8 * (i & 1)][t + 4 * (i >> 1)] = tf32_value(all[lane][i]);
+            for (int i = 0; i < 2; ++i)  // b_i: row t (+4 for i = 1), col g
+                B[t + 4 * i][g] = tf32_value(all[lane][na + i]);
+        }
+        for (int i = 0; i < (tf32 ? 0 : 2 * na); ++i)  // a_i: row g (+8 for i = 2,3,6,7), col 2t + (i & 1) (+8 for i >= 4)
             A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >> 2)] = half_value(all[lane][i / 2], i & 1, type);
-        for (int i = 0; i < 2 * nb; ++i)  // b_i: row 2t + (i & 1) (+8 for i >= 2), col g
+        for (int i = 0; i < (tf32 ? 0 : 2 * nb); ++i)  // b_i: row 2t + (i & 1) (+8 for i >= 2), col g
             B[2 * t + (i & 1) + 8 * (i >> 1)][g] = half_value(all[lane][na + i / 2], i & 1, type);
         for (int i = 0; i < 4; ++i) {  // c_i: row g (+8 for i >= 2), col 2t + (i & 1)
             float f;
@@ -424,7 +444,9 @@ void mma_sync_f32(int k, int type, float* d, const uint32_t* a, const uint32_t* 
             C[g + 8 * (i >> 1)][2 * t + (i & 1)] = f;
         }
     }
-    // Products of two 16-bit floats are exact in double; the sum is rounded once to float.
+    // Products of two 16-bit floats or two tf32 values (11-bit significands) are exact in
+    // double; the sum is rounded once to float (the GPU's internal accumulation order and
+    // rounding are not documented: this models an exact dot product).
     const int lane = running->ts.lane, g = lane >> 2, t = lane & 3;
     for (int i = 0; i < 4; ++i) {
         const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
