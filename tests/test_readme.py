@@ -121,3 +121,13 @@ def test_every_set_example_loads_on_the_default_scenario():
         words = shlex.split(ex)
         overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
         load_scenario("chat", overrides)
+
+
+def test_no_merge_conflict_markers_are_left_in_the_sources():
+    """A merge once left `<<<<<<<`/`>>>>>>>` blocks committed in this README's policy table."""
+    marker = re.compile(r"^(<{7}|>{7}|={7})( |$)", re.M)
+    suffixes = {".md", ".py", ".toml", ".cu", ".cuh", ".tcss", ".cfg"}
+    files = [p for p in ROOT.rglob("*") if p.suffix in suffixes and p.is_file()
+             and not {".venv", ".git", "build", "__pycache__"} & set(p.relative_to(ROOT).parts)]
+    assert len(files) > 50
+    assert [str(p.relative_to(ROOT)) for p in files if marker.search(p.read_text(errors="replace"))] == []
