@@ -529,7 +529,9 @@ class Cluster:
             b = min(b, self._next_arrival())
         if self.disaggregated:
             other = 1 - i
-            if self._busy(other) and other not in frozen:
+            # (an idle prefill instance too: an arrival at its horizon may be handed off here
+            # one prefill step later, and step by step this instance would be there to take it)
+            if other not in frozen:
                 b = min(b, self._horizon(other))
             if i == 0:
                 b = min(b, self._unsent[0][0] if self._unsent else INF)

@@ -369,12 +369,10 @@ def test_decisions_are_skipped_where_nothing_is_left_to_decide():
     assert events_of(e) == events_of(stepped) and state_of(e) == state_of(stepped)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (found 2026-12-01 by TestDeploymentLockstep, "
-                   "present at 12040cb): a disaggregated pair's decode instance runs a decode "
-                   "run past the time its prefill instance, just unblocked by a finished "
-                   "transfer, hands it the next request; step by step it starts that transfer "
-                   "earlier. Remove the mark when fixed.")
 def test_a_decode_run_does_not_pass_a_hand_off_the_prefill_instance_is_about_to_make():
+    """Found by TestDeploymentLockstep: the decode instance of a disaggregated pair ran a
+    decode run past the next arrival at its idle prefill instance, which handed that request
+    off one prefill step later; step by step the decode instance took it earlier."""
     sc = small_scenario('scheduler.policy="disaggregated"', "kv.num_blocks=40", "seed=0",
                         'scheduler.preemption="recompute"', "kv.swap_space_gb=0.05",
                         "workload.duration_s=3", "workload.rate=8",
