@@ -63,6 +63,31 @@ import numpy as np
 class CostModel:
     """Step time, energy and KV capacity for one scenario's model, hardware and engine."""
 
+    # (Declared so that compiled code does the decode-run loop in machine floats; the values
+    # are the same either way: each is only ever multiplied or added to floats.)
+    _idle: float
+    _dyn: float
+    _lin: float
+    _attn: float
+    _inv_flops: float
+    _inv_bw: float
+    _comm: float
+    overhead: float
+    _blk_c: float
+    _blk_m: float
+    _head_c: float
+    _head_m: float
+    _elem: float
+    _attn_f: float
+    _kv: float
+    _kv_read: float
+    _ar_fix: float
+    _ar_tok: float
+    _fixed: float
+    _cpu0: float
+    _cpu1: float
+    _overlap: bool
+
     def __init__(self, scenario) -> None:
         m, h, kv, e = scenario.model, scenario.hardware, scenario.kv, scenario.engine
         tp = self.tp = m.tensor_parallel
@@ -212,7 +237,7 @@ class CostModel:
 
         return f
 
-    def _decode_shared(self, b: int) -> tuple:
+    def _decode_shared(self, b: int) -> tuple[float, float, float, float, float, float]:
         """What every decode-only step of `b` sequences shares, in `step`'s order of
         operations: the kernels' time without decode attention, its two rooflines' factors,
         the fixed GPU time and the CPU time."""
@@ -237,7 +262,9 @@ class CostModel:
         `decode_step_fn(b)` one step at a time (the same operations in the same order, the
         clock advanced by sequential addition), without a call per step: the engine's
         hottest loop. (`x if x >= y else y` is `max(x, y)` without the call.)"""
-        ends, durs, ens = [], [], []
+        ends: list[float] = []
+        durs: list[float] = []
+        ens: list[float] = []
         idle, dyn = self._idle, self._dyn
         kr = c0
         if self.roofline:

@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from sim import _compiled
 from sim import events as ev
 from sim import stepping
 from sim.costmodel import CostModel
 from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.executor import SeqWork, StepWork
-from sim.kv import KVCacheManager, blocks_for
-from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS,
+from sim.kv import KVCacheManager
+from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TOKENS,
                         PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
 from sim.quantiles import Samples
@@ -288,6 +289,7 @@ class Engine:
                                       f"{len(self.policy.waiting)} waiting, nothing schedulable")
             if self.done and self.now < t and math.isfinite(t):
                 self._idle_to(t)
+        self.timeline.flush()  # (between calls the engine holds its rows in columns only)
         self.wall_s += time.perf_counter() - t0
         return self.step_count - start
 
@@ -575,60 +577,10 @@ class Engine:
         return t
 
     def _arrive(self, now: float) -> None:
-        arr = self._w_arrival
-        w = self.workload
-        while self._w_next < len(arr) and arr[self._w_next] <= now:
-            i = self._w_base + self._w_next  # the request's row in the workload
-            t = arr[self._w_next]
-            self._w_next += 1
-            if self._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
-                self._w_base = i + 1
-                self._w_arrival = arr = w.arrival[i + 1:i + 1 + self.ARRIVAL_WINDOW].tolist()
-                self._w_next = 0
-            c = w.cancel_at[i].item()
-            req = Request(i, t, w.prompt[i].item(), w.output[i].item(),
-                          priority=w.priority[i].item(),
-                          hash_ids=w.hash_ids[i] if w.hash_ids else None,
-                          cancel_at=None if c != c else c)
-            if w.prefix_group is not None:
-                req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
-            self._on_arrival(req)
-        while self._cancels and self._cancels[0][0] <= now:
-            _, rid = heapq.heappop(self._cancels)
-            due = self.requests.get(rid)  # (gone: it ended, and keep_history is off)
-            if due is not None and not due.state.is_done:
-                self._cancel(due, by="client")
-            elif due in self._releasing:  # finished, its output not yet processed: freed now
-                self._release_now(due)
+        stepping.arrive(self, now)
 
     def _on_arrival(self, req: Request) -> None:
-        req._timeline = self.timeline
-        self.requests[req.req_id] = req
-        self.counts["arrived"] += 1
-        if self.record_events:
-            self.events.append(ev.Arrival(req.arrival_time, req.req_id, req.prompt_len,
-                                          req.max_output_tokens, req.priority, req.injected))
-        total = req.prompt_len + req.max_output_tokens - 1
-        reason = None
-        if blocks_for(total, self.block_size) > self.kv.num_blocks:
-            reason = (f"needs {blocks_for(total, self.block_size)} blocks, "
-                      f"the pool has {self.kv.num_blocks}")
-        elif self.max_model_len and req.prompt_len + req.max_output_tokens > self.max_model_len:
-            reason = f"longer than max_model_len = {self.max_model_len}"
-        if reason:
-            req.transition(RS.REJECTED)
-            req.reject_reason = reason
-            req.finish_time = self.now
-            self.counts["rejected"] += 1
-            self.recent.append(req)
-            if not self.keep_history:
-                del self.requests[req.req_id]
-            if self.record_events:
-                self.events.append(ev.Reject(self.now, req.req_id, reason))
-            return
-        if req.cancel_at is not None:
-            heapq.heappush(self._cancels, (req.cancel_at, req.req_id))
-        self.policy.add(req)
+        stepping.on_arrival(self, req)
 
     def _cancel(self, req: Request, by: str) -> None:
         if req.parent_id is None and self.num_samples > 1:  # the request's other samples too
@@ -648,52 +600,18 @@ class Engine:
             self.events.append(ev.Cancel(self.now, req.req_id, old.value, by))
 
     def _finish(self, req: Request, t: float) -> None:
-        req.transition(RS.FINISHED)
-        req.finish_time = t
-        if self.policy.async_scheduling:
-            self._releasing.append(req)
-        else:
-            self.kv.free(req)
-            self.policy.finished(req)
-        self.recent.append(req)
-        self._drop(req)
-        self.finished_prompt_tokens += req.prompt_len
-        if req.parent_id is not None:  # a further sample: its tokens count, not its latency
-            self.counts["finished_samples"] += 1
-            if self.record_events:
-                self.events.append(ev.Finish(t, req.req_id))
-            return
-        self.counts["finished"] += 1
-        self._fold_finished(req, t)
-        if self.record_events:
-            self.events.append(ev.Finish(t, req.req_id))
+        stepping.finish(self, req, t)
 
     def _fold_finished(self, req: Request, t: float) -> None:
         """Add a finished request (not a further sample) to the run's latency figures."""
-        first = req.first_token_time
-        assert first is not None  # (a finished request has sampled)
-        ttft = first - req.arrival_time
-        e2e = t - req.arrival_time
-        tpot = req.tpot
-        self.e2e.add(e2e)
-        if tpot is not None:
-            self.tpot.add(tpot)
-        self.finished_output_tokens += req.num_output_tokens
-        slo = self.scenario.slo
-        if ((not slo.ttft_ms or ttft * 1e3 <= slo.ttft_ms)
-                and (not slo.tpot_ms or tpot is None or tpot * 1e3 <= slo.tpot_ms)
-                and (not slo.e2e_ms or e2e * 1e3 <= slo.e2e_ms)):
-            self.slo_met += 1
+        stepping.fold_finished(self, req, t)
 
     def _gap(self, t: float, gap: float) -> None:
         """An ITL gap across steps that are not adjacent, its token sampled at `t`."""
-        self.itl_extra.add(gap)
-        self._recent(self.recent_gaps, t, gap)
+        stepping.gap(self, t, gap)
 
     def _recent(self, q: deque, t: float, v: float) -> None:
-        q.append((t, v))
-        while q[0][0] < t - self.ROLLING_S:
-            q.popleft()
+        stepping.recent(self, q, t, v)
 
     def _first_token_row(self) -> float:
         """The first timeline row a live request's token times point into (math.inf: none)."""
@@ -702,25 +620,12 @@ class Engine:
 
     def _finish_step(self, finished: list[Request], t: float) -> None:
         """The requests whose last token the step ending at `t` computed end."""
-        for req in finished:
-            self._finish(req, t)
-        if (self._releasing and not self.policy.waiting
-                and len(self.policy.running) == len(self._releasing)):
-            # Nothing else runs or waits: the next step would schedule nothing but let vLLM
-            # process this one's output, at once (short of an arrival at exactly `t`).
-            self._release()
+        stepping.finish_step(self, finished, t)
 
     def _release(self) -> None:
         """Async scheduling: the step scheduled after the one that finished these requests
         has been; their output is processed now, their blocks freed and seats given back."""
-        if not self._releasing:
-            return
-        done, self._releasing = self._releasing, []
-        for req in done:
-            if self.kv.register_at_allocation:  # the blocks its last step filled
-                self.kv.cache_blocks(req, req.num_computed_tokens)
-            self.kv.free(req)
-            self.policy.finished(req)
+        stepping.release(self)
 
     def _blocks_freed_by(self, reqs: list[Request]) -> int:
         """How many blocks freeing `reqs` would return (those no other request shares)."""
@@ -746,99 +651,20 @@ class Engine:
             self.requests.pop(req.req_id, None)
 
     def _admit(self, req: Request) -> None:
-        resumed = req.state is not RS.WAITING
-        if req.state is RS.SWAPPED:  # allocate_slots gave it device blocks: copy back
-            self._swap_in.extend(self.kv.swap_in(req))
-        elif self.prefix_caching:  # its prompt (and outputs, re-prefilling) was looked up
-            self.kv.query_tokens += req.num_tokens
-        req.transition(RS.RUNNING)
-        if req.admitted_time is None:
-            req.admitted_time = self.now
-            self.queue_wait.add(self.now - req.arrival_time)
-        if self.record_events:
-            self.events.append(ev.Admit(self.now, req.req_id, resumed))
+        stepping.admit(self, req)
 
     # ===================================================================== internals: stepping
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
         """One scheduling decision: a step, a run of identical decode steps, or an idle advance;
         with `fuse`, followed by the runs of decode steps that need no decision (see
-        `_decodes_follow`).
-
-        Returns the number of engine steps taken.
-        """
-        now = self.now
-        if now > MAX_TIME_S:  # a service-time model whose steps outrun any session
-            raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {self.step_count} "
-                              f"(t = {now:.3g} s): steps or hand-offs take too long under this "
-                              "scenario's [hardware] and [model]")
-        policy = self.policy
-        if not policy.running:
-            self._window = 0
-        if not self._window and (
-                (self._w_next < len(self._w_arrival) and self._w_arrival[self._w_next] <= now)
-                or (self._cancels and self._cancels[0][0] <= now)):
-            self._arrive(now)
-        if not policy.has_work():
-            target = min(self._next_external(), until)
-            if target > now and target != INF:
-                self._idle_to(target)
-            return 0
-        out = policy.schedule()
-        sched = out.scheduled
-        if not sched and self._releasing:
-            # Only requests finishing (async scheduling): their output is processed now, and
-            # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
-            # would (nothing else arrives meanwhile).
-            self._release()
-            out = policy.schedule()
-            sched = out.scheduled
-        if not sched:
-            return 0  # everything was preempted; the next decision admits again
-        for req, _ in sched:
-            if req.state is not RS.RUNNING:
-                self._admit(req)
-        if self.scheduler_steps > 1:
-            self._window = (self._window or self.scheduler_steps) if out.decode_only else 0
-            if self._window:
-                max_steps = min(max_steps, self._window)
-        # (Swap copies still to make are charged to the next single step: a request can join a
-        # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
-        if (out.decode_only and self.executor is None and self.skip_ahead and max_steps > 1
-                and policy.skip_ahead_safe and self.duration_override is None
-                and not (self._swap_out or self._swap_in)):
-            taken = self._decode_run([r for r, _ in sched], until, max_steps)
-            decoding = True  # (what is left of a run's batch decodes on)
-        else:
-            taken = self._single_step(sched, len(policy.waiting))
-            decoding = self._batch_decodes
-        if self._window:
-            self._window = max(self._window - taken, 0)
-        # Decisions with no choice in them follow within this one: while nothing arrives and
-        # the queue is empty, the batch left after a prefill step or a run that ended with
-        # requests finishing decodes on, and the policy would only say so again.
-        while fuse and taken < max_steps - 1 and self._decodes_follow(until, decoding):
-            reqs = stepping.schedule_decodes(self)
-            if reqs is None:  # blocks are short: the policy decides (and preempts)
-                break
-            taken += self._decode_run(reqs, until, max_steps - taken)
-            decoding = True
-        return taken
+        `_decodes_follow`). Returns the number of engine steps taken. (`sim.stepping.advance`,
+        compiled where the install could.)"""
+        return stepping.advance(self, until, max_steps, fuse)
 
     def _decodes_follow(self, until: float, decoding: bool) -> bool:
         """Whether the next decision is sure to be a run of decode steps of the whole running
-        batch: nothing is due by now, the queue is empty, every running request decodes one
-        token (`decoding`, as the last step left it), and the policy schedules such a batch
-        as it stands (`Policy.decodes_alone`)."""
-        policy = self.policy
-        now = self.now
-        return not (not decoding or now >= until or policy.waiting or not policy.running
-                    or now > MAX_TIME_S or self._next_external() <= now
-                    or policy.next_change_time() <= now or not policy.skip_ahead_safe
-                    or not policy.decodes_alone() or self.executor is not None
-                    or not self.skip_ahead or self.duration_override is not None
-                    or self._swap_out or self._swap_in or self.scheduler_steps > 1
-                    # (blocks cached when scheduled are registered by schedule_running)
-                    or self.kv.register_at_allocation)
+        batch (`sim.stepping.decodes_follow`)."""
+        return stepping.decodes_follow(self, until, decoding)
 
     def _single_step(self, sched: list[tuple[Request, int]], num_waiting: int) -> int:
         """One engine step of `sched` ((request, tokens) pairs, blocks allocated); returns 1.
@@ -888,10 +714,11 @@ class Engine:
             started += 1
         return started
 
-    # Steps of a decode run computed one by one in Python before switching to NumPy for the
-    # rest: most runs end within a few steps (at the next arrival), where NumPy's per-call cost
-    # would dominate.
-    SCALAR_STEPS = 24
+    # Steps of a decode run computed one by one before switching to NumPy for the rest: most
+    # runs end within a few steps (at the next arrival), where NumPy's per-call cost would
+    # dominate; compiled, a step costs a few hundred instructions, so NumPy pays only for long
+    # runs. (Either way the same bits: tests/test_compiled.py.)
+    SCALAR_STEPS = 256 if _compiled.COMPILED else 24
     # Steps of one decode run at most (its NumPy columns stay a few MB); a longer stretch is
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20

@@ -13,7 +13,8 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
-from sim.request import Request, RequestState
+from sim import stepping
+from sim.request import Request
 
 
 @dataclass(slots=True)
@@ -161,67 +162,7 @@ class Policy:
         `continue_after_self_preemption`). Sets `out.decode_only` when every running request
         decodes exactly one token. Returns the budget left.
         """
-        kv = self.kv
-        bs = kv.block_size
-        running = self.running
-        sched = out.scheduled
-        register = kv.register_at_allocation
-        # Async scheduling: a request that sampled in the last step has a token the scheduler
-        # has not seen yet, and one that finished then is skipped (it holds its seat).
-        lagging = self.async_scheduling
-        engine = self.engine
-        g = engine.step_count if register and lagging else 0
-        skip_finished = lagging and engine.has_finishing()
-        finished = RequestState.FINISHED
-        all_decode = True
-        finishing = 0
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            if skip_finished and req.state is finished:
-                finishing += 1
-                i += 1
-                continue
-            c = req.num_computed_tokens
-            total = req.prompt_len + req.num_output_tokens
-            n = total - c
-            if n > budget:
-                n = budget
-            if -(-(c + n) // bs) > len(req.block_table):
-                while not kv.allocate_slots(req, n):
-                    victim = self.pick_victim()
-                    before = victim is not running[-1] and running.index(victim) < i
-                    _, given_back = self.preempt_one(out, victim)
-                    if victim is req:
-                        break
-                    budget += given_back
-                    if before:  # a request earlier in the batch (priority): the index shifts
-                        i -= 1
-                if req.state is not RequestState.RUNNING:
-                    all_decode = False
-                    if self.continue_after_self_preemption:
-                        continue
-                    break
-            sched.append((req, n))
-            if register:
-                segs = req.token_segments
-                unseen = 1 if lagging and segs and segs[-1][0] + segs[-1][1] == g else 0
-                kv.cache_scheduled(req, n, unseen)
-            if n != 1 or c + 1 != total or total == req.prompt_len or req.recomputing:
-                all_decode = False
-            budget -= n
-            i += 1
-        if register and lagging:
-            # The output of the last step, processed after this one is scheduled, registers
-            # the blocks its tokens filled for requests this step leaves out.
-            for req in running[i:]:
-                kv.cache_blocks(req, req.num_computed_tokens)
-        # (Requests finishing may stay beside a run of decode steps, which gives their blocks
-        # back after its first step, unless that could let a waiting request in.)
-        out.decode_only = (all_decode and not out.preempted
-                           and len(sched) + finishing == len(running)
-                           and not (finishing and self.waiting))
-        return budget
+        return stepping.schedule_running(self, out, budget)  # (compiled where it could be)
 
     def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
         raise NotImplementedError

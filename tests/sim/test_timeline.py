@@ -22,7 +22,7 @@ def _fill(tl, cols, n):
     while i < n:
         k = 1 if (i // 7) % 2 else min(13, n - i)
         if k == 1:
-            tl.add_row(*(cols[c][i] for c in NAMES))
+            tl.add_row(*(cols[c][i].item() for c in NAMES))
         else:
             tl.append(**{c: cols[c][i:i + k] for c in NAMES})
         i += k
@@ -55,6 +55,34 @@ def test_chunked_columns_and_totals_equal_the_whole_columns(small_chunks):
     for t_ in (0.0, cols["end"][0], cols["end"][500], cols["end"][-1], 1e9):
         for side in ("left", "right"):
             assert tl.index(t_, side) == np.searchsorted(cols["end"], t_, side), (t_, side)
+
+
+def test_a_decode_run_staged_at_once_equals_its_steps_one_by_one(small_chunks):
+    """`add_decodes` (the engine's decode runs) writes the rows `add_row` would, each column
+    in its place, across stage flushes and sealed chunks."""
+    rng = np.random.default_rng(3)
+    one, runs = Timeline(), Timeline()
+    t = 0.0
+    for r in range(40):
+        k = int(rng.integers(1, 30))
+        b, itl0, waiting = int(rng.integers(1, 64)), int(rng.integers(0, 64)), r % 5
+        durs = rng.uniform(0.01, 0.02, k).tolist()
+        ends = np.cumsum([t] + durs)[1:].tolist()
+        t = ends[-1]
+        used = np.sort(rng.integers(0, 900, k)).tolist()
+        empty = rng.integers(0, 300, k).tolist()
+        energy = rng.uniform(1, 9, k).tolist()
+        runs.add_decodes(ends, durs, b, itl0, used, empty, energy, waiting)
+        for j in range(k):
+            one.add_row(ends[j], durs[j], b, 0, b, b, itl0 if j == 0 else b, used[j],
+                        empty[j], energy[j], waiting)
+        if r % 9 == 0:  # a single step in between
+            t += 0.03
+            for tl in (one, runs):
+                tl.add_row(t, 0.03, 700, 600, 9, 3, 2, 11, 5, 4.5, 1)
+    assert runs.n == one.n > 64
+    for c in NAMES:
+        assert np.array_equal(runs.column(c), one.column(c)), c
 
 
 def test_without_history_rows_are_dropped_unless_pinned(small_chunks):
