@@ -17,6 +17,7 @@ from typing import Hashable, Iterable
 import numpy as np
 
 from sim.errors import ScenarioError
+from sim.request import Request
 
 class OutOfBlocks(Exception):
     """Raised by BlockPool.allocate when fewer blocks are free than asked for."""
@@ -293,7 +294,7 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_used
 
-    def allocate_slots(self, req, num_new_tokens: int, reserve: int = 0,
+    def allocate_slots(self, req: Request, num_new_tokens: int, reserve: int = 0,
                        prefix: list[int] | None = None, full_sequence: bool = False) -> bool:
         """Grow `req.block_table` to hold `num_new_tokens` more tokens.
 
@@ -322,7 +323,8 @@ class KVCacheManager:
         req.block_table.extend(self.pool.allocate(need))
         return True
 
-    def _allocate_with_prefix(self, req, n: int, reserve: int, prefix: list[int]) -> bool:
+    def _allocate_with_prefix(self, req: Request, n: int, reserve: int,
+                              prefix: list[int]) -> bool:
         pool = self.pool
         cached = len(prefix) * self.block_size
         need = blocks_for(cached + n, self.block_size) - len(prefix)
@@ -340,7 +342,7 @@ class KVCacheManager:
         return True
 
     # --- prefix cache ------------------------------------------------------------------------
-    def block_key(self, req, j: int, chains: list[int] | None = None):
+    def block_key(self, req: Request, j: int, chains: list[int] | None = None):
         """The content key of full block `j` of `req`: equal keys mean equal tokens in this
         block and every block before it (what vLLM's chained block hash stands for).
         `chains` are the request's `hash_chains()`, when already at hand."""
@@ -380,7 +382,7 @@ class KVCacheManager:
             out.append(cid)
         return out
 
-    def match_prefix(self, req) -> list[int]:
+    def match_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding the longest prefix of `req`'s tokens (none when caching is off
         or the request already has tokens computed). Leaves at least one token to compute, so
         the step that completes the prompt can sample. Takes nothing yet."""
@@ -402,7 +404,7 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def cache_blocks(self, req, num_tokens: int) -> None:
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Register the full blocks among `req`'s first `num_tokens` tokens in the prefix
         cache (those not registered yet)."""
         full = num_tokens // self.block_size
@@ -415,7 +417,7 @@ class KVCacheManager:
                      else self.block_key(req, j))
         req.cached_upto = full
 
-    def cache_scheduled(self, req, num_new_tokens: int, num_unknown: int = 0) -> None:
+    def cache_scheduled(self, req: Request, num_new_tokens: int, num_unknown: int = 0) -> None:
         """`req` is scheduled to compute `num_new_tokens` tokens: register the blocks they
         fill now (vLLM V1 caches at allocation, so a request admitted later in the same step
         shares them), except blocks holding any of its last `num_unknown` tokens, which the
@@ -424,7 +426,7 @@ class KVCacheManager:
         self.cache_blocks(req, min(req.num_computed_tokens + num_new_tokens,
                                    req.num_tokens - num_unknown))
 
-    def free(self, req) -> None:
+    def free(self, req: Request) -> None:
         """Release every block `req` holds, on the device (tail first) and on the host, and
         empty its tables. Cached blocks stay in the cache until evicted."""
         req.cached_upto = 0
@@ -440,7 +442,7 @@ class KVCacheManager:
         assert self.host is not None, "no host swap space"
         return self.host
 
-    def reserve_contiguous(self, req, num_tokens: int) -> bool:
+    def reserve_contiguous(self, req: Request, num_tokens: int) -> bool:
         """Give `req` (holding nothing) a run of consecutive blocks for `num_tokens` tokens,
         first fit, as systems before PagedAttention did. Returns False when no run is long
         enough, however many blocks are free in total (external fragmentation)."""
@@ -456,7 +458,7 @@ class KVCacheManager:
         req.block_table = list(range(first, first + n))
         return True
 
-    def swap_out(self, req) -> list[tuple[int, int]] | None:
+    def swap_out(self, req: Request) -> list[tuple[int, int]] | None:
         """Move `req`'s blocks to host memory. Returns the (device, host) block pairs to copy,
         or None (nothing moved) when the host pool lacks room."""
         n = len(req.block_table)
@@ -473,7 +475,7 @@ class KVCacheManager:
         req.host_table = host
         return pairs
 
-    def swap_in(self, req) -> list[tuple[int, int]]:
+    def swap_in(self, req: Request) -> list[tuple[int, int]]:
         """After `allocate_slots` gave a swapped request device blocks again: release its host
         blocks. Returns the (host, device) block pairs to copy back."""
         pairs = list(zip(req.host_table, req.block_table))

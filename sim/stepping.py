@@ -80,7 +80,7 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
             or (e._cancels and e._cancels[0][0] <= now)):
         arrive(e, now)
     if not policy.has_work():
-        target = min(e._next_external(), until)
+        target = min(next_external(e), until)
         if target > now and target != INF:
             e._idle_to(target)
         return 0
@@ -126,6 +126,17 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     return taken
 
 
+def next_external(e: Any) -> float:
+    """`Engine._next_external`: when the next arrival or client cancellation is due."""
+    arr: list = e._w_arrival
+    i: int = e._w_next
+    t: Any = arr[i] if i < len(arr) else INF
+    cancels: list = e._cancels
+    if cancels and cancels[0][0] < t:
+        t = cancels[0][0]
+    return t
+
+
 def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     """Whether the next decision is sure to be a run of decode steps of the whole running
     batch: nothing is due by now, the queue is empty, every running request decodes one
@@ -134,7 +145,7 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     policy = e.policy
     now = e.now
     return not (not decoding or now >= until or policy.waiting or not policy.running
-                or now > MAX_TIME_S or e._next_external() <= now
+                or now > MAX_TIME_S or next_external(e) <= now
                 or policy.next_change_time() <= now or not policy.skip_ahead_safe
                 or not policy.decodes_alone() or e.executor is not None
                 or not e.skip_ahead or e.duration_override is not None
@@ -148,6 +159,7 @@ def arrive(e: Any, now: float) -> None:
     then take effect."""
     arr = e._w_arrival
     w = e.workload
+    prompt, output, priority, cancel_at = e._w_cols
     while e._w_next < len(arr) and arr[e._w_next] <= now:
         i = e._w_base + e._w_next  # the request's row in the workload
         t = arr[e._w_next]
@@ -156,9 +168,8 @@ def arrive(e: Any, now: float) -> None:
             e._w_base = i + 1
             e._w_arrival = arr = w.arrival[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
             e._w_next = 0
-        c = w.cancel_at[i].item()
-        req = Request(i, t, w.prompt[i].item(), w.output[i].item(),
-                      priority=w.priority[i].item(),
+        c = cancel_at[i]
+        req = Request(i, t, prompt[i], output[i], priority=priority[i],
                       hash_ids=w.hash_ids[i] if w.hash_ids else None,
                       cancel_at=None if c != c else c)
         if w.prefix_group is not None:
@@ -461,7 +472,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     if kmax == 1:
         return e._single_step([(r, 1) for r in reqs], len(e.policy.waiting))
     # (within a multi-step window, arrivals and cancellations do not end the run)
-    t_ext = min(INF if e._window else e._next_external(), until,
+    t_ext = min(INF if e._window else next_external(e), until,
                 e.policy.next_change_time())
     ends, dur, energy = run_times(e, b, c0, kmax, t_ext)
     k = len(ends)
@@ -684,3 +695,22 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
                        and len(sched) + finishing == len(running)
                        and not (finishing and p.waiting))
     return budget
+
+
+def admit_waiting(p: Any, out: Any, budget: Any) -> None:
+    """`ChunkedPolicy.admit_waiting` of policy `p` (which see)."""
+    kv: KVCacheManager = p.kv
+    full = p.cfg.reserve_full_sequence
+    watermark = p.watermark_blocks()
+    while p.waiting and budget > 0 and len(p.running) < p.cfg.max_num_seqs:
+        req = p.next_waiting()
+        n, hits = p.plan_waiting(req, budget)
+        if not kv.allocate_slots(req, n, reserve=watermark if p.running else 0,
+                                 prefix=hits, full_sequence=full):
+            given_back = p.make_room(out, req)
+            if given_back is None:
+                break
+            budget += given_back
+            continue
+        p.schedule_admitted(out, req, n)
+        budget -= n

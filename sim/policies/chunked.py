@@ -12,6 +12,7 @@ anything runs; the first request that does not fit ends admission for the step.
 
 from __future__ import annotations
 
+from sim import stepping
 from sim.policies.base import Policy, SchedulerOutput
 
 
@@ -35,20 +36,11 @@ class ChunkedPolicy(Policy):
         return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
 
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        full = self.cfg.reserve_full_sequence
-        watermark = self.watermark_blocks()
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.next_waiting()
-            n, hits = self.plan_waiting(req, budget)
-            if not self.kv.allocate_slots(req, n, reserve=watermark if self.running else 0,
-                                          prefix=hits, full_sequence=full):
-                given_back = self.make_room(out, req)
-                if given_back is None:
-                    break
-                budget += given_back
-                continue
-            self.schedule_admitted(out, req, n)
-            budget -= n
+        """Admit from the queue, in the policy's order, within what is left of the token budget
+        and `max_num_seqs`, while blocks for each (and the watermark) fit; the first that does
+        not fit ends admission unless `make_room` preempts for it. (`sim.stepping`, compiled
+        where it could be.)"""
+        stepping.admit_waiting(self, out, budget)
 
     def make_room(self, out: SchedulerOutput, req) -> int | None:
         """`req`, next in the queue, does not fit: preempt for it and return the tokens given
