@@ -46,7 +46,7 @@ def schedule_decodes(e: Any) -> list[Request] | None:
     request whose table is full given the block its next token needs, in batch order as
     `schedule_running` allocates them. None, changing nothing, when blocks are short."""
     kv: KVCacheManager = e.kv
-    bs = e.block_size
+    bs: int = e.block_size
     running: list[Request] = e.policy.running
     # (async scheduling: requests that finished in the last step hold their seats until
     # the run's first step is scheduled, as schedule_running skips them)
@@ -353,9 +353,9 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     if e.duration_override is not None:
         dur = next(e.duration_override)
     e._swap_out, e._swap_in, e._copies = [], [], []
-    start = e.now
+    start: float = e.now
     end = start + dur
-    g = e.step_count  # this step's row on the timeline
+    g: int = e.step_count  # this step's row on the timeline
     sampled = itl = 0
     prefilling = False
     prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
@@ -441,20 +441,19 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     """Run identical decode-only steps of `reqs` (the first one scheduled, its blocks
     allocated), up to the next event, all at once."""
     kv: KVCacheManager = e.kv
-    bs = e.block_size
+    bs: int = e.block_size
     b = len(reqs)
     # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
     # a request needs a new block at step j when its token computed + j lies past the end
     # of its table, which holds at least step 0's token (a contiguous reservation holds
     # far more), then every bs steps. (One loop: three comprehensions cost twice.)
-    kmax = min(max_steps, e.RUN_STEPS_MAX)
+    kmax: int = min(max_steps, e.RUN_STEPS_MAX)
     c0 = 0  # tokens the batch holds
     first_cross: list[int] = []
-    add = first_cross.append
     for r in reqs:
         c = r.num_computed_tokens
         c0 += c
-        add(len(r.block_table) * bs - c)
+        first_cross.append(len(r.block_table) * bs - c)
         left = r.max_output_tokens - r.num_output_tokens
         if left < kmax:
             kmax = left
@@ -489,12 +488,12 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     used_end = kv_used[-1]
     empty_end = sum(first_cross) + bs * (used_end - used) - b * k
     kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
-    g = e.step_count  # the run's first row on the timeline
+    g: int = e.step_count  # the run's first row on the timeline
     end = ends[-1]
     first_end = ends[0]
     itl0 = 0
     finished = []
-    caching = e.prefix_caching
+    caching: bool = e.prefix_caching
     # Registered when scheduled, a block holding the run's last token waits, under async
     # scheduling, for the next step (the scheduler has not seen that token yet).
     unseen = 1 if kv.register_at_allocation and e.policy.async_scheduling else 0
@@ -533,7 +532,7 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     would: by step, then batch order. Returns the used blocks after each step's
     allocation."""
     kv: KVCacheManager = e.kv
-    bs = e.block_size
+    bs: int = e.block_size
     used = kv.num_used_blocks
     first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
     if not first:
@@ -572,13 +571,14 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     return (used + np.cumsum(taken)).tolist()
 
 
-def record_run(e: Any, ends, dur, energy, kv_used: list, b: int, itl0: int,
+def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
                 empty_less_used: int, empty_first: int = 0) -> None:
     """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
     with `empty_less_used` + block_size * (blocks used) empty slots (`empty_first` more in
     its first step, held by requests released after it)."""
     tl: Timeline = e.timeline
-    k, bs = len(ends), e.block_size
+    k = len(ends)
+    bs: int = e.block_size
     waiting = len(e.policy.waiting)
     # Empty slots after step j: those at the end, plus the tokens of later steps, minus
     # the slots of blocks allocated later.
@@ -628,7 +628,8 @@ def empty_slots(e: Any) -> int:
     for r in running:
         slots += len(r.block_table)
         tokens += r.num_computed_tokens
-    return slots * e.block_size - tokens
+    bs: int = e.block_size
+    return slots * bs - tokens
 
 
 def schedule_running(p: Any, out: Any, budget: Any) -> Any:
