@@ -480,8 +480,10 @@ def test_a_client_that_stops_reading_holds_up_nobody_and_gets_its_whole_stream()
 
 def test_many_streams_written_from_two_threads_each_get_their_whole_stream():
     """With 40 streams in the batch, each step's frames go out from two threads
-    (`--send-threads 2`); every client still gets its own stream, whole and in order."""
-    n, k = 40, 20
+    (`--send-threads 2`); every client still gets its own stream, whole and in order.
+    (Streams of 200 tokens, a few seconds each, so that the 40 overlap even when a busy
+    machine opens the connections slowly.)"""
+    n, k = 40, 200
     with serving(send_threads=2) as s:
         pair = s.frontend._pair
         batches = []
