@@ -21,6 +21,7 @@ MODULES = {
     "sim.costmodel": "sim/costmodel.py",
     "sim.timeline": "sim/timeline.py",
     "sim.stepping": "sim/stepping.py",
+    "sim.quantiles": "sim/quantiles.py",
 }
 MANIFEST = "sim/_compiled.json"  # digests of the sources the build compiled
 

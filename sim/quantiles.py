@@ -172,6 +172,7 @@ class Samples:
         if len(live):
             self._min = min(self._min, float(live.min()))
             self._max = max(self._max, float(live.max()))
+        assert self.sketch is not None  # (set by _fold before any part is folded)
         self.sketch.add(v, w)
 
     # --- reading --------------------------------------------------------------------------
@@ -235,6 +236,7 @@ def _sketched(sources: list) -> dict:
     for src in sources:
         if isinstance(src, Samples) and not src.exact:
             src._spill()
+            assert src.sketch is not None  # (not exact)
             pool.sketch.merge(src.sketch)
             pool._count += src._count
             pool._sum += src._sum
