@@ -155,7 +155,7 @@ class Timeline:
         self._s_sampled.append(sampled)
         self._s_waiting.append(waiting)
         if len(self._s_end) >= _STAGE:
-            self._flush()
+            self.flush()
 
     def add_decodes(self, ends: list[float], durs: list[float], batch: int, itl_first: int,
                     kv_used: list[int], kv_empty: list[int], energy: list[float],
@@ -178,14 +178,14 @@ class Timeline:
         self._s_sampled.append(batch)
         self._s_waiting.append(waiting)
         if len(self._s_end) >= _STAGE:
-            self._flush()
+            self.flush()
 
     def append(self, **cols) -> int:
         """Append k rows (every column a scalar or an array of length k).
 
         Returns the index of the first new row.
         """
-        self._flush()
+        self.flush()
         i = self.n
         self._write({name: cols.get(name, 0) for name in NAMES}, len(cols["end"]))
         return i
@@ -193,9 +193,6 @@ class Timeline:
     def flush(self) -> None:
         """Write the staged rows to the columns now (they are written when the stage fills,
         or before anything reads the columns, in any case)."""
-        self._flush()
-
-    def _flush(self) -> None:
         k = len(self._s_end)
         if k:
             rows = np.array(self._s_rows, dtype=np.int64)
@@ -295,14 +292,14 @@ class Timeline:
     # --- reading --------------------------------------------------------------------------------
     def totals(self) -> Totals:
         """Totals of every row recorded (sealed and not)."""
-        self._flush()
+        self.flush()
         t = Totals()
         t.add(self._tail, self._tail_n)
         return self.sealed.plus(t)
 
     def tail_itl(self) -> tuple[np.ndarray, np.ndarray]:
         """ITL gaps and token counts of the rows not yet sealed (see `itl` for the others)."""
-        self._flush()
+        self.flush()
         k = self._tail_n
         return self._gaps(self._tail["end"][:k], self._tail["itl_count"][:k])
 
@@ -310,7 +307,7 @@ class Timeline:
         """Column `name` over rows [lo, hi) (absolute indices, clamped to those recorded).
 
         Raises EngineError when some of them were dropped (`keep=False`)."""
-        self._flush()
+        self.flush()
         lo, hi = max(lo, 0), min(hi, self.n)
         if hi <= lo:
             return np.zeros(0, dtype=COLUMNS[name])
@@ -342,7 +339,7 @@ class Timeline:
 
     def index(self, t: float, side: Literal["left", "right"] = "left") -> int:
         """Like `np.searchsorted(column("end"), t, side)` over the rows held."""
-        self._flush()
+        self.flush()
         firsts = [float(c["end"][0]) for c in self._chunks]
         k = bisect.bisect_left(firsts, t) if side == "left" else bisect.bisect_right(firsts, t)
         # the row lies in chunk k - 1 (or in the tail when k == len(firsts))
