@@ -35,6 +35,7 @@ from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TOKENS,
 from sim.policies import POLICIES
 from sim.quantiles import Samples
 from sim.request import Request, RequestState
+from sim.stepping import EngineState
 from sim.timeline import Timeline
 from sim.tokens import prompt_token_ids
 from sim.workload import Workload, build_workload
@@ -156,7 +157,7 @@ class _Continued:
         return self.timeline.ends(start, count)
 
 
-class Engine:
+class Engine(EngineState):
     """A simulated serving engine over one scenario.
 
     `executor` (optional) runs real attention each step; `skip_ahead=False` forces one step at a

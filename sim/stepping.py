@@ -22,6 +22,8 @@ from collections import deque
 from itertools import accumulate
 from typing import Any, Final
 
+from mypy_extensions import mypyc_attr
+
 import numpy as np
 
 from sim import events as ev
@@ -29,6 +31,7 @@ from sim.errors import EngineError
 from sim.kv import KVCacheManager, blocks_for
 from sim.limits import MAX_TIME_S
 from sim.request import Request, RequestState
+from sim.quantiles import Samples
 from sim.timeline import Timeline
 
 RS = RequestState
@@ -41,16 +44,103 @@ FINISHED: Final = RS.FINISHED
 REJECTED: Final = RS.REJECTED
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
+class EngineState:
+    """The engine's fields that the hot path reads and writes, declared with their types:
+    `Engine` subclasses this, and compiled code reads them as native fields (a field of a
+    plain Python object costs an attribute lookup in its dict, ~10x as much). Everything else
+    (the hooks a subclass overrides or a caller patches, the class constants) stays on
+    `Engine` and is reached through it."""
+
+    now: float
+    step_count: int
+    block_size: int
+    scheduler_steps: int
+    max_model_len: int
+    num_samples: int
+    record_events: bool
+    record_timeline: bool
+    keep_history: bool
+    skip_ahead: bool
+    prefix_caching: bool
+    clock: str
+    kv: KVCacheManager
+    timeline: Timeline
+    policy: Any
+    cost: Any  # (sim.fit puts a recorder in its place)
+    executor: Any
+    duration_override: Any
+    scenario: Any
+    workload: Any
+    events: list
+    requests: dict[int, Request]
+    recent: deque
+    counts: dict[str, int]
+    # arrivals (see Engine.__init__)
+    _w_base: int
+    _w_next: int
+    _w_arrival: list[float]
+    _w_cols: tuple
+    _cancels: list[tuple[float, int]]
+    # the step being scheduled and the ones before it
+    _window: int
+    _batch_decodes: bool
+    _releasing: list[Request]
+    _swap_out: list[tuple[int, int]]
+    _swap_in: list[tuple[int, int]]
+    _copies: list[tuple[int, int]]
+    _freed: list[int]
+    # running figures
+    queue_wait: Samples
+    ttft: Samples
+    tpot: Samples
+    e2e: Samples
+    itl_extra: Samples
+    finished_prompt_tokens: int
+    finished_output_tokens: int
+    slo_met: int
+    recent_ttfts: deque
+    recent_gaps: deque
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)
+class PolicyState:
+    """A policy's fields that the hot path reads (`Policy` subclasses this; see EngineState)."""
+
+    engine: Any
+    kv: KVCacheManager
+    cfg: Any
+    waiting: Any  # (a deque, or a policy's own queue)
+    running: list[Request]
+    async_scheduling: bool
+    continue_after_self_preemption: bool
+
+
+class SchedulerOutput:
+    """One step's plan: (request, tokens to compute) in batch order, and who was preempted.
+    `decode_only` is True when every running request decodes one token and nothing else
+    happens: the engine may then run identical steps back to back until the next event."""
+
+    __slots__ = ("scheduled", "preempted", "decode_only")
+
+    def __init__(self) -> None:
+        self.scheduled: list[tuple[Request, int]] = []
+        self.preempted: list[Request] = []
+        self.decode_only = False
+
+
 def schedule_decodes(e: Any) -> list[Request] | None:
     """What the policy would schedule once `_decodes_follow`: the running batch, each
     request whose table is full given the block its next token needs, in batch order as
     `schedule_running` allocates them. None, changing nothing, when blocks are short."""
-    kv: KVCacheManager = e.kv
-    bs: int = e.block_size
-    running: list[Request] = e.policy.running
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    kv: KVCacheManager = s.kv
+    bs: int = s.block_size
+    running: list[Request] = ps.running
     # (async scheduling: requests that finished in the last step hold their seats until
     # the run's first step is scheduled, as schedule_running skips them)
-    reqs = ([r for r in running if r.state is RUNNING] if e._releasing
+    reqs = ([r for r in running if r.state is RUNNING] if s._releasing
             else list(running))
     if not reqs:
         return None
@@ -67,17 +157,19 @@ def schedule_decodes(e: Any) -> list[Request] | None:
 def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     """`Engine._advance` (which see): one scheduling decision, and the runs of decode steps
     that follow it with no choice in them."""
-    now = e.now
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    now = s.now
     if now > MAX_TIME_S:  # a service-time model whose steps outrun any session
-        raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {e.step_count} "
+        raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {s.step_count} "
                           f"(t = {now:.3g} s): steps or hand-offs take too long under this "
                           "scenario's [hardware] and [model]")
-    policy = e.policy
-    if not policy.running:
-        e._window = 0
-    if not e._window and (
-            (e._w_next < len(e._w_arrival) and e._w_arrival[e._w_next] <= now)
-            or (e._cancels and e._cancels[0][0] <= now)):
+    policy = s.policy
+    if not ps.running:
+        s._window = 0
+    if not s._window and (
+            (s._w_next < len(s._w_arrival) and s._w_arrival[s._w_next] <= now)
+            or (s._cancels and s._cancels[0][0] <= now)):
         arrive(e, now)
     if not policy.has_work():
         target = min(next_external(e), until)
@@ -86,7 +178,7 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
         return 0
     out = policy.schedule()
     sched: list[tuple[Request, int]] = out.scheduled
-    if not sched and e._releasing:
+    if not sched and s._releasing:
         # Only requests finishing (async scheduling): their output is processed now, and
         # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
         # would (nothing else arrives meanwhile).
@@ -98,22 +190,22 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     for req, _ in sched:
         if req.state is not RUNNING:
             e._admit(req)
-    if e.scheduler_steps > 1:
-        e._window = (e._window or e.scheduler_steps) if out.decode_only else 0
-        if e._window:
-            max_steps = min(max_steps, e._window)
+    if s.scheduler_steps > 1:
+        s._window = (s._window or s.scheduler_steps) if out.decode_only else 0
+        if s._window:
+            max_steps = min(max_steps, s._window)
     # (Swap copies still to make are charged to the next single step: a request can join a
     # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
-    if (out.decode_only and e.executor is None and e.skip_ahead and max_steps > 1
-            and policy.skip_ahead_safe and e.duration_override is None
-            and not (e._swap_out or e._swap_in)):
+    if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
+            and policy.skip_ahead_safe and s.duration_override is None
+            and not (s._swap_out or s._swap_in)):
         taken = e._decode_run([r for r, _ in sched], until, max_steps)
         decoding = True  # (what is left of a run's batch decodes on)
     else:
-        taken = e._single_step(sched, len(policy.waiting))
-        decoding = e._batch_decodes
-    if e._window:
-        e._window = max(e._window - taken, 0)
+        taken = e._single_step(sched, len(ps.waiting))
+        decoding = s._batch_decodes
+    if s._window:
+        s._window = max(s._window - taken, 0)
     # Decisions with no choice in them follow within this one: while nothing arrives and
     # the queue is empty, the batch left after a prefill step or a run that ended with
     # requests finishing decodes on, and the policy would only say so again.
@@ -128,10 +220,11 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
 
 def next_external(e: Any) -> float:
     """`Engine._next_external`: when the next arrival or client cancellation is due."""
-    arr: list = e._w_arrival
-    i: int = e._w_next
+    s: EngineState = e
+    arr: list = s._w_arrival
+    i: int = s._w_next
     t: Any = arr[i] if i < len(arr) else INF
-    cancels: list = e._cancels
+    cancels: list = s._cancels
     if cancels and cancels[0][0] < t:
         t = cancels[0][0]
     return t
@@ -142,32 +235,35 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     batch: nothing is due by now, the queue is empty, every running request decodes one
     token (`decoding`, as the last step left it), and the policy schedules such a batch
     as it stands (`Policy.decodes_alone`)."""
-    policy = e.policy
-    now = e.now
-    return not (not decoding or now >= until or policy.waiting or not policy.running
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    policy = s.policy
+    now = s.now
+    return not (not decoding or now >= until or ps.waiting or not ps.running
                 or now > MAX_TIME_S or next_external(e) <= now
                 or policy.next_change_time() <= now or not policy.skip_ahead_safe
-                or not policy.decodes_alone() or e.executor is not None
-                or not e.skip_ahead or e.duration_override is not None
-                or e._swap_out or e._swap_in or e.scheduler_steps > 1
+                or not policy.decodes_alone() or s.executor is not None
+                or not s.skip_ahead or s.duration_override is not None
+                or s._swap_out or s._swap_in or s.scheduler_steps > 1
                 # (blocks cached when scheduled are registered by schedule_running)
-                or e.kv.register_at_allocation)
+                or s.kv.register_at_allocation)
 
 
 def arrive(e: Any, now: float) -> None:
     """The workload's requests due by `now` arrive, and the client cancellations due by
     then take effect."""
-    arr = e._w_arrival
-    w = e.workload
-    prompt, output, priority, cancel_at = e._w_cols
-    while e._w_next < len(arr) and arr[e._w_next] <= now:
-        i = e._w_base + e._w_next  # the request's row in the workload
-        t = arr[e._w_next]
-        e._w_next += 1
-        if e._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
-            e._w_base = i + 1
-            e._w_arrival = arr = w.arrival[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
-            e._w_next = 0
+    s: EngineState = e
+    arr = s._w_arrival
+    w = s.workload
+    prompt, output, priority, cancel_at = s._w_cols
+    while s._w_next < len(arr) and arr[s._w_next] <= now:
+        i = s._w_base + s._w_next  # the request's row in the workload
+        t = arr[s._w_next]
+        s._w_next += 1
+        if s._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
+            s._w_base = i + 1
+            s._w_arrival = arr = w.arrival[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
+            s._w_next = 0
         c = cancel_at[i]
         req = Request(i, t, prompt[i], output[i], priority=priority[i],
                       hash_ids=w.hash_ids[i] if w.hash_ids else None,
@@ -175,94 +271,99 @@ def arrive(e: Any, now: float) -> None:
         if w.prefix_group is not None:
             req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
         on_arrival(e, req)
-    while e._cancels and e._cancels[0][0] <= now:
-        _, rid = heapq.heappop(e._cancels)
-        due = e.requests.get(rid)  # (gone: it ended, and keep_history is off)
+    while s._cancels and s._cancels[0][0] <= now:
+        _, rid = heapq.heappop(s._cancels)
+        due = s.requests.get(rid)  # (gone: it ended, and keep_history is off)
         if due is not None and not due.state.is_done:
             e._cancel(due, by="client")
-        elif due in e._releasing:  # finished, its output not yet processed: freed now
+        elif due in s._releasing:  # finished, its output not yet processed: freed now
             e._release_now(due)
 
 
 def on_arrival(e: Any, req: Request) -> None:
     """`req` arrives: recorded, rejected if it could never fit, else queued."""
-    kv: KVCacheManager = e.kv
-    req._timeline = e.timeline
-    e.requests[req.req_id] = req
-    e.counts["arrived"] += 1
-    if e.record_events:
-        e.events.append(ev.Arrival(req.arrival_time, req.req_id, req.prompt_len,
+    s: EngineState = e
+    kv: KVCacheManager = s.kv
+    req._timeline = s.timeline
+    s.requests[req.req_id] = req
+    s.counts["arrived"] += 1
+    if s.record_events:
+        s.events.append(ev.Arrival(req.arrival_time, req.req_id, req.prompt_len,
                                       req.max_output_tokens, req.priority, req.injected))
     total = req.prompt_len + req.max_output_tokens - 1
     reason = None
-    if blocks_for(total, e.block_size) > kv.num_blocks:
-        reason = (f"needs {blocks_for(total, e.block_size)} blocks, "
+    if blocks_for(total, s.block_size) > kv.num_blocks:
+        reason = (f"needs {blocks_for(total, s.block_size)} blocks, "
                   f"the pool has {kv.num_blocks}")
-    elif e.max_model_len and req.prompt_len + req.max_output_tokens > e.max_model_len:
-        reason = f"longer than max_model_len = {e.max_model_len}"
+    elif s.max_model_len and req.prompt_len + req.max_output_tokens > s.max_model_len:
+        reason = f"longer than max_model_len = {s.max_model_len}"
     if reason:
         req.transition(REJECTED)
         req.reject_reason = reason
-        req.finish_time = e.now
-        e.counts["rejected"] += 1
-        e.recent.append(req)
-        if not e.keep_history:
-            del e.requests[req.req_id]
-        if e.record_events:
-            e.events.append(ev.Reject(e.now, req.req_id, reason))
+        req.finish_time = s.now
+        s.counts["rejected"] += 1
+        s.recent.append(req)
+        if not s.keep_history:
+            del s.requests[req.req_id]
+        if s.record_events:
+            s.events.append(ev.Reject(s.now, req.req_id, reason))
         return
     if req.cancel_at is not None:
-        heapq.heappush(e._cancels, (req.cancel_at, req.req_id))
-    e.policy.add(req)
+        heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
+    s.policy.add(req)
 
 
 def finish(e: Any, req: Request, t: float) -> None:
     """`req` has sampled its last token at `t`: it ends, its blocks and seat given back
     (after the next step is scheduled, under async scheduling)."""
-    kv: KVCacheManager = e.kv
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    kv: KVCacheManager = s.kv
     req.transition(FINISHED)
     req.finish_time = t
-    if e.policy.async_scheduling:
-        e._releasing.append(req)
+    if ps.async_scheduling:
+        s._releasing.append(req)
     else:
         kv.free(req)
-        e.policy.finished(req)
-    e.recent.append(req)
+        s.policy.finished(req)
+    s.recent.append(req)
     e._drop(req)
-    e.finished_prompt_tokens += req.prompt_len
+    s.finished_prompt_tokens += req.prompt_len
     if req.parent_id is not None:  # a further sample: its tokens count, not its latency
-        e.counts["finished_samples"] += 1
-        if e.record_events:
-            e.events.append(ev.Finish(t, req.req_id))
+        s.counts["finished_samples"] += 1
+        if s.record_events:
+            s.events.append(ev.Finish(t, req.req_id))
         return
-    e.counts["finished"] += 1
+    s.counts["finished"] += 1
     fold_finished(e, req, t)
-    if e.record_events:
-        e.events.append(ev.Finish(t, req.req_id))
+    if s.record_events:
+        s.events.append(ev.Finish(t, req.req_id))
 
 
 def fold_finished(e: Any, req: Request, t: float) -> None:
     """Add a finished request (not a further sample) to the run's latency figures."""
+    s: EngineState = e
     first = req.first_token_time
     assert first is not None  # (a finished request has sampled)
     ttft = first - req.arrival_time
     e2e = t - req.arrival_time
     tpot = req.tpot
-    e.e2e.add(e2e)
+    s.e2e.add(e2e)
     if tpot is not None:
-        e.tpot.add(tpot)
-    e.finished_output_tokens += req.num_output_tokens
-    slo = e.scenario.slo
+        s.tpot.add(tpot)
+    s.finished_output_tokens += req.num_output_tokens
+    slo = s.scenario.slo
     if ((not slo.ttft_ms or ttft * 1e3 <= slo.ttft_ms)
             and (not slo.tpot_ms or tpot is None or tpot * 1e3 <= slo.tpot_ms)
             and (not slo.e2e_ms or e2e * 1e3 <= slo.e2e_ms)):
-        e.slo_met += 1
+        s.slo_met += 1
 
 
 def gap(e: Any, t: float, gap_s: float) -> None:
     """An ITL gap across steps that are not adjacent, its token sampled at `t`."""
-    e.itl_extra.add(gap_s)
-    recent(e, e.recent_gaps, t, gap_s)
+    s: EngineState = e
+    s.itl_extra.add(gap_s)
+    recent(e, s.recent_gaps, t, gap_s)
 
 
 def recent(e: Any, q: deque, t: float, v: float) -> None:
@@ -274,10 +375,12 @@ def recent(e: Any, q: deque, t: float, v: float) -> None:
 
 def finish_step(e: Any, finished: list[Request], t: float) -> None:
     """The requests whose last token the step ending at `t` computed end."""
+    s: EngineState = e
+    ps: PolicyState = s.policy
     for req in finished:
         finish(e, req, t)
-    if (e._releasing and not e.policy.waiting
-            and len(e.policy.running) == len(e._releasing)):
+    if (s._releasing and not ps.waiting
+            and len(ps.running) == len(s._releasing)):
         # Nothing else runs or waits: the next step would schedule nothing but let vLLM
         # process this one's output, at once (short of an arrival at exactly `t`).
         release(e)
@@ -286,37 +389,41 @@ def finish_step(e: Any, finished: list[Request], t: float) -> None:
 def release(e: Any) -> None:
     """Async scheduling: the step scheduled after the one that finished these requests
     has been; their output is processed now, their blocks freed and seats given back."""
-    kv: KVCacheManager = e.kv
-    if not e._releasing:
+    s: EngineState = e
+    kv: KVCacheManager = s.kv
+    if not s._releasing:
         return
-    done: list[Request] = e._releasing
-    e._releasing = []
+    done: list[Request] = s._releasing
+    s._releasing = []
     for req in done:
         if kv.register_at_allocation:  # the blocks its last step filled
             kv.cache_blocks(req, req.num_computed_tokens)
         kv.free(req)
-        e.policy.finished(req)
+        s.policy.finished(req)
 
 
 def admit(e: Any, req: Request) -> None:
     """`req` joins the batch: blocks swapped out come back, its queue wait is recorded."""
-    kv: KVCacheManager = e.kv
+    s: EngineState = e
+    kv: KVCacheManager = s.kv
     resumed = req.state is not WAITING
     if req.state is SWAPPED:  # allocate_slots gave it device blocks: copy back
-        e._swap_in.extend(kv.swap_in(req))
-    elif e.prefix_caching:  # its prompt (and outputs, re-prefilling) was looked up
+        s._swap_in.extend(kv.swap_in(req))
+    elif s.prefix_caching:  # its prompt (and outputs, re-prefilling) was looked up
         kv.query_tokens += req.num_tokens
     req.transition(RUNNING)
     if req.admitted_time is None:
-        req.admitted_time = e.now
-        e.queue_wait.add(e.now - req.arrival_time)
-    if e.record_events:
-        e.events.append(ev.Admit(e.now, req.req_id, resumed))
+        req.admitted_time = s.now
+        s.queue_wait.add(s.now - req.arrival_time)
+    if s.record_events:
+        s.events.append(ev.Admit(s.now, req.req_id, resumed))
 
 
 def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> int:
-    tl: Timeline = e.timeline
-    kv: KVCacheManager = e.kv
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    tl: Timeline = s.timeline
+    kv: KVCacheManager = s.kv
     # What the service-time model needs: prefill chunks and decodes apart (separate
     # attention kernels), and the rows that sample (the LM head runs on those only).
     tokens = p_tokens = p_attended = p_cached = d_seqs = d_cached = sampling = 0
@@ -335,32 +442,32 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             d_cached += c
         if c + n >= req.num_tokens:
             sampling += 1
-    dur, energy = e.cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
+    dur, energy = s.cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
                                  len(sched), sampling)
-    swapped = len(e._swap_out) + len(e._swap_in)
+    swapped = len(s._swap_out) + len(s._swap_in)
     if swapped:  # block copies over the host link delay the step
-        extra = e.cost.swap_time(swapped)
+        extra = s.cost.swap_time(swapped)
         dur += extra
-        energy += e.cost.idle_energy(extra)
+        energy += s.cost.idle_energy(extra)
     sampled_ids = None
-    if e.executor is not None:
+    if s.executor is not None:
         t0 = time.perf_counter()
-        sampled_ids = e.executor.execute(e._build_work(sched))
+        sampled_ids = s.executor.execute(e._build_work(sched))
         measured = time.perf_counter() - t0
-        e._freed = []
-        if e.clock == "measured":
+        s._freed = []
+        if s.clock == "measured":
             dur, energy = measured, energy * measured / dur
-    if e.duration_override is not None:
-        dur = next(e.duration_override)
-    e._swap_out, e._swap_in, e._copies = [], [], []
-    start: float = e.now
+    if s.duration_override is not None:
+        dur = next(s.duration_override)
+    s._swap_out, s._swap_in, s._copies = [], [], []
+    start: float = s.now
     end = start + dur
-    g: int = e.step_count  # this step's row on the timeline
+    g: int = s.step_count  # this step's row on the timeline
     sampled = itl = 0
     prefilling = False
     prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
     tokens_out: dict[int, list[int]] = {}  # (with real compute)
-    caching = e.prefix_caching and not kv.register_at_allocation
+    caching = s.prefix_caching and not kv.register_at_allocation
     for (req, n), chunk in zip(sched, is_prefill):
         c = req.num_computed_tokens
         total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
@@ -385,8 +492,8 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         if req.num_output_tokens == 1:
             req.first_token_time = end
             if req.parent_id is None:
-                e.ttft.add(end - req.arrival_time)
-                recent(e, e.recent_ttfts, end, end - req.arrival_time)
+                s.ttft.add(end - req.arrival_time)
+                recent(e, s.recent_ttfts, end, end - req.arrival_time)
             first.append(req)
             segs.append([g, 1])
             # (preempted before its first token: counted as re-prefilling until the next)
@@ -407,30 +514,30 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             finished.append(req)
     # Every request of the batch (finishing aside) decodes in the next step, as the
     # policy's `schedule_running` tests it.
-    e._batch_decodes = (not prefilling and len(sched) + len(e._releasing)
-                           == len(e.policy.running))
-    if e.num_samples > 1:
+    s._batch_decodes = (not prefilling and len(sched) + len(s._releasing)
+                           == len(ps.running))
+    if s.num_samples > 1:
         for req in first:
             if req.parent_id is None and req not in finished:
                 sampled += e._fork(req, end, g)
-    if e.record_timeline:
+    if s.record_timeline:
         tl.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
                               kv.num_used_blocks, empty_slots(e), energy,
                               num_waiting)
-    e.now = end
-    e.step_count += 1
-    e.counts["output_tokens"] += sampled
-    if e.record_events:
+    s.now = end
+    s.step_count += 1
+    s.counts["output_tokens"] += sampled
+    if s.record_events:
         e._emit_steps(ev.Steps(start, g, np.array([end]), tuple(prefill_chunks),
                                   tuple(decodes),
                                   tokens_out if sampled_ids is not None else None,
                                   kv.num_used_blocks,
-                                  np.array([dur]) if e.clock == "measured" else None))
+                                  np.array([dur]) if s.clock == "measured" else None))
         for req in first:
-            e.events.append(ev.FirstToken(end, req.req_id))
+            s.events.append(ev.FirstToken(end, req.req_id))
         for req in recomputed:
-            e.events.append(ev.Recomputed(end, req.req_id))
-    if e._releasing:
+            s.events.append(ev.Recomputed(end, req.req_id))
+    if s._releasing:
         release(e)
     if finished:
         finish_step(e, finished, end)
@@ -440,8 +547,10 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
 def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int:
     """Run identical decode-only steps of `reqs` (the first one scheduled, its blocks
     allocated), up to the next event, all at once."""
-    kv: KVCacheManager = e.kv
-    bs: int = e.block_size
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    kv: KVCacheManager = s.kv
+    bs: int = s.block_size
     b = len(reqs)
     # Block boundaries crossed in steps 1..kmax-1 (step 0's blocks are already allocated):
     # a request needs a new block at step j when its token computed + j lies past the end
@@ -459,7 +568,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             kmax = left
     # Requests that finished in the last step (async scheduling) give their blocks back
     # once this run's first step is scheduled: before step 1 allocates.
-    pending: list[Request] = e._releasing
+    pending: list[Request] = s._releasing
     if kmax > 1:
         free = kv.num_free_blocks
         need = sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax])
@@ -469,10 +578,10 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
             kmax = cross[free]  # the step whose allocation would fail is scheduled alone
     if kmax == 1:
-        return e._single_step([(r, 1) for r in reqs], len(e.policy.waiting))
+        return e._single_step([(r, 1) for r in reqs], len(ps.waiting))
     # (within a multi-step window, arrivals and cancellations do not end the run)
-    t_ext = min(INF if e._window else next_external(e), until,
-                e.policy.next_change_time())
+    t_ext = min(INF if s._window else next_external(e), until,
+                s.policy.next_change_time())
     ends, dur, energy = run_times(e, b, c0, kmax, t_ext)
     k = len(ends)
     used_first = kv.num_used_blocks
@@ -488,15 +597,15 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     used_end = kv_used[-1]
     empty_end = sum(first_cross) + bs * (used_end - used) - b * k
     kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
-    g: int = e.step_count  # the run's first row on the timeline
+    g: int = s.step_count  # the run's first row on the timeline
     end = ends[-1]
     first_end = ends[0]
     itl0 = 0
     finished = []
-    caching: bool = e.prefix_caching
+    caching: bool = s.prefix_caching
     # Registered when scheduled, a block holding the run's last token waits, under async
     # scheduling, for the next step (the scheduler has not seen that token yet).
-    unseen = 1 if kv.register_at_allocation and e.policy.async_scheduling else 0
+    unseen = 1 if kv.register_at_allocation and ps.async_scheduling else 0
     for r in reqs:
         r.num_computed_tokens += k
         r.num_output_tokens += k
@@ -512,15 +621,15 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         r.last_token_time = end
         if r.num_output_tokens >= r.max_output_tokens:
             finished.append(r)
-    if e.record_timeline:
+    if s.record_timeline:
         record_run(e, ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
                          empty_first)
-    if e.record_events:
-        e._emit_steps(ev.Steps(e.now, g, np.asarray(ends), (),
+    if s.record_events:
+        e._emit_steps(ev.Steps(s.now, g, np.asarray(ends), (),
                                   tuple([r.req_id for r in reqs]), None, kv_used[-1]))
-    e.now = end
-    e.step_count += k
-    e.counts["output_tokens"] += b * k
+    s.now = end
+    s.step_count += k
+    s.counts["output_tokens"] += b * k
     if finished:
         finish_step(e, finished, end)
     return k
@@ -531,8 +640,9 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     `first_cross[i]`, then every block_size steps) in the order step-by-step scheduling
     would: by step, then batch order. Returns the used blocks after each step's
     allocation."""
-    kv: KVCacheManager = e.kv
-    bs: int = e.block_size
+    s: EngineState = e
+    kv: KVCacheManager = s.kv
+    bs: int = s.block_size
     used = kv.num_used_blocks
     first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
     if not first:
@@ -576,10 +686,12 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
     """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
     with `empty_less_used` + block_size * (blocks used) empty slots (`empty_first` more in
     its first step, held by requests released after it)."""
-    tl: Timeline = e.timeline
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    tl: Timeline = s.timeline
     k = len(ends)
-    bs: int = e.block_size
-    waiting = len(e.policy.waiting)
+    bs: int = s.block_size
+    waiting = len(ps.waiting)
     # Empty slots after step j: those at the end, plus the tokens of later steps, minus
     # the slots of blocks allocated later.
     if k <= e.SCALAR_STEPS:
@@ -605,30 +717,33 @@ def run_times(e: Any, b: int, c0: int, kmax: int, t_ext: float):
     Step j reads c0 + b*j cached tokens. The clock advances by sequential addition in both
     the scalar and the NumPy part, so the times equal those of single steps exactly.
     """
-    ends, durs, ens = e.cost.decode_times(b, c0, min(kmax, e.SCALAR_STEPS), e.now,
+    s: EngineState = e
+    ends, durs, ens = s.cost.decode_times(b, c0, min(kmax, e.SCALAR_STEPS), s.now,
                                              t_ext)
     j = len(ends)
     t = ends[-1]
     if j == kmax or t >= t_ext:  # (the next step would start at or after the next event)
         return ends, durs, ens
-    d, en = e.cost.decode_steps(b, c0 + b * np.arange(j, kmax, dtype=np.int64))
-    e = np.cumsum(np.concatenate(([t], d)))[1:]
+    d, en = s.cost.decode_steps(b, c0 + b * np.arange(j, kmax, dtype=np.int64))
+    tail = np.cumsum(np.concatenate(([t], d)))[1:]
     m = len(d)
-    if m > 1 and e[m - 2] >= t_ext:
-        m = 1 + int(np.searchsorted(e[: m - 1], t_ext, side="left"))
-    return (np.concatenate((ends, e[:m])), np.concatenate((durs, d[:m])),
+    if m > 1 and tail[m - 2] >= t_ext:
+        m = 1 + int(np.searchsorted(tail[: m - 1], t_ext, side="left"))
+    return (np.concatenate((ends, tail[:m])), np.concatenate((durs, d[:m])),
             np.concatenate((ens, en[:m])))
 
 
 def empty_slots(e: Any) -> int:
     """Allocated slots holding no token, over every request holding device blocks.
     (A shared block is full, so counting it once per sharer adds nothing.)"""
+    s: EngineState = e
+    ps: PolicyState = s.policy
     slots = tokens = 0
-    running: list[Request] = e.policy.running
+    running: list[Request] = ps.running
     for r in running:
         slots += len(r.block_table)
         tokens += r.num_computed_tokens
-    bs: int = e.block_size
+    bs: int = s.block_size
     return slots * bs - tokens
 
 
@@ -636,15 +751,16 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
     """`Policy.schedule_running` (which see) of policy `p`: the running batch advanced in
     order within `budget` tokens, preempting while blocks run short. Returns the budget left.
     (Here to be compiled: the policy's pass over the batch every decision.)"""
-    kv: KVCacheManager = p.kv
+    ps: PolicyState = p
+    kv: KVCacheManager = ps.kv
     bs = kv.block_size
-    running: list[Request] = p.running
+    running: list[Request] = ps.running
     sched: list[tuple[Request, Any]] = out.scheduled
     register = kv.register_at_allocation
     # Async scheduling: a request that sampled in the last step has a token the scheduler
     # has not seen yet, and one that finished then is skipped (it holds its seat).
-    lagging: bool = p.async_scheduling
-    engine = p.engine
+    lagging: bool = ps.async_scheduling
+    engine = ps.engine
     g: int = engine.step_count if register and lagging else 0
     skip_finished: bool = lagging and engine.has_finishing()
     all_decode = True
@@ -673,7 +789,7 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
                     i -= 1
             if req.state is not RUNNING:
                 all_decode = False
-                if p.continue_after_self_preemption:
+                if ps.continue_after_self_preemption:
                     continue
                 break
         sched.append((req, n))
@@ -694,19 +810,20 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
     # back after its first step, unless that could let a waiting request in.)
     out.decode_only = (all_decode and not out.preempted
                        and len(sched) + finishing == len(running)
-                       and not (finishing and p.waiting))
+                       and not (finishing and ps.waiting))
     return budget
 
 
 def admit_waiting(p: Any, out: Any, budget: Any) -> None:
     """`ChunkedPolicy.admit_waiting` of policy `p` (which see)."""
-    kv: KVCacheManager = p.kv
-    full = p.cfg.reserve_full_sequence
+    ps: PolicyState = p
+    kv: KVCacheManager = ps.kv
+    full = ps.cfg.reserve_full_sequence
     watermark = p.watermark_blocks()
-    while p.waiting and budget > 0 and len(p.running) < p.cfg.max_num_seqs:
+    while ps.waiting and budget > 0 and len(ps.running) < ps.cfg.max_num_seqs:
         req = p.next_waiting()
         n, hits = p.plan_waiting(req, budget)
-        if not kv.allocate_slots(req, n, reserve=watermark if p.running else 0,
+        if not kv.allocate_slots(req, n, reserve=watermark if ps.running else 0,
                                  prefix=hits, full_sequence=full):
             given_back = p.make_room(out, req)
             if given_back is None:

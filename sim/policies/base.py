@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 
 from sim import stepping
 from sim.request import Request
+from sim.stepping import PolicyState, SchedulerOutput
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan: (request, tokens to compute) in batch order, and who was preempted."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # True when every running request decodes one token and nothing else happens: the engine
-    # may then run identical steps back to back until the next event.
-    decode_only: bool = False
-
-
-class Policy:
+class Policy(PolicyState):
     """Base scheduler: FCFS queue order, most recently admitted request as preemption victim."""
 
     name = "base"
