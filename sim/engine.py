@@ -33,6 +33,7 @@ from sim.kv import KVCacheManager
 from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TOKENS,
                         PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
+from sim.policies.chunked import is_plain
 from sim.quantiles import Samples
 from sim.request import Request, RequestState
 from sim.stepping import EngineState
@@ -258,6 +259,7 @@ class Engine(EngineState):
         self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
         self._batch_decodes = False  # set by each single step (see _decodes_follow)
+        self._plain_hooks = False  # (see _check_hooks)
 
     # ================================================================================ public API
     @property
@@ -272,6 +274,7 @@ class Engine(EngineState):
 
     def step(self) -> int:
         """Run exactly one engine step (or one idle advance). Returns steps taken (0 or 1)."""
+        self._check_hooks()
         return self._advance(INF, 1)
 
     def run_until(self, t: float, max_steps: int | None = None) -> int:
@@ -282,15 +285,9 @@ class Engine(EngineState):
         start = self.step_count
         budget = max_steps if max_steps is not None else 1 << 62
         t0 = time.perf_counter()
-        stalls = 0
+        self._check_hooks()
         with paused_gc():
-            while self.now < t and not self.done and self.step_count - start < budget:
-                before = (self.step_count, self.now)
-                self._advance(t, budget - (self.step_count - start))
-                stalls = stalls + 1 if (self.step_count, self.now) == before else 0
-                if stalls > 3:
-                    raise EngineError(f"engine stalled at t={self.now:.6f}: "
-                                      f"{len(self.policy.waiting)} waiting, nothing schedulable")
+            stepping.run_loop(self, t, budget)  # (raises EngineError on a stalled engine)
             if self.done and self.now < t and math.isfinite(t):
                 self._idle_to(t)
         self.timeline.flush()  # (between calls the engine holds its rows in columns only)
@@ -306,6 +303,7 @@ class Engine(EngineState):
         recorded action). Raises EngineError if the run cannot land there."""
         if step > self.step_count:
             self.run_until(t, step - self.step_count)
+        self._check_hooks()
         while self.step_count == step and self.now < t:
             before = self.now
             self._advance(t, 1)
@@ -460,6 +458,7 @@ class Engine(EngineState):
         first step boundary at or after `until` (or after `max_steps` steps), or an idle advance
         toward `until`. Returns the engine steps taken."""
         # (not fused: a deployment routes, hands off and cancels between any two decisions)
+        self._check_hooks()
         return self._advance(until, max_steps, fuse=False)
 
     def next_event(self) -> float:
@@ -646,11 +645,17 @@ class Engine(EngineState):
             self.policy.finished(req)
 
     def _drop(self, req: Request) -> None:
-        if self.executor is not None:  # it tells the executor, then forgets
-            self._freed.append(req.req_id)
-        self._prompt_ids.pop(req.req_id, None)
-        if not self.keep_history:
-            self.requests.pop(req.req_id, None)
+        stepping.drop(self, req)
+
+    def _check_hooks(self) -> None:
+        """Let the hot path do the work of the engine's hooks (`_admit`, `_single_step`,
+        `_decode_run`) and of the policy's methods without calling them, where neither a
+        subclass overrides them nor a caller has patched them (as tests and `sim.fit` do);
+        checked each time a run starts (`run_until`, `step`, `decide`, `advance_to`)."""
+        mine, cls = self.__dict__, type(self)
+        self._plain_hooks = all(name not in mine and getattr(cls, name) is f
+                                for name, f in _HOOKS.items())
+        self.policy.plain = is_plain(self.policy)
 
     def _admit(self, req: Request) -> None:
         stepping.admit(self, req)
@@ -753,3 +758,7 @@ class Engine(EngineState):
         work = StepWork(self.step_count, seqs, copies=self._copies, swap_out=self._swap_out,
                         swap_in=self._swap_in, freed=self._freed)
         return work
+
+
+# The hooks as Engine defines them (Engine._check_hooks compares with these).
+_HOOKS = {name: Engine.__dict__[name] for name in ("_admit", "_single_step", "_decode_run")}

@@ -90,6 +90,10 @@ class EngineState:
     _swap_in: list[tuple[int, int]]
     _copies: list[tuple[int, int]]
     _freed: list[int]
+    _prompt_ids: dict
+    # No hook (`_admit`, `_single_step`, `_decode_run`) overridden or patched: the hot path
+    # calls them directly (set by `Engine._check_hooks` when a run starts)
+    _plain_hooks: bool
     # running figures
     queue_wait: Samples
     ttft: Samples
@@ -114,6 +118,9 @@ class PolicyState:
     running: list[Request]
     async_scheduling: bool
     continue_after_self_preemption: bool
+    # Exactly `ChunkedPolicy`, no method patched: the hot path does what its methods (and
+    # Policy's) would without calling them (set by `Engine._check_hooks` when a run starts)
+    plain: bool
 
 
 class SchedulerOutput:
@@ -171,25 +178,28 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
             (s._w_next < len(s._w_arrival) and s._w_arrival[s._w_next] <= now)
             or (s._cancels and s._cancels[0][0] <= now)):
         arrive(e, now)
-    if not policy.has_work():
+    if not (ps.waiting or ps.running if ps.plain else policy.has_work()):
         target = min(next_external(e), until)
         if target > now and target != INF:
             e._idle_to(target)
         return 0
-    out = policy.schedule()
+    out: SchedulerOutput = chunked_schedule(policy) if ps.plain else policy.schedule()
     sched: list[tuple[Request, int]] = out.scheduled
     if not sched and s._releasing:
         # Only requests finishing (async scheduling): their output is processed now, and
         # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
         # would (nothing else arrives meanwhile).
         release(e)
-        out = policy.schedule()
+        out = chunked_schedule(policy) if ps.plain else policy.schedule()
         sched = out.scheduled
     if not sched:
         return 0  # everything was preempted; the next decision admits again
     for req, _ in sched:
         if req.state is not RUNNING:
-            e._admit(req)
+            if s._plain_hooks:
+                admit(e, req)
+            else:
+                e._admit(req)
     if s.scheduler_steps > 1:
         s._window = (s._window or s.scheduler_steps) if out.decode_only else 0
         if s._window:
@@ -197,12 +207,15 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     # (Swap copies still to make are charged to the next single step: a request can join a
     # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
     if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
-            and policy.skip_ahead_safe and s.duration_override is None
+            and (ps.plain or policy.skip_ahead_safe) and s.duration_override is None
             and not (s._swap_out or s._swap_in)):
-        taken = e._decode_run([r for r, _ in sched], until, max_steps)
+        batch = [r for r, _ in sched]
+        taken = (decode_run(e, batch, until, max_steps) if s._plain_hooks
+                 else e._decode_run(batch, until, max_steps))
         decoding = True  # (what is left of a run's batch decodes on)
     else:
-        taken = e._single_step(sched, len(ps.waiting))
+        taken = (single_step(e, sched, len(ps.waiting)) if s._plain_hooks
+                 else e._single_step(sched, len(ps.waiting)))
         decoding = s._batch_decodes
     if s._window:
         s._window = max(s._window - taken, 0)
@@ -213,7 +226,8 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
         reqs = schedule_decodes(e)
         if reqs is None:  # blocks are short: the policy decides (and preempts)
             break
-        taken += e._decode_run(reqs, until, max_steps - taken)
+        taken += (decode_run(e, reqs, until, max_steps - taken) if s._plain_hooks
+                  else e._decode_run(reqs, until, max_steps - taken))
         decoding = True
     return taken
 
@@ -241,8 +255,10 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     now = s.now
     return not (not decoding or now >= until or ps.waiting or not ps.running
                 or now > MAX_TIME_S or next_external(e) <= now
-                or policy.next_change_time() <= now or not policy.skip_ahead_safe
-                or not policy.decodes_alone() or s.executor is not None
+                or (not (len(ps.running) <= ps.cfg.max_num_batched_tokens) if ps.plain
+                    else (policy.next_change_time() <= now or not policy.skip_ahead_safe
+                          or not policy.decodes_alone()))
+                or s.executor is not None
                 or not s.skip_ahead or s.duration_override is not None
                 or s._swap_out or s._swap_in or s.scheduler_steps > 1
                 # (blocks cached when scheduled are registered by schedule_running)
@@ -283,6 +299,7 @@ def arrive(e: Any, now: float) -> None:
 def on_arrival(e: Any, req: Request) -> None:
     """`req` arrives: recorded, rejected if it could never fit, else queued."""
     s: EngineState = e
+    ps: PolicyState = s.policy
     kv: KVCacheManager = s.kv
     req._timeline = s.timeline
     s.requests[req.req_id] = req
@@ -310,7 +327,10 @@ def on_arrival(e: Any, req: Request) -> None:
         return
     if req.cancel_at is not None:
         heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
-    s.policy.add(req)
+    if ps.plain:
+        ps.waiting.append(req)
+    else:
+        s.policy.add(req)
 
 
 def finish(e: Any, req: Request, t: float) -> None:
@@ -325,9 +345,12 @@ def finish(e: Any, req: Request, t: float) -> None:
         s._releasing.append(req)
     else:
         kv.free(req)
-        s.policy.finished(req)
+        if ps.plain:
+            ps.running.remove(req)
+        else:
+            s.policy.finished(req)
     s.recent.append(req)
-    e._drop(req)
+    drop(e, req)
     s.finished_prompt_tokens += req.prompt_len
     if req.parent_id is not None:  # a further sample: its tokens count, not its latency
         s.counts["finished_samples"] += 1
@@ -338,6 +361,39 @@ def finish(e: Any, req: Request, t: float) -> None:
     fold_finished(e, req, t)
     if s.record_events:
         s.events.append(ev.Finish(t, req.req_id))
+
+
+def drop(e: Any, req: Request) -> None:
+    """`Engine._drop`: an ended request leaves the engine's books (the executor is told; it
+    is forgotten unless the engine keeps its history)."""
+    s: EngineState = e
+    if s.executor is not None:
+        s._freed.append(req.req_id)
+    s._prompt_ids.pop(req.req_id, None)
+    if not s.keep_history:
+        s.requests.pop(req.req_id, None)
+
+
+def run_loop(e: Any, t: float, budget: int) -> None:
+    """`Engine.run_until`'s loop: decisions while the clock is before `t`, work is left and
+    fewer than `budget` steps have run."""
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    start = s.step_count
+    stalls = 0
+    while s.now < t and s.step_count - start < budget:
+        if not (ps.waiting or ps.running if ps.plain else s.policy.has_work()) \
+                and s._w_next >= len(s._w_arrival):
+            break  # (done)
+        before_step, before_now = s.step_count, s.now
+        advance(e, t, budget - (s.step_count - start), True)
+        if s.step_count == before_step and s.now == before_now:
+            stalls += 1
+            if stalls > 3:
+                raise EngineError(f"engine stalled at t={s.now:.6f}: "
+                                  f"{len(ps.waiting)} waiting, nothing schedulable")
+        else:
+            stalls = 0
 
 
 def fold_finished(e: Any, req: Request, t: float) -> None:
@@ -390,6 +446,7 @@ def release(e: Any) -> None:
     """Async scheduling: the step scheduled after the one that finished these requests
     has been; their output is processed now, their blocks freed and seats given back."""
     s: EngineState = e
+    ps: PolicyState = s.policy
     kv: KVCacheManager = s.kv
     if not s._releasing:
         return
@@ -399,7 +456,10 @@ def release(e: Any) -> None:
         if kv.register_at_allocation:  # the blocks its last step filled
             kv.cache_blocks(req, req.num_computed_tokens)
         kv.free(req)
-        s.policy.finished(req)
+        if ps.plain:
+            ps.running.remove(req)
+        else:
+            s.policy.finished(req)
 
 
 def admit(e: Any, req: Request) -> None:
@@ -578,10 +638,12 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
             kmax = cross[free]  # the step whose allocation would fail is scheduled alone
     if kmax == 1:
-        return e._single_step([(r, 1) for r in reqs], len(ps.waiting))
+        one = [(r, 1) for r in reqs]
+        return (single_step(e, one, len(ps.waiting)) if s._plain_hooks
+                else e._single_step(one, len(ps.waiting)))
     # (within a multi-step window, arrivals and cancellations do not end the run)
     t_ext = min(INF if s._window else next_external(e), until,
-                s.policy.next_change_time())
+                INF if ps.plain else s.policy.next_change_time())
     ends, dur, energy = run_times(e, b, c0, kmax, t_ext)
     k = len(ends)
     used_first = kv.num_used_blocks
@@ -814,21 +876,57 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
     return budget
 
 
+def chunked_schedule(p: Any) -> SchedulerOutput:
+    """`ChunkedPolicy.schedule` of policy `p` (which see)."""
+    ps: PolicyState = p
+    out = SchedulerOutput()
+    budget = schedule_running(p, out, ps.cfg.max_num_batched_tokens)
+    if not out.preempted and ps.waiting:
+        n_before = len(out.scheduled)
+        if ps.plain:
+            admit_waiting(p, out, budget)
+        else:
+            p.admit_waiting(out, budget)
+        # (an admission that preempted a scheduled request for room keeps the count)
+        if len(out.scheduled) != n_before or out.preempted:
+            out.decode_only = False
+    return out
+
+
 def admit_waiting(p: Any, out: Any, budget: Any) -> None:
-    """`ChunkedPolicy.admit_waiting` of policy `p` (which see)."""
+    """`ChunkedPolicy.admit_waiting` of policy `p` (which see). A `plain` policy's methods
+    (`next_waiting`, `plan_waiting`, `watermark_blocks`, `make_room`, `schedule_admitted`)
+    are done here as they would do them."""
     ps: PolicyState = p
     kv: KVCacheManager = ps.kv
+    plain = ps.plain
     full = ps.cfg.reserve_full_sequence
-    watermark = p.watermark_blocks()
+    watermark = int(ps.cfg.watermark * (kv.num_blocks + 1)) if plain else p.watermark_blocks()
+    register = kv.register_at_allocation
     while ps.waiting and budget > 0 and len(ps.running) < ps.cfg.max_num_seqs:
-        req = p.next_waiting()
-        n, hits = p.plan_waiting(req, budget)
+        if plain:
+            req: Request = ps.waiting[0]
+            hits = kv.match_prefix(req)
+            n = req.num_tokens - req.num_computed_tokens - len(hits) * kv.block_size
+            n = min(n, budget)
+        else:
+            req = p.next_waiting()
+            n, hits = p.plan_waiting(req, budget)
         if not kv.allocate_slots(req, n, reserve=watermark if ps.running else 0,
                                  prefix=hits, full_sequence=full):
+            if plain:
+                break  # (vLLM V1 never preempts for a waiting request)
             given_back = p.make_room(out, req)
             if given_back is None:
                 break
             budget += given_back
             continue
-        p.schedule_admitted(out, req, n)
+        if plain:
+            ps.waiting.popleft()  # (the head: take_waiting)
+            ps.running.append(req)
+            out.scheduled.append((req, n))
+            if register:
+                kv.cache_scheduled(req, n)
+        else:
+            p.schedule_admitted(out, req, n)
         budget -= n

@@ -40,6 +40,7 @@ class Policy(PolicyState):
         # With async scheduling a request that finished in the last step stays in `running`
         # (FINISHED), holding its blocks and seat, until the engine has scheduled the next one.
         self.async_scheduling = self.models_v1 and self.cfg.async_scheduling
+        self.plain = False  # (set when a run starts: Engine._check_hooks)
         # After preempting itself for lack of blocks, a running request lets the requests after
         # it in the batch try (only `priority` can have any: others preempt the last one).
         self.continue_after_self_preemption = (self.models_v1

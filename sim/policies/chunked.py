@@ -22,15 +22,9 @@ class ChunkedPolicy(Policy):
     models_v1 = True
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.schedule_running(out, self.cfg.max_num_batched_tokens)
-        if not out.preempted and self.waiting:
-            n_before = len(out.scheduled)
-            self.admit_waiting(out, budget)
-            # (an admission that preempted a scheduled request for room keeps the count)
-            if len(out.scheduled) != n_before or out.preempted:
-                out.decode_only = False
-        return out
+        """Running requests first within the token budget, then admissions from the queue
+        in what is left (`sim.stepping.chunked_schedule`, compiled where it could be)."""
+        return stepping.chunked_schedule(self)
 
     def decodes_alone(self) -> bool:
         return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
@@ -47,3 +41,21 @@ class ChunkedPolicy(Policy):
         back, or None to end admission for this step (vLLM V1 never preempts for a waiting
         request)."""
         return None
+
+
+
+# What the hot path does itself for a plain ChunkedPolicy (sim.stepping: `PolicyState.plain`).
+_METHODS = ("schedule", "schedule_running", "admit_waiting", "make_room", "decodes_alone",
+            "next_waiting", "plan_waiting", "watermark_blocks", "schedule_admitted",
+            "take_waiting", "next_change_time", "has_work", "add", "finished",
+            "skip_ahead_safe")
+_ORIGINAL = {name: getattr(ChunkedPolicy, name) for name in _METHODS}
+
+
+def is_plain(policy) -> bool:
+    """Whether `policy` is exactly a ChunkedPolicy, none of its methods patched."""
+    if type(policy) is not ChunkedPolicy:
+        return False
+    mine = policy.__dict__
+    return all(name not in mine and getattr(ChunkedPolicy, name) is f
+               for name, f in _ORIGINAL.items())
