@@ -29,6 +29,10 @@ class RequestState(enum.Enum):
     CANCELLED = "cancelled"
     REJECTED = "rejected"
 
+    # (Enum's __hash__ is a Python method hashing the name, called on every transition; the
+    # members are singletons that compare by identity, so identity's hash will do)
+    __hash__ = object.__hash__
+
     @property
     def is_done(self) -> bool:
         return self in _DONE

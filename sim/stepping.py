@@ -757,10 +757,9 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
     # Empty slots after step j: those at the end, plus the tokens of later steps, minus
     # the slots of blocks allocated later.
     if k <= e.SCALAR_STEPS:
-        e0 = empty_less_used + b * (k - 1)  # (step j: e0 - b*j + bs*used_j)
-        empty = [e0 - b * j + bs * kv_used[j] for j in range(k)]
-        empty[0] += empty_first  # step 0 also counts the finishing requests' slots
-        tl.add_decodes(ends, dur, b, itl0, kv_used, empty, energy, waiting)
+        # (step j: e0 - b*j + bs*used_j; step 0 also counts the finishing requests' slots)
+        tl.add_decodes(ends, dur, b, itl0, kv_used, empty_less_used + b * (k - 1), bs,
+                       empty_first, energy, waiting)
     else:
         itl = np.full(k, b, dtype=np.int64)
         itl[0] = itl0

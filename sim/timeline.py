@@ -122,14 +122,14 @@ class Timeline:
         return self._first
 
     def _stage_reset(self) -> None:
-        # Per step: end, dur, itl_count, kv_used, kv_empty, energy. Per staged run of rows
-        # (a single step, or a run of decode steps, which shares them): its length, tokens,
-        # prefill_tokens, batch, sampled and waiting.
+        # Per step: end, dur, kv_used, energy. Per staged run of rows (a single step, or a run
+        # of decode steps, which shares them): its length, tokens, prefill_tokens, batch,
+        # sampled and waiting; and what its itl_count and kv_empty follow from (`flush`): the
+        # first row's itl_count (the others': batch), and row j's kv_empty as
+        # base - batch * j + per_block * kv_used[j] (+ first, in row 0).
         self._s_end: list[float] = []
         self._s_dur: list[float] = []
-        self._s_itl: list[int] = []
         self._s_used: list[int] = []
-        self._s_empty: list[int] = []
         self._s_energy: list[float] = []
         self._s_rows: list[int] = []
         self._s_tokens: list[int] = []
@@ -137,6 +137,10 @@ class Timeline:
         self._s_batch: list[int] = []
         self._s_sampled: list[int] = []
         self._s_waiting: list[int] = []
+        self._s_itl: list[int] = []
+        self._s_e_base: list[int] = []
+        self._s_e_block: list[int] = []
+        self._s_e_first: list[int] = []
 
     def add_row(self, end: float, dur: float, tokens: int, prefill_tokens: int, batch: int,
                 sampled: int, itl_count: int, kv_used: int, kv_empty: int, energy: float,
@@ -144,9 +148,7 @@ class Timeline:
         """Append one step (the fields of COLUMNS)."""
         self._s_end.append(end)
         self._s_dur.append(dur)
-        self._s_itl.append(itl_count)
         self._s_used.append(kv_used)
-        self._s_empty.append(kv_empty)
         self._s_energy.append(energy)
         self._s_rows.append(1)
         self._s_tokens.append(tokens)
@@ -154,29 +156,36 @@ class Timeline:
         self._s_batch.append(batch)
         self._s_sampled.append(sampled)
         self._s_waiting.append(waiting)
+        self._s_itl.append(itl_count)
+        self._s_e_base.append(kv_empty)
+        self._s_e_block.append(0)
+        self._s_e_first.append(0)
         if len(self._s_end) >= _STAGE:
             self.flush()
 
     def add_decodes(self, ends: list[float], durs: list[float], batch: int, itl_first: int,
-                    kv_used: list[int], kv_empty: list[int], energy: list[float],
-                    waiting: int) -> None:
+                    kv_used: list[int], empty_base: int, block_size: int, empty_first: int,
+                    energy: list[float], waiting: int) -> None:
         """Append a run of decode-only steps of `batch` sequences (one token each; the first
         step has `itl_first` tokens that follow a token of the step before, the others
-        `batch`): per-step end times, durations, blocks used, empty slots and energies."""
-        k = len(ends)
+        `batch`): per-step end times, durations, blocks used and energies. Step j has
+        empty_base - batch * j + block_size * kv_used[j] empty slots (`empty_first` more in
+        step 0): the slots of the blocks used less the tokens they hold, which grow by
+        `batch` a step."""
         self._s_end.extend(ends)
         self._s_dur.extend(durs)
-        self._s_itl.append(itl_first)
-        self._s_itl.extend([batch] * (k - 1))
         self._s_used.extend(kv_used)
-        self._s_empty.extend(kv_empty)
         self._s_energy.extend(energy)
-        self._s_rows.append(k)
+        self._s_rows.append(len(ends))
         self._s_tokens.append(batch)
         self._s_prefill.append(0)
         self._s_batch.append(batch)
         self._s_sampled.append(batch)
         self._s_waiting.append(waiting)
+        self._s_itl.append(itl_first)
+        self._s_e_base.append(empty_base)
+        self._s_e_block.append(block_size)
+        self._s_e_first.append(empty_first)
         if len(self._s_end) >= _STAGE:
             self.flush()
 
@@ -197,17 +206,23 @@ class Timeline:
         if k:
             rows = np.array(self._s_rows, dtype=np.int64)
 
-            def per_run(values: list[int], name: str) -> np.ndarray:
-                return np.repeat(np.array(values, dtype=COLUMNS[name]), rows)
+            def per_run(values: list[int]) -> np.ndarray:
+                return np.repeat(np.array(values, dtype=np.int64), rows)
 
+            starts = np.cumsum(rows) - rows  # each run's first row
+            batch = per_run(self._s_batch)
+            itl = batch.copy()
+            itl[starts] = self._s_itl
+            used = np.frombuffer(struct.pack(f"{k}q", *self._s_used), dtype=np.int64)
+            j = np.arange(k, dtype=np.int64) - np.repeat(starts, rows)  # row within its run
+            empty = per_run(self._s_e_base) - batch * j + per_run(self._s_e_block) * used
+            empty[starts] += self._s_e_first
             cols = {"end": self._s_end, "dur": self._s_dur,
-                    "tokens": per_run(self._s_tokens, "tokens"),
-                    "prefill_tokens": per_run(self._s_prefill, "prefill_tokens"),
-                    "batch": per_run(self._s_batch, "batch"),
-                    "sampled": per_run(self._s_sampled, "sampled"),
-                    "itl_count": self._s_itl, "kv_used": self._s_used,
-                    "kv_empty": self._s_empty, "energy": self._s_energy,
-                    "waiting": per_run(self._s_waiting, "waiting")}
+                    "tokens": per_run(self._s_tokens),
+                    "prefill_tokens": per_run(self._s_prefill),
+                    "batch": batch, "sampled": per_run(self._s_sampled),
+                    "itl_count": itl, "kv_used": used, "kv_empty": empty,
+                    "energy": self._s_energy, "waiting": per_run(self._s_waiting)}
             self._stage_reset()
             self._write(cols, k)
 

@@ -70,9 +70,11 @@ def test_a_decode_run_staged_at_once_equals_its_steps_one_by_one(small_chunks):
         ends = np.cumsum([t] + durs)[1:].tolist()
         t = ends[-1]
         used = np.sort(rng.integers(0, 900, k)).tolist()
-        empty = rng.integers(0, 300, k).tolist()
+        bs, base, first = int(rng.integers(1, 33)), int(rng.integers(0, 300)), r % 7
+        # (step j's empty slots: base - b*j + bs*used_j, `first` more in step 0)
+        empty = [base - b * j + bs * used[j] + (first if j == 0 else 0) for j in range(k)]
         energy = rng.uniform(1, 9, k).tolist()
-        runs.add_decodes(ends, durs, b, itl0, used, empty, energy, waiting)
+        runs.add_decodes(ends, durs, b, itl0, used, base, bs, first, energy, waiting)
         for j in range(k):
             one.add_row(ends[j], durs[j], b, 0, b, b, itl0 if j == 0 else b, used[j],
                         empty[j], energy[j], waiting)
