@@ -42,6 +42,7 @@ WAITING: Final = RS.WAITING
 SWAPPED: Final = RS.SWAPPED
 FINISHED: Final = RS.FINISHED
 REJECTED: Final = RS.REJECTED
+UNBOUNDED: Final = 1 << 62  # a token budget that no step reaches
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -502,6 +503,8 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             d_cached += c
         if c + n >= req.num_tokens:
             sampling += 1
+    dur: float
+    energy: float
     dur, energy = s.cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
                                  len(sched), sampling)
     swapped = len(s._swap_out) + len(s._swap_in)
@@ -564,7 +567,9 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
                 last[1] += 1
                 itl += 1
             else:
-                gap(e, end, end - req.last_token_time)
+                prev = req.last_token_time
+                assert prev is not None  # (it has sampled before)
+                gap(e, end, end - prev)
                 segs.append([g, 1])
             if req.recomputing:  # its re-prefill after a preemption is done
                 req.recomputing = False
@@ -660,8 +665,8 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     empty_end = sum(first_cross) + bs * (used_end - used) - b * k
     kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
     g: int = s.step_count  # the run's first row on the timeline
-    end = ends[-1]
-    first_end = ends[0]
+    end: float = ends[-1]
+    first_end: float = ends[0]
     itl0 = 0
     finished = []
     caching: bool = s.prefix_caching
@@ -678,7 +683,9 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             last[1] += k
             itl0 += 1
         else:
-            gap(e, first_end, first_end - r.last_token_time)
+            prev = r.last_token_time
+            assert prev is not None  # (it has sampled before)
+            gap(e, first_end, first_end - prev)
             r.token_segments.append([g, k])
         r.last_token_time = end
         if r.num_output_tokens >= r.max_output_tokens:
@@ -706,14 +713,21 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
     used = kv.num_used_blocks
-    first = sorted([(j0, i) for i, j0 in enumerate(first_cross) if j0 < k])
-    if not first:
+    # The requests that cross, in (first crossing j0, batch index i) order: sorted as the
+    # ints j0 * b + i, which sort as the pairs would, several times faster than tuples.
+    b = len(reqs)
+    keys = [j0 * b + i for i, j0 in enumerate(first_cross) if j0 < k]
+    if not keys:
         return [used] * k
+    keys.sort()
+    steps = [key // b for key in keys]  # their first crossings
     if k <= bs:  # (the common case: one block each at most)
-        blocks: Any = kv.pool.allocate(len(first))  # (Any: the same int objects move)
-        for (_, i), blk in zip(first, blocks):
-            reqs[i].block_table.append(blk)
-    elif first[-1][0] - first[0][0] < bs:
+        blocks: Any = kv.pool.allocate(len(keys))  # (Any: the same int objects move)
+        for key, blk in zip(keys, blocks):
+            reqs[key % b].block_table.append(blk)
+        return _used_by_step(e, steps, k, bs, used)
+    first = [(key // b, key % b) for key in keys]
+    if first[-1][0] - first[0][0] < bs:
         # First crossings within one block's span (always, short of contiguous
         # reservations): the order is round by round (a round is every request's next
         # crossing), each round in (first crossing, batch) order, only the last one cut
@@ -727,10 +741,16 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
         blocks = kv.pool.allocate(len(cross))
         for (_, i), blk in zip(cross, blocks):
             reqs[i].block_table.append(blk)
+    return _used_by_step(e, steps, k, bs, used)
+
+
+def _used_by_step(e: Any, steps: list[int], k: int, bs: int, used: int) -> list[int]:
+    """The blocks used after each of the `k` steps of a decode run that starts with `used`,
+    requests first crossing a block boundary at `steps` (then every `bs` steps)."""
     # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ...
     if k <= e.SCALAR_STEPS:  # (NumPy's per-call cost would dominate)
         at = [0] * k
-        for j0, _ in first:
+        for j0 in steps:
             at[j0] += 1
         for j in range(bs, k):
             at[j] += at[j - bs]
@@ -738,7 +758,7 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
         return list(accumulate(at))
     rounds = -(-k // bs)
     taken = np.zeros(rounds * bs, dtype=np.int64)  # (np.pad costs 0.3 ms a call)
-    taken[:k] = np.bincount([j0 for j0, _ in first], minlength=k)
+    taken[:k] = np.bincount(steps, minlength=k)
     taken = taken.reshape(rounds, bs).cumsum(axis=0).ravel()[:k]
     return (used + np.cumsum(taken)).tolist()
 
@@ -808,11 +828,16 @@ def empty_slots(e: Any) -> int:
     return slots * bs - tokens
 
 
-def schedule_running(p: Any, out: Any, budget: Any) -> Any:
+def schedule_running(p: Any, out: Any, tokens: Any) -> Any:
     """`Policy.schedule_running` (which see) of policy `p`: the running batch advanced in
-    order within `budget` tokens, preempting while blocks run short. Returns the budget left.
-    (Here to be compiled: the policy's pass over the batch every decision.)"""
+    order within `tokens` (an int, or inf: no budget), preempting while blocks run short.
+    Returns the budget left. (Here to be compiled: the policy's pass over the batch every
+    decision.)"""
     ps: PolicyState = p
+    # (an int budget, so that the arithmetic below is machine arithmetic; no budget is one
+    # that nothing reaches)
+    unbounded = not isinstance(tokens, int)
+    budget: int = UNBOUNDED if unbounded and tokens == INF else int(tokens)
     kv: KVCacheManager = ps.kv
     bs = kv.block_size
     running: list[Request] = ps.running
@@ -835,7 +860,7 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
             continue
         c = req.num_computed_tokens
         total = req.prompt_len + req.num_output_tokens
-        n: Any = total - c
+        n = total - c
         if n > budget:
             n = budget
         if -(-(c + n) // bs) > len(req.block_table):
@@ -872,7 +897,7 @@ def schedule_running(p: Any, out: Any, budget: Any) -> Any:
     out.decode_only = (all_decode and not out.preempted
                        and len(sched) + finishing == len(running)
                        and not (finishing and ps.waiting))
-    return budget
+    return INF if unbounded and tokens == INF else budget
 
 
 def chunked_schedule(p: Any) -> SchedulerOutput:
