@@ -44,7 +44,10 @@ NAMES = tuple(COLUMNS)
 # struct codes of the columns' types (native order and size, as NumPy's)
 _PACK = {name: {np.float64: "d", np.int64: "q", np.int32: "i"}[t] for name, t in COLUMNS.items()}
 CHUNK = 1 << 16  # rows per chunk (a power of two: chunk sums are of fixed row ranges)
-_STAGE = 2048    # single rows staged before they are written to the columns
+# Rows staged before they are written to the columns: a flush costs ~0.3 ms of NumPy calls
+# besides ~0.1 us a row, so 16k rows a flush halve the timeline's cost of 2k (the engine also
+# flushes at the end of each run_until)
+_STAGE = 1 << 14
 ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.quantiles' sketch)
 
 
