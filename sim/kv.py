@@ -139,18 +139,9 @@ class BlockPool:
         """
         ref, q = self.ref_cnt, self._queue
         if not self.sharing:
-            blocks = list(blocks)
-            for i, b in enumerate(blocks):
-                if ref[b] != 1:
-                    for b2 in blocks[:i]:  # (nothing freed: the pool stays as it was)
-                        ref[b2] = 1
-                    raise AssertionError(f"block {b} freed twice")
-                ref[b] = 0
-            if self.uncached_first:  # without sharing no block holds a cached prefix
-                self._front.extend(reversed(blocks))
-            else:
-                q.extend(blocks)
-            self.num_free += len(blocks)
+            table = list(blocks)
+            table.reverse()
+            self._free_unshared(table)
             return
         pos, bh, first = self._pos, self.block_hash, self.uncached_first
         start = p = self._base + len(q)
@@ -175,6 +166,29 @@ class BlockPool:
                 pos[b] = -1 - len(f)
                 f.append(b)
         self.num_free += p - start + len(front)
+
+    def free_table(self, table: list[int]) -> None:
+        """`free(reversed(table))`: a request's blocks, tail first (without a copy)."""
+        if self.sharing:
+            self.free(reversed(table))
+        else:
+            self._free_unshared(table)
+
+    def _free_unshared(self, table: list[int]) -> None:
+        """Free `table`'s blocks, each held once (no sharing), tail first."""
+        ref = self.ref_cnt
+        for i in range(len(table) - 1, -1, -1):
+            b = table[i]
+            if ref[b] != 1:
+                for b2 in table[i + 1:]:  # (nothing freed: the pool stays as it was)
+                    ref[b2] = 1
+                raise AssertionError(f"block {b} freed twice")
+            ref[b] = 0
+        if self.uncached_first:  # without sharing no block holds a cached prefix
+            self._front.extend(table)
+        else:
+            self._queue.extend(reversed(table))
+        self.num_free += len(table)
 
     def enable_sharing(self) -> None:
         """Switch a pool made without sharing to the mode that tracks queue positions."""
@@ -431,7 +445,7 @@ class KVCacheManager:
         empty its tables. Cached blocks stay in the cache until evicted."""
         req.cached_upto = 0
         if req.block_table:
-            self.pool.free(reversed(req.block_table))
+            self.pool.free_table(req.block_table)
             req.block_table = []
         if req.host_table:
             self._host().free(req.host_table)

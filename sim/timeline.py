@@ -208,16 +208,18 @@ class Timeline:
         k = len(self._s_end)
         if k:
             rows = np.array(self._s_rows, dtype=np.int64)
+            run = np.repeat(np.arange(len(rows)), rows)  # each row's run
 
             def per_run(values: list[int]) -> np.ndarray:
-                return np.repeat(np.array(values, dtype=np.int64), rows)
+                # (one repeat, then a gather per column: np.repeat costs ~30 ns a row)
+                return np.array(values, dtype=np.int64)[run]
 
             starts = np.cumsum(rows) - rows  # each run's first row
             batch = per_run(self._s_batch)
             itl = batch.copy()
             itl[starts] = self._s_itl
             used = np.frombuffer(struct.pack(f"{k}q", *self._s_used), dtype=np.int64)
-            j = np.arange(k, dtype=np.int64) - np.repeat(starts, rows)  # row within its run
+            j = np.arange(k, dtype=np.int64) - starts[run]  # row within its run
             empty = per_run(self._s_e_base) - batch * j + per_run(self._s_e_block) * used
             empty[starts] += self._s_e_first
             cols = {"end": self._s_end, "dur": self._s_dur,

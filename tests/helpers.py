@@ -134,6 +134,9 @@ def run_with_and_without_history(monkeypatch, sc, chunk: int, itl_rows: int, exa
     from sim import build, quantiles, summarize, timeline
 
     monkeypatch.setattr(timeline, "CHUNK", chunk)
+    # (rows staged before they are written: fewer than a chunk, as in a long run, where a
+    # stage is a quarter of a chunk)
+    monkeypatch.setattr(timeline, "_STAGE", max(chunk // 4, 1))
     monkeypatch.setattr(timeline, "ITL_EXACT_ROWS", itl_rows)
     monkeypatch.setattr(quantiles, "EXACT_LIMIT", exact)
     full, bounded = build(sc), build(sc, keep_history=False)
