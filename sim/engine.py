@@ -270,7 +270,7 @@ class Engine(EngineState):
     @property
     def done(self) -> bool:
         """True when no request is queued, running or still to arrive."""
-        return not self.policy.has_work() and self._w_next >= len(self._w_arrival)
+        return stepping.done(self)
 
     def step(self) -> int:
         """Run exactly one engine step (or one idle advance). Returns steps taken (0 or 1)."""
@@ -600,28 +600,10 @@ class Engine(EngineState):
         if self.record_events:
             self.events.append(ev.Cancel(self.now, req.req_id, old.value, by))
 
-    def _finish(self, req: Request, t: float) -> None:
-        stepping.finish(self, req, t)
-
-    def _fold_finished(self, req: Request, t: float) -> None:
-        """Add a finished request (not a further sample) to the run's latency figures."""
-        stepping.fold_finished(self, req, t)
-
-    def _gap(self, t: float, gap: float) -> None:
-        """An ITL gap across steps that are not adjacent, its token sampled at `t`."""
-        stepping.gap(self, t, gap)
-
-    def _recent(self, q: deque, t: float, v: float) -> None:
-        stepping.recent(self, q, t, v)
-
     def _first_token_row(self) -> float:
         """The first timeline row a live request's token times point into (math.inf: none)."""
         return min((s for r in self.requests.values() for s, _ in r.token_segments[:2]
                     if s >= 0), default=INF)
-
-    def _finish_step(self, finished: list[Request], t: float) -> None:
-        """The requests whose last token the step ending at `t` computed end."""
-        stepping.finish_step(self, finished, t)
 
     def _release(self) -> None:
         """Async scheduling: the step scheduled after the one that finished these requests
@@ -664,14 +646,9 @@ class Engine(EngineState):
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
         """One scheduling decision: a step, a run of identical decode steps, or an idle advance;
         with `fuse`, followed by the runs of decode steps that need no decision (see
-        `_decodes_follow`). Returns the number of engine steps taken. (`sim.stepping.advance`,
+        `sim.stepping.decodes_follow`). Returns the number of engine steps taken. (`sim.stepping.advance`,
         compiled where the install could.)"""
         return stepping.advance(self, until, max_steps, fuse)
-
-    def _decodes_follow(self, until: float, decoding: bool) -> bool:
-        """Whether the next decision is sure to be a run of decode steps of the whole running
-        batch (`sim.stepping.decodes_follow`)."""
-        return stepping.decodes_follow(self, until, decoding)
 
     def _single_step(self, sched: list[tuple[Request, int]], num_waiting: int) -> int:
         """One engine step of `sched` ((request, tokens) pairs, blocks allocated); returns 1.

@@ -3,14 +3,14 @@ identical decode steps, their block allocation, timeline rows and step times, ar
 finishes, and the policy's pass over the running batch (`schedule_running`).
 
 These are `Engine` (and `Policy`) methods moved out of the classes so that the install can
-compile them with mypyc (`sim/_compiled.py`; a compiled class could not be subclassed, wrapped
-or patched as `Engine` is). Each takes the engine as `e` and reaches the rest of it through
-attributes; the engine's methods of the same names call them. Where a subclass overrides or a
-caller patches an engine method (`sim.cluster`'s `_single_step`, `sim.fit`'s `_admit`), these
-functions call it through the engine (`e._single_step`, `e._decode_run`, `e._admit`, and the
-rarer hooks); the others call each other directly. The requests' fields are typed, which is
-what compiled code reads fast. The results are the same bits either way
-(tests/test_compiled.py runs both).
+compile them with mypyc (`sim/_compiled.py`), while `Engine` and `Policy` stay Python classes
+that are subclassed, wrapped and patched. Each takes the engine as `e`; the fields it reads are
+declared on `EngineState` and `PolicyState` (compiled bases of `Engine` and `Policy`: native
+fields, as the requests' are). The engine's hooks (`_admit`, `_single_step`, `_decode_run`) and
+a policy's methods are called through the engine and the policy where a subclass overrides or a
+caller patches them (`sim.cluster`'s `_single_step`, `sim.fit`'s `_admit`); otherwise these
+functions do their work directly (`Engine._check_hooks`). The results are the same bits either
+way (tests/test_compiled.py runs both).
 """
 
 from __future__ import annotations
@@ -137,6 +137,50 @@ class SchedulerOutput:
         self.decode_only = False
 
 
+# --- the hooks: called through the engine or policy only where overridden or patched -------
+def has_work(ps: PolicyState) -> bool:
+    """`Policy.has_work`."""
+    if ps.plain:
+        return bool(ps.waiting or ps.running)
+    p: Any = ps
+    return p.has_work()
+
+
+def schedule(ps: PolicyState) -> SchedulerOutput:
+    """`Policy.schedule`."""
+    p: Any = ps
+    return chunked_schedule(p) if ps.plain else p.schedule()
+
+
+def leave_batch(ps: PolicyState, req: Request) -> None:
+    """`Policy.finished`: `req` has ended and leaves the running batch."""
+    if ps.plain:
+        ps.running.remove(req)
+    else:
+        p: Any = ps
+        p.finished(req)
+
+
+def step_once(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> int:
+    """`Engine._single_step`."""
+    s: EngineState = e
+    return (single_step(e, sched, num_waiting) if s._plain_hooks
+            else e._single_step(sched, num_waiting))
+
+
+def run_decodes(e: Any, reqs: list[Request], until: float, max_steps: int) -> int:
+    """`Engine._decode_run`."""
+    s: EngineState = e
+    return (decode_run(e, reqs, until, max_steps) if s._plain_hooks
+            else e._decode_run(reqs, until, max_steps))
+
+
+def done(e: Any) -> bool:
+    """`Engine.done`: no request is queued, running or still to arrive."""
+    s: EngineState = e
+    return not has_work(s.policy) and s._w_next >= len(s._w_arrival)
+
+
 def schedule_decodes(e: Any) -> list[Request] | None:
     """What the policy would schedule once `_decodes_follow`: the running batch, each
     request whose table is full given the block its next token needs, in batch order as
@@ -179,19 +223,19 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
             (s._w_next < len(s._w_arrival) and s._w_arrival[s._w_next] <= now)
             or (s._cancels and s._cancels[0][0] <= now)):
         arrive(e, now)
-    if not (ps.waiting or ps.running if ps.plain else policy.has_work()):
+    if not has_work(ps):
         target = min(next_external(e), until)
         if target > now and target != INF:
             e._idle_to(target)
         return 0
-    out: SchedulerOutput = chunked_schedule(policy) if ps.plain else policy.schedule()
+    out = schedule(ps)
     sched: list[tuple[Request, int]] = out.scheduled
     if not sched and s._releasing:
         # Only requests finishing (async scheduling): their output is processed now, and
         # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
         # would (nothing else arrives meanwhile).
         release(e)
-        out = chunked_schedule(policy) if ps.plain else policy.schedule()
+        out = schedule(ps)
         sched = out.scheduled
     if not sched:
         return 0  # everything was preempted; the next decision admits again
@@ -210,13 +254,10 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
             and (ps.plain or policy.skip_ahead_safe) and s.duration_override is None
             and not (s._swap_out or s._swap_in)):
-        batch = [r for r, _ in sched]
-        taken = (decode_run(e, batch, until, max_steps) if s._plain_hooks
-                 else e._decode_run(batch, until, max_steps))
+        taken = run_decodes(e, [r for r, _ in sched], until, max_steps)
         decoding = True  # (what is left of a run's batch decodes on)
     else:
-        taken = (single_step(e, sched, len(ps.waiting)) if s._plain_hooks
-                 else e._single_step(sched, len(ps.waiting)))
+        taken = step_once(e, sched, len(ps.waiting))
         decoding = s._batch_decodes
     if s._window:
         s._window = max(s._window - taken, 0)
@@ -227,8 +268,7 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
         reqs = schedule_decodes(e)
         if reqs is None:  # blocks are short: the policy decides (and preempts)
             break
-        taken += (decode_run(e, reqs, until, max_steps - taken) if s._plain_hooks
-                  else e._decode_run(reqs, until, max_steps - taken))
+        taken += run_decodes(e, reqs, until, max_steps - taken)
         decoding = True
     return taken
 
@@ -256,7 +296,7 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     now = s.now
     return not (not decoding or now >= until or ps.waiting or not ps.running
                 or now > MAX_TIME_S or next_external(e) <= now
-                or (not (len(ps.running) <= ps.cfg.max_num_batched_tokens) if ps.plain
+                or (len(ps.running) > ps.cfg.max_num_batched_tokens if ps.plain
                     else (policy.next_change_time() <= now or not policy.skip_ahead_safe
                           or not policy.decodes_alone()))
                 or s.executor is not None
@@ -346,10 +386,7 @@ def finish(e: Any, req: Request, t: float) -> None:
         s._releasing.append(req)
     else:
         kv.free(req)
-        if ps.plain:
-            ps.running.remove(req)
-        else:
-            s.policy.finished(req)
+        leave_batch(ps, req)
     s.recent.append(req)
     drop(e, req)
     s.finished_prompt_tokens += req.prompt_len
@@ -383,9 +420,8 @@ def run_loop(e: Any, t: float, budget: int) -> None:
     start = s.step_count
     stalls = 0
     while s.now < t and s.step_count - start < budget:
-        if not (ps.waiting or ps.running if ps.plain else s.policy.has_work()) \
-                and s._w_next >= len(s._w_arrival):
-            break  # (done)
+        if done(e):
+            break
         before_step, before_now = s.step_count, s.now
         advance(e, t, budget - (s.step_count - start), True)
         if s.step_count == before_step and s.now == before_now:
@@ -457,10 +493,7 @@ def release(e: Any) -> None:
         if kv.register_at_allocation:  # the blocks its last step filled
             kv.cache_blocks(req, req.num_computed_tokens)
         kv.free(req)
-        if ps.plain:
-            ps.running.remove(req)
-        else:
-            s.policy.finished(req)
+        leave_batch(ps, req)
 
 
 def admit(e: Any, req: Request) -> None:
@@ -643,9 +676,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
             kmax = cross[free]  # the step whose allocation would fail is scheduled alone
     if kmax == 1:
-        one = [(r, 1) for r in reqs]
-        return (single_step(e, one, len(ps.waiting)) if s._plain_hooks
-                else e._single_step(one, len(ps.waiting)))
+        return step_once(e, [(r, 1) for r in reqs], len(ps.waiting))
     # (within a multi-step window, arrivals and cancellations do not end the run)
     t_ext = min(INF if s._window else next_external(e), until,
                 INF if ps.plain else s.policy.next_change_time())

@@ -153,18 +153,8 @@ class Timeline:
         self._s_dur.append(dur)
         self._s_used.append(kv_used)
         self._s_energy.append(energy)
-        self._s_rows.append(1)
-        self._s_tokens.append(tokens)
-        self._s_prefill.append(prefill_tokens)
-        self._s_batch.append(batch)
-        self._s_sampled.append(sampled)
-        self._s_waiting.append(waiting)
-        self._s_itl.append(itl_count)
-        self._s_e_base.append(kv_empty)
-        self._s_e_block.append(0)
-        self._s_e_first.append(0)
-        if len(self._s_end) >= _STAGE:
-            self.flush()
+        self._stage_run(1, tokens, prefill_tokens, batch, sampled, waiting, itl_count,
+                        kv_empty, 0, 0)
 
     def add_decodes(self, ends: list[float], durs: list[float], batch: int, itl_first: int,
                     kv_used: list[int], empty_base: int, block_size: int, empty_first: int,
@@ -179,15 +169,23 @@ class Timeline:
         self._s_dur.extend(durs)
         self._s_used.extend(kv_used)
         self._s_energy.extend(energy)
-        self._s_rows.append(len(ends))
-        self._s_tokens.append(batch)
-        self._s_prefill.append(0)
+        self._stage_run(len(ends), batch, 0, batch, batch, waiting, itl_first, empty_base,
+                        block_size, empty_first)
+
+    def _stage_run(self, rows: int, tokens: int, prefill_tokens: int, batch: int,
+                   sampled: int, waiting: int, itl_first: int, empty_base: int,
+                   per_block: int, empty_first: int) -> None:
+        """Stage what a run of `rows` rows, their per-step columns staged, shares (see
+        `_stage_reset`); write the stage to the columns once it is full."""
+        self._s_rows.append(rows)
+        self._s_tokens.append(tokens)
+        self._s_prefill.append(prefill_tokens)
         self._s_batch.append(batch)
-        self._s_sampled.append(batch)
+        self._s_sampled.append(sampled)
         self._s_waiting.append(waiting)
         self._s_itl.append(itl_first)
         self._s_e_base.append(empty_base)
-        self._s_e_block.append(block_size)
+        self._s_e_block.append(per_block)
         self._s_e_first.append(empty_first)
         if len(self._s_end) >= _STAGE:
             self.flush()
