@@ -258,7 +258,7 @@ class Engine(EngineState):
         self.recent_ttfts: deque[tuple[float, float]] = deque()
         self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
-        self._batch_decodes = False  # set by each single step (see _decodes_follow)
+        self._batch_decodes = False  # set by each single step (see stepping.decodes_follow)
         self._plain_hooks = False  # (see _check_hooks)
 
     # ================================================================================ public API

@@ -182,7 +182,7 @@ def done(e: Any) -> bool:
 
 
 def schedule_decodes(e: Any) -> list[Request] | None:
-    """What the policy would schedule once `_decodes_follow`: the running batch, each
+    """What the policy would schedule once `decodes_follow`: the running batch, each
     request whose table is full given the block its next token needs, in batch order as
     `schedule_running` allocates them. None, changing nothing, when blocks are short."""
     s: EngineState = e

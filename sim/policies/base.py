@@ -88,7 +88,7 @@ class Policy(PolicyState):
     def decodes_alone(self) -> bool:
         """Whether `schedule()`, with the queue empty and every running request decoding, would
         schedule each of them for one token in `running` order as `schedule_running` does
-        (the engine then runs such steps without asking: `Engine._decodes_follow`)."""
+        (the engine then runs such steps without asking: `sim.stepping.decodes_follow`)."""
         return False
 
     def next_change_time(self) -> float:
