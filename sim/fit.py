@@ -57,8 +57,9 @@ class _RecordingCost:
         self._offset += n
         return i
 
-    def step(self, *args, **kw):
-        i = self._index(1)
+    def _record(self, n: int, args: tuple) -> None:
+        """Keep the arguments of the next `n` steps (arrays of length n, or scalars)."""
+        i = self._index(n)
         # A step the engine idled for starts no earlier than its clock (the arrival it waited
         # for); any other follows its predecessor, whatever that one's duration.
         e = self._engine
@@ -66,12 +67,22 @@ class _RecordingCost:
         if i == self._count and e.idle_time > self._idle:
             start, self._idle = e.now, e.idle_time
         self.records.append((i, start, args))
+
+    # Every method the engine times steps with (a step missed here would replay as an empty
+    # step: tests/sim/test_calibrate.py replays runs under their own cost model).
+    def step(self, *args, **kw):
+        self._record(1, args)
         return self._cost.step(*args, **kw)
 
     def decode_steps(self, b, d_cached):
-        i = self._index(len(d_cached))
-        self.records.append((i, None, (0, 0, 0, b, np.asarray(d_cached), b, b)))
+        self._record(len(d_cached), (0, 0, 0, b, np.asarray(d_cached), b, b))
         return self._cost.decode_steps(b, d_cached)
+
+    def decode_times(self, b, c0, n, t, t_ext):
+        ends, durs, ens = self._cost.decode_times(b, c0, n, t, t_ext)
+        cached = c0 + b * np.arange(len(ends), dtype=np.int64)
+        self._record(len(ends), (0, 0, 0, b, cached, b, b))
+        return ends, durs, ens
 
     def features(self, num_steps: int):
         """Per-step arrays of the 7 cost-model arguments, and each step's earliest start."""

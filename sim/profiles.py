@@ -125,7 +125,7 @@ def _prior_terms(c: dict) -> list[float]:
 
 def _start(engines: set[str]) -> dict:
     c = {k: presets.ENGINES[presets.DEFAULT_ENGINE].get(k, m) for k, (m, _) in FIT["shared"].items()}
-    for name in engines:
+    for name in sorted(engines):  # (a fixed parameter order: a set follows string hashing)
         for k, (m, _) in FIT.get(name, {}).items():
             c[f"{name}:{k}"] = presets.ENGINES.get(name, {}).get(k, m)
     return c

@@ -137,6 +137,30 @@ def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path)
     assert got.step(*prefill_1k)[0] == pytest.approx(want.step(*prefill_1k)[0], rel=0.1)
 
 
+@pytest.mark.parametrize("name,overrides", [
+    ("chat", ["workload.num_requests=150"]),                      # online: idles, short runs
+    ("chat", ["workload.num_requests=64", "workload.rate=1e9"]),  # a fixed batch: long runs
+    ("chat", ["workload.num_requests=120", "workload.rate=40",
+              'engine.preset="vllm-0.6-multistep"']),             # multi-step windows
+    ("chat", ["workload.num_requests=80", "workload.rate=1e9", 'engine.preset="roofline"']),
+    ("prefill-stalls", ["workload.duration_s=20"]),               # chunked prefills, mixed steps
+    ("fragmentation", ["workload.duration_s=30"]),                # preemptions
+])
+def test_a_run_replayed_under_its_own_cost_model_gives_back_its_latencies(name, overrides):
+    # The recorder must see every step the engine times, however it times it (one at a time,
+    # a run of decode steps at once): a step it missed replays as an empty one (it did, for
+    # decode runs timed by CostModel.decode_times, until the fit's replay was checked here).
+    sc = load_scenario(name, overrides)
+    rec = record_run(sc)
+    got = rec.replay(CostModel(sc))
+    s = rec.summary
+    assert s["steps"] == rec.features.shape[1] > 50
+    assert got["duration"] == pytest.approx(s["duration_s"], rel=1e-9)
+    for key in ("ttft", "e2e"):
+        assert np.mean(got[key]) * 1e3 == pytest.approx(s[f"{key}_ms"]["mean"], rel=1e-9), key
+    assert np.nanmean(got["tpot"]) * 1e3 == pytest.approx(s["tpot_ms"]["mean"], rel=1e-9)
+
+
 BAD_CSV = [
     ("batch,context,time_ms\n1,2,3\n", "kind: missing column"),
     ("kind,batch,context\ndecode,1,2\n", "time column"),
