@@ -32,8 +32,10 @@ efficiencies.
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
 
-`kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU, and `g = nh / nkv` when
-the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`), else 1. The
+`kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU, and `g = 1 + (nh / nkv
+- 1) r` when the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`),
+where `r = gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others
+hit in L2: the group's query heads run at about the same time), else 1. The
 linear layers' quadrature sum is the smooth knee between their two rooflines: a GEMM of a few
 hundred tokens is neither bandwidth- nor compute-saturated (Vidur's per-operator profiles show
 1.4x the larger roofline where the two meet), so their efficiency grows with T. Only the
@@ -147,7 +149,8 @@ class CostModel:
         self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
         kv_gpu = 2.0 * L * max(nkv / tp, 1.0) * hd * kvb  # K/V bytes per token on one GPU
         self._kv = kv_gpu / (bw * e.kv_bandwidth_efficiency)
-        self._kv_read = self._kv * (1.0 if e.gqa_shared_kv else nh / nkv)
+        self._kv_read = self._kv * (1.0 if e.gqa_shared_kv
+                                    else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         if tp > 1:
             self._ar_fix = 2.0 * L * e.allreduce_latency_us * 1e-6
             link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency

@@ -37,7 +37,8 @@ FIT: dict[str, dict[str, tuple[float, float]]] = {
     },
     "tensorrt-llm-0.6": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
                          "cpu_per_seq_us": (10.0, 2.0),
-                         "allreduce_latency_us": (30.0, 0.7), "kv_bandwidth_efficiency": (0.75, 0.3)},
+                         "allreduce_latency_us": (30.0, 0.7), "kv_bandwidth_efficiency": (0.75, 0.3),
+                         "gqa_reread": (0.5, 1.0)},
     "vllm-0.6-multistep": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
                            "cpu_per_seq_us": (10.0, 2.0), "allreduce_latency_us": (30.0, 0.7),
                            "kv_bandwidth_efficiency": (0.75, 0.3)},
@@ -60,7 +61,7 @@ DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_ove
 
 
 def _kind(name: str) -> str:
-    return "eff" if name.endswith("efficiency") else "pos"
+    return "eff" if name.endswith(("efficiency", "reread")) else "pos"  # eff: in (0, 1)
 
 
 @dataclasses.dataclass

@@ -131,6 +131,9 @@ class EngineConfig:
     gqa_shared_kv: bool = _f(_ENGINE["gqa_shared_kv"],
                              doc="decode attention reads K/V once per KV head (false: once per "
                                  "query head)")
+    gqa_reread: float = _f(_ENGINE["gqa_reread"], min=0, max=1,
+                           doc="with gqa_shared_kv = false: the fraction of the repeated K/V "
+                               "reads of a GQA group that reach DRAM (the rest hit in L2)")
 
 
 @dataclass
