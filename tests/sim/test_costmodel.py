@@ -101,6 +101,13 @@ def test_gqa_kernels_that_do_not_share_kv_read_it_per_query_head():
     kv = decode(shared, 64, 4000) - decode(shared, 64, 0)
     kv_per_head = decode(per_head, 64, 4000) - decode(per_head, 64, 0)
     assert kv_per_head == pytest.approx(4 * kv, rel=0.05)  # 32 heads over 8 KV heads
+    # Re-reads that hit in L2 are not charged: a fraction r of the 3 re-reads reaches HBM.
+    for r in (0.0, 0.5):
+        m = model(*BARE, "engine.gqa_shared_kv=false", f"engine.gqa_reread={r}")
+        assert decode(m, 64, 4000) - decode(m, 64, 0) == pytest.approx((1 + 3 * r) * kv,
+                                                                         rel=0.05)
+    # (a K/V-sharing engine ignores it)
+    assert decode(model(*BARE, "engine.gqa_reread=0.2"), 64, 4000) == decode(shared, 64, 4000)
 
 
 def test_tensor_parallel_all_reduce_is_latency_plus_bytes():
