@@ -36,6 +36,7 @@ class _RecordingCost:
         self._offset = 0
         self._idle = engine.idle_time
         self.records: list[tuple] = []  # (first step index, start or None, args)
+        self.swaps: list[tuple[int, float]] = []  # (step index, seconds of block copies)
         self.admitted: list[tuple[int, float]] = []  # (step index, arrival) per admission
         admit = engine._admit
 
@@ -84,8 +85,16 @@ class _RecordingCost:
         self._record(len(ends), (0, 0, 0, b, cached, b, b))
         return ends, durs, ens
 
+    def swap_time(self, blocks):
+        # (added to the duration of the step just timed: copies over the host link, which
+        # no engine coefficient changes)
+        t = self._cost.swap_time(blocks)
+        self.swaps.append((self._count + self._offset - 1, t))
+        return t
+
     def features(self, num_steps: int):
-        """Per-step arrays of the 7 cost-model arguments, and each step's earliest start."""
+        """Per-step arrays of the 7 cost-model arguments, each step's earliest start, and the
+        seconds of swap copies added to it."""
         cols = np.zeros((7, num_steps), dtype=np.float64)
         ready = np.full(num_steps, -np.inf)
         for i, start, args in self.records:
@@ -101,7 +110,11 @@ class _RecordingCost:
         for i, t in self.admitted:
             if i < num_steps:
                 ready[i] = max(ready[i], t)
-        return cols, ready
+        extra = np.zeros(num_steps, dtype=np.float64)
+        for i, t in self.swaps:
+            if i < num_steps:
+                extra[i] += t
+        return cols, ready, extra
 
 
 @dataclass
@@ -115,11 +128,12 @@ class RunRecord:
     last: np.ndarray  # step index of its last token
     num_output: np.ndarray
     summary: dict  # the simulation's own summary (sim.metrics.summarize)
+    swap: np.ndarray  # seconds of swap copies each step adds (no coefficient changes them)
 
     def durations(self, cost) -> np.ndarray:
         """Each step's duration under `cost` (a sim.costmodel.CostModel)."""
         return np.asarray(cost.steps(*self.features)[0], dtype=np.float64) * np.ones(
-            self.features.shape[1])
+            self.features.shape[1]) + self.swap
 
     def replay(self, cost) -> dict:
         """Per-request TTFT, TPOT and E2E (s), the output tokens and the duration of the same
@@ -151,7 +165,7 @@ def record_run(scenario) -> RunRecord:
     rec = _RecordingCost(engine.cost, engine)
     engine.cost = rec
     engine.run()
-    cols, ready = rec.features(engine.step_count)
+    cols, ready, swap = rec.features(engine.step_count)
     reqs = [r for r in engine.requests.values()
             if r.parent_id is None and r.token_segments and r.finish_time is not None]
     reqs.sort(key=lambda r: r.req_id)
@@ -162,7 +176,7 @@ def record_run(scenario) -> RunRecord:
     del engine._admit
     return RunRecord(cols, ready, np.array([r.arrival_time for r in reqs], dtype=np.float64),
                      first, last, np.array([r.num_output_tokens for r in reqs], dtype=np.int64),
-                     summarize(engine))
+                     summarize(engine), swap)
 
 
 # --- least squares -------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path)
     ("chat", ["workload.num_requests=80", "workload.rate=1e9", 'engine.preset="roofline"']),
     ("prefill-stalls", ["workload.duration_s=20"]),               # chunked prefills, mixed steps
     ("fragmentation", ["workload.duration_s=30"]),                # preemptions
+    ("burst", ['scheduler.preemption="swap"', "hardware.pcie_gbps=25"]),  # swaps
 ])
 def test_a_run_replayed_under_its_own_cost_model_gives_back_its_latencies(name, overrides):
     # The recorder must see every step the engine times, however it times it (one at a time,
@@ -159,6 +160,8 @@ def test_a_run_replayed_under_its_own_cost_model_gives_back_its_latencies(name, 
     for key in ("ttft", "e2e"):
         assert np.mean(got[key]) * 1e3 == pytest.approx(s[f"{key}_ms"]["mean"], rel=1e-9), key
     assert np.nanmean(got["tpot"]) * 1e3 == pytest.approx(s["tpot_ms"]["mean"], rel=1e-9)
+    if "swap" in str(overrides):
+        assert s["swaps"] > 0 and rec.swap.sum() > 0
 
 
 BAD_CSV = [
