@@ -590,12 +590,18 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
     return {**presets.ENGINES[base], **{k: v for k, v in table.items() if k != "preset"}}
 
 
+# Engine keys added after session logs were first written, with the value that gives the
+# behaviour from before each existed: a log holding every other key gets these, not its
+# preset's current value (a refitted profile must not change how an old log replays).
+ENGINE_KEYS_ADDED = {"gqa_reread": 1.0}
+
+
 def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:
     """The `[engine]` table with every key it leaves out taken from its preset. A table that
     already holds every key (a session log's) is returned as it is, its preset not read."""
     keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "preset"]
-    if all(k in raw for k in keys):
-        return raw
+    if all(k in raw for k in keys if k not in ENGINE_KEYS_ADDED):
+        return {**ENGINE_KEYS_ADDED, **raw}
     name = raw.get("preset", presets.DEFAULT_ENGINE)
     if not isinstance(name, str):
         raise ScenarioError(f"{source}: engine.preset = {name!r}: expected a string")
