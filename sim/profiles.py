@@ -190,14 +190,29 @@ def profiles(c: dict) -> dict[str, dict]:
     return out
 
 
-def leave_one_out(rows: list[_Row], c_full: dict, log=None) -> list[tuple[Point, float]]:
-    """For each row: refit without it (from the full fit) and predict it by simulation.
-    Returns (point, predicted / published) pairs."""
+def prior_start(engines: set[str]) -> dict:
+    """The priors' values of every coefficient fitted for `engines` (a start that has seen no
+    point, unlike the shipped profiles)."""
+    c = {k: m for k, (m, _) in FIT["shared"].items()}
+    for name in sorted(engines):
+        c.update({f"{name}:{k}": m for k, (m, _) in FIT.get(name, {}).items()})
+    return c
+
+
+def leave_one_out(rows: list[_Row], log=None) -> list[tuple[Point, float]]:
+    """For each row: fit the others from the priors (neither the shipped profiles nor a fit
+    of all rows, which have seen the row) and predict it by simulation. Returns (point,
+    predicted / published) pairs."""
     out = []
+    start = prior_start({r.scenario.engine.preset for r in rows} & set(FIT))
     for i, row in enumerate(rows):
         rest = rows[:i] + rows[i + 1:]
-        # Stage 2 moves only the left-out row's own engine's CPU coefficients.
-        c = fit(rest, start=c_full, stage2={row.scenario.engine.preset}, stage2_iter=4)
+        # Stage 2 runs for the left-out row's own engine only (the others' rows do not
+        # change what predicts it).
+        c = fit(rest, start=start, stage2={row.scenario.engine.preset})
+        # (an engine with no other row keeps its priors, not the profile its scenario was
+        # built from, which was fitted on this row too)
+        c = {**start, **c}
         ratio = predict(row, c, simulate=True) / row.point.published
         out.append((row.point, ratio))
         if log:

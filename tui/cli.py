@@ -519,7 +519,7 @@ def _fit_profiles(points, args) -> int:
         profiles = P.fit_ratios({**ENGINES, **profiles}, log=log)
     out = {"coefficients": c, "profiles": profiles}
     if args.loo:
-        loo = P.leave_one_out(rows, c, log=log)
+        loo = P.leave_one_out(rows, log=log)
         out["leave_one_out"] = {p.id: ratio for p, ratio in loo}
         out["leave_one_out_error"] = error_stats([r for _, r in loo])
     print(json.dumps(out, indent=2))

@@ -159,3 +159,29 @@ def test_fit_and_leave_one_out_on_a_few_points(capsys):
     assert max(abs(loo[i] - inside[i]) for i in ids) > 0.05  # (a refit without the row)
     assert (out["leave_one_out_error"]["median_abs_error"]
             > error_stats(list(inside.values()))["median_abs_error"])
+    # Each refit starts from the priors, not from the shipped profiles (fitted on every row,
+    # the left-out one included): moving those moves nothing.
+    assert [r for _, r in P.leave_one_out(rows)] == [loo[i] for i in ids]
+    shipped = P.presets.ENGINES["tensorrt-llm-0.6"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(shipped, "gemm_efficiency", shipped["gemm_efficiency"] / 2)
+        mp.setitem(shipped, "cpu_base_us", shipped["cpu_base_us"] * 3)
+        assert [r for _, r in P.leave_one_out(rows)] == [loo[i] for i in ids]
+
+
+def test_leave_one_out_of_an_engines_only_row_uses_its_priors():
+    # V1 is the only vLLM row here: left out, no row fits vLLM's coefficients, and the ones its
+    # scenario was built with (the shipped profile) were fitted on V1 itself.
+    from sim import profiles as P
+
+    def v1_ratio():
+        rows = P.prepare([p for p in load_points(BUNDLED_DIR / "fidelity")
+                          if p.id in ("T1", "T5", "V1")])
+        return dict((p.id, r) for p, r in P.leave_one_out(rows))["V1"]
+
+    shipped = P.presets.ENGINES["vllm-0.6-multistep"]
+    want = v1_ratio()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(shipped, "gemm_efficiency", shipped["gemm_efficiency"] / 2)
+        mp.setitem(shipped, "cpu_base_us", shipped["cpu_base_us"] * 3)
+        assert v1_ratio() == want
