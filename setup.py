@@ -12,12 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "sim"))
-from _compiled import MANIFEST, MODULES, source_digest  # noqa: E402  (no package import yet)
+from _compiled import C_MODULES, MANIFEST, MODULES, source_digest  # noqa: E402  (no package import yet)
 
 sys.path.pop(0)
 
@@ -48,10 +48,14 @@ def ext_modules() -> list:
     except BaseException as e:  # noqa: BLE001 - mypyc missing, or its type check failed
         _note(f"mypyc could not compile the hot path ({type(e).__name__}: {e})")
         return []
+    # (no fused multiply-adds: the C code's floats must equal Python's bit for bit)
+    exts += [Extension(m, [path], extra_compile_args=["-O2", "-ffp-contract=off"])
+             for m, path in C_MODULES.items()]
     # The digests of what is compiled, so that an edited checkout never runs a stale build
     # (written now: build_py copies it into a wheel before build_ext runs).
     (ROOT / MANIFEST).write_text(json.dumps(
-        {m: source_digest(ROOT / path) for m, path in MODULES.items()}, indent=1) + "\n")
+        {m: source_digest(ROOT / path) for m, path in {**MODULES, **C_MODULES}.items()},
+        indent=1) + "\n")
     return exts
 
 

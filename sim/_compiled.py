@@ -23,6 +23,11 @@ MODULES = {
     "sim.stepping": "sim/stepping.py",
     "sim.quantiles": "sim/quantiles.py",
 }
+# C extension modules built beside them (the same arithmetic as the Python they stand in
+# for, written into NumPy columns; used only when the compiled build is)
+C_MODULES = {
+    "sim._rows": "sim/_rows.c",
+}
 MANIFEST = "sim/_compiled.json"  # digests of the sources the build compiled
 
 
@@ -62,7 +67,8 @@ def _fresh(root: Path) -> bool:
     import json
     try:
         recorded = json.loads((root / MANIFEST).read_text())
-        return all(recorded.get(m) == source_digest(root / rel) for m, rel in MODULES.items())
+        return all(recorded.get(m) == source_digest(root / rel)
+                   for m, rel in {**MODULES, **C_MODULES}.items())
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -27,6 +27,7 @@ from mypy_extensions import mypyc_attr
 import numpy as np
 
 from sim import events as ev
+from sim.costmodel import CostModel
 from sim.errors import EngineError
 from sim.kv import KVCacheManager, blocks_for
 from sim.limits import MAX_TIME_S
@@ -43,6 +44,22 @@ SWAPPED: Final = RS.SWAPPED
 FINISHED: Final = RS.FINISHED
 REJECTED: Final = RS.REJECTED
 UNBOUNDED: Final = 1 << 62  # a token budget that no step reaches
+
+
+def _rows_module() -> Any:
+    """sim/_rows.c (a decode run's per-step rows written into the timeline's staging
+    columns) where the compiled build is in use, else None: the same rows from Python."""
+    from sim import _compiled
+    if not _compiled.COMPILED:
+        return None
+    try:
+        import sim._rows as rows
+    except ImportError:
+        return None
+    return rows
+
+
+_ROWS: Any = _rows_module()
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -680,8 +697,34 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     # (within a multi-step window, arrivals and cancellations do not end the run)
     t_ext = min(INF if s._window else next_external(e), until,
                 INF if ps.plain else s.policy.next_change_time())
-    ends, dur, energy = run_times(e, b, c0, kmax, t_ext)
-    k = len(ends)
+    tl: Timeline = s.timeline
+    cost: Any = s.cost
+    # The scalar part of the run straight into the timeline's staging columns (sim/_rows.c),
+    # unless the cost model is wrapped (sim.fit's recorder times every step it is asked).
+    at = -1
+    k = 0
+    ends: Any = None
+    dur: Any = None
+    energy: Any = None
+    if (_ROWS is not None and s.record_timeline and type(cost) is CostModel
+            and not cost.roofline):
+        cm: CostModel = cost
+        n = kmax if kmax < e.SCALAR_STEPS else e.SCALAR_STEPS
+        at = tl.reserve(n)
+        base, af, kv_read, kv_b, fixed, cpu = cm._decode_shared(b)
+        k = _ROWS.decode_rows(tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now, t_ext, b, c0,
+                              base, af, kv_read, kv_b, fixed, cpu, cm._overlap, cm._idle,
+                              cm._dyn)
+        if k == n < kmax and tl._s_end[at + k - 1] < t_ext:
+            at = -1  # (a run longer than the scalar part: timed as a whole below)
+    if at < 0:
+        ends, dur, energy = run_times(e, b, c0, kmax, t_ext)
+        k = len(ends)
+        end: float = ends[-1]
+        first_end: float = ends[0]
+    else:
+        end = float(tl._s_end[at + k - 1])
+        first_end = float(tl._s_end[at])
     used_first = kv.num_used_blocks
     empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
     if pending:
@@ -689,15 +732,22 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         release(e)
         empty_first -= bs * (used_first - kv.num_used_blocks)
     used = kv.num_used_blocks
-    kv_used = allocate_run(e, reqs, first_cross, k)
+    steps = allocate_run(e, reqs, first_cross, k)
     # Empty slots after the run over the batch (every request holding blocks): those its
     # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
-    used_end = kv_used[-1]
+    kv_used: list[int] = []
+    if at >= 0:
+        _ROWS.used_rows(tl._s_used, at, steps, k, bs, used)
+        used_end = int(tl._s_used[at + k - 1])
+        tl._s_used[at] = used_first  # (a run of one step: its last row is this row too)
+        used_last = used_first if k == 1 else used_end
+    else:
+        kv_used = _used_by_step(e, steps, k, bs, used) if steps else [used] * k
+        used_end = kv_used[-1]
+        kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
+        used_last = kv_used[-1]
     empty_end = sum(first_cross) + bs * (used_end - used) - b * k
-    kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
     g: int = s.step_count  # the run's first row on the timeline
-    end: float = ends[-1]
-    first_end: float = ends[0]
     itl0 = 0
     finished = []
     caching: bool = s.prefix_caching
@@ -721,12 +771,16 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         r.last_token_time = end
         if r.num_output_tokens >= r.max_output_tokens:
             finished.append(r)
-    if s.record_timeline:
-        record_run(e, ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
-                         empty_first)
     if s.record_events:
-        e._emit_steps(ev.Steps(s.now, g, np.asarray(ends), (),
-                                  tuple([r.req_id for r in reqs]), None, kv_used[-1]))
+        e._emit_steps(ev.Steps(s.now, g, np.asarray(ends) if at < 0
+                               else tl._s_end[at:at + k].copy(), (),
+                               tuple([r.req_id for r in reqs]), None, used_last))
+    if at >= 0:
+        tl.commit_decodes(at, k, b, itl0, empty_end - bs * used_end + b * (k - 1), bs,
+                          empty_first, len(ps.waiting))
+    elif s.record_timeline:
+        record_run(e, ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
+                   empty_first)
     s.now = end
     s.step_count += k
     s.counts["output_tokens"] += b * k
@@ -738,25 +792,24 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
 def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) -> list[int]:
     """Allocate the blocks the `k` steps of a decode run cross (request i first at step
     `first_cross[i]`, then every block_size steps) in the order step-by-step scheduling
-    would: by step, then batch order. Returns the used blocks after each step's
-    allocation."""
+    would: by step, then batch order. Returns the steps at which the requests that cross
+    first do, sorted (`_used_by_step` turns them into the blocks used after each step)."""
     s: EngineState = e
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
-    used = kv.num_used_blocks
     # The requests that cross, in (first crossing j0, batch index i) order: sorted as the
     # ints j0 * b + i, which sort as the pairs would, several times faster than tuples.
     b = len(reqs)
     keys = [j0 * b + i for i, j0 in enumerate(first_cross) if j0 < k]
     if not keys:
-        return [used] * k
+        return keys
     keys.sort()
     steps = [key // b for key in keys]  # their first crossings
     if k <= bs:  # (the common case: one block each at most)
         blocks: Any = kv.pool.allocate(len(keys))  # (Any: the same int objects move)
         for key, blk in zip(keys, blocks):
             reqs[key % b].block_table.append(blk)
-        return _used_by_step(e, steps, k, bs, used)
+        return steps
     first = [(key // b, key % b) for key in keys]
     if first[-1][0] - first[0][0] < bs:
         # First crossings within one block's span (always, short of contiguous
@@ -772,7 +825,7 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
         blocks = kv.pool.allocate(len(cross))
         for (_, i), blk in zip(cross, blocks):
             reqs[i].block_table.append(blk)
-    return _used_by_step(e, steps, k, bs, used)
+    return steps
 
 
 def _used_by_step(e: Any, steps: list[int], k: int, bs: int, used: int) -> list[int]:

@@ -4,8 +4,11 @@ rows, with running totals of every full chunk.
 Token times are not stored per token: a request records runs of consecutive steps in which it
 received a token, and each token's time is its step's end time here. That keeps a 4-million-token
 trace to a few hundred thousand rows and lets pooled ITL percentiles be computed with weights.
-Rows are staged in Python lists, one per column, and written to the columns in bulk, since a
-NumPy write per row would cost more than the step it records.
+Rows are staged and written to the columns in bulk, since a NumPy write per row would cost
+more than the step it records: what differs from step to step (end, duration, blocks used,
+energy) in staging columns that a run of decode steps writes in one call (`reserve`,
+`commit_decodes`: sim/_rows.c with the compiled build), the rest once per run of steps in
+Python lists.
 
 When a chunk fills it is sealed: its sums (energy, KV use and empty slots over time, batch sizes)
 are added to running totals and its ITL gaps go to a `sim.quantiles.Samples`. The summary reads
@@ -103,6 +106,7 @@ class Timeline:
         self.pinned = pinned
         self.hold_kv = False  # keep (end, kv_used) of sealed rows until `release_kv` (a cluster)
         self.on_seal: Callable[[], None] | None = None  # called after a write that sealed chunks
+        self._stage_columns(_STAGE + 1024)
         self._stage_reset()
         self._tail = {k: np.zeros(min(4096, CHUNK), dtype=t) for k, t in COLUMNS.items()}
         self._tail_n = 0
@@ -117,23 +121,28 @@ class Timeline:
     @property
     def n(self) -> int:
         """Number of steps recorded."""
-        return self.sealed.rows + self._tail_n + len(self._s_end)
+        return self.sealed.rows + self._tail_n + self._s_k
 
     @property
     def first(self) -> int:
         """Index of the first row still held (0 unless `keep=False` dropped some)."""
         return self._first
 
+    def _stage_columns(self, cap: int) -> None:
+        # Per step, rows [0, _s_k): end, dur, kv_used, energy.
+        self._s_cap = cap
+        self._s_end = np.zeros(cap, dtype=np.float64)
+        self._s_dur = np.zeros(cap, dtype=np.float64)
+        self._s_used = np.zeros(cap, dtype=np.int64)
+        self._s_energy = np.zeros(cap, dtype=np.float64)
+
     def _stage_reset(self) -> None:
-        # Per step: end, dur, kv_used, energy. Per staged run of rows (a single step, or a run
-        # of decode steps, which shares them): its length, tokens, prefill_tokens, batch,
-        # sampled and waiting; and what its itl_count and kv_empty follow from (`flush`): the
-        # first row's itl_count (the others': batch), and row j's kv_empty as
-        # base - batch * j + per_block * kv_used[j] (+ first, in row 0).
-        self._s_end: list[float] = []
-        self._s_dur: list[float] = []
-        self._s_used: list[int] = []
-        self._s_energy: list[float] = []
+        # Per staged run of rows (a single step, or a run of decode steps, which shares them):
+        # its length, tokens, prefill_tokens, batch, sampled and waiting; and what its
+        # itl_count and kv_empty follow from (`flush`): the first row's itl_count (the
+        # others': batch), and row j's kv_empty as base - batch * j + per_block * kv_used[j]
+        # (+ first, in row 0).
+        self._s_k = 0
         self._s_rows: list[int] = []
         self._s_tokens: list[int] = []
         self._s_prefill: list[int] = []
@@ -149,10 +158,12 @@ class Timeline:
                 sampled: int, itl_count: int, kv_used: int, kv_empty: int, energy: float,
                 waiting: int) -> None:
         """Append one step (the fields of COLUMNS)."""
-        self._s_end.append(end)
-        self._s_dur.append(dur)
-        self._s_used.append(kv_used)
-        self._s_energy.append(energy)
+        j = self.reserve(1)
+        self._s_end[j] = end
+        self._s_dur[j] = dur
+        self._s_used[j] = kv_used
+        self._s_energy[j] = energy
+        self._s_k = j + 1
         self._stage_run(1, tokens, prefill_tokens, batch, sampled, waiting, itl_count,
                         kv_empty, 0, 0)
 
@@ -165,11 +176,35 @@ class Timeline:
         empty_base - batch * j + block_size * kv_used[j] empty slots (`empty_first` more in
         step 0): the slots of the blocks used less the tokens they hold, which grow by
         `batch` a step."""
-        self._s_end.extend(ends)
-        self._s_dur.extend(durs)
-        self._s_used.extend(kv_used)
-        self._s_energy.extend(energy)
-        self._stage_run(len(ends), batch, 0, batch, batch, waiting, itl_first, empty_base,
+        k = len(ends)
+        j = self.reserve(k)
+        self._s_end[j:j + k] = ends
+        self._s_dur[j:j + k] = durs
+        self._s_used[j:j + k] = kv_used
+        self._s_energy[j:j + k] = energy
+        self.commit_decodes(j, k, batch, itl_first, empty_base, block_size, empty_first,
+                            waiting)
+
+    def reserve(self, k: int) -> int:
+        """The first of `k` staging rows free to write (end, dur, kv_used, energy) before
+        `commit_decodes` stages them."""
+        j = self._s_k
+        if j + k > self._s_cap:
+            self.flush()
+            j = 0
+            if k > self._s_cap:
+                self._stage_columns(k)
+        return j
+
+    def commit_decodes(self, j: int, k: int, batch: int, itl_first: int, empty_base: int,
+                       block_size: int, empty_first: int, waiting: int) -> None:
+        """Stage the run of `k` decode steps written to rows j.. of the staging columns
+        (`add_decodes` says what the rest means)."""
+        if j != self._s_k:  # (a flush between reserve and now: the rows move up)
+            for col in (self._s_end, self._s_dur, self._s_used, self._s_energy):
+                col[self._s_k:self._s_k + k] = col[j:j + k].copy()
+        self._s_k += k
+        self._stage_run(k, batch, 0, batch, batch, waiting, itl_first, empty_base,
                         block_size, empty_first)
 
     def _stage_run(self, rows: int, tokens: int, prefill_tokens: int, batch: int,
@@ -187,7 +222,7 @@ class Timeline:
         self._s_e_base.append(empty_base)
         self._s_e_block.append(per_block)
         self._s_e_first.append(empty_first)
-        if len(self._s_end) >= _STAGE:
+        if self._s_k >= _STAGE:
             self.flush()
 
     def append(self, **cols) -> int:
@@ -203,29 +238,35 @@ class Timeline:
     def flush(self) -> None:
         """Write the staged rows to the columns now (they are written when the stage fills,
         or before anything reads the columns, in any case)."""
-        k = len(self._s_end)
+        k = self._s_k
         if k:
-            rows = np.array(self._s_rows, dtype=np.int64)
-            run = np.repeat(np.arange(len(rows)), rows)  # each row's run
+            nrun = len(self._s_rows)
+
+            def ints(values: list[int]) -> np.ndarray:
+                # (packed: a third of what np.array costs on a list of ints)
+                return np.frombuffer(struct.pack(f"{nrun}q", *values), dtype=np.int64)
+
+            rows = ints(self._s_rows)
+            run = np.repeat(np.arange(nrun), rows)  # each row's run
 
             def per_run(values: list[int]) -> np.ndarray:
                 # (one repeat, then a gather per column: np.repeat costs ~30 ns a row)
-                return np.array(values, dtype=np.int64)[run]
+                return ints(values)[run]
 
             starts = np.cumsum(rows) - rows  # each run's first row
             batch = per_run(self._s_batch)
             itl = batch.copy()
-            itl[starts] = self._s_itl
-            used = np.frombuffer(struct.pack(f"{k}q", *self._s_used), dtype=np.int64)
+            itl[starts] = ints(self._s_itl)
+            used = self._s_used[:k]
             j = np.arange(k, dtype=np.int64) - starts[run]  # row within its run
             empty = per_run(self._s_e_base) - batch * j + per_run(self._s_e_block) * used
-            empty[starts] += self._s_e_first
-            cols = {"end": self._s_end, "dur": self._s_dur,
+            empty[starts] += ints(self._s_e_first)
+            cols = {"end": self._s_end[:k], "dur": self._s_dur[:k],
                     "tokens": per_run(self._s_tokens),
                     "prefill_tokens": per_run(self._s_prefill),
                     "batch": batch, "sampled": per_run(self._s_sampled),
                     "itl_count": itl, "kv_used": used, "kv_empty": empty,
-                    "energy": self._s_energy, "waiting": per_run(self._s_waiting)}
+                    "energy": self._s_energy[:k], "waiting": per_run(self._s_waiting)}
             self._stage_reset()
             self._write(cols, k)
 

@@ -1,0 +1,134 @@
+/* The per-step part of a run of decode-only steps, written straight into the timeline's
+ * staging columns (sim/timeline.py) instead of into Python lists of boxed floats and ints.
+ *
+ * An optimisation of the same arithmetic as sim/costmodel.py (`CostModel.decode_times`) and
+ * sim/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles and
+ * 64-bit integers, so the results are equal bit for bit (built with -ffp-contract=off: no fused
+ * multiply-adds). Used only with the compiled build (sim/_compiled.py), never under
+ * SERVESIM_PURE=1; tests/test_compiled.py compares whole runs against pure Python.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+/* A writable, C-contiguous buffer of `n` items of `itemsize` bytes (a NumPy column). */
+static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t need) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->len / itemsize < need) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "_rows: column too short or of the wrong type");
+        return -1;
+    }
+    return 0;
+}
+
+/* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0,
+ *             base, af, kv_read, kv_b, fixed, cpu, overlap, idle, dyn) -> k
+ *
+ * The first (at most n) steps of a run of decode-only steps of b sequences holding c0 cached
+ * tokens, the first starting at t, up to the first that ends at or after t_ext: end times,
+ * durations and energies written to rows at, at + 1, ... of the three float64 columns.
+ * Returns how many. The formula is CostModel.decode_times' (its arguments from
+ * CostModel._decode_shared). */
+static PyObject *decode_rows(PyObject *self, PyObject *args) {
+    PyObject *oe, *od, *oen;
+    Py_ssize_t at, n;
+    double t, t_ext, base, af, kv_read, kv_b, fixed, cpu, idle, dyn;
+    long long b, c0;
+    int overlap;
+    if (!PyArg_ParseTuple(args, "OOOnnddLLddddddpdd", &oe, &od, &oen, &at, &n, &t, &t_ext,
+                          &b, &c0, &base, &af, &kv_read, &kv_b, &fixed, &cpu, &overlap,
+                          &idle, &dyn))
+        return NULL;
+    if (at < 0 || n < 0) {
+        PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: negative row");
+        return NULL;
+    }
+    Py_buffer ve, vd, ven;
+    if (column(oe, &ve, 8, at + n) < 0)
+        return NULL;
+    if (column(od, &vd, 8, at + n) < 0) {
+        PyBuffer_Release(&ve);
+        return NULL;
+    }
+    if (column(oen, &ven, 8, at + n) < 0) {
+        PyBuffer_Release(&ve);
+        PyBuffer_Release(&vd);
+        return NULL;
+    }
+    double *ends = (double *)ve.buf + at, *durs = (double *)vd.buf + at;
+    double *ens = (double *)ven.buf + at;
+    long long kr = c0;
+    Py_ssize_t k = 0;
+    while (k < n) {
+        double x = af * (double)(kr + b);
+        double y = kv_read * (double)kr + kv_b;
+        double busy = base + (x >= y ? x : y);
+        double gpu = busy + fixed;
+        double d = overlap ? (gpu >= cpu ? gpu : cpu) : gpu + cpu;
+        t = t + d;
+        ends[k] = t;
+        durs[k] = d;
+        ens[k] = idle * d + dyn * busy;
+        k++;
+        if (t >= t_ext)
+            break;
+        kr += b;
+    }
+    PyBuffer_Release(&ve);
+    PyBuffer_Release(&vd);
+    PyBuffer_Release(&ven);
+    return PyLong_FromSsize_t(k);
+}
+
+/* used_rows(used, at, steps, k, bs, used0) -> None
+ *
+ * The blocks used after each of the k steps of a decode run that starts with used0, the
+ * requests first crossing a block boundary at `steps` (a list of ints in [0, k); then every bs
+ * steps), written to rows at, ..., at + k - 1 of the int64 column `used`: stepping's
+ * _used_by_step. */
+static PyObject *used_rows(PyObject *self, PyObject *args) {
+    PyObject *ou, *steps;
+    Py_ssize_t at, k, bs;
+    long long used0;
+    if (!PyArg_ParseTuple(args, "OnO!nnL", &ou, &at, &PyList_Type, &steps, &k, &bs, &used0))
+        return NULL;
+    if (at < 0 || k < 1 || bs < 1) {
+        PyErr_SetString(PyExc_ValueError, "_rows.used_rows: bad row, length or block size");
+        return NULL;
+    }
+    Py_buffer vu;
+    if (column(ou, &vu, 8, at + k) < 0)
+        return NULL;
+    long long *out = (long long *)vu.buf + at;
+    for (Py_ssize_t j = 0; j < k; j++)
+        out[j] = 0;
+    Py_ssize_t m = PyList_GET_SIZE(steps);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        long long j0 = PyLong_AsLongLong(PyList_GET_ITEM(steps, i));
+        if (j0 < 0 || j0 >= k) {
+            PyBuffer_Release(&vu);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "_rows.used_rows: a step out of the run");
+            return NULL;
+        }
+        out[j0] += 1;
+    }
+    for (Py_ssize_t j = bs; j < k; j++)  /* taken at step j: first crossings at j, j - bs, ... */
+        out[j] += out[j - bs];
+    out[0] += used0;
+    for (Py_ssize_t j = 1; j < k; j++)
+        out[j] += out[j - 1];
+    PyBuffer_Release(&vu);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode_rows", decode_rows, METH_VARARGS, "A decode run's end times, durations and energies."},
+    {"used_rows", used_rows, METH_VARARGS, "A decode run's blocks used after each step."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_rows", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }
