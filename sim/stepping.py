@@ -739,13 +739,12 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     if at >= 0:
         _ROWS.used_rows(tl._s_used, at, steps, k, bs, used)
         used_end = int(tl._s_used[at + k - 1])
-        tl._s_used[at] = used_first  # (a run of one step: its last row is this row too)
-        used_last = used_first if k == 1 else used_end
+        tl._s_used[at] = used_first
     else:
         kv_used = _used_by_step(e, steps, k, bs, used) if steps else [used] * k
         used_end = kv_used[-1]
-        kv_used[0] = used_first  # (a run of one step: kv_used[-1] is this row too)
-        used_last = kv_used[-1]
+        kv_used[0] = used_first
+    used_last = used_first if k == 1 else used_end  # (the blocks used after its last step)
     empty_end = sum(first_cross) + bs * (used_end - used) - b * k
     g: int = s.step_count  # the run's first row on the timeline
     itl0 = 0
