@@ -23,10 +23,11 @@ MODULES = {
     "sim.stepping": "sim/stepping.py",
     "sim.quantiles": "sim/quantiles.py",
 }
-# C extension modules built beside them (the same arithmetic as the Python they stand in
-# for, written into NumPy columns; used only when the compiled build is)
+# C extension modules built beside them (the same arithmetic, or the same list moves, as the
+# Python they stand in for; used only when the compiled build is)
 C_MODULES = {
     "sim._rows": "sim/_rows.c",
+    "sim._blocks": "sim/_blocks.c",
 }
 MANIFEST = "sim/_compiled.json"  # digests of the sources the build compiled
 

@@ -12,12 +12,28 @@ new request leaves it in O(1).
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
+from typing import Any, Hashable, Iterable
 
 import numpy as np
 
 from sim.errors import ScenarioError
 from sim.request import Request
+
+def _blocks_module() -> Any:
+    """sim/_blocks.c (the pool's bulk moves of whole tables) where the compiled build is in
+    use, else None: the same moves in Python."""
+    from sim import _compiled
+    if not _compiled.COMPILED:
+        return None
+    try:
+        import sim._blocks as blocks
+    except ImportError:
+        return None
+    return blocks
+
+
+_BLOCKS: Any = _blocks_module()
+
 
 class OutOfBlocks(Exception):
     """Raised by BlockPool.allocate when fewer blocks are free than asked for."""
@@ -84,7 +100,11 @@ class BlockPool:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         q, ref, f = self._queue, self.ref_cnt, self._front
         h = self._head
-        if not self._stale:
+        if not self._stale and _BLOCKS is not None:
+            k = min(n, len(f))
+            out = _BLOCKS.take(f, q, h, n, ref)
+            h += n - k
+        elif not self._stale:
             k = min(n, len(f))
             if k:
                 out = f[-1:-k - 1:-1]
@@ -177,6 +197,20 @@ class BlockPool:
     def _free_unshared(self, table: list[int]) -> None:
         """Free `table`'s blocks, each held once (no sharing), tail first."""
         ref = self.ref_cnt
+        if _BLOCKS is not None:
+            _BLOCKS.release(ref, table)
+        else:
+            self._release(table)
+        if self.uncached_first:  # without sharing no block holds a cached prefix
+            self._front.extend(table)
+        else:
+            self._queue.extend(reversed(table))
+        self.num_free += len(table)
+
+    def _release(self, table: list[int]) -> None:
+        """`table`'s reference counts from 1 to 0, tail first; AssertionError, nothing
+        changed, on a block not held once."""
+        ref = self.ref_cnt
         for i in range(len(table) - 1, -1, -1):
             b = table[i]
             if ref[b] != 1:
@@ -184,11 +218,6 @@ class BlockPool:
                     ref[b2] = 1
                 raise AssertionError(f"block {b} freed twice")
             ref[b] = 0
-        if self.uncached_first:  # without sharing no block holds a cached prefix
-            self._front.extend(table)
-        else:
-            self._queue.extend(reversed(table))
-        self.num_free += len(table)
 
     def enable_sharing(self) -> None:
         """Switch a pool made without sharing to the mode that tracks queue positions."""

@@ -1,0 +1,106 @@
+"""sim/_blocks.c, the compiled build's bulk moves of the block pool, against the Python they
+stand in for (BlockPool.allocate's slices and counts, BlockPool._release): the same pool state,
+the same errors. (tests/test_compiled.py compares whole runs, compiled and pure.)"""
+
+from contextlib import contextmanager
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sim import _compiled, kv
+from sim.kv import BlockPool, OutOfBlocks
+
+blocks = kv._BLOCKS
+needs_c = pytest.mark.skipif(blocks is None, reason="no compiled build (pure Python)")
+
+
+@contextmanager
+def in_python():
+    """The pool's moves in Python while inside (sim.kv reads `_BLOCKS` at each move)."""
+    saved = kv._BLOCKS
+    kv._BLOCKS = None
+    try:
+        yield
+    finally:
+        kv._BLOCKS = saved
+
+
+def state(pool: BlockPool):
+    return (pool.ref_cnt, pool._front, pool._queue[pool._head:], pool.num_free)
+
+
+@needs_c
+def test_the_compiled_build_uses_it():
+    assert _compiled.COMPILED and blocks is not None
+
+
+@settings(max_examples=150, deadline=None)
+@given(num=st.integers(1, 200), first=st.booleans(), data=st.data())
+def test_allocate_and_free_match_python(num, first, data):
+    # The same random sequence of allocations and frees on two pools, one moving blocks in C
+    # (where built) and one in Python: the same blocks handed out, the same queue after.
+    c_pool = BlockPool(num, uncached_first=first)
+    py_pool = BlockPool(num, uncached_first=first)
+    held: list[list[int]] = []
+    for _ in range(data.draw(st.integers(1, 30))):
+        if held and data.draw(st.booleans()):
+            table = held.pop(data.draw(st.integers(0, len(held) - 1)))
+            c_pool.free_table(list(table))
+            with in_python():
+                py_pool.free_table(list(table))
+        else:
+            n = data.draw(st.integers(0, num))
+            try:
+                got = c_pool.allocate(n)
+            except OutOfBlocks:
+                got = None
+            with in_python():
+                try:
+                    want = py_pool.allocate(n)
+                except OutOfBlocks:
+                    want = None
+            assert got == want
+            if got:
+                held.append(got)
+        assert state(c_pool) == state(py_pool)
+        assert c_pool._head == py_pool._head
+
+
+@needs_c
+@given(n=st.integers(1, 40), data=st.data())
+def test_release_of_a_block_not_held_once_changes_nothing(n, data):
+    # A table with a block already free, or a block twice: AssertionError naming the block
+    # met first from the tail, and every count as it was (as BlockPool._release does).
+    pool = BlockPool(64)
+    table = pool.allocate(n)
+    bad = data.draw(st.sampled_from(["free", "twice"]))
+    i = data.draw(st.integers(0, n - 1))
+    if bad == "free":
+        pool.ref_cnt[table[i]] = 0
+    else:
+        table.insert(data.draw(st.integers(0, n)), table[i])
+    py = BlockPool(64)
+    py.ref_cnt = list(pool.ref_cnt)
+    before = list(pool.ref_cnt)
+    with pytest.raises(AssertionError) as c_err:
+        blocks.release(pool.ref_cnt, table)
+    with pytest.raises(AssertionError) as py_err:
+        py._release(table)
+    assert str(c_err.value) == str(py_err.value)
+    assert pool.ref_cnt == before == py.ref_cnt
+
+
+@needs_c
+def test_bad_arguments_raise_not_crash():
+    ref = [0] * 4
+    with pytest.raises(IndexError):  # a block outside the pool: nothing changed
+        blocks.take([], [0, 9], 0, 2, ref)
+    assert ref == [0] * 4
+    with pytest.raises(ValueError):  # more than the queue holds
+        blocks.take([], [0, 1], 1, 2, ref)
+    with pytest.raises(IndexError):
+        blocks.release([1, 1], [0, -1])
+    with pytest.raises(TypeError):
+        blocks.release((1,), [0])
+    with pytest.raises(TypeError):
+        blocks.take([], [0], 0, 1)
