@@ -181,17 +181,51 @@ class CostModel:
         free = self._mem * self._util - self.weight_bytes_per_gpu() - self._reserve
         return int(free // (self.kv_bytes_per_block() / self.tp))
 
-    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
-             maximum=max, sqrt=math.sqrt):
+    def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
+             d_cached: float, num_seqs: float, sampled: float) -> tuple[float, float]:
         """Duration (s) and energy (J) of a step: `p_tokens` prefill tokens attending to
         `p_attended` positions in chunks whose sequences had `p_cached` tokens cached, `d_seqs`
         decoding sequences holding `d_cached` cached tokens, `num_seqs` sequences in all, of
         which `sampled` sample a token (the module docstring has the formulas).
 
-        Works elementwise on Python numbers (`maximum=max`, `sqrt=math.sqrt`) or on NumPy arrays
-        (`np.maximum`, `np.sqrt`) with bit-identical results, so a run of steps computed at once
-        matches the same steps computed one by one.
+        `steps` is the same over NumPy arrays: the same operations in the same order, so a run
+        of steps computed at once matches the same steps computed one by one, bit for bit
+        (tests/sim/test_costmodel.py). Typed, this one runs in machine floats when compiled
+        (counts are integers far below 2**53: as floats, their sums are exact).
+        (`x if x >= y else y` is `max(x, y)`.)
         """
+        tokens = p_tokens + d_seqs
+        idle, dyn = self._idle, self._dyn
+        if self.roofline:
+            attended = p_attended + d_cached + d_seqs
+            kv_read = p_cached + d_cached
+            t_compute = (self._lin * tokens + self._attn * attended) * self._inv_flops
+            t_memory = ((self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens))
+                        * self._inv_bw)
+            busy = t_compute if t_compute >= t_memory else t_memory
+            dur = busy + self._comm * tokens + self.overhead
+            return dur, idle * dur + dyn * busy
+        # (The order of operations is part of the contract: `steps`, `_decode_shared` and
+        # `decode_times` restate it and must add the terms exactly as here.)
+        c = self._blk_c * tokens
+        busy = math.sqrt(c * c + self._blk_m * self._blk_m)
+        c = self._head_c * sampled
+        m = self._head_m * (1.0 if sampled > 0 else 0.0)
+        busy = busy + math.sqrt(c * c + m * m) + self._elem * tokens
+        x = self._attn_f * p_attended
+        y = self._kv * (p_cached + p_tokens)
+        busy = busy + (x if x >= y else y)
+        x = self._attn_f * (d_cached + d_seqs)
+        y = self._kv_read * d_cached + self._kv * d_seqs
+        busy = busy + (x if x >= y else y)
+        gpu = busy + (self._fixed + self._ar_tok * tokens)
+        cpu = self._cpu0 + self._cpu1 * num_seqs
+        dur = (gpu if gpu >= cpu else cpu) if self._overlap else gpu + cpu
+        return dur, idle * dur + dyn * busy
+
+    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
+        """`step` over NumPy arrays (any argument may be a scalar), elementwise: `step`'s
+        operations in `step`'s order."""
         tokens = p_tokens + d_seqs
         if self.roofline:
             attended = p_attended + d_cached + d_seqs
@@ -199,28 +233,21 @@ class CostModel:
             t_compute = (self._lin * tokens + self._attn * attended) * self._inv_flops
             t_memory = ((self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens))
                         * self._inv_bw)
-            busy = maximum(t_compute, t_memory)
+            busy = np.maximum(t_compute, t_memory)
             dur = busy + self._comm * tokens + self.overhead
             return dur, self._idle * dur + self._dyn * busy
-        # (The order of operations is part of the contract: `decode_step_fn` folds the terms a
-        # run of decode steps shares and must add them exactly as here.)
         c = self._blk_c * tokens
-        busy = sqrt(c * c + self._blk_m * self._blk_m)
+        busy = np.sqrt(c * c + self._blk_m * self._blk_m)
         c = self._head_c * sampled
         m = self._head_m * (sampled > 0)
-        busy = busy + sqrt(c * c + m * m) + self._elem * tokens
-        busy = busy + maximum(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
-        busy = busy + maximum(self._attn_f * (d_cached + d_seqs),
-                              self._kv_read * d_cached + self._kv * d_seqs)
+        busy = busy + np.sqrt(c * c + m * m) + self._elem * tokens
+        busy = busy + np.maximum(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
+        busy = busy + np.maximum(self._attn_f * (d_cached + d_seqs),
+                                 self._kv_read * d_cached + self._kv * d_seqs)
         gpu = busy + (self._fixed + self._ar_tok * tokens)
         cpu = self._cpu0 + self._cpu1 * num_seqs
-        dur = maximum(gpu, cpu) if self._overlap else gpu + cpu
+        dur = np.maximum(gpu, cpu) if self._overlap else gpu + cpu
         return dur, self._idle * dur + self._dyn * busy
-
-    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
-        """`step` over NumPy arrays (any argument may be a scalar)."""
-        return self.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
-                         maximum=np.maximum, sqrt=np.sqrt)
 
     def decode_step_fn(self, b: int):
         """`f(d_cached) -> (duration, energy)` of a decode-only step of `b` sequences, equal

@@ -555,8 +555,14 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             sampling += 1
     dur: float
     energy: float
-    dur, energy = s.cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
-                                 len(sched), sampling)
+    cost: Any = s.cost
+    if type(cost) is CostModel:  # (a native call; sim.fit's recorder is called as itself)
+        cm: CostModel = cost
+        dur, energy = cm.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
+                              sampling)
+    else:
+        dur, energy = cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
+                                sampling)
     swapped = len(s._swap_out) + len(s._swap_in)
     if swapped:  # block copies over the host link delay the step
         extra = s.cost.swap_time(swapped)
