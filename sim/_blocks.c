@@ -12,20 +12,30 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-/* The block id `item` as an index into `ref`, or -1 with an exception set. */
-static Py_ssize_t block_index(PyObject *item, Py_ssize_t nref) {
-    Py_ssize_t b = PyLong_AsSsize_t(item);
-    if (b == -1 && PyErr_Occurred())
-        return -1;
-    if (b < 0 || b >= nref) {
-        PyErr_Format(PyExc_IndexError, "_blocks: block %zd outside the pool", b);
-        return -1;
+/* The ids of list `blocks` as indices into a list of `nref` counts, in a new buffer (freed by
+ * the caller with PyMem_Free), or NULL with an exception set. */
+static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
+    Py_ssize_t n = PyList_GET_SIZE(blocks);
+    Py_ssize_t *idx = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
+    if (idx == NULL) {
+        PyErr_NoMemory();
+        return NULL;
     }
-    return b;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t b = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        if (b < 0 || b >= nref) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_IndexError, "_blocks: block %zd outside the pool", b);
+            PyMem_Free(idx);
+            return NULL;
+        }
+        idx[i] = b;
+    }
+    return idx;
 }
 
 /* ref[b] = value (a new reference to `value` is stored). */
-static void set_ref(PyObject *ref, Py_ssize_t b, PyObject *value) {
+static inline void set_ref(PyObject *ref, Py_ssize_t b, PyObject *value) {
     PyObject *old = PyList_GET_ITEM(ref, b);
     Py_INCREF(value);
     PyList_SET_ITEM(ref, b, value);
@@ -53,11 +63,9 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "_blocks.take: fewer blocks queued than asked for");
         return NULL;
     }
-    Py_ssize_t nref = PyList_GET_SIZE(ref);
-    PyObject *one = PyLong_FromLong(1);
     PyObject *out = PyList_New(n);
-    if (one == NULL || out == NULL)
-        goto fail;
+    if (out == NULL)
+        return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *b = i < k ? PyList_GET_ITEM(front, nf - 1 - i)
                             : PyList_GET_ITEM(queue, head + i - k);
@@ -65,19 +73,18 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyList_SET_ITEM(out, i, b);
     }
     /* every id checked before any count changes: a bad one leaves the pool as it was */
+    Py_ssize_t *idx = block_indices(out, PyList_GET_SIZE(ref));
+    if (idx == NULL || (k && PyList_SetSlice(front, nf - k, nf, NULL) < 0)) {
+        PyMem_Free(idx);
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyObject *one = PyLong_FromLong(1);  /* (a cached small int: cannot fail) */
     for (Py_ssize_t i = 0; i < n; i++)
-        if (block_index(PyList_GET_ITEM(out, i), nref) < 0)
-            goto fail;
-    if (k && PyList_SetSlice(front, nf - k, nf, NULL) < 0)
-        goto fail;
-    for (Py_ssize_t i = 0; i < n; i++)
-        set_ref(ref, PyLong_AsSsize_t(PyList_GET_ITEM(out, i)), one);
+        set_ref(ref, idx[i], one);
     Py_DECREF(one);
+    PyMem_Free(idx);
     return out;
-fail:
-    Py_XDECREF(one);
-    Py_XDECREF(out);
-    return NULL;
 }
 
 /* release(ref, table) -> None
@@ -92,41 +99,30 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     PyObject *ref = args[0], *table = args[1];
-    Py_ssize_t nref = PyList_GET_SIZE(ref), n = PyList_GET_SIZE(table);
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (block_index(PyList_GET_ITEM(table, i), nref) < 0)
-            return NULL;
-    PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);
-    if (zero == NULL || one == NULL) {
-        Py_XDECREF(zero);
-        Py_XDECREF(one);
+    Py_ssize_t n = PyList_GET_SIZE(table);
+    Py_ssize_t *idx = block_indices(table, PyList_GET_SIZE(ref));
+    if (idx == NULL)
         return NULL;
-    }
+    PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);  /* (cached small ints) */
     PyObject *result = Py_None;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        Py_ssize_t b = PyLong_AsSsize_t(PyList_GET_ITEM(table, i));
-        PyObject *rc = PyList_GET_ITEM(ref, b);
-        int is_one = rc == one;
-        if (!is_one) {
+        PyObject *rc = PyList_GET_ITEM(ref, idx[i]);
+        if (rc != one) {  /* (a count of 1 is the cached int 1; anything else is checked) */
             long v = PyLong_AsLong(rc);
-            if (v == -1 && PyErr_Occurred()) {
+            if (v != 1) {
+                for (Py_ssize_t j = i + 1; j < n; j++)  /* (nothing freed: as it was) */
+                    set_ref(ref, idx[j], one);
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_AssertionError, "block %zd freed twice", idx[i]);
                 result = NULL;
-            } else {
-                is_one = v == 1;
+                break;
             }
         }
-        if (!is_one) {
-            for (Py_ssize_t j = i + 1; j < n; j++)  /* (nothing freed: as it was) */
-                set_ref(ref, PyLong_AsSsize_t(PyList_GET_ITEM(table, j)), one);
-            if (result != NULL)
-                PyErr_Format(PyExc_AssertionError, "block %zd freed twice", b);
-            result = NULL;
-            break;
-        }
-        set_ref(ref, b, zero);
+        set_ref(ref, idx[i], zero);
     }
     Py_DECREF(zero);
     Py_DECREF(one);
+    PyMem_Free(idx);
     Py_XINCREF(result);
     return result;
 }

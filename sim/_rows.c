@@ -30,15 +30,21 @@ static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_
  * durations and energies written to rows at, at + 1, ... of the three float64 columns.
  * Returns how many. The formula is CostModel.decode_times' (its arguments from
  * CostModel._decode_shared). */
-static PyObject *decode_rows(PyObject *self, PyObject *args) {
-    PyObject *oe, *od, *oen;
-    Py_ssize_t at, n;
-    double t, t_ext, base, af, kv_read, kv_b, fixed, cpu, idle, dyn;
-    long long b, c0;
-    int overlap;
-    if (!PyArg_ParseTuple(args, "OOOnnddLLddddddpdd", &oe, &od, &oen, &at, &n, &t, &t_ext,
-                          &b, &c0, &base, &af, &kv_read, &kv_b, &fixed, &cpu, &overlap,
-                          &idle, &dyn))
+static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "_rows.decode_rows takes 18 arguments");
+        return NULL;
+    }
+    PyObject *oe = args[0], *od = args[1], *oen = args[2];
+    Py_ssize_t at = PyLong_AsSsize_t(args[3]), n = PyLong_AsSsize_t(args[4]);
+    double t = PyFloat_AsDouble(args[5]), t_ext = PyFloat_AsDouble(args[6]);
+    long long b = PyLong_AsLongLong(args[7]), c0 = PyLong_AsLongLong(args[8]);
+    double base = PyFloat_AsDouble(args[9]), af = PyFloat_AsDouble(args[10]);
+    double kv_read = PyFloat_AsDouble(args[11]), kv_b = PyFloat_AsDouble(args[12]);
+    double fixed = PyFloat_AsDouble(args[13]), cpu = PyFloat_AsDouble(args[14]);
+    int overlap = PyObject_IsTrue(args[15]);
+    double idle = PyFloat_AsDouble(args[16]), dyn = PyFloat_AsDouble(args[17]);
+    if (PyErr_Occurred())
         return NULL;
     if (at < 0 || n < 0) {
         PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: negative row");
@@ -87,11 +93,16 @@ static PyObject *decode_rows(PyObject *self, PyObject *args) {
  * requests first crossing a block boundary at `steps` (a list of ints in [0, k); then every bs
  * steps), written to rows at, ..., at + k - 1 of the int64 column `used`: stepping's
  * _used_by_step. */
-static PyObject *used_rows(PyObject *self, PyObject *args) {
-    PyObject *ou, *steps;
-    Py_ssize_t at, k, bs;
-    long long used0;
-    if (!PyArg_ParseTuple(args, "OnO!nnL", &ou, &at, &PyList_Type, &steps, &k, &bs, &used0))
+static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "_rows.used_rows(used, at, steps, k, bs, used0): steps a list");
+        return NULL;
+    }
+    PyObject *ou = args[0], *steps = args[2];
+    Py_ssize_t at = PyLong_AsSsize_t(args[1]), k = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
+    long long used0 = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred())
         return NULL;
     if (at < 0 || k < 1 || bs < 1) {
         PyErr_SetString(PyExc_ValueError, "_rows.used_rows: bad row, length or block size");
@@ -124,8 +135,8 @@ static PyObject *used_rows(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"decode_rows", decode_rows, METH_VARARGS, "A decode run's end times, durations and energies."},
-    {"used_rows", used_rows, METH_VARARGS, "A decode run's blocks used after each step."},
+    {"decode_rows", (PyCFunction)(void (*)(void))decode_rows, METH_FASTCALL, "A decode run's end times, durations and energies."},
+    {"used_rows", (PyCFunction)(void (*)(void))used_rows, METH_FASTCALL, "A decode run's blocks used after each step."},
     {NULL, NULL, 0, NULL},
 };
 
