@@ -680,10 +680,13 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     kmax: int = min(max_steps, e.RUN_STEPS_MAX)
     c0 = 0  # tokens the batch holds
     first_cross: list[int] = []
+    cross_sum = 0
     for r in reqs:
         c = r.num_computed_tokens
         c0 += c
-        first_cross.append(len(r.block_table) * bs - c)
+        j0 = len(r.block_table) * bs - c
+        first_cross.append(j0)
+        cross_sum += j0
         left = r.max_output_tokens - r.num_output_tokens
         if left < kmax:
             kmax = left
@@ -692,7 +695,10 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     pending: list[Request] = s._releasing
     if kmax > 1:
         free = kv.num_free_blocks
-        need = sum([(kmax - 1 - j) // bs + 1 for j in first_cross if j < kmax])
+        need = 0
+        for j in first_cross:  # (a typed loop: sum() of a list is a call and boxed ints)
+            if j < kmax:
+                need += (kmax - 1 - j) // bs + 1
         if need > free and pending:
             free += e._blocks_freed_by(pending)
         if need > free:
@@ -751,7 +757,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         used_end = kv_used[-1]
         kv_used[0] = used_first
     used_last = used_first if k == 1 else used_end  # (the blocks used after its last step)
-    empty_end = sum(first_cross) + bs * (used_end - used) - b * k
+    empty_end = cross_sum + bs * (used_end - used) - b * k
     g: int = s.step_count  # the run's first row on the timeline
     itl0 = 0
     finished = []
@@ -815,18 +821,23 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
         for key, blk in zip(keys, blocks):
             reqs[key % b].block_table.append(blk)
         return steps
-    first = [(key // b, key % b) for key in keys]
-    if first[-1][0] - first[0][0] < bs:
+    if steps[-1] - steps[0] < bs:
         # First crossings within one block's span (always, short of contiguous
         # reservations): the order is round by round (a round is every request's next
         # crossing), each round in (first crossing, batch) order, only the last one cut
         # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
-        blocks = kv.pool.allocate(sum([(k - 1 - j0) // bs + 1 for j0, _ in first]))
-        m = len(first)
-        for p, (_, i) in enumerate(first):
-            reqs[i].block_table.extend(blocks[p::m])
+        # (Typed loops: a slice blocks[p::m] a request costs more than the 1-2 appends.)
+        total = 0
+        for j0 in steps:
+            total += (k - 1 - j0) // bs + 1
+        taken: list[Any] = kv.pool.allocate(total)  # (list[Any]: the same int objects move)
+        m = len(keys)
+        for p in range(m):
+            table: list[Any] = reqs[keys[p] % b].block_table
+            for q in range(p, total, m):
+                table.append(taken[q])
     else:
-        cross = sorted([(j, i) for j0, i in first for j in range(j0, k, bs)])
+        cross = sorted([(j, key % b) for key in keys for j in range(key // b, k, bs)])
         blocks = kv.pool.allocate(len(cross))
         for (_, i), blk in zip(cross, blocks):
             reqs[i].block_table.append(blk)
