@@ -587,6 +587,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
     tokens_out: dict[int, list[int]] = {}  # (with real compute)
     caching = s.prefix_caching and not kv.register_at_allocation
+    events: bool = s.record_events  # (the step's chunk and decode lists are for its event)
     for (req, n), chunk in zip(sched, is_prefill):
         c = req.num_computed_tokens
         total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
@@ -595,8 +596,9 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             kv.cache_blocks(req, c + n)
         if chunk:
             req.prefill_chunks.append((end, c, n))
-            prefill_chunks.append((req.req_id, c, n))
-        else:
+            if events:
+                prefill_chunks.append((req.req_id, c, n))
+        elif events:
             decodes.append(req.req_id)
         if c + n < total:
             prefilling = True
@@ -620,7 +622,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         else:
             last = segs[-1]
             if last[0] + last[1] == g:
-                last[1] += 1
+                last[1] = last[1] + 1  # (typed: `+=` on a list item is generic)
                 itl += 1
             else:
                 prev = req.last_token_time
@@ -772,7 +774,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             kv.cache_blocks(r, r.num_computed_tokens - unseen)
         last = r.token_segments[-1]
         if last[0] + last[1] == g:
-            last[1] += k
+            last[1] = last[1] + k  # (typed: `+=` on a list item is generic)
             itl0 += 1
         else:
             prev = r.last_token_time
