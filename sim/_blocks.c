@@ -127,9 +127,148 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     return result;
 }
 
+/* crossings(first_cross, k, bs) -> (steps, order)
+ *
+ * `stepping.crossing_order`: request i of a decode run's batch first needs a block at step
+ * first_cross[i], then every `bs` steps; over the run's `k` steps, `order` is the batch index of
+ * each block to allocate in the order step-by-step scheduling takes them (by step, then batch
+ * index) and `steps` the sorted first crossings of the requests that cross.
+ */
+static int cmp_ll(const void *a, const void *b) {
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sort `n` ints ascending: insertion sort for a run's few dozen (qsort's calls cost ~100
+ * instructions an item there), qsort beyond. */
+static void sort_ll(long long *v, Py_ssize_t n) {
+    if (n > 64) {
+        qsort(v, n, sizeof(long long), cmp_ll);
+        return;
+    }
+    for (Py_ssize_t i = 1; i < n; i++) {
+        long long x = v[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && v[j - 1] > x; j--)
+            v[j] = v[j - 1];
+        v[j] = x;
+    }
+}
+
+static PyObject *crossings(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "_blocks.crossings(first_cross, k, bs): a list, two ints");
+        return NULL;
+    }
+    PyObject *first = args[0];
+    long long k = PyLong_AsLongLong(args[1]), bs = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (bs < 1) {
+        PyErr_SetString(PyExc_ValueError, "_blocks.crossings: block size below 1");
+        return NULL;
+    }
+    Py_ssize_t b = PyList_GET_SIZE(first), m = 0, total = 0;
+    long long *j0 = PyMem_Malloc((b ? b : 1) * sizeof(long long));
+    if (j0 == NULL)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < b; i++) {
+        j0[i] = PyLong_AsLongLong(PyList_GET_ITEM(first, i));
+        if (j0[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(j0);
+            return NULL;
+        }
+        if (j0[i] < 1) {  /* (a table always holds the token of the run's first step) */
+            PyMem_Free(j0);
+            PyErr_SetString(PyExc_ValueError, "_blocks.crossings: a crossing before the run");
+            return NULL;
+        }
+        if (j0[i] < k) {
+            m++;
+            total += (Py_ssize_t)((k - 1 - j0[i]) / bs + 1);
+        }
+    }
+    /* keys j * b + i sort as the pairs (step, batch index) do */
+    long long *keys = PyMem_Malloc((m ? m : 1) * sizeof(long long));
+    long long *cross = PyMem_Malloc((total ? total : 1) * sizeof(long long));
+    PyObject *steps = PyList_New(m), *order = PyList_New(total), *out = NULL;
+    if (keys == NULL || cross == NULL || steps == NULL || order == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t a = 0, c = 0;
+    for (Py_ssize_t i = 0; i < b; i++) {
+        if (j0[i] >= k)
+            continue;
+        keys[a++] = j0[i] * b + i;
+        for (long long j = j0[i]; j < k; j += bs)
+            cross[c++] = j * b + i;
+    }
+    sort_ll(keys, m);
+    sort_ll(cross, total);
+    for (Py_ssize_t q = 0; q < m; q++) {
+        PyObject *v = PyLong_FromLongLong(keys[q] / b);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(steps, q, v);
+    }
+    for (Py_ssize_t q = 0; q < total; q++) {
+        PyObject *v = PyLong_FromLongLong(cross[q] % b);
+        if (v == NULL)
+            goto done;
+        PyList_SET_ITEM(order, q, v);
+    }
+    out = PyTuple_Pack(2, steps, order);
+done:
+    PyMem_Free(j0);
+    PyMem_Free(keys);
+    PyMem_Free(cross);
+    Py_XDECREF(steps);
+    Py_XDECREF(order);
+    return out;
+}
+
+/* deal(reqs, order, blocks) -> None
+ *
+ * Block blocks[q] onto the end of reqs[order[q]].block_table, for each q in turn.
+ */
+static PyObject *deal(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[0]) || !PyList_Check(args[1])
+            || !PyList_Check(args[2]) || PyList_GET_SIZE(args[1]) != PyList_GET_SIZE(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "_blocks.deal(reqs, order, blocks): lists, order and blocks alike long");
+        return NULL;
+    }
+    PyObject *reqs = args[0], *order = args[1], *blocks = args[2];
+    static PyObject *name = NULL;
+    if (name == NULL && (name = PyUnicode_InternFromString("block_table")) == NULL)
+        return NULL;
+    Py_ssize_t b = PyList_GET_SIZE(reqs), n = PyList_GET_SIZE(order);
+    for (Py_ssize_t q = 0; q < n; q++) {
+        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(order, q));
+        if (i < 0 || i >= b) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_IndexError, "_blocks.deal: a request outside the batch");
+            return NULL;
+        }
+        PyObject *table = PyObject_GetAttr(PyList_GET_ITEM(reqs, i), name);
+        if (table == NULL)
+            return NULL;
+        int bad = !PyList_Check(table) || PyList_Append(table, PyList_GET_ITEM(blocks, q)) < 0;
+        if (bad && !PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "_blocks.deal: a block table that is not a list");
+        Py_DECREF(table);
+        if (bad)
+            return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"take", (PyCFunction)(void (*)(void))take, METH_FASTCALL, "BlockPool.allocate's bulk move (no stale queue entry)."},
     {"release", (PyCFunction)(void (*)(void))release, METH_FASTCALL, "BlockPool._free_unshared's reference counts."},
+    {"crossings", (PyCFunction)(void (*)(void))crossings, METH_FASTCALL, "A decode run's block crossings in allocation order."},
+    {"deal", (PyCFunction)(void (*)(void))deal, METH_FASTCALL, "Blocks onto the block tables of a run's requests."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,7 +29,7 @@ import numpy as np
 from sim import events as ev
 from sim.costmodel import CostModel
 from sim.errors import EngineError
-from sim.kv import KVCacheManager, blocks_for
+from sim.kv import KVCacheManager, _blocks_module, blocks_for
 from sim.limits import MAX_TIME_S
 from sim.request import Request, RequestState
 from sim.quantiles import Samples
@@ -60,6 +60,7 @@ def _rows_module() -> Any:
 
 
 _ROWS: Any = _rows_module()
+_BLOCKS: Any = _blocks_module()  # (sim/_blocks.c where the compiled build is in use)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -810,40 +811,47 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     s: EngineState = e
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
+    if _BLOCKS is not None:  # (sim/_blocks.c: the same order, and the blocks dealt, in C)
+        steps, order = _BLOCKS.crossings(first_cross, k, bs)
+        if order:
+            _BLOCKS.deal(reqs, order, kv.pool.allocate(len(order)))
+        return steps
+    steps, order = crossing_order(first_cross, k, bs)
+    if order:
+        blocks: Any = kv.pool.allocate(len(order))  # (Any: the same int objects move)
+        for i, blk in zip(order, blocks):
+            reqs[i].block_table.append(blk)
+    return steps
+
+
+def crossing_order(first_cross: list[int], k: int, bs: int) -> tuple[list[int], list[int]]:
+    """The block crossings of a decode run's `k` steps, request i of the batch first crossing
+    at step `first_cross[i]` (at least 1: its table holds step 0's token), then every `bs`
+    steps: the batch index of each block to allocate, in the order step-by-step scheduling
+    takes them (by step, then batch index), and the sorted first crossings of the requests
+    that cross."""
     # The requests that cross, in (first crossing j0, batch index i) order: sorted as the
     # ints j0 * b + i, which sort as the pairs would, several times faster than tuples.
-    b = len(reqs)
+    b = len(first_cross)
     keys = [j0 * b + i for i, j0 in enumerate(first_cross) if j0 < k]
     if not keys:
-        return keys
+        return keys, keys
     keys.sort()
     steps = [key // b for key in keys]  # their first crossings
     if k <= bs:  # (the common case: one block each at most)
-        blocks: Any = kv.pool.allocate(len(keys))  # (Any: the same int objects move)
-        for key, blk in zip(keys, blocks):
-            reqs[key % b].block_table.append(blk)
-        return steps
+        return steps, [key % b for key in keys]
     if steps[-1] - steps[0] < bs:
         # First crossings within one block's span (always, short of contiguous
         # reservations): the order is round by round (a round is every request's next
         # crossing), each round in (first crossing, batch) order, only the last one cut
-        # short; so the request ranked p of the m that cross takes blocks p, p + m, ...
-        # (Typed loops: a slice blocks[p::m] a request costs more than the 1-2 appends.)
+        # short; so block q goes to the request ranked q mod m of the m that cross.
         total = 0
         for j0 in steps:
             total += (k - 1 - j0) // bs + 1
-        taken: list[Any] = kv.pool.allocate(total)  # (list[Any]: the same int objects move)
         m = len(keys)
-        for p in range(m):
-            table: list[Any] = reqs[keys[p] % b].block_table
-            for q in range(p, total, m):
-                table.append(taken[q])
-    else:
-        cross = sorted([(j, key % b) for key in keys for j in range(key // b, k, bs)])
-        blocks = kv.pool.allocate(len(cross))
-        for (_, i), blk in zip(cross, blocks):
-            reqs[i].block_table.append(blk)
-    return steps
+        return steps, [keys[q % m] % b for q in range(total)]
+    return steps, [x % b for x in sorted([j * b + key % b for key in keys
+                                          for j in range(key // b, k, bs)])]
 
 
 def _used_by_step(e: Any, steps: list[int], k: int, bs: int, used: int) -> list[int]:

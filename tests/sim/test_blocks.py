@@ -104,3 +104,34 @@ def test_bad_arguments_raise_not_crash():
         blocks.release((1,), [0])
     with pytest.raises(TypeError):
         blocks.take([], [0], 0, 1)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(k=st.integers(1, 300), bs=st.sampled_from([1, 2, 4, 16, 32]), data=st.data())
+def test_crossings_equal_crossing_order(k, bs, data):
+    # A decode run's block crossings in allocation order: C (one sort of every crossing)
+    # against the Python (its one-block and round-robin shortcuts), for batches whose first
+    # crossings lie within one block's span (the usual case) and spread wide (reservations).
+    from sim import stepping
+
+    span = data.draw(st.sampled_from([bs, 4 * bs + 3, 400]))
+    first = data.draw(st.lists(st.integers(1, span), max_size=40))
+    assert blocks.crossings(first, k, bs) == stepping.crossing_order(first, k, bs)
+
+
+@needs_c
+def test_deal_appends_each_block_to_its_request():
+    class Req:
+        def __init__(self):
+            self.block_table = [7]
+
+    reqs = [Req(), Req(), Req()]
+    blocks.deal(reqs, [2, 0, 2], [10, 11, 12])
+    assert [r.block_table for r in reqs] == [[7, 11], [7], [7, 10, 12]]
+    with pytest.raises(IndexError):
+        blocks.deal(reqs, [3], [1])
+    with pytest.raises(TypeError):
+        blocks.deal(reqs, [0, 1], [1])
+    with pytest.raises(ValueError):
+        blocks.crossings([0], 4, 16)  # (a table holds the run's first token: j0 >= 1)
