@@ -589,6 +589,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     tokens_out: dict[int, list[int]] = {}  # (with real compute)
     caching = s.prefix_caching and not kv.register_at_allocation
     events: bool = s.record_events  # (the step's chunk and decode lists are for its event)
+    end_obj: Any = end  # (one float object for every request's token times)
     for (req, n), chunk in zip(sched, is_prefill):
         c = req.num_computed_tokens
         total = req.prompt_len + req.num_output_tokens  # (num_tokens, without the call)
@@ -612,7 +613,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         req.num_output_tokens += 1
         segs = req.token_segments
         if req.num_output_tokens == 1:
-            req.first_token_time = end
+            req.first_token_time = end_obj
             if req.parent_id is None:
                 s.ttft.add(end - req.arrival_time)
                 recent(e, s.recent_ttfts, end, end - req.arrival_time)
@@ -633,7 +634,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             if req.recomputing:  # its re-prefill after a preemption is done
                 req.recomputing = False
                 recomputed.append(req)
-        req.last_token_time = end
+        req.last_token_time = end_obj
         if req.num_output_tokens >= req.max_output_tokens:
             finished.append(req)
     # Every request of the batch (finishing aside) decodes in the next step, as the
@@ -764,6 +765,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     g: int = s.step_count  # the run's first row on the timeline
     itl0 = 0
     finished = []
+    end_obj: Any = end  # (one float object for every request's last token time)
     caching: bool = s.prefix_caching
     # Registered when scheduled, a block holding the run's last token waits, under async
     # scheduling, for the next step (the scheduler has not seen that token yet).
@@ -782,7 +784,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             assert prev is not None  # (it has sampled before)
             gap(e, first_end, first_end - prev)
             r.token_segments.append([g, k])
-        r.last_token_time = end
+        r.last_token_time = end_obj
         if r.num_output_tokens >= r.max_output_tokens:
             finished.append(r)
     if s.record_events:
