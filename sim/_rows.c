@@ -23,12 +23,13 @@ static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_
 }
 
 /* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0,
- *             base, af, kv_read, kv_b, fixed, cpu, overlap, idle, dyn) -> k
+ *             base, af, kv_read, kv_b, fixed, cpu, overlap, idle, dyn) -> (k, first, last)
  *
  * The first (at most n) steps of a run of decode-only steps of b sequences holding c0 cached
  * tokens, the first starting at t, up to the first that ends at or after t_ext: end times,
  * durations and energies written to rows at, at + 1, ... of the three float64 columns.
- * Returns how many. The formula is CostModel.decode_times' (its arguments from
+ * Returns how many, and the first and last end times (NaN without a row: saves reading them
+ * back as NumPy scalars). The formula is CostModel.decode_times' (its arguments from
  * CostModel._decode_shared). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 18) {
@@ -81,27 +82,29 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
             break;
         kr += b;
     }
+    double first = k ? ends[0] : Py_NAN, last = k ? ends[k - 1] : Py_NAN;
     PyBuffer_Release(&ve);
     PyBuffer_Release(&vd);
     PyBuffer_Release(&ven);
-    return PyLong_FromSsize_t(k);
+    return Py_BuildValue("(ndd)", k, first, last);
 }
 
-/* used_rows(used, at, steps, k, bs, used0) -> None
+/* used_rows(used, at, steps, k, bs, used0, first) -> the blocks used after the last step
  *
  * The blocks used after each of the k steps of a decode run that starts with used0, the
  * requests first crossing a block boundary at `steps` (a list of ints in [0, k); then every bs
  * steps), written to rows at, ..., at + k - 1 of the int64 column `used`: stepping's
- * _used_by_step. */
+ * _used_by_step; then row at gets `first` instead (a run's first row counts the blocks of the
+ * requests that finished before it) and the last row's count (before that) is returned. */
 static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyList_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "_rows.used_rows(used, at, steps, k, bs, used0): steps a list");
+    if (nargs != 7 || !PyList_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "_rows.used_rows(used, at, steps, k, bs, used0, first): steps a list");
         return NULL;
     }
     PyObject *ou = args[0], *steps = args[2];
     Py_ssize_t at = PyLong_AsSsize_t(args[1]), k = PyLong_AsSsize_t(args[3]);
     Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
-    long long used0 = PyLong_AsLongLong(args[5]);
+    long long used0 = PyLong_AsLongLong(args[5]), first = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred())
         return NULL;
     if (at < 0 || k < 1 || bs < 1) {
@@ -130,8 +133,10 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     out[0] += used0;
     for (Py_ssize_t j = 1; j < k; j++)
         out[j] += out[j - 1];
+    long long last = out[k - 1];
+    out[0] = first;
     PyBuffer_Release(&vu);
-    Py_RETURN_NONE;
+    return PyLong_FromLongLong(last);
 }
 
 static PyMethodDef methods[] = {

@@ -719,6 +719,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     # unless the cost model is wrapped (sim.fit's recorder times every step it is asked).
     at = -1
     k = 0
+    end = first_end = 0.0  # (the run's last and first step's end times)
     ends: Any = None
     dur: Any = None
     energy: Any = None
@@ -728,19 +729,16 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         n = kmax if kmax < e.SCALAR_STEPS else e.SCALAR_STEPS
         at = tl.reserve(n)
         base, af, kv_read, kv_b, fixed, cpu = cm._decode_shared(b)
-        k = _ROWS.decode_rows(tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now, t_ext, b, c0,
-                              base, af, kv_read, kv_b, fixed, cpu, cm._overlap, cm._idle,
-                              cm._dyn)
-        if k == n < kmax and tl._s_end[at + k - 1] < t_ext:
+        k, first_end, end = _ROWS.decode_rows(
+            tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now, t_ext, b, c0, base, af, kv_read,
+            kv_b, fixed, cpu, cm._overlap, cm._idle, cm._dyn)
+        if k == n < kmax and end < t_ext:
             at = -1  # (a run longer than the scalar part: timed as a whole below)
     if at < 0:
         ends, dur, energy = run_times(e, b, c0, kmax, t_ext)
         k = len(ends)
-        end: float = ends[-1]
-        first_end: float = ends[0]
-    else:
-        end = float(tl._s_end[at + k - 1])
-        first_end = float(tl._s_end[at])
+        end = ends[-1]
+        first_end = ends[0]
     used_first = kv.num_used_blocks
     empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
     if pending:
@@ -753,9 +751,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
     kv_used: list[int] = []
     if at >= 0:
-        _ROWS.used_rows(tl._s_used, at, steps, k, bs, used)
-        used_end = int(tl._s_used[at + k - 1])
-        tl._s_used[at] = used_first
+        used_end: int = _ROWS.used_rows(tl._s_used, at, steps, k, bs, used, used_first)
     else:
         kv_used = _used_by_step(e, steps, k, bs, used) if steps else [used] * k
         used_end = kv_used[-1]

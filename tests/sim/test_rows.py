@@ -29,9 +29,10 @@ def test_decode_rows_equal_decode_times(preset, b, c0, n, t0, cut, tp, hw, at):
     t_ext = t0 + cut
     want = cm.decode_times(b, c0, n, t0, t_ext)
     cols = [np.full(at + n + 3, -1.0) for _ in range(3)]
-    k = rows.decode_rows(*cols, at, n, t0, t_ext, b, c0, *cm._decode_shared(b), cm._overlap,
-                         cm._idle, cm._dyn)
+    k, first, last = rows.decode_rows(*cols, at, n, t0, t_ext, b, c0, *cm._decode_shared(b),
+                                      cm._overlap, cm._idle, cm._dyn)
     assert k == len(want[0])
+    assert (first, last) == (want[0][0], want[0][-1])
     for col, w in zip(cols, want):
         assert col[at:at + k].tolist() == w  # (== on floats: the same bits)
         assert (col[:at] == -1).all() and (col[at + k:] == -1).all()  # nothing else written
@@ -45,8 +46,8 @@ def test_used_rows_equal_used_by_step(k, bs, used, data, at):
     e = type("E", (), {"SCALAR_STEPS": 1 << 20})()  # (the scalar path of _used_by_step)
     want = stepping._used_by_step(e, steps, k, bs, used)
     col = np.full(at + k + 2, -7, dtype=np.int64)
-    rows.used_rows(col, at, steps, k, bs, used)
-    assert col[at:at + k].tolist() == want
+    assert rows.used_rows(col, at, steps, k, bs, used, -5) == want[-1]
+    assert col[at] == -5 and col[at + 1:at + k].tolist() == want[1:]  # (row 0 given)
     assert (col[:at] == -7).all() and (col[at + k:] == -7).all()
 
 
@@ -56,8 +57,8 @@ def test_bad_arguments_raise_not_crash():
         rows.decode_rows(col, col, col, 2, 5, 0.0, 1.0, 1, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0,
                          False, 1.0, 1.0)
     with pytest.raises(ValueError):  # the wrong item size
-        rows.used_rows(np.zeros(8, dtype=np.int32), 0, [0], 4, 16, 0)
+        rows.used_rows(np.zeros(8, dtype=np.int32), 0, [0], 4, 16, 0, 0)
     with pytest.raises(ValueError):  # a crossing outside the run
-        rows.used_rows(np.zeros(8, dtype=np.int64), 0, [5], 4, 16, 0)
+        rows.used_rows(np.zeros(8, dtype=np.int64), 0, [5], 4, 16, 0, 0)
     with pytest.raises(BufferError):  # read-only: not a writable column
-        rows.used_rows(b"\0" * 64, 0, [0], 4, 16, 0)
+        rows.used_rows(b"\0" * 64, 0, [0], 4, 16, 0, 0)
