@@ -85,3 +85,15 @@ def activate() -> bool:
     if not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _SourceFinder(root, COMPILED))
     return COMPILED
+
+
+def c_module(name: str):
+    """The C module `name` (one of C_MODULES) where this process uses the compiled build, else
+    None: the compiled modules then do the same work in Python."""
+    if not COMPILED or name not in C_MODULES:
+        return None
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None

@@ -139,9 +139,86 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(last);
 }
 
+/* expand(runs, used, k, out) -> None
+ *
+ * The timeline's flush (sim/timeline.py `Timeline.flush`): the staged runs' shared values onto
+ * their rows. `runs` is a list of ten equally long lists of ints, a value per staged run: its
+ * rows, tokens, prefill tokens, batch, sampled, waiting, first row's itl_count, and kv_empty's
+ * base, per-block factor and first-row extra; `used` the int64 staging column of blocks used
+ * (k rows, the runs' rows in order); `out` a list of seven int64 columns of at least k rows,
+ * given row g, the r-th of its run i:
+ *   tokens[i], prefill[i], batch[i], sampled[i], r ? batch[i] : itl_first[i],
+ *   e_base[i] - batch[i] * r + e_block[i] * used[g] + (r ? 0 : e_first[i]), waiting[i]. */
+static PyObject *expand(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyList_Check(args[0]) || PyList_GET_SIZE(args[0]) != 10
+            || !PyList_Check(args[3]) || PyList_GET_SIZE(args[3]) != 7) {
+        PyErr_SetString(PyExc_TypeError, "_rows.expand(runs, used, k, out): ten lists, a column, an int, seven columns");
+        return NULL;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(args[2]);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *lists[10];
+    Py_ssize_t nruns = -1;
+    for (int c = 0; c < 10; c++) {
+        lists[c] = PyList_GET_ITEM(args[0], c);
+        if (!PyList_Check(lists[c]) || (nruns >= 0 && PyList_GET_SIZE(lists[c]) != nruns)) {
+            PyErr_SetString(PyExc_ValueError, "_rows.expand: the run lists differ in length");
+            return NULL;
+        }
+        nruns = PyList_GET_SIZE(lists[c]);
+    }
+    Py_buffer views[8];
+    int got = 0;
+    PyObject *result = NULL;
+    if (column(args[1], &views[0], 8, k) < 0)
+        return NULL;
+    for (got = 1; got < 8; got++)
+        if (column(PyList_GET_ITEM(args[3], got - 1), &views[got], 8, k) < 0)
+            goto done;
+    const long long *used = views[0].buf;
+    long long *out[7];
+    for (int c = 0; c < 7; c++)
+        out[c] = views[c + 1].buf;
+    Py_ssize_t g = 0;
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        long long v[10];
+        for (int c = 0; c < 10; c++) {
+            v[c] = PyLong_AsLongLong(PyList_GET_ITEM(lists[c], i));
+            if (v[c] == -1 && PyErr_Occurred())
+                goto done;
+        }
+        long long rows = v[0];
+        if (rows < 0 || rows > k - g) {
+            PyErr_SetString(PyExc_ValueError, "_rows.expand: runs longer than the staged rows");
+            goto done;
+        }
+        for (long long r = 0; r < rows; r++, g++) {
+            out[0][g] = v[1];
+            out[1][g] = v[2];
+            out[2][g] = v[3];
+            out[3][g] = v[4];
+            out[4][g] = r ? v[3] : v[6];
+            out[5][g] = v[7] - v[3] * r + v[8] * used[g] + (r ? 0 : v[9]);
+            out[6][g] = v[5];
+        }
+    }
+    if (g != k) {
+        PyErr_SetString(PyExc_ValueError, "_rows.expand: runs shorter than the staged rows");
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int c = 0; c < got; c++)
+        PyBuffer_Release(&views[c]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))decode_rows, METH_FASTCALL, "A decode run's end times, durations and energies."},
     {"used_rows", (PyCFunction)(void (*)(void))used_rows, METH_FASTCALL, "A decode run's blocks used after each step."},
+    {"expand", (PyCFunction)(void (*)(void))expand, METH_FASTCALL, "The timeline's staged runs onto their rows."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,23 +16,12 @@ from typing import Any, Hashable, Iterable
 
 import numpy as np
 
+from sim import _compiled
 from sim.errors import ScenarioError
 from sim.request import Request
 
-def _blocks_module() -> Any:
-    """sim/_blocks.c (the pool's bulk moves of whole tables) where the compiled build is in
-    use, else None: the same moves in Python."""
-    from sim import _compiled
-    if not _compiled.COMPILED:
-        return None
-    try:
-        import sim._blocks as blocks
-    except ImportError:
-        return None
-    return blocks
-
-
-_BLOCKS: Any = _blocks_module()
+# sim/_blocks.c (the pool's bulk moves of whole tables) with the compiled build, else None
+_BLOCKS: Any = _compiled.c_module("sim._blocks")
 
 
 class OutOfBlocks(Exception):

@@ -26,10 +26,10 @@ from mypy_extensions import mypyc_attr
 
 import numpy as np
 
-from sim import events as ev
+from sim import _compiled, events as ev
 from sim.costmodel import CostModel
 from sim.errors import EngineError
-from sim.kv import KVCacheManager, _blocks_module, blocks_for
+from sim.kv import KVCacheManager, blocks_for
 from sim.limits import MAX_TIME_S
 from sim.request import Request, RequestState
 from sim.quantiles import Samples
@@ -46,21 +46,10 @@ REJECTED: Final = RS.REJECTED
 UNBOUNDED: Final = 1 << 62  # a token budget that no step reaches
 
 
-def _rows_module() -> Any:
-    """sim/_rows.c (a decode run's per-step rows written into the timeline's staging
-    columns) where the compiled build is in use, else None: the same rows from Python."""
-    from sim import _compiled
-    if not _compiled.COMPILED:
-        return None
-    try:
-        import sim._rows as rows
-    except ImportError:
-        return None
-    return rows
-
-
-_ROWS: Any = _rows_module()
-_BLOCKS: Any = _blocks_module()  # (sim/_blocks.c where the compiled build is in use)
+# sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) and
+# sim/_blocks.c (its block crossings) with the compiled build, else None: the same in Python
+_ROWS: Any = _compiled.c_module("sim._rows")
+_BLOCKS: Any = _compiled.c_module("sim._blocks")
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)

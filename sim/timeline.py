@@ -23,10 +23,11 @@ from __future__ import annotations
 import bisect
 import math
 import struct
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 
+from sim import _compiled
 from sim.errors import EngineError
 from sim.quantiles import Samples
 
@@ -49,6 +50,8 @@ CHUNK = 1 << 16  # rows per chunk (a power of two: chunk sums are of fixed row r
 # besides ~0.1 us a row, so 16k rows a flush halve the timeline's cost of 2k (the engine also
 # flushes at the end of each run_until)
 _STAGE = 1 << 14
+# sim/_rows.c with the compiled build (the flush's per-row columns in one pass), else None
+_ROWS: Any = _compiled.c_module("sim._rows")
 ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.quantiles' sketch)
 
 
@@ -245,24 +248,33 @@ class Timeline:
         if k:
             # (no nested functions here: compiled, their shared environment is a reference
             # cycle, which the paused collector leaves, arrays and all, until the run ends)
-            rows = _ints(self._s_rows)
-            run = np.repeat(np.arange(len(rows)), rows)  # each row's run
-            # (one repeat, then a gather per column: np.repeat costs ~30 ns a row)
-            starts = np.cumsum(rows) - rows  # each run's first row
-            batch = _ints(self._s_batch)[run]
-            itl = batch.copy()
-            itl[starts] = _ints(self._s_itl)
             used = self._s_used[:k]
-            j = np.arange(k, dtype=np.int64) - starts[run]  # row within its run
-            empty = (_ints(self._s_e_base)[run] - batch * j
-                     + _ints(self._s_e_block)[run] * used)
-            empty[starts] += _ints(self._s_e_first)
-            cols = {"end": self._s_end[:k], "dur": self._s_dur[:k],
-                    "tokens": _ints(self._s_tokens)[run],
-                    "prefill_tokens": _ints(self._s_prefill)[run],
-                    "batch": batch, "sampled": _ints(self._s_sampled)[run],
+            if _ROWS is not None:  # (sim/_rows.c: the same columns in one pass in C)
+                out = [np.empty(k, dtype=np.int64) for _ in range(7)]
+                _ROWS.expand([self._s_rows, self._s_tokens, self._s_prefill, self._s_batch,
+                              self._s_sampled, self._s_waiting, self._s_itl, self._s_e_base,
+                              self._s_e_block, self._s_e_first], used, k, out)
+                tokens, prefill, batch, sampled, itl, empty, waiting = out
+            else:
+                rows = _ints(self._s_rows)
+                run = np.repeat(np.arange(len(rows)), rows)  # each row's run
+                # (one repeat, then a gather per column: np.repeat costs ~30 ns a row)
+                starts = np.cumsum(rows) - rows  # each run's first row
+                batch = _ints(self._s_batch)[run]
+                itl = batch.copy()
+                itl[starts] = _ints(self._s_itl)
+                j = np.arange(k, dtype=np.int64) - starts[run]  # row within its run
+                empty = (_ints(self._s_e_base)[run] - batch * j
+                         + _ints(self._s_e_block)[run] * used)
+                empty[starts] += _ints(self._s_e_first)
+                tokens = _ints(self._s_tokens)[run]
+                prefill = _ints(self._s_prefill)[run]
+                sampled = _ints(self._s_sampled)[run]
+                waiting = _ints(self._s_waiting)[run]
+            cols = {"end": self._s_end[:k], "dur": self._s_dur[:k], "tokens": tokens,
+                    "prefill_tokens": prefill, "batch": batch, "sampled": sampled,
                     "itl_count": itl, "kv_used": used, "kv_empty": empty,
-                    "energy": self._s_energy[:k], "waiting": _ints(self._s_waiting)[run]}
+                    "energy": self._s_energy[:k], "waiting": waiting}
             self._stage_reset()
             self._write(cols, k)
 

@@ -62,3 +62,49 @@ def test_bad_arguments_raise_not_crash():
         rows.used_rows(np.zeros(8, dtype=np.int64), 0, [5], 4, 16, 0, 0)
     with pytest.raises(BufferError):  # read-only: not a writable column
         rows.used_rows(b"\0" * 64, 0, [0], 4, 16, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_expand_equals_the_numpy_flush(data):
+    # The timeline's flush: staged runs (single steps and decode runs) onto their rows, by
+    # sim/_rows.c and by NumPy, give the same columns.
+    from sim import timeline as tlmod
+    from sim.timeline import COLUMNS, Timeline
+
+    steps = data.draw(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 500),
+                                         st.integers(0, 10**6), st.integers(0, 64)),
+                               min_size=1, max_size=30))
+    lines = []
+    for c_flush in (True, False):
+        saved = tlmod._ROWS
+        tlmod._ROWS = saved if c_flush else None
+        try:
+            tl, t = Timeline(), 0.0
+            for single, k, b, base, per_block in steps:
+                if single:
+                    t += 0.01
+                    tl.add_row(t, 0.01, b + k, k, b + 1, b, b // 2, base % 977, base, 0.5,
+                               per_block)
+                else:
+                    ends = [t + 0.01 * (j + 1) for j in range(k)]
+                    t = ends[-1]
+                    tl.add_decodes(ends, [0.01] * k, b, b // 3, [base % 977 + j for j in range(k)],
+                                   base, per_block, b % 7, [0.2] * k, per_block)
+            tl.flush()
+            lines.append({name: tl.column(name).tolist() for name in COLUMNS})
+        finally:
+            tlmod._ROWS = saved
+    assert lines[0] == lines[1]
+
+
+def test_expand_rejects_runs_that_do_not_fit():
+    used = np.zeros(4, dtype=np.int64)
+    out = [np.zeros(4, dtype=np.int64) for _ in range(7)]
+    runs = [[5]] + [[0]] * 9  # a run of 5 rows, 4 staged
+    with pytest.raises(ValueError):
+        rows.expand(runs, used, 4, out)
+    with pytest.raises(ValueError):
+        rows.expand([[3]] + [[0]] * 9, used, 4, out)  # 3 of 4
+    with pytest.raises(TypeError):
+        rows.expand(runs[:9], used, 4, out)
