@@ -1,5 +1,7 @@
 """NumPy kernels against the dense float64 reference, on scattered pools poisoned with NaN."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -144,3 +146,19 @@ def test_float64_queries_accumulate_in_float64():
     for s in range(2):
         k, v = batch.contiguous(s)
         assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("offset", [0, 4, 16, 28, 2048, 4092])
+def test_gathers_land_half_a_period_from_their_source(offset):
+    # memmove is slow when the destination sits just past the source modulo 4 KiB; the gather
+    # buffer is placed so that it never does, wherever the cache starts.
+    rng = np.random.default_rng(9)
+    raw = np.empty((6 * 8 * 2 * 32 * 4) + 2 * numpy_backend.PAGE_BYTES, dtype=np.uint8)
+    skip = (offset - raw.ctypes.data) % numpy_backend.PAGE_BYTES
+    cache = raw[skip:skip + 6 * 8 * 2 * 32 * 4].view(np.float32).reshape(6, 8, 2, 32)
+    cache[:] = rng.standard_normal(cache.shape, dtype=np.float32)
+    dst = numpy_backend._workspace.gather("test", cache, 3 * cache[0].size)
+    period = math.gcd(cache.strides[0], numpy_backend.PAGE_BYTES)
+    assert (dst.ctypes.data - cache.ctypes.data) % period == period // 2
+    tile = numpy_backend._take_blocks(cache, np.array([[4, 0, 5]]), dst)
+    np.testing.assert_array_equal(tile[0], cache[[4, 0, 5]].reshape(-1, 2, 32))
