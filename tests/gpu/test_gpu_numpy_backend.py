@@ -148,6 +148,41 @@ def test_float64_queries_accumulate_in_float64():
         assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < 1e-12
 
 
+@pytest.mark.parametrize("score_bytes", [1 << 13, 1 << 10])
+def test_decode_in_chunks_and_past_the_score_budget_matches_reference(monkeypatch, score_bytes):
+    # 8 KiB of scores holds one 256-token sequence (a length group cut into chunks) but not the
+    # 300-token one, which goes through the online softmax alone; 1 KiB holds only the shortest.
+    monkeypatch.setattr(numpy_backend, "SCORE_BYTES", score_bytes)
+    rng = np.random.default_rng(7)
+    lens = [130, 97, 0, 1, 120, 300, 256]
+    batch = random_paged_batch(rng, lens, block_size=16, num_kv_heads=2, head_dim=32)
+    q = random_values(rng, (len(lens), 8, 32), "float32")
+    out = gpu.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    for s, n in enumerate(lens):
+        if n == 0:
+            assert np.all(out[s] == 0)
+            continue
+        k, v = batch.contiguous(s)
+        assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < TOLERANCE["float32"]
+
+
+def test_decode_plans_kept_between_calls_read_each_cache_afresh():
+    # Decode keeps its per-shape views between calls (`_DecodePlan`), never the data: another
+    # pool of the same shape is read, and so is a pool changed in place since the last call.
+    rng = np.random.default_rng(8)
+    pools = [random_paged_batch(rng, [70, 45], block_size=8, num_kv_heads=2, head_dim=32) for _ in range(2)]
+    q = random_values(rng, (2, 4, 32), "float32")
+    outs = [gpu.paged_decode_attention(q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens).copy() for b in pools]
+    for b, out in zip(pools, outs):
+        for s in range(2):
+            k, v = b.contiguous(s)
+            assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < TOLERANCE["float32"]
+    a = pools[0]
+    a.v_cache *= -1
+    again = gpu.paged_decode_attention(q, a.k_cache, a.v_cache, a.block_tables, a.seq_lens)
+    assert np.array_equal(again, -outs[0])
+
+
 @pytest.mark.parametrize("offset", [0, 4, 16, 28, 2048, 4092])
 def test_gathers_land_half_a_period_from_their_source(offset):
     # memmove is slow when the destination sits just past the source modulo 4 KiB; the gather
