@@ -83,7 +83,7 @@ class _Workspace(threading.local):
     def decode_plan(self, qg, k_cache, v_cache, num_blocks) -> _DecodePlan:
         """The plan for this call's shapes; the caches' addresses (modulo a page) are part of
         the key because they decide where the gathers go."""
-        key = (qg.shape, qg.dtype, k_cache.shape[1:], k_cache.strides, v_cache.strides, k_cache.dtype, num_blocks,
+        key = (qg.shape, qg.dtype, k_cache.shape, k_cache.strides, v_cache.strides, k_cache.dtype, num_blocks,
                TILE_BYTES, _address(k_cache) % PAGE_BYTES, _address(v_cache) % PAGE_BYTES)
         plan = self.plans.get(key)
         if plan is None:
@@ -98,6 +98,7 @@ _workspace = _Workspace()
 
 
 _FLOAT32, _FLOAT64 = np.dtype(np.float32), np.dtype(np.float64)
+_CACHE_DTYPES = frozenset(map(np.dtype, (np.float32, np.float16, np.float64)))
 
 
 def _accum_dtype(q: np.ndarray) -> np.dtype:
@@ -108,7 +109,7 @@ def _check_cache(k_cache: np.ndarray, v_cache: np.ndarray) -> None:
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.ndim != 4:
         raise ValueError(f"k_cache {k_cache.shape} {k_cache.dtype} and v_cache {v_cache.shape} {v_cache.dtype}: "
                          "want equal [num_blocks, block_size, num_kv_heads, head_dim] arrays")
-    if k_cache.dtype not in (np.float32, np.float16, np.float64):
+    if k_cache.dtype not in _CACHE_DTYPES:
         raise ValueError(f"cache dtype {k_cache.dtype}: the NumPy backend stores float32 or float16")
 
 
@@ -231,27 +232,45 @@ def _length_groups(seq_lens: np.ndarray) -> list[np.ndarray]:
     return np.split(order, cuts)
 
 
+def _unit_blocks(num_blocks: int, max_unit: int) -> tuple[int, int]:
+    """Blocks per GEMM unit for `num_blocks` blocks, at most `max_unit`, and the blocks the
+    units cover: the largest divisor of `num_blocks` from `max_unit` down to half of it, else
+    `num_blocks` shared evenly with the last unit padded."""
+    for unit in range(min(max_unit, num_blocks), max(1, max_unit // 2) - 1, -1):
+        if num_blocks % unit == 0:
+            return unit, num_blocks
+    units = -(-num_blocks // max_unit)
+    unit = -(-num_blocks // units)
+    return unit, units * unit
+
+
 class _DecodePlan:
-    """Everything `_decode` can set up once for a shape: the tiles of blocks and, per tile, the
-    gather destinations of its K and V blocks, the same memory as the products' operands (cast
-    to the accumulation dtype in buffers of their own when the cache stores another), and the
-    slices of the score matrix and of the partial outputs it fills. Views of workspace buffers;
-    a decode step calls with the same shapes for every layer, so the per-call Python work (a
-    good part of a small batch's time) is a look-up. Tiles hold about TILE_BYTES of K, at most
-    as many tokens as keep one GEMM under OpenBLAS's threading threshold, in tiles of equal size
-    give or take a block.
+    """Everything `_decode` can set up once for a shape, as views of workspace buffers: the
+    tiles of blocks and, per tile, the gather destinations of its K and V blocks, the same
+    memory as the products' operands (cast to the accumulation dtype in buffers of their own
+    when the cache stores another), and the parts of the score matrix and of the partial
+    outputs it fills. A decode step calls with the same shapes for every layer, so the per-call
+    Python work (a good part of a small batch's time) is a look-up.
+
+    A tile holds about TILE_BYTES of K. Its keys are cut into units of equal length, each one
+    GEMM per sequence and kv head, short enough to stay under OpenBLAS's threading threshold;
+    one batched product covers all units of a tile (each product call costs ~8 us of its own
+    here). When no divisor of the block count makes a good unit, the last unit runs past the
+    last block (padding, masked like the slots past a sequence's end).
     """
 
     def __init__(self, qg, k_cache, v_cache, num_blocks):
         num_seqs, num_kv_heads, rows, head_dim = qg.shape
         block_size = k_cache.shape[1]
-        self.keys = keys = num_blocks * block_size
-        col_bytes = num_seqs * block_size * num_kv_heads * head_dim * k_cache.itemsize
+        cap = max(1, TILE_BYTES // (num_seqs * block_size * num_kv_heads * head_dim * k_cache.itemsize))
         max_tokens = max(MIN_TILE_TOKENS, (BLAS_SINGLE_THREAD_WORK - 1) // (rows * head_dim))
-        tile_blocks = max(1, min(TILE_BYTES // col_bytes, max_tokens // block_size))
-        num_tiles = -(-num_blocks // tile_blocks)
-        tile_blocks = -(-num_blocks // num_tiles)
-        size = num_seqs * tile_blocks * block_size * num_kv_heads * head_dim
+        unit, self.blocks = _unit_blocks(num_blocks, max(1, min(cap, max_tokens // block_size)))
+        self.keys = keys = self.blocks * block_size
+        num_units = self.blocks // unit
+        num_tiles = -(-num_units // max(1, cap // unit))
+        per_tile = -(-num_units // num_tiles)  # units per tile, evened out
+        unit_tokens = unit * block_size
+        size = num_seqs * per_tile * unit * block_size * num_kv_heads * head_dim
         acc = qg.dtype
         # K and V share one buffer (a tile's K is used up before its V is gathered), each placed
         # for its own cache.
@@ -263,25 +282,30 @@ class _DecodePlan:
             k_acc, v_acc = _workspace.get("k_acc", size, acc), _workspace.get("v_acc", size, acc)
         s_size = num_seqs * num_kv_heads * rows * keys
         self.scores = _workspace.get("scores", s_size, acc)[:s_size].reshape(num_seqs, num_kv_heads, rows, keys)
+        # [S, units, KVH, R, unit tokens]: the score matrix as the products write it
+        by_unit = self.scores.reshape(num_seqs, num_kv_heads, rows, num_units, unit_tokens).transpose(0, 3, 1, 2, 4)
         self.parts = None
-        if num_tiles > 1:
-            p_size = num_tiles * qg.size
-            self.parts = _workspace.get("parts", p_size, acc)[:p_size].reshape(num_tiles, *qg.shape)
+        if num_units > 1:
+            p_size = num_units * qg.size
+            self.parts = _workspace.get("parts", p_size, acc)[:p_size].reshape(
+                num_seqs, num_units, num_kv_heads, rows, head_dim)
         self.positions = np.arange(keys)
-        self.tiles = []
-        for i, b0 in enumerate(range(0, num_blocks, tile_blocks)):
-            b1 = min(b0 + tile_blocks, num_blocks)
+        self.k_tiles, self.v_tiles = [], []
+        for j0 in range(0, num_units, per_tile):
+            j1 = min(j0 + per_tile, num_units)
+            b0, b1 = j0 * unit, j1 * unit
             n = num_seqs * (b1 - b0) * block_size * num_kv_heads * head_dim
             blocks = (num_seqs, b1 - b0) + k_cache.shape[1:]
             tokens = (num_seqs, (b1 - b0) * block_size, num_kv_heads, head_dim)
+            units = (num_seqs, j1 - j0, unit_tokens, num_kv_heads, head_dim)
             k_dst, v_dst = k_buf[:n].reshape(blocks), v_buf[:n].reshape(blocks)
-            k_op = (k_acc[:n] if cast else k_buf[:n]).reshape(tokens)
-            v_op = (v_acc[:n] if cast else v_buf[:n]).reshape(tokens)
-            t0, t1 = b0 * block_size, b1 * block_size
-            self.tiles.append((
-                b0, b1, t0, t1, k_dst, k_op if cast else None, k_op.transpose(0, 2, 3, 1),
-                v_dst, v_dst.reshape(tokens), v_op if cast else None, v_op.transpose(0, 2, 1, 3),
-                self.scores[..., t0:t1], None if self.parts is None else self.parts[i]))
+            k_op = (k_acc[:n] if cast else k_buf[:n]).reshape(units)
+            v_op = (v_acc[:n] if cast else v_buf[:n]).reshape(units)
+            self.k_tiles.append((b0, b1, k_dst, k_op if cast else None, k_op.transpose(0, 1, 3, 4, 2),
+                                 by_unit[:, j0:j1]))
+            self.v_tiles.append((b0, b1, b0 * block_size, b1 * block_size, v_dst, v_dst.reshape(tokens),
+                                 v_op if cast else None, v_op.transpose(0, 1, 3, 2, 4), by_unit[:, j0:j1],
+                                 None if self.parts is None else self.parts[:, j0:j1]))
 
 
 def _decode(qg, k_cache, v_cache, block_tables, seq_lens, o, min_len, max_len):
@@ -290,7 +314,7 @@ def _decode(qg, k_cache, v_cache, block_tables, seq_lens, o, min_len, max_len):
     Two passes over the keys instead of `_attend`'s online softmax: each tile of K blocks is
     gathered and scored straight into one score matrix [S, KVH, R, keys] (a workspace buffer,
     which the caller keeps within SCORE_BYTES), the softmax runs once over all of it, then each
-    tile of V blocks is gathered and weighted into its own slot of a partial-output buffer,
+    tile of V blocks is gathered and weighted into its own slots of a partial-output buffer,
     summed at the end. A tile costs a gather and a product, with none of the online softmax's
     per-tile max, rescale and mask work; the views it needs come from a `_DecodePlan`. A
     sequence of length 0 gives zeros. `min_len` and `max_len` are `seq_lens`' extremes.
@@ -299,34 +323,39 @@ def _decode(qg, k_cache, v_cache, block_tables, seq_lens, o, min_len, max_len):
         o[...] = 0
         return
     plan = _workspace.decode_plan(qg, k_cache, v_cache, -(-max_len // k_cache.shape[1]))
-    s = plan.scores
-    for b0, b1, _, _, k_dst, k_acc, k_op, *_, s_tile, _ in plan.tiles:
+    if block_tables.shape[1] < plan.blocks:
+        # The last unit runs past the table: any id serves there (its slots are masked).
+        ids = np.zeros((len(block_tables), plan.blocks), dtype=block_tables.dtype)
+        ids[:, :block_tables.shape[1]] = block_tables
+        block_tables = ids
+    s, q_units = plan.scores, qg[:, None]
+    for b0, b1, k_dst, k_acc, k_op, s_tile in plan.k_tiles:
         k_cache.take(block_tables[:, b0:b1], axis=0, out=k_dst, mode="clip")  # see `_take_blocks`
         if k_acc is not None:
             np.copyto(k_acc, k_dst.reshape(k_acc.shape), casting="same_kind")
-        np.matmul(qg, k_op, out=s_tile)
+        np.matmul(q_units, k_op, out=s_tile)
     if min_len < plan.keys:
         # Slots past a sequence's end were never written for it: their scores go to -inf here
         # and their V to zero below, so that stale (even NaN) data cannot leak into the output.
         stale = plan.positions[None, :] >= seq_lens[:, None]
         np.copyto(s, -np.inf, where=stale[:, None, None, :])
-    m = s.max(axis=-1, keepdims=True)
+    m = np.maximum.reduce(s, axis=-1, keepdims=True)  # (as s.max, without its Python wrapper)
     if min_len <= 0:
         m = np.where(np.isfinite(m), m, 0.0)  # a row with no key: shift by 0, not inf - inf
     s -= m
     np.exp(s, out=s)
-    l = s.sum(axis=-1, keepdims=True)
-    for b0, b1, t0, t1, _, _, _, v_dst, v_tokens, v_acc, v_op, s_tile, part in plan.tiles:
+    l = np.add.reduce(s, axis=-1, keepdims=True)
+    for b0, b1, t0, t1, v_dst, v_tokens, v_acc, v_op, s_tile, part in plan.v_tiles:
         v_cache.take(block_tables[:, b0:b1], axis=0, out=v_dst, mode="clip")
         if t1 > min_len:
             stale = plan.positions[None, t0:t1] >= seq_lens[:, None]
             np.copyto(v_tokens, 0, where=stale[:, :, None, None])
         if v_acc is not None:
-            np.copyto(v_acc, v_tokens, casting="same_kind")
-        # One tile writes straight to `o`; more write their partial sums side by side.
-        np.matmul(s_tile, v_op, out=o if part is None else part)
+            np.copyto(v_acc, v_tokens.reshape(v_acc.shape), casting="same_kind")
+        # A single unit writes straight to `o`; more write their partial sums side by side.
+        np.matmul(s_tile, v_op, out=o[:, None] if part is None else part)
     if plan.parts is not None:
-        np.sum(plan.parts, axis=0, out=o)
+        np.sum(plan.parts, axis=1, out=o)
     if min_len <= 0:
         np.divide(o, l, out=o, where=l > 0)
         np.copyto(o, 0, where=l == 0)

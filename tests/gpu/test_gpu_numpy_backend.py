@@ -183,6 +183,24 @@ def test_decode_plans_kept_between_calls_read_each_cache_afresh():
     assert np.array_equal(again, -outs[0])
 
 
+@pytest.mark.parametrize("extra_columns", [0, 1])
+def test_decode_with_a_padded_last_unit_matches_reference(extra_columns):
+    # 67 blocks (a prime) have no divisor near the longest unit (here 42 blocks: 1 MiB of K for
+    # 3 sequences): two units of 34 blocks, the last running past the table (when it has no
+    # spare column) and past every sequence.
+    assert numpy_backend._unit_blocks(67, 42) == (34, 68)
+    assert numpy_backend._unit_blocks(128, 63) == (32, 128)
+    rng = np.random.default_rng(10)
+    lens = [1065, 1070, 1060]
+    batch = random_paged_batch(rng, lens, block_size=16, num_kv_heads=2, head_dim=64,
+                               extra_table_columns=extra_columns)
+    q = random_values(rng, (len(lens), 8, 64), "float32")
+    out = gpu.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    for s in range(len(lens)):
+        k, v = batch.contiguous(s)
+        assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < TOLERANCE["float32"]
+
+
 @pytest.mark.parametrize("offset", [0, 4, 16, 28, 2048, 4092])
 def test_gathers_land_half_a_period_from_their_source(offset):
     # memmove is slow when the destination sits just past the source modulo 4 KiB; the gather
