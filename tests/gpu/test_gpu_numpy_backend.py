@@ -1,5 +1,7 @@
 """NumPy kernels against the dense float64 reference, on scattered pools poisoned with NaN."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -144,3 +146,72 @@ def test_float64_queries_accumulate_in_float64():
     for s in range(2):
         k, v = batch.contiguous(s)
         assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < 1e-12
+
+
+@pytest.mark.parametrize("score_bytes", [1 << 13, 1 << 10])
+def test_decode_in_chunks_and_past_the_score_budget_matches_reference(monkeypatch, score_bytes):
+    # 8 KiB of scores holds one 256-token sequence (a length group cut into chunks) but not the
+    # 300-token one, which goes through the online softmax alone; 1 KiB holds only the shortest.
+    monkeypatch.setattr(numpy_backend, "SCORE_BYTES", score_bytes)
+    rng = np.random.default_rng(7)
+    lens = [130, 97, 0, 1, 120, 300, 256]
+    batch = random_paged_batch(rng, lens, block_size=16, num_kv_heads=2, head_dim=32)
+    q = random_values(rng, (len(lens), 8, 32), "float32")
+    out = gpu.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    for s, n in enumerate(lens):
+        if n == 0:
+            assert np.all(out[s] == 0)
+            continue
+        k, v = batch.contiguous(s)
+        assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < TOLERANCE["float32"]
+
+
+def test_decode_plans_kept_between_calls_read_each_cache_afresh():
+    # Decode keeps its per-shape views between calls (`_DecodePlan`), never the data: another
+    # pool of the same shape is read, and so is a pool changed in place since the last call.
+    rng = np.random.default_rng(8)
+    pools = [random_paged_batch(rng, [70, 45], block_size=8, num_kv_heads=2, head_dim=32) for _ in range(2)]
+    q = random_values(rng, (2, 4, 32), "float32")
+    outs = [gpu.paged_decode_attention(q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens).copy() for b in pools]
+    for b, out in zip(pools, outs):
+        for s in range(2):
+            k, v = b.contiguous(s)
+            assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < TOLERANCE["float32"]
+    a = pools[0]
+    a.v_cache *= -1
+    again = gpu.paged_decode_attention(q, a.k_cache, a.v_cache, a.block_tables, a.seq_lens)
+    assert np.array_equal(again, -outs[0])
+
+
+@pytest.mark.parametrize("extra_columns", [0, 1])
+def test_decode_with_a_padded_last_unit_matches_reference(extra_columns):
+    # 67 blocks (a prime) have no divisor near the longest unit (here 42 blocks: 1 MiB of K for
+    # 3 sequences): two units of 34 blocks, the last running past the table (when it has no
+    # spare column) and past every sequence.
+    assert numpy_backend._unit_blocks(67, 42) == (34, 68)
+    assert numpy_backend._unit_blocks(128, 63) == (32, 128)
+    rng = np.random.default_rng(10)
+    lens = [1065, 1070, 1060]
+    batch = random_paged_batch(rng, lens, block_size=16, num_kv_heads=2, head_dim=64,
+                               extra_table_columns=extra_columns)
+    q = random_values(rng, (len(lens), 8, 64), "float32")
+    out = gpu.paged_decode_attention(q, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens)
+    for s in range(len(lens)):
+        k, v = batch.contiguous(s)
+        assert relative_error(out[s], dense_attention(q[s:s + 1], k, v)[0]) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("offset", [0, 4, 16, 28, 2048, 4092])
+def test_gathers_land_half_a_period_from_their_source(offset):
+    # memmove is slow when the destination sits just past the source modulo 4 KiB; the gather
+    # buffer is placed so that it never does, wherever the cache starts.
+    rng = np.random.default_rng(9)
+    raw = np.empty((6 * 8 * 2 * 32 * 4) + 2 * numpy_backend.PAGE_BYTES, dtype=np.uint8)
+    skip = (offset - raw.ctypes.data) % numpy_backend.PAGE_BYTES
+    cache = raw[skip:skip + 6 * 8 * 2 * 32 * 4].view(np.float32).reshape(6, 8, 2, 32)
+    cache[:] = rng.standard_normal(cache.shape, dtype=np.float32)
+    dst = numpy_backend._workspace.gather("test", cache, 3 * cache[0].size)
+    period = math.gcd(cache.strides[0], numpy_backend.PAGE_BYTES)
+    assert (dst.ctypes.data - cache.ctypes.data) % period == period // 2
+    tile = numpy_backend._take_blocks(cache, np.array([[4, 0, 5]]), dst)
+    np.testing.assert_array_equal(tile[0], cache[[4, 0, 5]].reshape(-1, 2, 32))
