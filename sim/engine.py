@@ -260,6 +260,7 @@ class Engine(EngineState):
         self.wall_s = 0.0
         self._batch_decodes = False  # set by each single step (see stepping.decodes_follow)
         self._plain_hooks = False  # (see _check_hooks)
+        self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
 
     # ================================================================================ public API
     @property
@@ -633,11 +634,13 @@ class Engine(EngineState):
         """Let the hot path do the work of the engine's hooks (`_admit`, `_single_step`,
         `_decode_run`) and of the policy's methods without calling them, where neither a
         subclass overrides them nor a caller has patched them (as tests and `sim.fit` do);
-        checked each time a run starts (`run_until`, `step`, `decide`, `advance_to`)."""
+        checked each time a run starts (`run_until`, `step`, `decide`, `advance_to`), when the
+        class constants the hot path reads are copied too."""
         mine, cls = self.__dict__, type(self)
         self._plain_hooks = all(name not in mine and getattr(cls, name) is f
                                 for name, f in _HOOKS.items())
         self.policy.plain = is_plain(self.policy)
+        self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
 
     def _admit(self, req: Request) -> None:
         stepping.admit(self, req)

@@ -22,6 +22,9 @@ from sim.request import Request
 
 # sim/_blocks.c (the pool's bulk moves of whole tables) with the compiled build, else None
 _BLOCKS: Any = _compiled.c_module("sim._blocks")
+# (its functions bound once: a call through the module looks the name up in it every time)
+_take: Any = None if _BLOCKS is None else _BLOCKS.take
+_release_c: Any = None if _BLOCKS is None else _BLOCKS.release
 
 
 class OutOfBlocks(Exception):
@@ -89,9 +92,9 @@ class BlockPool:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         q, ref, f = self._queue, self.ref_cnt, self._front
         h = self._head
-        if not self._stale and _BLOCKS is not None:
+        if not self._stale and _take is not None:
             k = min(n, len(f))
-            out = _BLOCKS.take(f, q, h, n, ref)
+            out = _take(f, q, h, n, ref)
             h += n - k
         elif not self._stale:
             k = min(n, len(f))
@@ -186,8 +189,8 @@ class BlockPool:
     def _free_unshared(self, table: list[int]) -> None:
         """Free `table`'s blocks, each held once (no sharing), tail first."""
         ref = self.ref_cnt
-        if _BLOCKS is not None:
-            _BLOCKS.release(ref, table)
+        if _release_c is not None:
+            _release_c(ref, table)
         else:
             self._release(table)
         if self.uncached_first:  # without sharing no block holds a cached prefix

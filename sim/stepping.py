@@ -50,6 +50,11 @@ UNBOUNDED: Final = 1 << 62  # a token budget that no step reaches
 # sim/_blocks.c (its block crossings) with the compiled build, else None: the same in Python
 _ROWS: Any = _compiled.c_module("sim._rows")
 _BLOCKS: Any = _compiled.c_module("sim._blocks")
+# (their functions bound once: a call through the module looks the name up in it every time)
+_decode_rows: Any = None if _ROWS is None else _ROWS.decode_rows
+_used_rows: Any = None if _ROWS is None else _ROWS.used_rows
+_crossings: Any = None if _BLOCKS is None else _BLOCKS.crossings
+_deal: Any = None if _BLOCKS is None else _BLOCKS.deal
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -102,6 +107,10 @@ class EngineState:
     # No hook (`_admit`, `_single_step`, `_decode_run`) overridden or patched: the hot path
     # calls them directly (set by `Engine._check_hooks` when a run starts)
     _plain_hooks: bool
+    # the class's SCALAR_STEPS and RUN_STEPS_MAX (copied by `Engine._check_hooks` when a run
+    # starts: a native field reads in a few instructions, a class attribute in hundreds)
+    _scalar_steps: int
+    _run_steps_max: int
     # running figures
     queue_wait: Samples
     ttft: Samples
@@ -670,7 +679,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     # a request needs a new block at step j when its token computed + j lies past the end
     # of its table, which holds at least step 0's token (a contiguous reservation holds
     # far more), then every bs steps. (One loop: three comprehensions cost twice.)
-    kmax: int = min(max_steps, e.RUN_STEPS_MAX)
+    kmax: int = min(max_steps, s._run_steps_max)
     c0 = 0  # tokens the batch holds
     first_cross: list[int] = []
     cross_sum = 0
@@ -712,13 +721,13 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     ends: Any = None
     dur: Any = None
     energy: Any = None
-    if (_ROWS is not None and s.record_timeline and type(cost) is CostModel
+    if (_decode_rows is not None and s.record_timeline and type(cost) is CostModel
             and not cost.roofline):
         cm: CostModel = cost
-        n = kmax if kmax < e.SCALAR_STEPS else e.SCALAR_STEPS
+        n = kmax if kmax < s._scalar_steps else s._scalar_steps
         at = tl.reserve(n)
         base, af, kv_read, kv_b, fixed, cpu = cm._decode_shared(b)
-        k, first_end, end = _ROWS.decode_rows(
+        k, first_end, end = _decode_rows(
             tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now, t_ext, b, c0, base, af, kv_read,
             kv_b, fixed, cpu, cm._overlap, cm._idle, cm._dyn)
         if k == n < kmax and end < t_ext:
@@ -740,7 +749,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
     kv_used: list[int] = []
     if at >= 0:
-        used_end: int = _ROWS.used_rows(tl._s_used, at, steps, k, bs, used, used_first)
+        used_end: int = _used_rows(tl._s_used, at, steps, k, bs, used, used_first)
     else:
         kv_used = _used_by_step(e, steps, k, bs, used) if steps else [used] * k
         used_end = kv_used[-1]
@@ -798,10 +807,10 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     s: EngineState = e
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
-    if _BLOCKS is not None:  # (sim/_blocks.c: the same order, and the blocks dealt, in C)
-        steps, order = _BLOCKS.crossings(first_cross, k, bs)
+    if _crossings is not None:  # (sim/_blocks.c: the same order, and the blocks dealt, in C)
+        steps, order = _crossings(first_cross, k, bs)
         if order:
-            _BLOCKS.deal(reqs, order, kv.pool.allocate(len(order)))
+            _deal(reqs, order, kv.pool.allocate(len(order)))
         return steps
     steps, order = crossing_order(first_cross, k, bs)
     if order:

@@ -16,13 +16,13 @@ needs_c = pytest.mark.skipif(blocks is None, reason="no compiled build (pure Pyt
 
 @contextmanager
 def in_python():
-    """The pool's moves in Python while inside (sim.kv reads `_BLOCKS` at each move)."""
-    saved = kv._BLOCKS
-    kv._BLOCKS = None
+    """The pool's moves in Python while inside (sim.kv reads its C functions at each move)."""
+    saved = kv._take, kv._release_c
+    kv._take = kv._release_c = None
     try:
         yield
     finally:
-        kv._BLOCKS = saved
+        kv._take, kv._release_c = saved
 
 
 def state(pool: BlockPool):
