@@ -12,6 +12,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+/* An int argument or list item as a C integer, or -1 with an exception set. Only ints (and
+ * their subclasses) are taken, so no Python code (an `__index__`) runs while a list is walked. */
+static Py_ssize_t as_index(PyObject *v) {
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "_blocks: an int expected, got %.100s", Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    return PyLong_AsSsize_t(v);
+}
+
 /* The ids of list `blocks` as indices into a list of `nref` counts, in a new buffer (freed by
  * the caller with PyMem_Free), or NULL with an exception set. */
 static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
@@ -22,7 +32,7 @@ static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t b = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        Py_ssize_t b = as_index(PyList_GET_ITEM(blocks, i));
         if (b < 0 || b >= nref) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_IndexError, "_blocks: block %zd outside the pool", b);
@@ -34,7 +44,18 @@ static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
     return idx;
 }
 
-/* ref[b] = value (a new reference to `value` is stored). */
+/* Whether every count ref[idx[i]] is an exact int, so that replacing one (its decref) runs no
+ * Python code that could change `ref` under the loop; TypeError if not. */
+static int counts_are_ints(PyObject *ref, const Py_ssize_t *idx, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(ref, idx[i]))) {
+            PyErr_SetString(PyExc_TypeError, "_blocks: a reference count that is not an int");
+            return 0;
+        }
+    return 1;
+}
+
+/* ref[b] = value (a new reference to `value` is stored; the old, an int, freed). */
 static inline void set_ref(PyObject *ref, Py_ssize_t b, PyObject *value) {
     PyObject *old = PyList_GET_ITEM(ref, b);
     Py_INCREF(value);
@@ -55,11 +76,18 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         return NULL;
     }
     PyObject *front = args[0], *queue = args[1], *ref = args[4];
-    Py_ssize_t head = PyLong_AsSsize_t(args[2]), n = PyLong_AsSsize_t(args[3]);
-    if ((head == -1 || n == -1) && PyErr_Occurred())
+    if (ref == front || ref == queue) {
+        PyErr_SetString(PyExc_ValueError, "_blocks.take: the counts are one of the queues");
         return NULL;
-    Py_ssize_t nf = PyList_GET_SIZE(front), k = n < nf ? n : nf;
-    if (n < 0 || head < 0 || head + (n - k) > PyList_GET_SIZE(queue)) {
+    }
+    Py_ssize_t head = as_index(args[2]);
+    if (head == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = as_index(args[3]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t nf = PyList_GET_SIZE(front), k = n < nf ? n : nf, nq = PyList_GET_SIZE(queue);
+    if (n < 0 || head < 0 || head > nq || n - k > nq - head) {
         PyErr_SetString(PyExc_ValueError, "_blocks.take: fewer blocks queued than asked for");
         return NULL;
     }
@@ -74,7 +102,8 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     /* every id checked before any count changes: a bad one leaves the pool as it was */
     Py_ssize_t *idx = block_indices(out, PyList_GET_SIZE(ref));
-    if (idx == NULL || (k && PyList_SetSlice(front, nf - k, nf, NULL) < 0)) {
+    if (idx == NULL || !counts_are_ints(ref, idx, n)
+            || (k && PyList_SetSlice(front, nf - k, nf, NULL) < 0)) {
         PyMem_Free(idx);
         Py_DECREF(out);
         return NULL;
@@ -103,17 +132,21 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t *idx = block_indices(table, PyList_GET_SIZE(ref));
     if (idx == NULL)
         return NULL;
+    if (!counts_are_ints(ref, idx, n)) {
+        PyMem_Free(idx);
+        return NULL;
+    }
     PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);  /* (cached small ints) */
     PyObject *result = Py_None;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
         PyObject *rc = PyList_GET_ITEM(ref, idx[i]);
         if (rc != one) {  /* (a count of 1 is the cached int 1; anything else is checked) */
-            long v = PyLong_AsLong(rc);
-            if (v != 1) {
+            int overflow;
+            long v = PyLong_AsLongAndOverflow(rc, &overflow);  /* (an exact int: no error) */
+            if (v != 1 || overflow) {
                 for (Py_ssize_t j = i + 1; j < n; j++)  /* (nothing freed: as it was) */
                     set_ref(ref, idx[j], one);
-                if (!PyErr_Occurred())
-                    PyErr_Format(PyExc_AssertionError, "block %zd freed twice", idx[i]);
+                PyErr_Format(PyExc_AssertionError, "block %zd freed twice", idx[i]);
                 result = NULL;
                 break;
             }
@@ -161,19 +194,23 @@ static PyObject *crossings(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     PyObject *first = args[0];
-    long long k = PyLong_AsLongLong(args[1]), bs = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred())
+    Py_ssize_t k = as_index(args[1]);
+    if (k == -1 && PyErr_Occurred())
         return NULL;
-    if (bs < 1) {
-        PyErr_SetString(PyExc_ValueError, "_blocks.crossings: block size below 1");
+    Py_ssize_t bs = as_index(args[2]);
+    if (bs == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t b = PyList_GET_SIZE(first), m = 0, total = 0;
+    if (bs < 1 || k < 0 || bs > PY_SSIZE_T_MAX - k
+            || (b && k > (PY_SSIZE_T_MAX - b) / b)) {  /* (keys j * b + i and j + bs fit) */
+        PyErr_SetString(PyExc_ValueError, "_blocks.crossings: a block size below 1, or a run out of range");
         return NULL;
     }
-    Py_ssize_t b = PyList_GET_SIZE(first), m = 0, total = 0;
     long long *j0 = PyMem_Malloc((b ? b : 1) * sizeof(long long));
     if (j0 == NULL)
         return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < b; i++) {
-        j0[i] = PyLong_AsLongLong(PyList_GET_ITEM(first, i));
+        j0[i] = as_index(PyList_GET_ITEM(first, i));
         if (j0[i] == -1 && PyErr_Occurred()) {
             PyMem_Free(j0);
             return NULL;
@@ -184,8 +221,13 @@ static PyObject *crossings(PyObject *self, PyObject *const *args, Py_ssize_t nar
             return NULL;
         }
         if (j0[i] < k) {
+            Py_ssize_t c = (k - 1 - (Py_ssize_t)j0[i]) / bs + 1;
+            if (c > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(long long) - total) {
+                PyMem_Free(j0);
+                return PyErr_NoMemory();
+            }
             m++;
-            total += (Py_ssize_t)((k - 1 - j0[i]) / bs + 1);
+            total += c;
         }
     }
     /* keys j * b + i sort as the pairs (step, batch index) do */
@@ -243,21 +285,28 @@ static PyObject *deal(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     static PyObject *name = NULL;
     if (name == NULL && (name = PyUnicode_InternFromString("block_table")) == NULL)
         return NULL;
-    Py_ssize_t b = PyList_GET_SIZE(reqs), n = PyList_GET_SIZE(order);
-    for (Py_ssize_t q = 0; q < n; q++) {
-        Py_ssize_t i = PyLong_AsSsize_t(PyList_GET_ITEM(order, q));
-        if (i < 0 || i >= b) {
+    for (Py_ssize_t q = 0; q < PyList_GET_SIZE(order); q++) {
+        /* (sizes read again each time: the attribute look-up may run Python code) */
+        if (q >= PyList_GET_SIZE(blocks)) {
+            PyErr_SetString(PyExc_ValueError, "_blocks.deal: fewer blocks than the order names");
+            return NULL;
+        }
+        Py_ssize_t i = as_index(PyList_GET_ITEM(order, q));
+        if (i < 0 || i >= PyList_GET_SIZE(reqs)) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_IndexError, "_blocks.deal: a request outside the batch");
             return NULL;
         }
-        PyObject *table = PyObject_GetAttr(PyList_GET_ITEM(reqs, i), name);
-        if (table == NULL)
-            return NULL;
-        int bad = !PyList_Check(table) || PyList_Append(table, PyList_GET_ITEM(blocks, q)) < 0;
+        PyObject *req = PyList_GET_ITEM(reqs, i), *blk = PyList_GET_ITEM(blocks, q);
+        Py_INCREF(req);
+        Py_INCREF(blk);
+        PyObject *table = PyObject_GetAttr(req, name);
+        Py_DECREF(req);
+        int bad = table == NULL || !PyList_Check(table) || PyList_Append(table, blk) < 0;
         if (bad && !PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "_blocks.deal: a block table that is not a list");
-        Py_DECREF(table);
+        Py_DECREF(blk);
+        Py_XDECREF(table);
         if (bad)
             return NULL;
     }

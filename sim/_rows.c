@@ -22,6 +22,43 @@ static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_
     return 0;
 }
 
+/* Arguments and list items as C numbers, taking only ints (and bools) and floats, so that no
+ * Python code (an `__index__`, `__float__` or `__bool__`) runs while this module holds borrowed
+ * references; -1 with an exception set otherwise. */
+static int get_ll(PyObject *v, long long *out) {
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "_rows: an int expected, got %.100s", Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsLongLong(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int get_size(PyObject *v, Py_ssize_t *out) {
+    long long x;
+    if (get_ll(v, &x) < 0)
+        return -1;
+    if (x < PY_SSIZE_T_MIN || x > PY_SSIZE_T_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "_rows: an int out of range");
+        return -1;
+    }
+    *out = (Py_ssize_t)x;
+    return 0;
+}
+
+static int get_double(PyObject *v, double *out) {
+    if (PyFloat_Check(v)) {
+        *out = PyFloat_AS_DOUBLE(v);
+        return 0;
+    }
+    if (!PyLong_Check(v)) {
+        PyErr_Format(PyExc_TypeError, "_rows: a number expected, got %.100s", Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsDouble(v);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0,
  *             base, af, kv_read, kv_b, fixed, cpu, overlap, idle, dyn) -> (k, first, last)
  *
@@ -37,18 +74,19 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     PyObject *oe = args[0], *od = args[1], *oen = args[2];
-    Py_ssize_t at = PyLong_AsSsize_t(args[3]), n = PyLong_AsSsize_t(args[4]);
-    double t = PyFloat_AsDouble(args[5]), t_ext = PyFloat_AsDouble(args[6]);
-    long long b = PyLong_AsLongLong(args[7]), c0 = PyLong_AsLongLong(args[8]);
-    double base = PyFloat_AsDouble(args[9]), af = PyFloat_AsDouble(args[10]);
-    double kv_read = PyFloat_AsDouble(args[11]), kv_b = PyFloat_AsDouble(args[12]);
-    double fixed = PyFloat_AsDouble(args[13]), cpu = PyFloat_AsDouble(args[14]);
-    int overlap = PyObject_IsTrue(args[15]);
-    double idle = PyFloat_AsDouble(args[16]), dyn = PyFloat_AsDouble(args[17]);
-    if (PyErr_Occurred())
+    Py_ssize_t at, n;
+    long long b, c0, overlap;
+    double t, t_ext, base, af, kv_read, kv_b, fixed, cpu, idle, dyn;
+    if (get_size(args[3], &at) < 0 || get_size(args[4], &n) < 0 || get_double(args[5], &t) < 0
+            || get_double(args[6], &t_ext) < 0 || get_ll(args[7], &b) < 0
+            || get_ll(args[8], &c0) < 0 || get_double(args[9], &base) < 0
+            || get_double(args[10], &af) < 0 || get_double(args[11], &kv_read) < 0
+            || get_double(args[12], &kv_b) < 0 || get_double(args[13], &fixed) < 0
+            || get_double(args[14], &cpu) < 0 || get_ll(args[15], &overlap) < 0
+            || get_double(args[16], &idle) < 0 || get_double(args[17], &dyn) < 0)
         return NULL;
-    if (at < 0 || n < 0) {
-        PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: negative row");
+    if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at) {
+        PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: a row out of range");
         return NULL;
     }
     Py_buffer ve, vd, ven;
@@ -102,12 +140,12 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     PyObject *ou = args[0], *steps = args[2];
-    Py_ssize_t at = PyLong_AsSsize_t(args[1]), k = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
-    long long used0 = PyLong_AsLongLong(args[5]), first = PyLong_AsLongLong(args[6]);
-    if (PyErr_Occurred())
+    Py_ssize_t at, k, bs;
+    long long used0, first;
+    if (get_size(args[1], &at) < 0 || get_size(args[3], &k) < 0 || get_size(args[4], &bs) < 0
+            || get_ll(args[5], &used0) < 0 || get_ll(args[6], &first) < 0)
         return NULL;
-    if (at < 0 || k < 1 || bs < 1) {
+    if (at < 0 || k < 1 || bs < 1 || k > PY_SSIZE_T_MAX - at) {
         PyErr_SetString(PyExc_ValueError, "_rows.used_rows: bad row, length or block size");
         return NULL;
     }
@@ -119,8 +157,8 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         out[j] = 0;
     Py_ssize_t m = PyList_GET_SIZE(steps);
     for (Py_ssize_t i = 0; i < m; i++) {
-        long long j0 = PyLong_AsLongLong(PyList_GET_ITEM(steps, i));
-        if (j0 < 0 || j0 >= k) {
+        long long j0;
+        if (get_ll(PyList_GET_ITEM(steps, i), &j0) < 0 || j0 < 0 || j0 >= k) {
             PyBuffer_Release(&vu);
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "_rows.used_rows: a step out of the run");
@@ -155,8 +193,8 @@ static PyObject *expand(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "_rows.expand(runs, used, k, out): ten lists, a column, an int, seven columns");
         return NULL;
     }
-    Py_ssize_t k = PyLong_AsSsize_t(args[2]);
-    if (k == -1 && PyErr_Occurred())
+    Py_ssize_t k;
+    if (get_size(args[2], &k) < 0)
         return NULL;
     PyObject *lists[10];
     Py_ssize_t nruns = -1;
@@ -184,8 +222,7 @@ static PyObject *expand(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < nruns; i++) {
         long long v[10];
         for (int c = 0; c < 10; c++) {
-            v[c] = PyLong_AsLongLong(PyList_GET_ITEM(lists[c], i));
-            if (v[c] == -1 && PyErr_Occurred())
+            if (get_ll(PyList_GET_ITEM(lists[c], i), &v[c]) < 0)
                 goto done;
         }
         long long rows = v[0];

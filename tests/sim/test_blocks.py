@@ -135,3 +135,43 @@ def test_deal_appends_each_block_to_its_request():
         blocks.deal(reqs, [0, 1], [1])
     with pytest.raises(ValueError):
         blocks.crossings([0], 4, 16)  # (a table holds the run's first token: j0 >= 1)
+
+
+@needs_c
+def test_hostile_arguments_raise_not_crash():
+    # Out-of-range sizes (overflowing C arithmetic), lists changed by the Python code a call
+    # would run, and counts that are not ints: an exception each, never a crash.
+    with pytest.raises(ValueError):
+        blocks.take([], [0], 2**63 - 1, 1, [0])
+    with pytest.raises((ValueError, OverflowError, MemoryError)):
+        blocks.crossings([1, 1, 1, 1], 2**62 + 2, 1)
+    front = [0]
+    with pytest.raises(ValueError):  # the counts aliasing a queue
+        blocks.take(front, [], 0, 1, front)
+
+    class Index:
+        def __index__(self):
+            ref.clear()
+            return 1
+
+    ref = [Index(), Index()]
+    with pytest.raises(TypeError):  # a count that is not an int: refused before any change
+        blocks.release(ref, [0, 1])
+    with pytest.raises(TypeError):
+        blocks.crossings([1, Index()], 4, 16)
+    with pytest.raises(AssertionError, match="block 0 freed twice"):
+        blocks.release([2**70, 1], [0, 1])  # (a count too large for C: not 1)
+
+    order, taken = [0, 0, 0], [5, 6, 7]
+
+    class Req:
+        @property
+        def block_table(self):
+            order.clear()
+            taken.clear()
+            return self.table
+
+    r = Req()
+    r.table = []
+    blocks.deal([r], order, taken)  # (the lists shrank under the call: it stops there)
+    assert r.table == [5]

@@ -108,3 +108,25 @@ def test_expand_rejects_runs_that_do_not_fit():
         rows.expand([[3]] + [[0]] * 9, used, 4, out)  # 3 of 4
     with pytest.raises(TypeError):
         rows.expand(runs[:9], used, 4, out)
+
+
+def test_hostile_arguments_raise_not_crash():
+    # Sizes that overflow C arithmetic and values that would run Python code: an exception.
+    col = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError):
+        rows.used_rows(col, 2**62, [], 2**62, 1, 0, 0)
+    cols = [np.zeros(4) for _ in range(3)]
+    with pytest.raises(ValueError):
+        rows.decode_rows(*cols, 2**62, 2**62, 0.0, 1.0, 1, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0,
+                         False, 1.0, 1.0)
+
+    class Bool:
+        def __bool__(self):
+            raise RuntimeError("ran")
+
+    with pytest.raises(TypeError):  # a string time, then an object: TypeError, nothing run
+        rows.decode_rows(*cols, 0, 1, "x", 1.0, 1, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, Bool(),
+                         1.0, 1.0)
+    out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
+    with pytest.raises(TypeError):
+        rows.expand([[1], [1.5]] + [[0]] * 8, np.zeros(1, dtype=np.int64), 1, out)
