@@ -14,7 +14,7 @@
 
 /* An int argument or list item as a C integer, or -1 with an exception set. Only ints (and
  * their subclasses) are taken, so no Python code (an `__index__`) runs while a list is walked. */
-static Py_ssize_t as_index(PyObject *v) {
+static inline Py_ssize_t as_index(PyObject *v) {
     if (!PyLong_Check(v)) {
         PyErr_Format(PyExc_TypeError, "_blocks: an int expected, got %.100s", Py_TYPE(v)->tp_name);
         return -1;
@@ -22,10 +22,12 @@ static Py_ssize_t as_index(PyObject *v) {
     return PyLong_AsSsize_t(v);
 }
 
-/* The ids of list `blocks` as indices into a list of `nref` counts, in a new buffer (freed by
- * the caller with PyMem_Free), or NULL with an exception set. */
-static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
-    Py_ssize_t n = PyList_GET_SIZE(blocks);
+/* The ids of list `blocks` as indices into the list of counts `ref`, in a new buffer (freed by
+ * the caller with PyMem_Free), or NULL with an exception set. Each count must be an exact int,
+ * so that replacing one (its decref) runs no Python code that could change `ref` under the
+ * caller's loop. */
+static Py_ssize_t *block_indices(PyObject *blocks, PyObject *ref) {
+    Py_ssize_t n = PyList_GET_SIZE(blocks), nref = PyList_GET_SIZE(ref);
     Py_ssize_t *idx = PyMem_Malloc((n ? n : 1) * sizeof(Py_ssize_t));
     if (idx == NULL) {
         PyErr_NoMemory();
@@ -33,8 +35,10 @@ static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t b = as_index(PyList_GET_ITEM(blocks, i));
-        if (b < 0 || b >= nref) {
-            if (!PyErr_Occurred())
+        if (b < 0 || b >= nref || !PyLong_CheckExact(PyList_GET_ITEM(ref, b))) {
+            if (!PyErr_Occurred() && b >= 0 && b < nref)
+                PyErr_SetString(PyExc_TypeError, "_blocks: a reference count that is not an int");
+            else if (!PyErr_Occurred())
                 PyErr_Format(PyExc_IndexError, "_blocks: block %zd outside the pool", b);
             PyMem_Free(idx);
             return NULL;
@@ -42,17 +46,6 @@ static Py_ssize_t *block_indices(PyObject *blocks, Py_ssize_t nref) {
         idx[i] = b;
     }
     return idx;
-}
-
-/* Whether every count ref[idx[i]] is an exact int, so that replacing one (its decref) runs no
- * Python code that could change `ref` under the loop; TypeError if not. */
-static int counts_are_ints(PyObject *ref, const Py_ssize_t *idx, Py_ssize_t n) {
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!PyLong_CheckExact(PyList_GET_ITEM(ref, idx[i]))) {
-            PyErr_SetString(PyExc_TypeError, "_blocks: a reference count that is not an int");
-            return 0;
-        }
-    return 1;
 }
 
 /* ref[b] = value (a new reference to `value` is stored; the old, an int, freed). */
@@ -101,9 +94,8 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyList_SET_ITEM(out, i, b);
     }
     /* every id checked before any count changes: a bad one leaves the pool as it was */
-    Py_ssize_t *idx = block_indices(out, PyList_GET_SIZE(ref));
-    if (idx == NULL || !counts_are_ints(ref, idx, n)
-            || (k && PyList_SetSlice(front, nf - k, nf, NULL) < 0)) {
+    Py_ssize_t *idx = block_indices(out, ref);
+    if (idx == NULL || (k && PyList_SetSlice(front, nf - k, nf, NULL) < 0)) {
         PyMem_Free(idx);
         Py_DECREF(out);
         return NULL;
@@ -129,13 +121,9 @@ static PyObject *release(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     PyObject *ref = args[0], *table = args[1];
     Py_ssize_t n = PyList_GET_SIZE(table);
-    Py_ssize_t *idx = block_indices(table, PyList_GET_SIZE(ref));
+    Py_ssize_t *idx = block_indices(table, ref);
     if (idx == NULL)
         return NULL;
-    if (!counts_are_ints(ref, idx, n)) {
-        PyMem_Free(idx);
-        return NULL;
-    }
     PyObject *zero = PyLong_FromLong(0), *one = PyLong_FromLong(1);  /* (cached small ints) */
     PyObject *result = Py_None;
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
