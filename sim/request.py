@@ -62,7 +62,8 @@ class Request:
         "req_id", "arrival_time", "prompt_len", "max_output_tokens", "priority", "hash_ids",
         "cancel_at", "prompt_text", "state", "num_computed_tokens", "num_output_tokens",
         "block_table", "admitted_time", "first_token_time", "last_token_time", "finish_time",
-        "prefill_chunks", "num_preemptions", "output_token_ids", "token_segments",
+        "prefill_chunks", "num_preemptions", "output_token_ids", "closed_runs", "run_open",
+        "run_start", "run_len",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
         "cached_upto", "block_keys", "parent_id", "tag",
@@ -113,9 +114,14 @@ class Request:
         # Set by preemption by recompute until the re-prefill samples again.
         self.recomputing = False
         self.output_token_ids: list[int] = []
-        # Output tokens as runs of consecutive engine steps: (first step index, count). Each
-        # token's time is the end time of its step on the engine's timeline.
-        self.token_segments: list[list[int]] = []
+        # Output tokens as runs of consecutive engine steps: (first step index, count), read as
+        # `token_segments`. Each token's time is the end time of its step on the engine's
+        # timeline. The last run is held open in native fields, so that the engine extends it
+        # every step without making an int object (a count past 256 is one, each time).
+        self.closed_runs: list[list[int]] = []
+        self.run_open = False
+        self.run_start = 0
+        self.run_len = 0
         self.reject_reason: str | None = None
         self.cancelled_in: RequestState | None = None
         # The steps its token segments index: a Timeline, or an engine's view that also holds
@@ -130,6 +136,30 @@ class Request:
                 f"request {self.req_id}: {self.state.value} -> {new.value} is not allowed"
             )
         self.state = new
+
+    # --- token runs ----------------------------------------------------------------------------
+    @property
+    def token_segments(self) -> list[list[int]]:
+        """Every run of output tokens sampled in consecutive engine steps, as [first step
+        index, count] (a new list: change them through the setter or `open_run`)."""
+        if self.run_open:
+            return self.closed_runs + [[self.run_start, self.run_len]]
+        return list(self.closed_runs)
+
+    @token_segments.setter
+    def token_segments(self, runs: list[list[int]]) -> None:
+        self.closed_runs = [[s, n] for s, n in runs[:-1]]
+        self.run_open = bool(runs)
+        if runs:
+            self.run_start, self.run_len = runs[-1][0], runs[-1][1]
+
+    def open_run(self, g: int, k: int) -> None:
+        """`k` tokens sampled in steps g, g + 1, ... start a new run (the open one closes)."""
+        if self.run_open:
+            self.closed_runs.append([self.run_start, self.run_len])
+        self.run_open = True
+        self.run_start = g
+        self.run_len = k
 
     # --- derived figures -----------------------------------------------------------------------
     @property

@@ -609,26 +609,25 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             req.output_token_ids.append(tok)
             tokens_out[req.req_id] = [tok]
         req.num_output_tokens += 1
-        segs = req.token_segments
         if req.num_output_tokens == 1:
             req.first_token_time = end_obj
             if req.parent_id is None:
                 s.ttft.add(end - req.arrival_time)
                 recent(e, s.recent_ttfts, end, end - req.arrival_time)
             first.append(req)
-            segs.append([g, 1])
+            req.open_run(g, 1)
             # (preempted before its first token: counted as re-prefilling until the next)
             prefilling = prefilling or req.recomputing
         else:
-            last = segs[-1]
-            if last[0] + last[1] == g:
-                last[1] = last[1] + 1  # (typed: `+=` on a list item is generic)
+            # (it has sampled before: its last run is open)
+            if req.run_start + req.run_len == g:
+                req.run_len += 1
                 itl += 1
             else:
                 prev = req.last_token_time
-                assert prev is not None  # (it has sampled before)
+                assert prev is not None
                 gap(e, end, end - prev)
-                segs.append([g, 1])
+                req.open_run(g, 1)
             if req.recomputing:  # its re-prefill after a preemption is done
                 req.recomputing = False
                 recomputed.append(req)
@@ -769,15 +768,14 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         r.num_output_tokens += k
         if caching:
             kv.cache_blocks(r, r.num_computed_tokens - unseen)
-        last = r.token_segments[-1]
-        if last[0] + last[1] == g:
-            last[1] = last[1] + k  # (typed: `+=` on a list item is generic)
+        if r.run_start + r.run_len == g:  # (it has sampled before: its last run is open)
+            r.run_len += k
             itl0 += 1
         else:
             prev = r.last_token_time
-            assert prev is not None  # (it has sampled before)
+            assert prev is not None
             gap(e, first_end, first_end - prev)
-            r.token_segments.append([g, k])
+            r.open_run(g, k)
         r.last_token_time = end_obj
         if r.num_output_tokens >= r.max_output_tokens:
             finished.append(r)
@@ -987,8 +985,8 @@ def schedule_running(p: Any, out: Any, tokens: Any) -> Any:
                 break
         sched.append((req, n))
         if register:
-            segs = req.token_segments
-            unseen = 1 if lagging and segs and segs[-1][0] + segs[-1][1] == g else 0
+            unseen = (1 if lagging and req.run_open and req.run_start + req.run_len == g
+                      else 0)
             kv.cache_scheduled(req, n, unseen)
         if n != 1 or c + 1 != total or total == req.prompt_len or req.recomputing:
             all_decode = False
