@@ -118,7 +118,7 @@ class Request:
         # `token_segments`. Each token's time is the end time of its step on the engine's
         # timeline. The last run is held open in native fields, so that the engine extends it
         # every step without making an int object (a count past 256 is one, each time).
-        self.closed_runs: list[list[int]] = []
+        self.closed_runs: list[list[int]] | None = None  # (None until a run closes: most never)
         self.run_open = False
         self.run_start = 0
         self.run_len = 0
@@ -142,13 +142,14 @@ class Request:
     def token_segments(self) -> list[list[int]]:
         """Every run of output tokens sampled in consecutive engine steps, as [first step
         index, count] (a new list: change them through the setter or `open_run`)."""
+        runs = [] if self.closed_runs is None else list(self.closed_runs)
         if self.run_open:
-            return self.closed_runs + [[self.run_start, self.run_len]]
-        return list(self.closed_runs)
+            runs.append([self.run_start, self.run_len])
+        return runs
 
     @token_segments.setter
     def token_segments(self, runs: list[list[int]]) -> None:
-        self.closed_runs = [[s, n] for s, n in runs[:-1]]
+        self.closed_runs = [[s, n] for s, n in runs[:-1]] or None
         self.run_open = bool(runs)
         if runs:
             self.run_start, self.run_len = runs[-1][0], runs[-1][1]
@@ -156,6 +157,8 @@ class Request:
     def open_run(self, g: int, k: int) -> None:
         """`k` tokens sampled in steps g, g + 1, ... start a new run (the open one closes)."""
         if self.run_open:
+            if self.closed_runs is None:
+                self.closed_runs = []
             self.closed_runs.append([self.run_start, self.run_len])
         self.run_open = True
         self.run_start = g

@@ -70,3 +70,19 @@ def test_num_tokens_and_prefill_flag():
     r.num_computed_tokens = 10
     r.num_output_tokens = 1
     assert r.num_tokens == 11 and not r.is_prefill
+
+
+def test_token_runs_read_and_set_as_segments():
+    # The open run lives in native fields; token_segments shows it after the closed ones,
+    # and setting token_segments round-trips (a hand-off sets a run of earlier tokens).
+    r = Request(1, 0.0, 10, 50)
+    assert r.token_segments == [] and not r.run_open
+    r.open_run(3, 1)
+    r.run_len += 4  # (the engine extends the open run in place)
+    r.open_run(9, 2)
+    assert r.token_segments == [[3, 5], [9, 2]]
+    r.token_segments.append([20, 1])  # a copy: the request is unchanged
+    assert r.token_segments == [[3, 5], [9, 2]]
+    for runs in ([], [[-3, 2]], [[0, 2], [3, 2], [7, 1]], [[-1, 0]]):
+        r.token_segments = runs
+        assert r.token_segments == runs and r.run_open == bool(runs)
