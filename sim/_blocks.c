@@ -1,11 +1,13 @@
 /* The block pool's two bulk moves (sim/kv.py `BlockPool`) without sharing: taking `n` blocks
- * from the head of the free queue, and freeing a request's whole table. A `chat` request holds
- * ~175 blocks; compiled Python spends ~130 machine instructions a block on each move (a boxed
- * int read and written per reference count), this ~15.
+ * from the head of the free queue, and freeing a request's whole table; and a decode run's
+ * block crossings in allocation order (sim/stepping.py `crossing_order`), dealt onto the
+ * requests' tables. A `chat` request holds ~175 blocks; compiled Python spends ~130 machine
+ * instructions a block on each move (a boxed int read and written per reference count), this
+ * ~40 (callgrind).
  *
  * An optimisation of the same list operations as the Python it stands in for, in the same order,
  * so the pool ends in the same state and the same errors are raised: `BlockPool.allocate` (the
- * path with no stale queue entry) and `BlockPool._free_unshared`. Used only with the compiled
+ * path with no stale queue entry), `BlockPool._release` and `crossing_order`. Used only with the compiled
  * build (sim/_compiled.py), never under SERVESIM_PURE=1; tests/sim/test_blocks.py compares it
  * with the Python on random pools, tests/test_compiled.py whole runs.
  */
@@ -29,6 +31,12 @@ static inline Py_ssize_t as_index(PyObject *v) {
         return (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
 #endif
     return PyLong_AsSsize_t(v);
+}
+
+/* An int argument into `out`: 0, or -1 with an exception set. */
+static int get_index(PyObject *v, Py_ssize_t *out) {
+    *out = as_index(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
 /* The ids of list `blocks` as indices into the list of counts `ref`, in a new buffer (freed by
@@ -82,11 +90,8 @@ static PyObject *take(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "_blocks.take: the counts are one of the queues");
         return NULL;
     }
-    Py_ssize_t head = as_index(args[2]);
-    if (head == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t n = as_index(args[3]);
-    if (n == -1 && PyErr_Occurred())
+    Py_ssize_t head, n;
+    if (get_index(args[2], &head) < 0 || get_index(args[3], &n) < 0)
         return NULL;
     Py_ssize_t nf = PyList_GET_SIZE(front), k = n < nf ? n : nf, nq = PyList_GET_SIZE(queue);
     if (n < 0 || head < 0 || head > nq || n - k > nq - head) {
@@ -191,11 +196,8 @@ static PyObject *crossings(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     PyObject *first = args[0];
-    Py_ssize_t k = as_index(args[1]);
-    if (k == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t bs = as_index(args[2]);
-    if (bs == -1 && PyErr_Occurred())
+    Py_ssize_t k, bs;
+    if (get_index(args[1], &k) < 0 || get_index(args[2], &bs) < 0)
         return NULL;
     Py_ssize_t b = PyList_GET_SIZE(first), m = 0, total = 0;
     if (bs < 1 || k < 0 || bs > PY_SSIZE_T_MAX - k

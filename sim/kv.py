@@ -92,24 +92,23 @@ class BlockPool:
             raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
         q, ref, f = self._queue, self.ref_cnt, self._front
         h = self._head
-        if not self._stale and _take is not None:
-            k = min(n, len(f))
-            out = _take(f, q, h, n, ref)
-            h += n - k
-        elif not self._stale:
-            k = min(n, len(f))
-            if k:
-                out = f[-1:-k - 1:-1]
-                del f[-k:]
-                if k < n:
-                    out += q[h:h + n - k]
-                    h += n - k
+        if not self._stale:
+            k = min(n, len(f))  # from the front stack, the rest from the queue
+            if _take is not None:  # (sim/_blocks.c: the same moves and counts)
+                out = _take(f, q, h, n, ref)
             else:
-                out = q[h:h + n]
-                h += n
-            # (a plain loop: map(ref.__setitem__, ...) calls a slot wrapper per block, 5x slower)
-            for b in out:
-                ref[b] = 1
+                if k:
+                    out = f[-1:-k - 1:-1]
+                    del f[-k:]
+                    if k < n:
+                        out += q[h:h + n - k]
+                else:
+                    out = q[h:h + n]
+                # (a plain loop: map(ref.__setitem__, ...) calls a slot wrapper per block, 5x
+                # slower)
+                for b in out:
+                    ref[b] = 1
+            h += n - k
         else:
             out = []
             pos, base = self._pos, self._base
@@ -188,9 +187,8 @@ class BlockPool:
 
     def _free_unshared(self, table: list[int]) -> None:
         """Free `table`'s blocks, each held once (no sharing), tail first."""
-        ref = self.ref_cnt
         if _release_c is not None:
-            _release_c(ref, table)
+            _release_c(self.ref_cnt, table)
         else:
             self._release(table)
         if self.uncached_first:  # without sharing no block holds a cached prefix

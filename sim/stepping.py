@@ -852,7 +852,7 @@ def _used_by_step(e: Any, steps: list[int], k: int, bs: int, used: int) -> list[
     """The blocks used after each of the `k` steps of a decode run that starts with `used`,
     requests first crossing a block boundary at `steps` (then every `bs` steps)."""
     # Blocks taken at step j: those first crossing at j, j - bs, j - 2 bs, ...
-    if k <= e.SCALAR_STEPS:  # (NumPy's per-call cost would dominate)
+    if k <= e._scalar_steps:  # (NumPy's per-call cost would dominate)
         at = [0] * k
         for j0 in steps:
             at[j0] += 1
@@ -880,7 +880,7 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
     waiting = len(ps.waiting)
     # Empty slots after step j: those at the end, plus the tokens of later steps, minus
     # the slots of blocks allocated later.
-    if k <= e.SCALAR_STEPS:
+    if k <= s._scalar_steps:
         # (step j: e0 - b*j + bs*used_j; step 0 also counts the finishing requests' slots)
         tl.add_decodes(ends, dur, b, itl0, kv_used, empty_less_used + b * (k - 1), bs,
                        empty_first, energy, waiting)
@@ -903,7 +903,7 @@ def run_times(e: Any, b: int, c0: int, kmax: int, t_ext: float):
     the scalar and the NumPy part, so the times equal those of single steps exactly.
     """
     s: EngineState = e
-    ends, durs, ens = s.cost.decode_times(b, c0, min(kmax, e.SCALAR_STEPS), s.now,
+    ends, durs, ens = s.cost.decode_times(b, c0, min(kmax, s._scalar_steps), s.now,
                                              t_ext)
     j = len(ends)
     t = ends[-1]

@@ -43,7 +43,7 @@ def test_decode_rows_equal_decode_times(preset, b, c0, n, t0, cut, tp, hw, at):
        data=st.data(), at=st.integers(0, 20))
 def test_used_rows_equal_used_by_step(k, bs, used, data, at):
     steps = sorted(data.draw(st.lists(st.integers(0, k - 1), max_size=60)))
-    e = type("E", (), {"SCALAR_STEPS": 1 << 20})()  # (the scalar path of _used_by_step)
+    e = type("E", (), {"_scalar_steps": 1 << 20})()  # (the scalar path of _used_by_step)
     want = stepping._used_by_step(e, steps, k, bs, used)
     col = np.full(at + k + 2, -7, dtype=np.int64)
     assert rows.used_rows(col, at, steps, k, bs, used, -5) == want[-1]
