@@ -18,7 +18,7 @@ class Terminal(io.StringIO):
 
 
 def test_the_line_names_simulated_time_requests_and_rate():
-    e = Engine(load_scenario("chat", ["workload.duration_s=20"]), keep_history=False)
+    e = Engine(load_scenario("chat", ["workload.duration_s=300"]), keep_history=False)
     stream = Terminal()
     with RunProgress(stream, delay=0, interval=0.01) as p:
         p.watch(e, "sim chat")
@@ -46,11 +46,11 @@ def test_nothing_is_drawn_before_the_delay_or_when_disabled():
 
 
 @pytest.mark.parametrize("argv, stdout_tty, drawn", [
-    (["sim", "chat", "--set", "workload.duration_s=20"], False, True),
-    (["sim", "chat", "--set", "workload.duration_s=20", "--quiet"], True, False),
-    (["sim", "chat", "--set", "workload.duration_s=20", "--json"], False, False),  # a pipe
-    (["sim", "chat", "--set", "workload.duration_s=20", "--json"], True, True),
-    (["compare", "chat", "--set", "workload.duration_s=10", "--policies", "fcfs,chunked"],
+    (["sim", "chat", "--set", "workload.duration_s=300"], False, True),
+    (["sim", "chat", "--set", "workload.duration_s=300", "--quiet"], True, False),
+    (["sim", "chat", "--set", "workload.duration_s=300", "--json"], False, False),  # a pipe
+    (["sim", "chat", "--set", "workload.duration_s=300", "--json"], True, True),
+    (["compare", "chat", "--set", "workload.duration_s=150", "--policies", "fcfs,chunked"],
      True, True),
 ])
 def test_the_cli_draws_on_a_terminal_unless_quiet_or_json_to_a_pipe(
