@@ -17,7 +17,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "sim"))
-from _compiled import C_MODULES, MANIFEST, MODULES, source_digest  # noqa: E402  (no package import yet)
+from _compiled import C_MODULES, MANIFEST, MODULES, OTHER_C_MODULES, source_digest  # noqa: E402  (no package import yet)
 
 sys.path.pop(0)
 
@@ -50,11 +50,12 @@ def ext_modules() -> list:
         return []
     # (no fused multiply-adds: the C code's floats must equal Python's bit for bit)
     exts += [Extension(m, [path], extra_compile_args=["-O2", "-ffp-contract=off"])
-             for m, path in C_MODULES.items()]
+             for m, path in {**C_MODULES, **OTHER_C_MODULES}.items()]
     # The digests of what is compiled, so that an edited checkout never runs a stale build
     # (written now: build_py copies it into a wheel before build_ext runs).
     (ROOT / MANIFEST).write_text(json.dumps(
-        {m: source_digest(ROOT / path) for m, path in {**MODULES, **C_MODULES}.items()},
+        {m: source_digest(ROOT / path)
+         for m, path in {**MODULES, **C_MODULES, **OTHER_C_MODULES}.items()},
         indent=1) + "\n")
     return exts
 

@@ -29,6 +29,11 @@ C_MODULES = {
     "sim._rows": "sim/_rows.c",
     "sim._blocks": "sim/_blocks.c",
 }
+# C modules outside the engine built by the same install: each used only while its own source
+# is what was built (not part of the engine's all-or-none decision), else its Python stand-in
+OTHER_C_MODULES = {
+    "tui.serve._send": "tui/serve/_send.c",  # `servesim serve`'s send pass
+}
 MANIFEST = "sim/_compiled.json"  # digests of the sources the build compiled
 
 
@@ -74,6 +79,16 @@ def _fresh(root: Path) -> bool:
         return False
 
 
+def _fresh_other(name: str) -> bool:
+    import json
+    root = Path(__file__).resolve().parent.parent
+    try:
+        recorded = json.loads((root / MANIFEST).read_text())
+        return recorded.get(name) == source_digest(root / OTHER_C_MODULES[name])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def activate() -> bool:
     """Decide, before any listed module is imported, whether this process uses the compiled
     build, and make every other `sim` module load from its source (all or none of the listed
@@ -89,8 +104,12 @@ def activate() -> bool:
 
 def c_module(name: str):
     """The C module `name` (one of C_MODULES) where this process uses the compiled build, else
-    None: the compiled modules then do the same work in Python."""
-    if not COMPILED or name not in C_MODULES:
+    None: the compiled modules then do the same work in Python. One of OTHER_C_MODULES where
+    it was built from its source as it is now (and SERVESIM_PURE is not set), else None."""
+    if name in OTHER_C_MODULES:
+        if os.environ.get("SERVESIM_PURE") == "1" or not _fresh_other(name):
+            return None
+    elif not COMPILED or name not in C_MODULES:
         return None
     import importlib
     try:

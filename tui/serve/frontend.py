@@ -8,8 +8,9 @@ in (each injected with the time it arrived: a request that arrives while a step 
 queue at that step's end, as in a real engine), runs the engine up to the present (the last step
 it starts ends in the future: its tokens' times are then known), reads the new events, builds
 their frames (so that when their time comes only the writes remain), and sleeps until the next
-token is due or the next step is to be decided. With `send_threads=2` a pass's writes are
-shared with a second thread (`tui/serve/sender.py`).
+token is due or the next step is to be decided. A pass's writes go out in one call
+(`tui/serve/sender.py`: a C loop where the compiled build is used), or with `send_threads=2`
+shared with a second thread.
 
 The engine's public API only: `inject` (with `arrival_time` and `tag`), `cancel`, `run_until`,
 `next_event`, `events`; finished requests are learned from events, never looked up.
@@ -21,12 +22,14 @@ import asyncio
 import codecs
 import heapq
 import math
+import os
 import sys
 import threading
 import time
 import uuid
 from array import array
 from http import HTTPStatus
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +38,7 @@ from sim.workload import sample_lengths
 from tui.serve.metrics import ServeMetrics
 from tui.serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
                             completion_body, created_now, usage)
-from tui.serve.sender import PairWriter
+from tui.serve.sender import PairWriter, RawWriter
 
 SERVE_STREAM = 0x5E  # seed stream of output lengths drawn for requests without max_tokens
 WRITE_LIMIT = 32 * 1024  # above this many unsent bytes a client is slow: its own task writes
@@ -127,8 +130,12 @@ class Call:
         self.writer = ChunkWriter(self.rid, self.created, model, spec.chat) if spec.stream \
             else None
         self.resp = None
-        self.transport = None
-        self.fd = -1  # its socket, for writes off the loop's thread (`PairWriter`)
+        self.transport: Any = None  # an asyncio transport, once the response is prepared
+        # A duplicate of its socket's fd, ours until the handler ends (`stream_to`), for a
+        # pass's raw writes (`RawWriter`, `PairWriter`): the number cannot be closed under a
+        # prepared pass and given to another connection, as the transport's own fd can.
+        self.fd = -1
+        self.detached = _no_op  # called when the handler lets its fd go (the frontend's)
         self.first_sent: float | None = None  # wall time the first frame left (record_timing)
         self.chunked = False
         self.backlog: list[bytes] = []
@@ -158,19 +165,62 @@ class Call:
         pump could not write itself (a slow client's frames), until the call is complete."""
         self.resp, self.transport, self.chunked = resp, transport, resp.chunked
         sock = transport.get_extra_info("socket")
-        if sock is not None and transport.get_extra_info("sslcontext") is None:
-            self.fd = sock.fileno()
-        loop = asyncio.get_running_loop()
-        while True:
-            while self.backlog:
-                data = b"".join(self.backlog)
-                self.backlog.clear()
-                await resp.write(data)
-            if self.complete:
-                break
-            self._kick = loop.create_future()
-            await self._kick
-        await resp.write_eof()
+        if (sock is not None and transport.get_extra_info("sslcontext") is None
+                and not transport.is_closing() and _fds.take()):
+            try:
+                self.fd = os.dup(sock.fileno())
+            except OSError:  # out of fds: its frames go through the transport
+                _fds.give()
+        try:
+            loop = asyncio.get_running_loop()
+            while True:
+                while self.backlog:
+                    data = b"".join(self.backlog)
+                    self.backlog.clear()
+                    await resp.write(data)
+                if self.complete:
+                    break
+                self._kick = loop.create_future()
+                await self._kick
+            await resp.write_eof()
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+                _fds.give()
+                if not self.complete:  # (a complete call is in no pass still to send)
+                    self.detached()
+
+
+def _no_op() -> None:
+    pass
+
+
+class _FdBudget:
+    """How many duplicated fds the raw writes may hold at once: half of what the process may
+    open (less a margin), so that accepting connections never runs out because of them."""
+
+    def __init__(self) -> None:
+        try:
+            import resource
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ImportError, OSError, ValueError):
+            soft = 1024
+        if soft == -1 or soft > 1 << 20:  # RLIM_INFINITY, or as good as
+            soft = 1 << 20
+        self.left = max(0, (soft - 64) // 2)
+
+    def take(self) -> bool:
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+    def give(self) -> None:
+        self.left += 1
+
+
+_fds = _FdBudget()
 
 
 class _Due:
@@ -183,10 +233,13 @@ class _Due:
     as the engine's events for it are read, which is before its time on the wall clock (a step
     is computed when it starts), so that at its time only the writes remain. What is added
     after the build is built on the next pass over it: more choices, and ends, which then get
-    frames of their own (a cancel from the dashboard after its step was computed)."""
+    frames of their own (a cancel from the dashboard after its step was computed).
+
+    `prep`: its writes made ready at the build (`_Prepared`), valid while the frontend's `gen`
+    is what it was then."""
 
     __slots__ = ("choices", "toks", "ends", "n_built", "out", "tokens", "ended", "fin",
-                 "dirty")
+                 "dirty", "prep")
 
     def __init__(self) -> None:
         self.choices: list[Choice] = []
@@ -198,6 +251,25 @@ class _Due:
         self.ended: list[Call] = []  # calls whose last frame is in `out`
         self.fin: list[Choice] = []  # choices whose end frame is in `out`
         self.dirty = False  # in the frontend's list of instants to build
+        self.prep: _Prepared | None = None
+
+
+class _Prepared:
+    """A pass's writes, ready: `fds`/`datas` (each call's frames joined and framed as its
+    HTTP chunk) for the calls in `raw`, whose sockets the writer takes in one call; `rest`:
+    (call, frames joined) for the others (a slow client, a response not attached yet), written
+    through `_write`. Made at `gen`: it stays true until something bumps the frontend's `gen`
+    (a client gone, a backlog begun, a transport left holding bytes, a handler that let its fd
+    go)."""
+
+    __slots__ = ("gen", "fds", "datas", "raw", "rest")
+
+    def __init__(self, gen: int) -> None:
+        self.gen = gen
+        self.fds: list[int] = []
+        self.datas: list[bytes] = []
+        self.raw: list[Call] = []
+        self.rest: list[tuple[Call, bytes]] = []
 
 
 class _Track:
@@ -221,7 +293,7 @@ class Frontend:
     last, which a run of decode steps may still extend), so a server that runs for days holds
     only what is in flight; only when nothing else reads the engine's event list.
     `send_threads`: 2 writes each step's frames from two threads (`PairWriter`), 1 from the
-    loop's alone."""
+    loop's alone (`RawWriter`)."""
 
     def __init__(self, engine, *, model_name: str, speed: float = 1.0, lock=None,
                  max_waiting: int | None = None, record_timing: bool = False,
@@ -252,11 +324,14 @@ class Frontend:
         self._waiter: asyncio.Future | None = None
         self._task: asyncio.Task | None = None
         self.send_threads = send_threads
-        self._pair: PairWriter | None = None
+        self._writer: RawWriter | PairWriter | None = None
+        # bumped by what can make a prepared pass wrong (see `_Prepared`)
+        self.gen = 0
         self.record_timing = record_timing
         self.trim_events = trim_events
         self.lateness = array("d")         # wall seconds each token left after its time
-        # per send pass: how late it began, how long it took (wall seconds), calls written
+        # per send pass: how late it began, how long it took (wall seconds), calls written,
+        # whether it went out as prepared at the build (1.0) or was prepared at its time (0.0)
         self.passes = array("d")
         self.timings: list[dict] = []      # per finished call: arrival and token times
 
@@ -293,9 +368,13 @@ class Frontend:
         """Queue a checked request that arrived at simulated time `arrival`; the pump injects
         it on its next turn. Await `call.accepted` (raises APIError if refused)."""
         call = Call(spec, self.model_name, tag, arrival)
+        call.detached = self._bump
         self._pending.append(call)
         self.wake()
         return call
+
+    def _bump(self) -> None:
+        self.gen += 1
 
     def abandon(self, call: Call) -> None:
         """The client went away: cancel its live requests through the engine (their blocks
@@ -303,6 +382,7 @@ class Frontend:
         if call.closed:
             return
         call.closed = call.abandoned = True
+        self.gen += 1
         call.kick()
         with self.lock:
             for c in call.choices:
@@ -315,8 +395,7 @@ class Frontend:
 
     # --- the pump -----------------------------------------------------------------------------
     def start(self) -> None:
-        if self.send_threads == 2:
-            self._pair = PairWriter()
+        self._writer = PairWriter() if self.send_threads == 2 else RawWriter()
         self._task = asyncio.get_running_loop().create_task(self.run(), name="servesim-pump")
 
     async def stop(self) -> None:
@@ -327,9 +406,9 @@ class Frontend:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if self._pair is not None:
-            self._pair.close()
-            self._pair = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def wake(self) -> None:
         w = self._waiter
@@ -632,11 +711,14 @@ class Frontend:
         if len(dirty) > 1:
             dirty.sort()
         dues = self._due
+        writer = self._writer
         for t in dirty:
             due = dues.get(t)
             if due is not None and due.dirty:
                 due.dirty = False
                 self._build_due(t, due)
+                if writer is not None and len(due.out) >= writer.MIN_SPLIT:
+                    due.prep = self._prepare(due.out)
         dirty.clear()
 
     def _build_due(self, t: float, due: _Due) -> None:
@@ -696,8 +778,12 @@ class Frontend:
         while times and times[0] <= now:
             t = heapq.heappop(times)
             ready.append((t, dues.pop(t)))
+        prep = None
         if len(ready) == 1:  # the usual pass: one step's tokens, as built
-            out = ready[0][1].out
+            due = ready[0][1]
+            out = due.out
+            if due.prep is not None and due.prep.gen == self.gen:
+                prep = due.prep
         else:
             out = {}
             for _, due in ready:
@@ -711,8 +797,9 @@ class Frontend:
         record = self.record_timing
         stamps: list[tuple[Call, float]] = []  # when each call's frames left (record_timing)
         start = time.monotonic() if record else 0.0
-        if self._pair is not None and len(out) >= self._pair.MIN_SPLIT:
-            self._write_split(out, stamps if record else None)
+        if self._writer is not None and len(out) >= self._writer.MIN_SPLIT:
+            self._send_prepared(prep if prep is not None else self._prepare(out),
+                                stamps if record else None)
         elif not record:
             for call, frames in out.items():
                 if frames and not call.closed:
@@ -727,7 +814,8 @@ class Frontend:
         if record:
             lateness = self.lateness
             walls = [(clock.wall_at(t), due.tokens) for t, due in ready]
-            self.passes.extend((start - walls[0][0], time.monotonic() - start, len(out)))
+            self.passes.extend((start - walls[0][0], time.monotonic() - start, len(out),
+                                float(prep is not None)))
             for call, sent_at in stamps:
                 for wall, tokens in walls:
                     k = tokens.get(call)
@@ -746,35 +834,54 @@ class Frontend:
                 if not call.done.done():
                     call.done.set_result(None)
 
-    def _write_split(self, out: dict, stamps: list | None) -> None:
-        """`out`'s writes shared with a second thread (`PairWriter`): those to sockets whose
-        transports hold nothing; the rest, and what a socket did not take, through `_write`
-        and the transport, in order, in this thread."""
-        fds, datas, raw = [], [], []
-        write = self._write
+    def _prepare(self, out: dict) -> _Prepared:
+        """`out`'s writes made ready (`_Prepared`): a call whose socket's transport holds
+        nothing and which nothing else writes to takes its frames in the writer's one call."""
+        p = _Prepared(self.gen)
+        fds, datas, raw, rest = p.fds, p.datas, p.raw, p.rest
         for call, frames in out.items():
-            if call.closed:
+            if call.closed or not frames:
                 continue
-            if frames:
-                data = frames[0] if len(frames) == 1 else b"".join(frames)
-                tr = call.transport
-                if (call.fd >= 0 and not call.backlog and call.resp is not None
-                        and not tr.get_write_buffer_size() and not tr.is_closing()):
-                    fds.append(call.fd)
-                    datas.append(_chunk(data) if call.chunked else data)
-                    raw.append(call)
-                    continue
-                write(call, data)
-            if stamps is not None:
-                stamps.append((call, time.monotonic()))
-        times: list[float] | None = [] if stamps is not None else None
-        sent = self._pair.write_all(fds, datas, times)
-        for i, call in enumerate(raw):
+            data = frames[0] if len(frames) == 1 else b"".join(frames)
+            tr = call.transport
+            if (call.fd >= 0 and not call.backlog and call.resp is not None
+                    and not tr.get_write_buffer_size() and not tr.is_closing()):
+                fds.append(call.fd)
+                datas.append(_chunk(data) if call.chunked else data)
+                raw.append(call)
+            else:
+                rest.append((call, data))
+        return p
+
+    def _send_prepared(self, p: _Prepared, stamps: list | None) -> None:
+        """A prepared pass: the raw writes in one call of the writer (`RawWriter`, or
+        `PairWriter`'s two threads), then what a socket did not take through its transport, in
+        order, then the other calls through `_write`."""
+        times: list[float] = []
+        writer = self._writer
+        assert writer is not None
+        sent = writer.write_all(p.fds, p.datas, times if stamps is not None else None) \
+            if p.fds else []
+        datas = p.datas
+        for i, call in enumerate(p.raw):
             n, data = sent[i], datas[i]
-            if n != len(data):  # the rest waits in its transport (or meets the error there)
-                call.transport.write(data[n:] if n > 0 else data)
+            if n != len(data):
+                tr = call.transport
+                if tr.is_closing():  # the client is gone
+                    self.abandon(call)
+                    continue
+                # the rest waits in its transport (or meets the error there)
+                tr.write(data[n:] if n > 0 else data)
+                self.gen += 1
             if stamps is not None:
                 stamps.append((call, times[i]))
+        write = self._write
+        for call, data in p.rest:
+            if call.closed:
+                continue
+            write(call, data)
+            if stamps is not None:
+                stamps.append((call, time.monotonic()))
 
     def _frame(self, c: Choice, text: str | None, reason: str | None, frames: list[bytes],
                due: _Due) -> None:
@@ -819,12 +926,15 @@ class Frontend:
         if (call.backlog or tr is None or call.resp is None
                 or tr.get_write_buffer_size() > WRITE_LIMIT):
             call.backlog.append(data)
+            self.gen += 1
             call.kick()
             return
         if tr.is_closing():
             self.abandon(call)
             return
         tr.write(_chunk(data) if call.chunked else data)
+        if tr.get_write_buffer_size():  # a raw write now would overtake what it holds
+            self.gen += 1
 
     def _record(self, call: Call) -> None:
         c = call.choices[0]
@@ -851,7 +961,7 @@ class Frontend:
         """Send lateness percentiles (ms) and the calls' token times (record_timing)."""
         late = np.frombuffer(self.lateness, dtype=np.float64) if self.lateness else np.zeros(0)
         pct = (lambda q: float(np.percentile(late, q)) * 1e3) if len(late) else (lambda q: None)
-        passes = np.frombuffer(self.passes, dtype=np.float64).reshape(-1, 3)
+        passes = np.frombuffer(self.passes, dtype=np.float64).reshape(-1, 4)
         passes = passes[passes[:, 2] > 1]  # those that wrote to several calls
         pq = (lambda a, q: float(np.percentile(a, q)) * 1e3) if len(passes) else \
             (lambda a, q: None)
@@ -859,6 +969,7 @@ class Frontend:
                                                     "max": pct(100)},
                 "passes": {"count": len(passes),
                            "calls_mean": float(passes[:, 2].mean()) if len(passes) else None,
+                           "prepared_ahead": float(passes[:, 3].mean()) if len(passes) else None,
                            "start_late_ms": {"p50": pq(passes[:, 0], 50),
                                              "p99": pq(passes[:, 0], 99)},
                            "duration_ms": {"p50": pq(passes[:, 1], 50),

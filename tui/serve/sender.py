@@ -1,4 +1,5 @@
-"""One step's socket writes shared with a second thread.
+"""One step's socket writes: from the loop's thread in one call (`RawWriter`), or shared with a
+second thread (`PairWriter`).
 
 At a step's end the server writes one frame to each of hundreds of sockets. A loopback TCP
 send runs the receiver's TCP path in the sender's system call (several microseconds each), so
@@ -19,6 +20,57 @@ import os
 import threading
 import time
 
+from sim import _compiled
+
+_SEND = _compiled.c_module("tui.serve._send")
+
+
+def write_one(fd: int, data: bytes) -> int:
+    """One non-blocking write of `data` to socket `fd`: the bytes it took, 0 when its buffer
+    was full, -1 on an error (the transport's own write then meets it and closes)."""
+    try:
+        return os.write(fd, data)
+    except BlockingIOError:
+        return 0
+    except OSError:
+        return -1
+
+
+def write_many_py(fds: list[int], datas: list[bytes],
+                  want_times: bool) -> tuple[list[int], list[float] | None]:
+    """`_send.write_many` in Python: `write_one` per socket, in order; with `want_times`, when
+    each write returned (time.monotonic)."""
+    clock = time.monotonic
+    sent = [0] * len(fds)
+    times: list[float] | None = [0.0] * len(fds) if want_times else None
+    for i, fd in enumerate(fds):
+        sent[i] = write_one(fd, datas[i])
+        if times is not None:
+            times[i] = clock()
+    return sent, times
+
+
+# The C loop where the compiled build is used (the same calls, without the interpreter between
+# them, the GIL released), else the Python above.
+write_many = _SEND.write_many if _SEND is not None else write_many_py
+
+
+class RawWriter:
+    """A pass's writes from the calling thread, in one `write_many` call."""
+
+    MIN_SPLIT = 2  # one write goes through its transport as usual
+
+    def write_all(self, fds: list[int], datas: list[bytes],
+                  times: list[float] | None = None) -> list[int]:
+        """As `PairWriter.write_all`."""
+        sent, stamps = write_many(fds, datas, times is not None)
+        if times is not None and stamps is not None:
+            times[:] = stamps
+        return sent
+
+    def close(self) -> None:
+        pass
+
 
 class _Batch:
     """One call's writes. Both threads take the next index from `claim` (atomic under the
@@ -34,21 +86,15 @@ class _Batch:
         self.finished = threading.Event()
 
     def write(self) -> None:
-        """Write the indices this thread claims: sent[i] = bytes taken (0 when the socket was
-        full), or -1 on an error (the transport's own write then meets it and closes); with
+        """Write the indices this thread claims: sent[i] as `write_one` gives it; with
         `times`, times[i] = when the write returned (time.monotonic)."""
         fds, datas, sent, times = self.fds, self.datas, self.sent, self.times
         n = len(fds)
-        write, clock = os.write, time.monotonic
+        clock = time.monotonic
         for i in self.claim:
             if i >= n:
                 return
-            try:
-                sent[i] = write(fds[i], datas[i])
-            except BlockingIOError:
-                sent[i] = 0
-            except OSError:
-                sent[i] = -1
+            sent[i] = write_one(fds[i], datas[i])
             if times is not None:
                 times[i] = clock()
 
@@ -69,9 +115,9 @@ class PairWriter:
 
     def write_all(self, fds: list[int], datas: list[bytes],
                   times: list[float] | None = None) -> list[int]:
-        """Write each datas[i] to non-blocking socket fds[i], the first ones first; returns the
-        bytes each took (0: full, -1: an error), in the order given. A list `times` gets when
-        each write returned."""
+        """Write each datas[i] to non-blocking socket fds[i], the first ones first; returns
+        the bytes each took (0: full, -1: an error), in the order given. A list `times` gets
+        when each write returned."""
         if times is not None:
             times[:] = [0.0] * len(fds)
         b = _Batch(fds, datas, times)

@@ -144,7 +144,7 @@ class Buffering(Sink):
 
 
 class HalfWriter:
-    """A stand-in PairWriter whose sockets take the first half of each write (a full socket
+    """A stand-in writer (`RawWriter`, `PairWriter`) whose sockets take the first half of each write (a full socket
     takes none: the third)."""
 
     MIN_SPLIT = 1
@@ -169,7 +169,7 @@ def test_split_writes_hand_what_a_socket_did_not_take_to_its_transport_in_order(
         calls = [fe.submit(parse_generate({"prompt": "ab", "max_tokens": 5, "stream": True},
                                           chat=False), "t", 0.0) for _ in range(4)]
         fe.turn()
-        pair = fe._pair = HalfWriter()
+        pair = fe._writer = HalfWriter()
         for i, call in enumerate(calls):
             call.resp, call.transport, call.chunked, call.fd = object(), Buffering(), True, 100 + i
         fe.clock.set(1e-9, paused=True)
@@ -183,4 +183,71 @@ def test_split_writes_hand_what_a_socket_did_not_take_to_its_transport_in_order(
             frames = unchunk(wire).split(b"\n\n")
             texts = [json.loads(f[len(b"data: "):])["choices"][0]["text"] for f in frames[:-2]]
             assert texts == list(FILLER[:5]) and frames[-2] == b"data: [DONE]"
+    asyncio.run(main())
+
+
+class Recorder(HalfWriter):
+    """A stand-in writer whose sockets take everything (kept per fd)."""
+
+    def write_all(self, fds, datas, times=None):
+        for fd, d in zip(fds, datas):
+            self.took[fd] = self.took.get(fd, b"") + d
+        if times is not None:
+            times[:] = [1.0] * len(fds)
+        return [len(d) for d in datas]
+
+
+def prepared_calls(n: int, transport=Sink):
+    """A front end with `n` streamed calls attached to stand-in transports (fds 100...) and a
+    Recorder as its writer, the next step's pass built and prepared."""
+    fe = build_frontend(load_scenario("chat", []), record_timing=True)
+    fe.clock.set(0.0, paused=True)
+    calls = [fe.submit(parse_generate({"prompt": "ab", "max_tokens": 6, "stream": True},
+                                      chat=False), "t", 0.0) for _ in range(n)]
+    fe.turn()
+    fe._writer = Recorder()
+    for i, call in enumerate(calls):
+        call.resp, call.transport, call.chunked, call.fd = object(), transport(), True, 100 + i
+    fe.clock.set(1e-9, paused=True)
+    fe.turn()
+    step(fe)  # the first tokens (prepared after the attach) went out raw
+    due = fe._due[fe._due_times[0]]
+    assert due.prep is not None and due.prep.gen == fe.gen and len(due.prep.raw) == n
+    return fe, calls
+
+
+def test_a_prepared_pass_is_sent_as_prepared():
+    async def main():
+        fe, calls = prepared_calls(4)
+        gen, took = fe.gen, dict(fe._writer.took)
+        step(fe)
+        assert fe.gen == gen
+        for i, call in enumerate(calls):  # one more frame each, raw; none via the transport
+            new = fe._writer.took[100 + i][len(took[100 + i]):]
+            assert unchunk(new).startswith(b"data: {") and not call.transport.data
+    asyncio.run(main())
+
+
+def test_a_client_gone_after_the_pass_was_prepared_gets_nothing():
+    async def main():
+        fe, calls = prepared_calls(4)
+        before = fe._writer.took[101]
+        fe.abandon(calls[1])  # after the prepare: the prepared pass is no longer used
+        step(fe)
+        assert fe._writer.took[101] == before
+        assert all(len(fe._writer.took[100 + i]) > len(before) for i in (0, 2, 3))
+    asyncio.run(main())
+
+
+def test_bytes_left_in_a_transport_after_the_prepare_are_not_overtaken():
+    """A frame that went through a call's transport and stayed in its buffer (the client is
+    slow) after the pass was prepared: that call's next frame must follow it, not go raw."""
+    async def main():
+        fe, calls = prepared_calls(3, transport=Buffering)
+        before = fe._writer.took[102]
+        fe._write(calls[2], b"held")  # stays in the transport's buffer
+        assert bytes(calls[2].transport.data).endswith(b"held\r\n")
+        step(fe)
+        assert fe._writer.took[102] == before  # nothing raw after the held bytes
+        assert unchunk(bytes(calls[2].transport.data)).startswith(b"helddata: {")
     asyncio.run(main())
