@@ -16,6 +16,7 @@ everything else compete for the same cores, and the figures say so.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -42,6 +43,9 @@ def add_arguments(sub) -> None:
                         "every stream decodes in the batch)")
     s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
                    help="the server's --send-threads (default 1)")
+    s.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="give the server its own CPU and the client the others (default, where "
+                        "the process may use 2 or more; --no-pin lets the kernel place both)")
     s.add_argument("--json", action="store_true")
 
 
@@ -53,6 +57,20 @@ def _free_port() -> int:
 
 def _pct(a, q) -> float | None:
     return float(np.percentile(a, q)) if len(a) else None
+
+
+def _placement(pin: bool) -> tuple[set[int], set[int]] | None:
+    """(server CPUs, client CPUs) when pinning, else None: the server gets the lowest CPU this
+    process may use, the client the rest. On a 2-core machine, unpinned, the kernel often
+    queues the client on the server's core (a loopback send wakes the reader as a synchronous
+    wake-up, which favours the waker's CPU): the server then waits for the client to read
+    hundreds of sockets, several ms, in the middle of a send pass."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return {cpus[0]}, set(cpus[1:])
 
 
 def _cpu_s(pid: int) -> float:
@@ -190,8 +208,14 @@ def bench_serve(args) -> dict:
     overrides = args.overrides or [f"scheduler.max_num_seqs={max(256, 2 * args.streams)}"]
     for o in overrides:
         cmd += ["--set", o]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    placement = _placement(args.pin)
+    own = os.sched_getaffinity(0) if placement else None
+    server_cpus = placement[0] if placement else None
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, preexec_fn=(
+        (lambda: os.sched_setaffinity(0, server_cpus)) if server_cpus else None))
     try:
+        if placement:
+            os.sched_setaffinity(0, placement[1])
         line = proc.stderr.readline()  # the banner, once listening
         if "http://" not in line:
             raise RuntimeError(f"servesim serve did not start: {line.strip()}")
@@ -208,6 +232,8 @@ def bench_serve(args) -> dict:
     finally:
         proc.terminate()
         proc.wait(10)
+        if own is not None:
+            os.sched_setaffinity(0, own)
     # Client minus engine, per request (TTFT) and per token gap (ITL), in wall seconds.
     ttft_diff, itl_diff, seen_late, tokens = [], [], [], 0
     # The TTFT gap's parts (wall clocks: time.monotonic is one clock for both processes):
@@ -242,7 +268,9 @@ def bench_serve(args) -> dict:
     return {
         "scenario": args.scenario, "streams": args.streams, "speed": args.speed,
         "send_threads": args.send_threads,
-        "machine": f"{os.cpu_count()} cores", "wall_s": wall, "requests": len(ttft_diff),
+        "machine": f"{os.cpu_count()} cores", "wall_s": wall,
+        "pinned": None if placement is None else {"server": sorted(placement[0]),
+                                                  "client": sorted(placement[1])}, "requests": len(ttft_diff),
         "tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
         "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
         "load_average": [load0, load1],
@@ -258,6 +286,10 @@ def bench_serve(args) -> dict:
                                        "p99": _pct(itl_ms, 99),
                                        "p99_abs": _pct(np.abs(itl_ms), 99)},
     }
+
+
+def _cpus(cpus: list[int]) -> str:
+    return ",".join(map(str, cpus))
 
 
 def _fmt(v) -> str:
@@ -279,7 +311,10 @@ def text_serve(r: dict) -> str:
 
     return "\n".join([
         f"bench serve: {r['streams']} concurrent streams at x{r['speed']:g}, {r['scenario']}, "
-        f"{r['machine']}, {r['send_threads']} send thread(s)",
+        f"{r['machine']}, {r['send_threads']} send thread(s), "
+        + ("server and client placed by the kernel" if not r.get("pinned") else
+           f"server on CPU {_cpus(r['pinned']['server'])}, client on "
+           f"{_cpus(r['pinned']['client'])}"),
         f"  {r['requests']:,} requests, {r['tokens']:,} tokens in {r['wall_s']:.1f} s "
         f"({r['tokens_per_s']:,.0f} tokens/s), {r['errors']} errors",
         f"  CPU: server {100 * r['server_cpu_share']:.0f}% of a core, client "
@@ -288,7 +323,8 @@ def text_serve(r: dict) -> str:
         f"  send lateness (ms)            p50 {_fmt(late['p50'])}  p99 {_fmt(late['p99'])}  "
         f"max {_fmt(late['max'])}",
         *([f"    its passes (p50 / p99): began late {pq2(ps['start_late_ms'])} ms, took "
-           f"{pq2(ps['duration_ms'])} ms for {ps['calls_mean']:.0f} calls on average"]
+           f"{pq2(ps['duration_ms'])} ms for {ps['calls_mean']:.0f} calls on average, "
+           f"{100 * ps.get('prepared_ahead', 0):.0f}% prepared ahead"]
           if ps and ps["count"] else []),
         f"  TTFT client - engine (ms)     p50 {_fmt(t['p50'])}  p99 {_fmt(t['p99'])}  "
         f"max {_fmt(t['max'])}",
