@@ -18,7 +18,7 @@ from aiohttp import web
 
 from tui.serve.frontend import Frontend
 from tui.serve.metrics import CONTENT_TYPE
-from tui.serve.protocol import APIError, error_body, parse_body, parse_generate
+from tui.serve.protocol import APIError, parse_body, parse_generate
 
 FRONTEND = web.AppKey("frontend", Frontend)
 MAX_BODY = 64 * 1024 * 1024
