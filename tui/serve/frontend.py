@@ -188,11 +188,11 @@ class Call:
             await resp.write_eof()
         finally:
             if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+                fd, self.fd = self.fd, -1
                 _fds.give()
                 if not self.complete:  # (a complete call is in no pass still to send)
                     self.detached()
+                os.close(fd)
 
 
 def _no_op() -> None:
@@ -261,7 +261,8 @@ class _Prepared:
     """A pass's writes, ready: `fds`/`datas` (each call's frames joined and framed as its
     HTTP chunk) for the calls in `raw`, whose sockets the writer takes in one call; `rest`:
     (call, frames joined) for the others (a slow client, a response not attached yet), written
-    through `_write`. Made at `gen`: it stays true until something bumps the frontend's `gen`
+    through `_write`, or (call, None) where a whole response has nothing to write (its time is
+    still recorded). Made at `gen`: it stays true until something bumps the frontend's `gen`
     (a client gone, a backlog begun, a transport left holding bytes, a handler that let its fd
     go)."""
 
@@ -272,7 +273,7 @@ class _Prepared:
         self.fds: list[int] = []
         self.datas: list[bytes] = []
         self.raw: list[Call] = []
-        self.rest: list[tuple[Call, bytes]] = []
+        self.rest: list[tuple[Call, bytes | None]] = []
 
 
 class _Track:
@@ -451,6 +452,9 @@ class Frontend:
                 try:
                     self.engine.run_until(self.clock.now(), max_steps=MAX_STEPS)
                 except EngineError as e:  # e.g. a stall: shown, and every open call ends
+                    # (what ran before it first: a request that finished then ends as it did,
+                    # not also with an abort)
+                    self._read_events()
                     self._fail(str(e))
             self._read_events()
         self._build()  # ahead of time: the step that ends next was computed just now
@@ -734,7 +738,7 @@ class Frontend:
         for i in range(due.n_built, len(choices)):
             c = choices[i]
             call = c.call
-            if call.closed:
+            if call.closed or c.done:  # (nothing after a choice's end: see the ends below)
                 continue
             frames = out.get(call)
             if frames is None:
@@ -759,7 +763,9 @@ class Frontend:
         if ends:  # ends without a token at this time
             for c, reason in ends.items():
                 call = c.call
-                if not call.closed:
+                # (a choice ends once: after its end its call may be complete, its handler
+                # gone and its fd let go, which no pass may then write to)
+                if not call.closed and not c.done:
                     frames = out.get(call)
                     if frames is None:
                         out[call] = frames = []
@@ -843,7 +849,10 @@ class Frontend:
         p = _Prepared(self.gen)
         fds, datas, raw, rest = p.fds, p.datas, p.raw, p.rest
         for call, frames in out.items():
-            if call.closed or not frames:
+            if call.closed:
+                continue
+            if not frames:  # (a whole response: nothing to write, its time still recorded)
+                rest.append((call, None))
                 continue
             data = frames[0] if len(frames) == 1 else b"".join(frames)
             tr = call.transport
@@ -879,10 +888,11 @@ class Frontend:
             if stamps is not None:
                 stamps.append((call, times[i]))
         write = self._write
-        for call, data in p.rest:
+        for call, rest in p.rest:
             if call.closed:
                 continue
-            write(call, data)
+            if rest is not None:
+                write(call, rest)
             if stamps is not None:
                 stamps.append((call, time.monotonic()))
 

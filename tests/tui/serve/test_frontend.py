@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from sim import load_scenario
+from sim import EngineError, load_scenario
 from tui.serve.app import build_frontend
 from tui.serve.protocol import FILLER, parse_generate
 
@@ -250,4 +250,66 @@ def test_bytes_left_in_a_transport_after_the_prepare_are_not_overtaken():
         step(fe)
         assert fe._writer.took[102] == before  # nothing raw after the held bytes
         assert unchunk(bytes(calls[2].transport.data)).startswith(b"helddata: {")
+    asyncio.run(main())
+
+
+def test_an_engine_failure_after_a_finish_ends_that_stream_once_and_writes_nothing_after():
+    """The engine raises (a stall) in a run that also finished request A: A ends as it did
+    ([DONE] once, no abort after it), and once A is complete no pass writes to its socket
+    again (its handler lets the fd go then, and the number may be another connection's)."""
+    async def main():
+        fe = build_frontend(load_scenario("chat", []), record_timing=True)
+        fe.clock.set(0.0, paused=True)
+        a, b = (fe.submit(parse_generate({"prompt": "ab", "max_tokens": n, "stream": True},
+                                         chat=False), "t", 0.0) for n in (2, 30))
+        fe.turn()
+        fe._writer = Recorder()
+        for i, call in enumerate((a, b)):
+            call.resp, call.transport, call.chunked, call.fd = object(), Sink(), True, 100 + i
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()  # the first step computed: A's first token is due at t1
+        t1 = fe._due_times[0]
+        run_until = fe.engine.run_until
+
+        def failing(t, max_steps=None):
+            run_until(t, max_steps)  # runs past A's finish, then fails
+            raise EngineError("engine stalled (simulated)")
+        fe.engine.run_until = failing
+        fe.clock.set(2.5 * t1, paused=True)
+        fe.turn()
+        fe.engine.run_until = run_until
+        assert fe.error
+        sent_at_end = None
+        while fe._due_times:
+            step(fe)
+            if a.complete and sent_at_end is None:
+                sent_at_end = len(fe._writer.took.get(100, b""))
+        assert a.complete and b.complete
+        assert len(fe._writer.took[100]) == sent_at_end  # nothing for A after it completed
+        frames = unchunk(fe._writer.took[100]).split(b"\n\n")
+        assert frames[-2:] == [b"data: [DONE]", b""] and frames.count(b"data: [DONE]") == 1
+        reasons = [json.loads(f[len(b"data: "):])["choices"][0]["finish_reason"]
+                   for f in frames[:-2]]
+        assert reasons == [None, "length"]  # its real end, not an abort as well
+    asyncio.run(main())
+
+
+def test_a_whole_responses_tokens_are_timed_in_a_prepared_pass():
+    """A non-streamed call has nothing to write per token, but its tokens' send times are
+    recorded (record_timing) as a streamed call's are, in a pass prepared ahead."""
+    async def main():
+        fe = build_frontend(load_scenario("chat", []), record_timing=True)
+        fe.clock.set(0.0, paused=True)
+        s = fe.submit(parse_generate({"prompt": "ab", "max_tokens": 4, "stream": True},
+                                     chat=False), "t", 0.0)
+        n = fe.submit(parse_generate({"prompt": "ab", "max_tokens": 4}, chat=False), "t", 0.0)
+        fe.turn()
+        fe._writer = Recorder()
+        s.resp, s.transport, s.chunked, s.fd = object(), Sink(), True, 100
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+        while not (s.complete and n.complete):
+            step(fe)
+        assert len(fe.lateness) == 8  # 4 tokens each
+        assert [t["first_sent"] is not None for t in fe.timings] == [True, True]
     asyncio.run(main())
