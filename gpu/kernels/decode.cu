@@ -690,15 +690,32 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     unsigned kw[NT_S][KVEC][4];           // K words: token 8 nt + g, vector t + 4 m
     unsigned vw[VTOK][VCH][CW];           // V words: token 2t + e + 8 p (index 2p + e), chunk g + 8 i
 
-    // Element offsets of this lane's rows within a tile (token part only when a tile fits in
-    // one KV block: then the tile's base row is one block-table lookup).
+    // How a tile's rows find their KV block. TOK <= BLOCK_SIZE: the tile lies in one block, one
+    // lookup a tile. GROUPS (8 <= BLOCK_SIZE < TOK): each group of 8 rows (K's n-tile nt, V's
+    // tokens 8 p + 2t (+ 1)) lies in one block, one lookup a group, made by load_k and kept in
+    // grp_blk for load_v of the same tile (which always follows it, run_decode_tiles). Else
+    // (blocks of 1-4 tokens) a lookup per row.
+    constexpr bool GROUPS = TOK > BLOCK_SIZE && BLOCK_SIZE >= 8;
+    constexpr int NGRP = TOK / 8;
+    // Element offsets of this lane's rows within a tile, or within their group's block (the
+    // token part: none when each row is looked up).
     int k_off[NT_S], v_off[VTOK];
 #pragma unroll
     for (int nt = 0; nt < NT_S; ++nt)
-        k_off[nt] = (TOK <= BLOCK_SIZE ? (8 * nt + g) * row_stride : 0) + kv_head * HEAD_DIM + VEC * t;
+        k_off[nt] = (TOK <= BLOCK_SIZE ? (8 * nt + g) * row_stride
+                     : GROUPS        ? (((8 * nt) & (BLOCK_SIZE - 1)) + g) * row_stride
+                                     : 0) +
+                    kv_head * HEAD_DIM + VEC * t;
 #pragma unroll
     for (int x = 0; x < VTOK; ++x)
-        v_off[x] = (TOK <= BLOCK_SIZE ? (2 * t + (x & 1) + 8 * (x >> 1)) * row_stride : 0) + kv_head * HEAD_DIM + CE * g;
+        v_off[x] = (TOK <= BLOCK_SIZE ? (2 * t + (x & 1) + 8 * (x >> 1)) * row_stride
+                    : GROUPS        ? (((8 * (x >> 1)) & (BLOCK_SIZE - 1)) + 2 * t + (x & 1)) * row_stride
+                                    : 0) +
+                   kv_head * HEAD_DIM + CE * g;
+    int grp_blk[NGRP];  // GROUPS: each group's block (of the tile load_k took last), 0 if not read
+#pragma unroll
+    for (int j = 0; j < NGRP; ++j) grp_blk[j] = 0;
+    auto grp_row = [&](int j) -> long long { return ((long long)grp_blk[j] << LOG2_BS) * row_stride; };
     auto row_of = [&](int pos) -> long long {
         return ((long long)table[pos >> LOG2_BS] << LOG2_BS) + (pos & (BLOCK_SIZE - 1));
     };
@@ -708,12 +725,20 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         return (TOK <= BLOCK_SIZE ? row_of(first) : row_of(first + i)) * row_stride;
     };
     auto load_k = [&](int tile, bool masked) {
-        const long long base = tile_base(tile, 0);
+        const long long base = TOK <= BLOCK_SIZE ? tile_base(tile, 0) : 0;
+        if (GROUPS) {
+#pragma unroll
+            for (int j = 0; j < NGRP; ++j) {
+                // (a group with no row in [start, end) may lie past the table's last block)
+                const int first = tile * TOK + 8 * j;
+                grp_blk[j] = !masked || (first < end && first + 8 > start) ? table[first >> LOG2_BS] : 0;
+            }
+        }
 #pragma unroll
         for (int nt = 0; nt < NT_S; ++nt) {
             const int i = 8 * nt + g, pos = tile * TOK + i;
             if (!masked || (pos >= start && pos < end)) {
-                const long long row = TOK <= BLOCK_SIZE ? base : tile_base(tile, i);
+                const long long row = TOK <= BLOCK_SIZE ? base : GROUPS ? grp_row(nt) : tile_base(tile, i);
                 const uint4* p = reinterpret_cast<const uint4*>(k_cache + row + k_off[nt]);
 #pragma unroll
                 for (int m = 0; m < KVEC; ++m) {
@@ -726,13 +751,15 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
             }
         }
     };
-    auto load_v = [&](int tile, bool masked) {
-        const long long base = tile_base(tile, 0);
+    auto load_v = [&](int tile, bool masked) {  // after load_k(tile, masked): see grp_blk
+        const long long base = TOK <= BLOCK_SIZE ? tile_base(tile, 0) : 0;
 #pragma unroll
         for (int x = 0; x < VTOK; ++x) {
             const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = tile * TOK + i;
             const bool live = !masked || (pos >= start && pos < end);
-            const long long row = TOK <= BLOCK_SIZE ? base : (live ? tile_base(tile, i) : 0);
+            const long long row = TOK <= BLOCK_SIZE ? base
+                                  : GROUPS        ? grp_row(x >> 1)
+                                                  : (live ? tile_base(tile, i) : 0);
             const raw* p = v_cache + row + v_off[x];
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {

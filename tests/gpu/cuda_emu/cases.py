@@ -450,6 +450,15 @@ def suite_ci(r: Runner, rng):
             r.decode(rng, sn, g, 2, 128, 8, [1, 40, 600], label="ci")
         r.write_kv(rng, sn, 2, 128, 16, 10, label="ci")
         r.write_kv(rng, sn, 2, 64, 16, 11, misalign=1, label="ci-misaligned1")
+    # Tensor-core tiles of 16 tokens over 8-token blocks (head_dim <= 64): a lookup per group
+    # of 8 rows, kept from K's load for V's; partial tiles at both ends of split partitions.
+    for sn in STORAGES:
+        r.decode(rng, sn, 4, 2, 32, 8, [1, 13, 16, 40, 517], label="ci-bs8-groups")
+    r.decode(rng, "bfloat16", 2, 2, 64, 8, [1, 5, 33, 130], split_k=True, partition_size=7,
+             label="ci-bs8-groups-split")
+    # every sequence within one block: a tile's second group has no row (its lookup is skipped:
+    # a table no wider than its blocks would end before it)
+    r.decode(rng, "float16", 4, 2, 32, 8, [5, 3], label="ci-bs8-groups-one-block")
     r.decode(rng, "float16", 4, 2, 64, 1, [1, 7, 300], label="ci-bs1")
     r.decode(rng, "float32", 4, 2, 64, 64, [1, 63, 64, 65, 600], label="ci-bs64")
     # fp32 with 1 head per block runs on CUDA cores: a partial last tile (13, 517) and splits.
