@@ -7,10 +7,11 @@ one thread doing them one after another makes the last frame wait for all the ot
 system call releases the GIL: a second thread writing some of them runs that kernel work on
 the other core at the same time.
 
-Only raw writes run off the event loop's thread (asyncio is not thread-safe): the caller hands
-over file descriptors of sockets whose transports have nothing buffered and which the loop
-does not touch until `write_all` returns; what a socket did not take is handed back, for the
-caller to give to its transport, in order.
+Either way the caller hands over file descriptors of its own (duplicates it holds, so that no
+number can be closed and reused under a write) of sockets whose transports have nothing
+buffered and which the loop does not touch until `write_all` returns; what a socket did not
+take is handed back, for the caller to give to its transport, in order. With `PairWriter` only
+those raw writes run off the event loop's thread (asyncio is not thread-safe).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def write_many_py(fds: list[int], datas: list[bytes],
     return sent, times
 
 
-# The C loop where the compiled build is used (the same calls, without the interpreter between
-# them, the GIL released), else the Python above.
+# The C loop where it was built from its source as it is (sim._compiled.OTHER_C_MODULES; the
+# same calls without the interpreter between them, the GIL released), else the Python above.
 write_many = _SEND.write_many if _SEND is not None else write_many_py
 
 
