@@ -715,7 +715,21 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     int grp_blk[NGRP];  // GROUPS: each group's block (of the tile load_k took last), 0 if not read
 #pragma unroll
     for (int j = 0; j < NGRP; ++j) grp_blk[j] = 0;
-    auto grp_row = [&](int j) -> long long { return ((long long)grp_blk[j] << LOG2_BS) * row_stride; };
+    // GROUPS and a lookup per row: a row's address is its lane's base (head and vector, and
+    // with GROUPS its in-block row) plus its block times the block's bytes: one 32x32 -> 64-bit
+    // multiply-add per load (IMAD.WIDE.U32) rather than 64-bit element arithmetic.
+    const unsigned blk_bytes = (unsigned)(BLOCK_SIZE * row_stride * (int)sizeof(raw));
+    const char* const k_lane = reinterpret_cast<const char*>(k_cache + k_off[0]);
+    const char* const v_lane[2] = {reinterpret_cast<const char*>(v_cache + v_off[0]),
+                                   reinterpret_cast<const char*>(v_cache + v_off[1])};
+    auto grp_at = [&](const char* lane_base, int j, int in_block) -> const char* {
+        return lane_base + (size_t)in_block * row_stride * sizeof(raw) +
+               (unsigned long long)(unsigned)grp_blk[j] * blk_bytes;
+    };
+    auto row_at = [&](const char* lane_base, int pos) -> const char* {  // a lookup per row
+        return lane_base + (size_t)(pos & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw) +
+               (unsigned long long)(unsigned)table[pos >> LOG2_BS] * blk_bytes;
+    };
     auto row_of = [&](int pos) -> long long {
         return ((long long)table[pos >> LOG2_BS] << LOG2_BS) + (pos & (BLOCK_SIZE - 1));
     };
@@ -738,8 +752,10 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         for (int nt = 0; nt < NT_S; ++nt) {
             const int i = 8 * nt + g, pos = tile * TOK + i;
             if (!masked || (pos >= start && pos < end)) {
-                const long long row = TOK <= BLOCK_SIZE ? base : GROUPS ? grp_row(nt) : tile_base(tile, i);
-                const uint4* p = reinterpret_cast<const uint4*>(k_cache + row + k_off[nt]);
+                const uint4* p =
+                    GROUPS ? reinterpret_cast<const uint4*>(grp_at(k_lane, nt, (8 * nt) & (BLOCK_SIZE - 1)))
+                    : TOK <= BLOCK_SIZE ? reinterpret_cast<const uint4*>(k_cache + base + k_off[nt])
+                                        : reinterpret_cast<const uint4*>(row_at(k_lane, pos));
 #pragma unroll
                 for (int m = 0; m < KVEC; ++m) {
                     const uint4 w = p[4 * m];
@@ -757,10 +773,10 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         for (int x = 0; x < VTOK; ++x) {
             const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = tile * TOK + i;
             const bool live = !masked || (pos >= start && pos < end);
-            const long long row = TOK <= BLOCK_SIZE ? base
-                                  : GROUPS        ? grp_row(x >> 1)
-                                                  : (live ? tile_base(tile, i) : 0);
-            const raw* p = v_cache + row + v_off[x];
+            const raw* p =
+                GROUPS ? reinterpret_cast<const raw*>(grp_at(v_lane[x & 1], x >> 1, (8 * (x >> 1)) & (BLOCK_SIZE - 1)))
+                    : TOK <= BLOCK_SIZE ? v_cache + base + v_off[x]
+                                        : reinterpret_cast<const raw*>(live ? row_at(v_lane[0], pos) : v_lane[0]);
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {
                 if (CW == 4) {

@@ -62,8 +62,8 @@ MUTATIONS = {
     "mma_q_of_lane_zero": ("decode.cu", "const uint4 qv = sm_q[ks][lane];", "const uint4 qv = sm_q[ks][lane & ~3];",
                            ["--suite", "ci"]),
     # 16-token tiles over 8-token blocks: one lookup per group of 8 rows, K's kept for V's.
-    "mma_groups_v_reads_first_group": ("decode.cu", ": GROUPS        ? grp_row(x >> 1)",
-                                       ": GROUPS        ? grp_row(0)", ["--suite", "ci"]),
+    "mma_groups_v_reads_first_group": ("decode.cu", "grp_at(v_lane[x & 1], x >> 1,",
+                                       "grp_at(v_lane[x & 1], 0,", ["--suite", "ci"]),
     # fp32 on tensor cores (3xTF32): each dropped or misplaced piece must cost more accuracy
     # than the fp32 bound of cases.FP32_ACCURACY allows.
     "tf32x3_k_lo_dropped": ("decode.cu", "        F32::mma1688(acc[0], a, b_lo, acc[0]);\n", "", ["--suite", "ci"]),
