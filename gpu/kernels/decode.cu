@@ -726,9 +726,15 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         return lane_base + (size_t)in_block * row_stride * sizeof(raw) +
                (unsigned long long)(unsigned)grp_blk[j] * blk_bytes;
     };
-    auto row_at = [&](const char* lane_base, int pos) -> const char* {  // a lookup per row
-        return lane_base + (size_t)(pos & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw) +
-               (unsigned long long)(unsigned)table[pos >> LOG2_BS] * blk_bytes;
+    // A lookup per row (blocks of 1-4 tokens): a lane's in-block rows are fixed (K: g, V: 2t (+ 1),
+    // modulo the block size; a tile starts on a block), so they join its base; V's rows 2t and
+    // 2t + 1 share a block from 2 tokens up, and one lookup.
+    const char* const k_row_lane = k_lane + (size_t)(g & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw);
+    const char* const v_row_lane[2] = {
+        v_lane[0] + (size_t)((2 * t) & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw),
+        v_lane[0] + (size_t)((2 * t + 1) & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw)};
+    auto row_at = [&](const char* lane_row_base, int pos) -> const char* {
+        return lane_row_base + (unsigned long long)(unsigned)table[pos >> LOG2_BS] * blk_bytes;
     };
     auto row_of = [&](int pos) -> long long {
         return ((long long)table[pos >> LOG2_BS] << LOG2_BS) + (pos & (BLOCK_SIZE - 1));
@@ -755,7 +761,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
                 const uint4* p =
                     GROUPS ? reinterpret_cast<const uint4*>(grp_at(k_lane, nt, (8 * nt) & (BLOCK_SIZE - 1)))
                     : TOK <= BLOCK_SIZE ? reinterpret_cast<const uint4*>(k_cache + base + k_off[nt])
-                                        : reinterpret_cast<const uint4*>(row_at(k_lane, pos));
+                                        : reinterpret_cast<const uint4*>(row_at(k_row_lane, pos));
 #pragma unroll
                 for (int m = 0; m < KVEC; ++m) {
                     const uint4 w = p[4 * m];
@@ -776,7 +782,9 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
             const raw* p =
                 GROUPS ? reinterpret_cast<const raw*>(grp_at(v_lane[x & 1], x >> 1, (8 * (x >> 1)) & (BLOCK_SIZE - 1)))
                     : TOK <= BLOCK_SIZE ? v_cache + base + v_off[x]
-                                        : reinterpret_cast<const raw*>(live ? row_at(v_lane[0], pos) : v_lane[0]);
+                                        : reinterpret_cast<const raw*>(
+                                              live ? row_at(v_row_lane[x & 1], BLOCK_SIZE >= 2 ? pos & ~1 : pos)
+                                                   : v_lane[0]);
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {
                 if (CW == 4) {

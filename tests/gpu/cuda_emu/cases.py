@@ -460,6 +460,10 @@ def suite_ci(r: Runner, rng):
     # a table no wider than its blocks would end before it)
     r.decode(rng, "float16", 4, 2, 32, 8, [5, 3], label="ci-bs8-groups-one-block")
     r.decode(rng, "float16", 4, 2, 64, 1, [1, 7, 300], label="ci-bs1")
+    # 16-token tiles over 2- and 4-token blocks: a lookup per row (V's rows 2t, 2t + 1 share one)
+    r.decode(rng, "float16", 2, 2, 32, 4, [1, 13, 16, 40, 517], label="ci-bs4-rows")
+    r.decode(rng, "bfloat16", 4, 2, 64, 2, [1, 5, 33, 130], split_k=True, partition_size=7,
+             label="ci-bs2-rows-split")
     r.decode(rng, "float32", 4, 2, 64, 64, [1, 63, 64, 65, 600], label="ci-bs64")
     # fp32 with 1 head per block runs on CUDA cores: a partial last tile (13, 517) and splits.
     r.decode(rng, "float32", 1, 2, 64, 16, [13, 517, 2], label="ci-cuda-cores")
