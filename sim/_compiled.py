@@ -69,22 +69,15 @@ def _built(root: Path) -> bool:
                for p in (root / rel).parent.glob(Path(rel).stem + ".*"))
 
 
-def _fresh(root: Path) -> bool:
+def _fresh(root: Path, modules: dict[str, str] | None = None) -> bool:
+    """Whether every one of `modules` (default: the engine's, compiled and C) was built from
+    its source as it is now."""
     import json
+    if modules is None:
+        modules = {**MODULES, **C_MODULES}
     try:
         recorded = json.loads((root / MANIFEST).read_text())
-        return all(recorded.get(m) == source_digest(root / rel)
-                   for m, rel in {**MODULES, **C_MODULES}.items())
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _fresh_other(name: str) -> bool:
-    import json
-    root = Path(__file__).resolve().parent.parent
-    try:
-        recorded = json.loads((root / MANIFEST).read_text())
-        return recorded.get(name) == source_digest(root / OTHER_C_MODULES[name])
+        return all(recorded.get(m) == source_digest(root / rel) for m, rel in modules.items())
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -107,7 +100,9 @@ def c_module(name: str):
     None: the compiled modules then do the same work in Python. One of OTHER_C_MODULES where
     it was built from its source as it is now (and SERVESIM_PURE is not set), else None."""
     if name in OTHER_C_MODULES:
-        if os.environ.get("SERVESIM_PURE") == "1" or not _fresh_other(name):
+        root = Path(__file__).resolve().parent.parent
+        if (os.environ.get("SERVESIM_PURE") == "1"
+                or not _fresh(root, {name: OTHER_C_MODULES[name]})):
             return None
     elif not COMPILED or name not in C_MODULES:
         return None

@@ -736,16 +736,13 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     auto row_at = [&](const char* lane_row_base, int pos) -> const char* {
         return lane_row_base + (unsigned long long)(unsigned)table[pos >> LOG2_BS] * blk_bytes;
     };
-    auto row_of = [&](int pos) -> long long {
-        return ((long long)table[pos >> LOG2_BS] << LOG2_BS) + (pos & (BLOCK_SIZE - 1));
-    };
-    // First element of row `i` of tile `tile` (minus the lane offsets above).
-    auto tile_base = [&](int tile, int i) -> long long {
+    // TOK <= BLOCK_SIZE: the first element of tile `tile`, one lookup (minus the lane offsets).
+    auto tile_base = [&](int tile) -> long long {
         const int first = tile * TOK;
-        return (TOK <= BLOCK_SIZE ? row_of(first) : row_of(first + i)) * row_stride;
+        return (((long long)table[first >> LOG2_BS] << LOG2_BS) + (first & (BLOCK_SIZE - 1))) * row_stride;
     };
     auto load_k = [&](int tile, bool masked) {
-        const long long base = TOK <= BLOCK_SIZE ? tile_base(tile, 0) : 0;
+        const long long base = TOK <= BLOCK_SIZE ? tile_base(tile) : 0;
         if (GROUPS) {
 #pragma unroll
             for (int j = 0; j < NGRP; ++j) {
@@ -774,7 +771,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
         }
     };
     auto load_v = [&](int tile, bool masked) {  // after load_k(tile, masked): see grp_blk
-        const long long base = TOK <= BLOCK_SIZE ? tile_base(tile, 0) : 0;
+        const long long base = TOK <= BLOCK_SIZE ? tile_base(tile) : 0;
 #pragma unroll
         for (int x = 0; x < VTOK; ++x) {
             const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = tile * TOK + i;

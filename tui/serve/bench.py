@@ -281,9 +281,9 @@ def bench_serve(args) -> dict:
     return {
         "scenario": args.scenario, "streams": args.streams, "speed": args.speed,
         "send_threads": args.send_threads,
-        "machine": f"{os.cpu_count()} cores", "wall_s": wall,
+        "machine": f"{os.cpu_count()} cores", "wall_s": wall, "requests": len(ttft_diff),
         "pinned": None if placement is None else {"server": sorted(placement[0]),
-                                                  "client": sorted(placement[1])}, "requests": len(ttft_diff),
+                                                  "client": sorted(placement[1])},
         "tokens": tokens, "tokens_per_s": tokens / wall, "errors": errors,
         "server_cpu_share": server_cpu / wall, "client_cpu_share": client_cpu / wall,
         "load_average": [load0, load1],
