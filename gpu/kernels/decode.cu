@@ -733,8 +733,17 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     const char* const v_row_lane[2] = {
         v_lane[0] + (size_t)((2 * t) & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw),
         v_lane[0] + (size_t)((2 * t + 1) & (BLOCK_SIZE - 1)) * row_stride * sizeof(raw)};
-    auto row_at = [&](const char* lane_row_base, int pos) -> const char* {
-        return lane_row_base + (unsigned long long)(unsigned)table[pos >> LOG2_BS] * blk_bytes;
+    // The lookups themselves: a lane's rows lie at fixed block offsets from its first row's
+    // block (K: (8 nt) / block size; V: (x & 1 + 8 (x / 2)) / block size, rows 2t, 2t + 1 sharing
+    // one from 2 tokens up), so each lane keeps a pointer into the table and a tile adds its
+    // blocks: one pointer a tile for K and one for V, the lookups immediate offsets from it.
+    const int* const k_tab = table + (g >> LOG2_BS);
+    const int* const v_tab = table + ((2 * t) >> LOG2_BS);
+    auto tab_at = [&](const int* lane_tab, int tile) -> const int* {
+        return lane_tab + (unsigned)tile * (unsigned)(TOK >> LOG2_BS);
+    };
+    auto row_at = [&](const char* lane_row_base, int blk) -> const char* {
+        return lane_row_base + (unsigned long long)(unsigned)blk * blk_bytes;
     };
     // TOK <= BLOCK_SIZE: the first element of tile `tile`, one lookup (minus the lane offsets).
     auto tile_base = [&](int tile) -> long long {
@@ -743,6 +752,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     };
     auto load_k = [&](int tile, bool masked) {
         const long long base = TOK <= BLOCK_SIZE ? tile_base(tile) : 0;
+        const int* const kt = tab_at(k_tab, tile);
         if (GROUPS) {
 #pragma unroll
             for (int j = 0; j < NGRP; ++j) {
@@ -758,7 +768,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
                 const uint4* p =
                     GROUPS ? reinterpret_cast<const uint4*>(grp_at(k_lane, nt, (8 * nt) & (BLOCK_SIZE - 1)))
                     : TOK <= BLOCK_SIZE ? reinterpret_cast<const uint4*>(k_cache + base + k_off[nt])
-                                        : reinterpret_cast<const uint4*>(row_at(k_row_lane, pos));
+                                        : reinterpret_cast<const uint4*>(row_at(k_row_lane, kt[(8 * nt) >> LOG2_BS]));
 #pragma unroll
                 for (int m = 0; m < KVEC; ++m) {
                     const uint4 w = p[4 * m];
@@ -772,16 +782,22 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
     };
     auto load_v = [&](int tile, bool masked) {  // after load_k(tile, masked): see grp_blk
         const long long base = TOK <= BLOCK_SIZE ? tile_base(tile) : 0;
+        const int* const vt = tab_at(v_tab, tile);
+        int pair_blk = 0;  // a lookup per row, 2-4 tokens: the block of rows 2t, 2t + 1 (+ 8 p)
 #pragma unroll
         for (int x = 0; x < VTOK; ++x) {
             const int i = 2 * t + (x & 1) + 8 * (x >> 1), pos = tile * TOK + i;
             const bool live = !masked || (pos >= start && pos < end);
+            if (!GROUPS && TOK > BLOCK_SIZE && (BLOCK_SIZE == 1 || !(x & 1))) {
+                // (from 2 tokens up the pair's block, if either row is in [start, end))
+                const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);
+                pair_blk = need ? vt[((x & 1) + 8 * (x >> 1)) >> LOG2_BS] : 0;
+            }
             const raw* p =
                 GROUPS ? reinterpret_cast<const raw*>(grp_at(v_lane[x & 1], x >> 1, (8 * (x >> 1)) & (BLOCK_SIZE - 1)))
                     : TOK <= BLOCK_SIZE ? v_cache + base + v_off[x]
-                                        : reinterpret_cast<const raw*>(
-                                              live ? row_at(v_row_lane[x & 1], BLOCK_SIZE >= 2 ? pos & ~1 : pos)
-                                                   : v_lane[0]);
+                                        : reinterpret_cast<const raw*>(live ? row_at(v_row_lane[x & 1], pair_blk)
+                                                                            : v_lane[0]);
 #pragma unroll
             for (int c = 0; c < VCH; ++c) {
                 if (CW == 4) {

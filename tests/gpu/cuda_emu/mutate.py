@@ -64,6 +64,13 @@ MUTATIONS = {
     # 16-token tiles over 8-token blocks: one lookup per group of 8 rows, K's kept for V's.
     "mma_groups_v_reads_first_group": ("decode.cu", "grp_at(v_lane[x & 1], x >> 1,",
                                        "grp_at(v_lane[x & 1], 0,", ["--suite", "ci"]),
+    # 16-token tiles over 1-4-token blocks: a lookup per row, at fixed offsets from a lane's
+    # table pointer; V's rows 2t, 2t + 1 share one (taken if either row is in the partition).
+    "mma_rows_k_second_ntile_from_first": ("decode.cu", "row_at(k_row_lane, kt[(8 * nt) >> LOG2_BS])",
+                                           "row_at(k_row_lane, kt[0])", ["--suite", "ci"]),
+    "mma_rows_v_pair_lookup_when_first_masked": (
+        "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
+        "const bool need = live;", ["--suite", "ci"]),
     # fp32 on tensor cores (3xTF32): each dropped or misplaced piece must cost more accuracy
     # than the fp32 bound of cases.FP32_ACCURACY allows.
     "tf32x3_k_lo_dropped": ("decode.cu", "        F32::mma1688(acc[0], a, b_lo, acc[0]);\n", "", ["--suite", "ci"]),
