@@ -69,6 +69,13 @@ class SimClock:
             return self._sim0
         return self._sim0 + (time.monotonic() - self._wall0) * self.speed
 
+    def at_wall(self, wall: float) -> float:
+        """The simulated time at wall time `wall` (a past one: a request's arrival), not after
+        now nor before 0; while paused, the time the clock stands at."""
+        if self.paused:
+            return self._sim0
+        return max(0.0, min(self.now(), self._sim0 + (wall - self._wall0) * self.speed))
+
     def wall_at(self, t: float) -> float:
         """The wall time at which simulated time `t` comes (inf while paused)."""
         if self.paused:

@@ -17,10 +17,12 @@ from http import HTTPStatus
 from aiohttp import web
 
 from tui.serve.frontend import Frontend
+from tui.serve.intake import ACCEPT_BATCH, Intake
 from tui.serve.metrics import CONTENT_TYPE
 from tui.serve.protocol import APIError, parse_body, parse_generate
 
 FRONTEND = web.AppKey("frontend", Frontend)
+INTAKE = web.AppKey("intake", Intake)
 MAX_BODY = 64 * 1024 * 1024
 
 
@@ -60,7 +62,8 @@ def _client(request: web.Request) -> str:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    arrival = fe.clock.now()
+    wall = request.app[INTAKE].arrival(request.transport)  # before reading the body
+    arrival = fe.clock.now() if wall is None else fe.clock.at_wall(wall)
     spec = parse_generate(parse_body(await request.read()), chat)
     fe.check(spec)
     call = fe.submit(spec, _client(request), arrival)
@@ -129,6 +132,7 @@ async def timing(request: web.Request) -> web.Response:
 def make_app(frontend: Frontend) -> web.Application:
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app[FRONTEND] = frontend
+    app[INTAKE] = Intake()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -153,14 +157,18 @@ class Server:
         self._runner = web.AppRunner(make_app(self.frontend), handler_cancellation=True,
                                      access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        try:
-            await site.start()
+        socks: list = []
+        try:  # its own listening sockets: a deep backlog, receive times (tui/serve/intake.py)
+            socks = self._runner.app[INTAKE].listen(self.host, self.port)
+            for sock in socks:
+                await web.SockSite(self._runner, sock, backlog=ACCEPT_BATCH).start()
         except OSError:
             await self._runner.cleanup()
+            for sock in socks:
+                sock.close()
             raise
         if self.port == 0:  # an ephemeral port: learn which
-            self.port = self._runner.addresses[0][1]
+            self.port = socks[0].getsockname()[1]
         self.frontend.start()
 
     async def stop(self) -> None:
