@@ -378,6 +378,13 @@ def suite_special(r: Runner, rng):
     for bs in (1, 2, 64):
         r.decode(rng, "float16", 4, 2, 128, bs, [1, 63, 64, 65, 600], label=f"bs{bs}")
         r.prefill(rng, "float16", 4, 2, 128, bs, [(10, 63), (64, 64), (3, 65)], label=f"bs{bs}")
+    # Blocks of 1-4 tokens (a lookup per row) in every tile shape: 16- and 8-token tiles,
+    # partitions starting mid-tile, fp32 on tensor cores (8-byte V loads), head_dim 256.
+    for bs in (1, 2, 4):
+        for sn, hd in (("float16", 32), ("float16", 128), ("float32", 64)):
+            r.decode(rng, sn, 4, 2, hd, bs, [1, 5, 33, 130], split_k=True, partition_size=7,
+                     label=f"rows_bs{bs}_split")
+        r.decode(rng, "bfloat16", 2, 2, 256, bs, [3, 517], label=f"rows_bs{bs}")
     # kv heads 1 and 8.
     for kvh in (1, 8):
         r.decode(rng, "float32", 4, kvh, 64, 16, [9, 700], label=f"kvh{kvh}")
@@ -464,6 +471,12 @@ def suite_ci(r: Runner, rng):
     r.decode(rng, "float16", 2, 2, 32, 4, [1, 13, 16, 40, 517], label="ci-bs4-rows")
     r.decode(rng, "bfloat16", 4, 2, 64, 2, [1, 5, 33, 130], split_k=True, partition_size=7,
              label="ci-bs2-rows-split")
+    # ... partitions starting mid-tile at 4-token blocks (a pair's first row masked, its second
+    # not), and 8-token tiles (head_dim 128) over 4-token blocks
+    r.decode(rng, "float16", 2, 2, 32, 4, [1, 5, 33, 130], split_k=True, partition_size=7,
+             label="ci-bs4-rows-split")
+    r.decode(rng, "float16", 4, 2, 128, 4, [1, 5, 33, 130], split_k=True, partition_size=7,
+             label="ci-bs4-rows-tok8-split")
     r.decode(rng, "float32", 4, 2, 64, 64, [1, 63, 64, 65, 600], label="ci-bs64")
     # fp32 with 1 head per block runs on CUDA cores: a partial last tile (13, 517) and splits.
     r.decode(rng, "float32", 1, 2, 64, 16, [13, 517, 2], label="ci-cuda-cores")

@@ -71,6 +71,18 @@ MUTATIONS = {
     "mma_rows_v_pair_lookup_when_first_masked": (
         "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
         "const bool need = live;", ["--suite", "ci"]),
+    "mma_rows_v_pair_lookup_when_first_masked_bs4": (
+        "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
+        "const bool need = BLOCK_SIZE == 1 ? live : BLOCK_SIZE == 4 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
+        ["--suite", "ci"]),
+    # (A lookup for a masked row reads the table past the sequence's last block: the guard page
+    # after the table faults. g++ -O2 sinks the load into the `live` branch, so the UBSan build.)
+    "mma_rows_lookup_masked_rows_bs1": (
+        "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live :", "const bool need = BLOCK_SIZE == 1 ? true :",
+        ["--suite", "ci", "--variant", "ubsan"]),
+    "mma_rows_tile_pointer_assumes_16_token_tiles": (
+        "decode.cu", "return lane_tab + (unsigned)tile * (unsigned)(TOK >> LOG2_BS);",
+        "return lane_tab + (unsigned)tile * (unsigned)(16 >> LOG2_BS);", ["--suite", "ci"]),
     # fp32 on tensor cores (3xTF32): each dropped or misplaced piece must cost more accuracy
     # than the fp32 bound of cases.FP32_ACCURACY allows.
     "tf32x3_k_lo_dropped": ("decode.cu", "        F32::mma1688(acc[0], a, b_lo, acc[0]);\n", "", ["--suite", "ci"]),
