@@ -71,10 +71,12 @@ class SimClock:
 
     def at_wall(self, wall: float) -> float:
         """The simulated time at wall time `wall` (a past one: a request's arrival), not after
-        now nor before 0; while paused, the time the clock stands at."""
-        if self.paused:
+        now. Before the clock's last anchoring (a pause, a speed change, the start) it was
+        running at another rate or not at all, so such a time maps to the anchor: never
+        earlier than the true one. While paused, the time the clock stands at."""
+        if self.paused or wall <= self._wall0:
             return self._sim0
-        return max(0.0, min(self.now(), self._sim0 + (wall - self._wall0) * self.speed))
+        return min(self.now(), self._sim0 + (wall - self._wall0) * self.speed)
 
     def wall_at(self, t: float) -> float:
         """The wall time at which simulated time `t` comes (inf while paused)."""
@@ -482,7 +484,9 @@ class Frontend:
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
         for call in pending:
-            if call.abandoned:
+            # (a handler cancelled while it awaited `accepted`, its client gone at once, may not
+            # have reached `abandon` yet: its future is done, cancelled, and takes no result)
+            if call.abandoned or call.accepted.done():
                 continue
             if self.error:
                 call.accepted.set_exception(APIError(f"the engine stopped: {self.error}",

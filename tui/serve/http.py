@@ -62,9 +62,13 @@ def _client(request: web.Request) -> str:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     fe = request.app[FRONTEND]
-    wall = request.app[INTAKE].arrival(request.transport)  # before reading the body
-    arrival = fe.clock.now() if wall is None else fe.clock.at_wall(wall)
-    spec = parse_generate(parse_body(await request.read()), chat)
+    arrival = fe.clock.now()  # (the handler's start, where the kernel's time is not known)
+    body = await request.read()
+    # the receive time of the bytes that completed the body, or of later ones
+    wall = request.app[INTAKE].arrival(request.transport)
+    if wall is not None:
+        arrival = fe.clock.at_wall(wall)
+    spec = parse_generate(parse_body(body), chat)
     fe.check(spec)
     call = fe.submit(spec, _client(request), arrival)
     try:
@@ -159,7 +163,7 @@ class Server:
         await self._runner.setup()
         socks: list = []
         try:  # its own listening sockets: a deep backlog, receive times (tui/serve/intake.py)
-            socks = self._runner.app[INTAKE].listen(self.host, self.port)
+            socks = await self._runner.app[INTAKE].listen(self.host, self.port)
             for sock in socks:
                 await web.SockSite(self._runner, sock, backlog=ACCEPT_BATCH).start()
         except OSError:

@@ -15,13 +15,18 @@ caps it at net.core.somaxconn), and, on Linux, kernel receive timestamps (SO_TIM
 inherited by every accepted socket). Each accepted connection is a `_Conn`, whose reads (asyncio
 calls `recv`) are `recvmsg` calls that also return the kernel's receive time of the bytes read
 (of the last packet among them); `Intake.seen` keeps the latest per connection. A request's
-arrival is the receive time of the last bytes its connection read before its handler ran: its
-own last bytes, unless the client had already sent more (pipelined), which would only make it
-later. Where the option is missing (not Linux), the handler's start is the arrival, as before.
+arrival is the receive time of the last bytes its connection had read once its body was read:
+its own last bytes, unless the client had already sent more (pipelined), which would only make
+it later. Where the option is missing (other than Linux on x86-64, aarch64, riscv64), the
+handler's start is the arrival, as before.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import errno
+import functools
 import platform
 import socket
 import struct
@@ -36,12 +41,13 @@ ACCEPT_BATCH = 8
 # SO_TIMESTAMPNS (SO_TIMESTAMPNS_OLD): 35 in asm-generic/socket.h, which these use; Python's
 # socket module does not name it.
 _SO_TIMESTAMPNS = 35 if sys.platform == "linux" and platform.machine() in (
-    "x86_64", "aarch64", "arm64") else None
+    "x86_64", "aarch64", "arm64", "riscv64") else None
 _TIMESPEC = struct.Struct("qq")
 _ANCILLARY = socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(socket, "CMSG_SPACE") else 0
 # A stamp further back than this is not believed (the wall clock stepped between the receive
-# and the conversion): the request's handler start is used instead.
-_MAX_AGE_S = 60.0
+# and the conversion): the request's handler start is used instead. Bytes wait unread for ms,
+# not seconds, unless the server is stalled.
+_MAX_AGE_S = 10.0
 
 
 class _Listener(socket.socket):
@@ -68,15 +74,21 @@ class _Listener(socket.socket):
 class _Conn(socket.socket):
     """An accepted connection whose reads note their bytes' receive time (`Intake.seen`)."""
 
-    intake: "Intake"
+    intake: "Intake | None" = None  # (None on a `dup()`: plain reads)
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        if self.intake is None:
+            return super().recv(bufsize, flags)
         data, ancillary, _, _ = self.recvmsg(bufsize, _ANCILLARY, flags)
         self.intake.note(self.fileno(), ancillary)
         return data
 
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
-        view = memoryview(buffer)
+        if self.intake is None:
+            return super().recv_into(buffer, nbytes, flags)
+        view = memoryview(buffer).cast("B")
+        if nbytes > len(view):
+            raise ValueError("buffer too small for requested bytes")
         n, ancillary, _, _ = self.recvmsg_into([view[:nbytes] if nbytes else view], _ANCILLARY,
                                                flags)
         self.intake.note(self.fileno(), ancillary)
@@ -92,16 +104,28 @@ class Intake:
         self.seen: dict[int, float] = {}
         self.stamps = _SO_TIMESTAMPNS is not None and _ANCILLARY > 0
 
-    def listen(self, host: str | None, port: int) -> list[socket.socket]:
+    async def listen(self, host: str | None, port: int) -> list[socket.socket]:
         """Bound, not yet listening sockets for `host` (every address it resolves to; None or
         "" for all interfaces) on `port` (0: one free port, the same for every address), with
-        SO_REUSEADDR as asyncio sets it. Raises OSError (socket.gaierror included)."""
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        SO_REUSEADDR, as asyncio's `create_server` makes them (and, as it does, skipping an
+        address family this machine cannot open a socket for). Raises OSError
+        (socket.gaierror included)."""
+        # (resolved off the loop, in a thread of its own that ends here: a thread left alive
+        # in the server's process, as asyncio's default executor's would be, made the pump's
+        # send passes up to 20 ms late during a burst of new connections, measured)
+        with concurrent.futures.ThreadPoolExecutor(1) as resolver:
+            infos = await asyncio.get_running_loop().run_in_executor(
+                resolver, functools.partial(socket.getaddrinfo, host or None, port,
+                                            type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE))
         socks: list[socket.socket] = []
         try:
             for family, type_, proto, _, addr in dict.fromkeys(infos):
-                listener = _Listener(family, type_, proto)
+                try:
+                    listener = _Listener(family, type_, proto)
+                except OSError as e:
+                    if e.errno == errno.EAFNOSUPPORT and len(infos) > 1:
+                        continue  # e.g. IPv6 off in this kernel
+                    raise
                 listener.intake = self
                 socks.append(listener)
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -120,6 +144,8 @@ class Intake:
             for sock in socks:
                 sock.close()
             raise
+        if not socks:
+            raise OSError(errno.EAFNOSUPPORT, f"no address family of {host!r} can be opened")
         return socks
 
     def note(self, fd: int, ancillary) -> None:

@@ -3,6 +3,8 @@ it; and a burst of new connections is taken at once, not refused by a short acce
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import select
 import socket
@@ -111,11 +113,35 @@ def test_a_burst_of_new_connections_is_accepted_at_once():
                 sock.close()
 
 
+def _listen(host, port) -> list[socket.socket]:
+    return asyncio.run(intake.Intake().listen(host, port))
+
+
 def test_listening_on_every_address_of_a_name_takes_one_port():
-    socks = intake.Intake().listen("localhost", 0)
+    socks = _listen("", 0)  # all interfaces: IPv4 and, where the machine has it, IPv6
     try:
         assert socks
         assert len({sock.getsockname()[1] for sock in socks}) == 1
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_an_address_family_the_machine_cannot_open_is_skipped(monkeypatch):
+    """As asyncio's create_server does: a kernel with IPv6 off still serves "" on IPv4."""
+    class NoIPv6(intake._Listener):
+        def __init__(self, family=-1, *args, **kw):
+            if family == socket.AF_INET6:
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            super().__init__(family, *args, **kw)
+
+    monkeypatch.setattr(intake, "_Listener", NoIPv6)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [
+        (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::", 0, 0, 0)),
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 0))])
+    socks = _listen("", 0)
+    try:
+        assert [sock.family for sock in socks] == [socket.AF_INET]
     finally:
         for sock in socks:
             sock.close()
@@ -127,16 +153,54 @@ def test_a_taken_port_is_an_os_error_and_leaves_nothing_open():
     taken.listen()
     try:
         with pytest.raises(OSError):
-            intake.Intake().listen("127.0.0.1", taken.getsockname()[1])
+            _listen("127.0.0.1", taken.getsockname()[1])
     finally:
         taken.close()
 
 
-def test_a_wall_time_maps_to_a_simulated_time_not_after_now_nor_before_zero():
+def test_a_wall_time_maps_to_a_simulated_time_never_earlier_than_the_true_one():
     clock = SimClock(start=5.0, speed=2.0)
     now = time.monotonic()
-    assert clock.at_wall(now - 1.0) == pytest.approx(clock.now() - 2.0, abs=0.01)
-    assert clock.at_wall(now + 10.0) <= clock.now()
-    assert clock.at_wall(now - 100.0) == 0.0
+    assert clock.at_wall(now - 1.0) == 5.0  # before the clock started: its start
+    time.sleep(0.1)
+    assert clock.at_wall(now + 0.05) == pytest.approx(5.1, abs=0.02)
+    assert clock.at_wall(time.monotonic() + 10.0) <= clock.now()
+    # re-anchored (a speed change) after the bytes came: mapped to the anchor, not through
+    # the new speed back into the past
+    before = time.monotonic()
+    time.sleep(0.02)
+    clock.set(speed=4096.0)
+    assert clock.at_wall(before) == pytest.approx(clock._sim0)
     clock.set(paused=True)
-    assert clock.at_wall(now - 1.0) == clock.now()
+    assert clock.at_wall(time.monotonic() - 0.001) == clock.now()
+
+
+@needs_stamps
+def test_a_body_sent_after_its_headers_arrives_with_its_body():
+    with serving(record_timing=True) as s:
+        port = s.server.port
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                         "\r\n".encode())
+            time.sleep(0.3)
+            sent = time.monotonic()
+            sock.sendall(body)
+            rid = _response_id(sock)
+            assert abs(_arrival_wall(s, rid) - sent) < 0.05  # not the headers' time
+
+
+def test_clients_that_send_a_request_and_close_at_once_leave_the_engine_serving():
+    """aiohttp cancels such a handler while it awaits `accepted`; the pump must not then set
+    a result on the cancelled future (InvalidStateError stopped the engine)."""
+    with serving() as s:
+        port = s.server.port
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                _post(sock, port)
+        time.sleep(0.3)
+        assert s.call(lambda: s.frontend.error) is None
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            _post(sock, port)
+            assert _response_id(sock).startswith("cmpl-")
