@@ -790,7 +790,7 @@ __global__ void __launch_bounds__(DECODE_THREADS) paged_decode_mma_kernel(
             const bool live = !masked || (pos >= start && pos < end);
             if (!GROUPS && TOK > BLOCK_SIZE && (BLOCK_SIZE == 1 || !(x & 1))) {
                 // (from 2 tokens up the pair's block, if either row is in [start, end))
-                const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);
+                const bool need = live || (BLOCK_SIZE >= 2 && pos + 1 >= start && pos + 1 < end);
                 pair_blk = need ? vt[((x & 1) + 8 * (x >> 1)) >> LOG2_BS] : 0;
             }
             const raw* p =

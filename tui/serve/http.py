@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 from http import HTTPStatus
 
@@ -161,7 +162,7 @@ class Server:
         self._runner = web.AppRunner(make_app(self.frontend), handler_cancellation=True,
                                      access_log=None)
         await self._runner.setup()
-        socks: list = []
+        socks: list[socket.socket] = []
         try:  # its own listening sockets: a deep backlog, receive times (tui/serve/intake.py)
             socks = await self._runner.app[INTAKE].listen(self.host, self.port)
             for sock in socks:

@@ -69,16 +69,16 @@ MUTATIONS = {
     "mma_rows_k_second_ntile_from_first": ("decode.cu", "row_at(k_row_lane, kt[(8 * nt) >> LOG2_BS])",
                                            "row_at(k_row_lane, kt[0])", ["--suite", "ci"]),
     "mma_rows_v_pair_lookup_when_first_masked": (
-        "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
+        "decode.cu", "const bool need = live || (BLOCK_SIZE >= 2 && pos + 1 >= start && pos + 1 < end);",
         "const bool need = live;", ["--suite", "ci"]),
     "mma_rows_v_pair_lookup_when_first_masked_bs4": (
-        "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
-        "const bool need = BLOCK_SIZE == 1 ? live : BLOCK_SIZE == 4 ? live : live || !masked || (pos + 1 >= start && pos + 1 < end);",
+        "decode.cu", "const bool need = live || (BLOCK_SIZE >= 2 && pos + 1 >= start && pos + 1 < end);",
+        "const bool need = live || (BLOCK_SIZE == 2 && pos + 1 >= start && pos + 1 < end);",
         ["--suite", "ci"]),
     # (A lookup for a masked row reads the table past the sequence's last block: the guard page
     # after the table faults. g++ -O2 sinks the load into the `live` branch, so the UBSan build.)
     "mma_rows_lookup_masked_rows_bs1": (
-        "decode.cu", "const bool need = BLOCK_SIZE == 1 ? live :", "const bool need = BLOCK_SIZE == 1 ? true :",
+        "decode.cu", "const bool need = live ||", "const bool need = BLOCK_SIZE == 1 ||",
         ["--suite", "ci", "--variant", "ubsan"]),
     "mma_rows_tile_pointer_assumes_16_token_tiles": (
         "decode.cu", "return lane_tab + (unsigned)tile * (unsigned)(TOK >> LOG2_BS);",

@@ -20,11 +20,17 @@ needs_stamps = pytest.mark.skipif(not intake.Intake().stamps,
                                   reason="no kernel receive timestamps (SO_TIMESTAMPNS) here")
 
 
-def _post(sock: socket.socket, port: int, max_tokens: int = 2) -> None:
+def _request(port: int, max_tokens: int = 2) -> tuple[bytes, bytes]:
+    """A completion request's head and body."""
     body = json.dumps({"prompt": "hi", "max_tokens": max_tokens}).encode()
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-                 .encode() + body)
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            .encode(), body)
+
+
+def _post(sock: socket.socket, port: int, max_tokens: int = 2) -> None:
+    head, body = _request(port, max_tokens)
+    sock.sendall(head + body)
 
 
 def _response_id(sock: socket.socket) -> str:
@@ -179,11 +185,9 @@ def test_a_wall_time_maps_to_a_simulated_time_never_earlier_than_the_true_one():
 def test_a_body_sent_after_its_headers_arrives_with_its_body():
     with serving(record_timing=True) as s:
         port = s.server.port
-        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+        head, body = _request(port)
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                         "\r\n".encode())
+            sock.sendall(head)
             time.sleep(0.3)
             sent = time.monotonic()
             sock.sendall(body)
