@@ -4,8 +4,10 @@ CuPy is imported on first use, never at module import, so this module (and its s
 which the tests use to compile the kernels with nvcc) loads on a machine without CUDA.
 
 Kernels are templates instantiated per (storage, head_dim, block_size): `name_expressions` lists
-them, and one RawModule per triple is compiled the first time it is needed (CuPy caches the
-binary on disk). block_size must be a power of two (BLOCK_SIZES): the decode kernel's position
+them, and one RawModule per triple is compiled the first time a kernel of it is needed, once per
+process (CuPy does not read its on-disk cache for modules with `name_expressions`, so a new process
+compiles again: about 1-4 s a module). A compile that fails is not tried again: later calls raise
+the same `KernelError` at once. block_size must be a power of two (BLOCK_SIZES): the decode kernel's position
 arithmetic is a shift and a mask.
 Every launch goes through `_launch`, which checks the grid against CUDA's limits and turns a
 launch failure into a `KernelError` naming the kernel; with `set_sync_check(True)` (or
@@ -27,6 +29,8 @@ from .errors import BackendUnavailable, KernelError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 KERNEL_FILES = ("decode.cu", "prefill.cu", "write_kv.cu")
+TIMING_FILE = "timing.cu"  # the spin kernel timed benchmarks queue ahead of a round (its own module)
+SPIN_KERNEL = "servesim_spin"
 HEAD_DIMS = (32, 64, 128, 256)
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Query heads one decode block serves; the largest that divides the GQA group is used.
@@ -52,6 +56,8 @@ _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 _sync_check = os.environ.get("SERVESIM_CUDA_SYNC", "") == "1"
 _modules: dict[tuple, object] = {}
+_functions: dict[tuple, object] = {}  # (module key, kernel name) -> the compiled kernel
+_compile_errors: dict[tuple, str] = {}  # module key -> why it did not compile
 _device_info: dict[str, int] = {}
 
 
@@ -64,8 +70,8 @@ def set_sync_check(enabled: bool) -> None:
 def kernel_source() -> str:
     """Returns the kernels as one self-contained CUDA source (local includes inlined).
 
-    Inlining, rather than passing an include path to NVRTC, keeps CuPy's on-disk cache honest:
-    its key is the source text, which then covers the headers too.
+    Inlining, rather than passing an include path to NVRTC, makes the source text the whole
+    input: nothing the compile reads can differ from what a cache keyed by the text saw.
     """
 
     def inline(text: str) -> str:
@@ -118,21 +124,36 @@ def _cupy():
     return cupy
 
 
-def _module(key: tuple[str, int]):
+def _module(key: tuple[str, int, int]):
     module = _modules.get(key)
     if module is None:
         cp = _cupy()
-        names = write_kv_name_expressions() if key[0] == "write_kv" else name_expressions(*key)
-        module = cp.RawModule(code=kernel_source(), name_expressions=names)
+        if key[0] == "spin":
+            code, names = (KERNEL_DIR / TIMING_FILE).read_text(), [SPIN_KERNEL]
+        else:
+            code = kernel_source()
+            names = write_kv_name_expressions() if key[0] == "write_kv" else name_expressions(*key)
+        module = cp.RawModule(code=code, name_expressions=names)
         _modules[key] = module
     return module
 
 
-def _kernel(key: tuple[str, int], name: str):
+def _kernel(key: tuple[str, int, int], name: str):
+    """The compiled kernel `name` of module `key`, looked up once (a `get_function` call builds a
+    new kernel object each time). A module that failed to compile raises at once: CuPy keeps
+    no record of a failure and would compile the whole source again on every call."""
+    function = _functions.get((key, name))
+    if function is not None:
+        return function
+    if key in _compile_errors:
+        raise KernelError(f"{name}: compile failed (earlier in this process): {_compile_errors[key]}")
     try:
-        return _module(key).get_function(name)
+        function = _module(key).get_function(name)
     except Exception as exc:  # NVRTC compile errors surface here, with the log in the message
+        _compile_errors[key] = f"{type(exc).__name__}: {exc}"
         raise KernelError(f"{name}: compile failed: {exc}") from exc
+    _functions[(key, name)] = function
+    return function
 
 
 def _launch(kernel, name: str, grid: tuple[int, int, int], block: int, args: tuple) -> None:
@@ -149,6 +170,13 @@ def _launch(kernel, name: str, grid: tuple[int, int, int], block: int, args: tup
             _cupy().cuda.get_current_stream().synchronize()
         except Exception as exc:
             raise KernelError(f"{name} grid={grid} block={block}: faulted: {exc}") from exc
+
+
+def spin(seconds: float) -> None:
+    """Queues a kernel that keeps the device busy for `seconds` (kernels/timing.cu): launches
+    queued behind it start back to back once it ends, however slowly the host queued them."""
+    ns = np.uint64(max(0, int(seconds * 1e9)))
+    _launch(_kernel(("spin", 0, 0), SPIN_KERNEL), SPIN_KERNEL, (1, 1, 1), 1, (ns,))
 
 
 def _num_sms() -> int:
@@ -195,6 +223,14 @@ def _attention_inputs(cp, q, k_cache, v_cache, block_tables):
     if q.data.ptr % 16:  # the kernels read q rows as 16-byte vectors
         q = q.copy()
     return q, _device(cp, block_tables, cp.int32), storage_of(k_cache).name
+
+
+def decode_tiles(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """(query heads per decode thread block, thread blocks per kv head): the largest of
+    HEADS_PER_BLOCK that divides the GQA group, and the group's count of them."""
+    group = num_heads // num_kv_heads
+    per_block = next(g for g in HEADS_PER_BLOCK if group % g == 0)
+    return per_block, group // per_block
 
 
 def split_plan(max_seq_len: int, num_kv_heads: int, tiles_per_kv: int, *, split_k=None,
@@ -244,9 +280,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale=No
     elif _sync_check and int(seq_lens.max()) > max_seq_len:
         raise ValueError(f"max_seq_len {max_seq_len} is below the longest sequence ({int(seq_lens.max())})")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    group = num_heads // num_kv_heads
-    per_block = next(g for g in HEADS_PER_BLOCK if group % g == 0)
-    tiles = group // per_block
+    per_block, tiles = decode_tiles(num_heads, num_kv_heads)
     num_splits, target, min_part, granule = split_plan(max_seq_len, num_kv_heads, tiles, split_k=split_k,
                                                        partition_size=partition_size)
     if num_splits > 1:

@@ -102,5 +102,12 @@ def test_selfcheck_runs_with_only_numpy_and_cupy(tmp_path):
     models = report["decode_timings"]["models"]
     assert [m["model"] for m in models] == ["tiny-gqa4", "tiny-gqa8"]
     assert all(r["paged_gbps"] > 0 and r["max_rel_error_vs_dense"] < 1e-2 for m in models for r in m["rows"])
+    # Rounds queued behind the spin kernel (kernels/timing.cu), and small shapes timed over
+    # several K/V sets (the fake device's L2 is 64 KiB): both went through the emulated device.
+    assert "spin kernel" in report["decode_timings"]["timing_method"]
+    assert "no spin" not in report["decode_timings"]["timing_method"]
+    sets = [r["kv_sets"] for m in models for r in m["rows"]]
+    assert max(sets) > 1 and min(sets) == 1, sets
+    assert report["passed"] and all(s["status"] == "ok" for s in report["sections"].values())
     (tokens,) = report["token_identity"]
     assert all(req["batched_equals_alone"] for req in tokens["requests"]), tokens

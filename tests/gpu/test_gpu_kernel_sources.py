@@ -45,6 +45,19 @@ def test_kernels_compile_with_nvcc(tmp_path: Path, arch: str):
     assert entries == len(names)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_spin_kernel_compiles_with_nvcc(tmp_path: Path):
+    # The self-check's timing queues it ahead of each round (kernels/timing.cu, its own module).
+    source = tmp_path / "timing.cu"
+    source.write_text((cupy_backend.KERNEL_DIR / cupy_backend.TIMING_FILE).read_text())
+    ptx = tmp_path / "timing.ptx"
+    result = subprocess.run(["nvcc", "--ptx", "-arch=sm_90", str(source), "-o", str(ptx)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    text = ptx.read_text()
+    assert f".entry {cupy_backend.SPIN_KERNEL}(" in text and "%globaltimer" in text
+
+
 def find_libnvrtc() -> str | None:
     candidates = [os.environ.get("SERVESIM_NVRTC"), ctypes.util.find_library("nvrtc")]
     try:
@@ -62,9 +75,9 @@ def find_libnvrtc() -> str | None:
 def test_kernels_compile_with_nvrtc_name_expressions(storage_name):
     lib = ctypes.CDLL(find_libnvrtc())
 
-    def compile_module(names: list[str]) -> tuple[int, str]:
+    def compile_module(names: list[str], code: str | None = None) -> tuple[int, str]:
         prog = ctypes.c_void_p()
-        source = cupy_backend.kernel_source().encode()
+        source = (code or cupy_backend.kernel_source()).encode()
         assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"servesim.cu", 0, None, None) == 0
         for name in names:
             assert lib.nvrtcAddNameExpression(prog, name.encode()) == 0
@@ -86,4 +99,7 @@ def test_kernels_compile_with_nvrtc_name_expressions(storage_name):
         status, log = compile_module(cupy_backend.name_expressions(storage_name, head_dim))
         assert status == 0, log
     status, log = compile_module(cupy_backend.write_kv_name_expressions())
+    assert status == 0, log
+    status, log = compile_module([cupy_backend.SPIN_KERNEL],
+                                 (cupy_backend.KERNEL_DIR / cupy_backend.TIMING_FILE).read_text())
     assert status == 0, log

@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include <type_traits>
 #include <utility>
@@ -280,6 +281,13 @@ inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) 
     unsigned int r = 0;
     for (int i = 0; i < 4; ++i) r |= (unsigned int)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
     return r;
+}
+
+// %globaltimer (ns): the host's monotonic clock.
+inline unsigned long long __emu_global_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
 }
 
 // CUDA's overloaded device min / max (no std::min in device code).

@@ -284,11 +284,13 @@ class FakeCupy:
     int32, int64, uint16, uint32 = np.int32, np.int64, np.uint16, np.uint32
     ndarray = DeviceArray
     __name__ = "cupy"
+    __version__ = "emulator"
 
     def __init__(self, emu: Emulator, num_sms: int = 8):
         self.emu = emu
         stream = SimpleNamespace(synchronize=lambda: None)
-        props = {"name": b"CPU emulator (servesim tests)", "multiProcessorCount": num_sms}
+        # A small "L2" so that the self-check's cold-cache rotation is exercised at tiny shapes.
+        props = {"name": b"CPU emulator (servesim tests)", "multiProcessorCount": num_sms, "l2CacheSize": 1 << 16}
         runtime = SimpleNamespace(getDeviceCount=lambda: 1, getDeviceProperties=lambda i: dict(props))
         self.cuda = SimpleNamespace(get_current_stream=lambda: stream, Event=_Event, runtime=runtime,
                                     Device=lambda *a: SimpleNamespace(id=0),
@@ -377,7 +379,6 @@ def install(cupy_backend, emu: Emulator, num_sms: int = 8) -> FakeCupy:
     """Points cupy_backend at a FakeCupy over `emu` (and forgets modules compiled before)."""
     fake = FakeCupy(emu, num_sms)
     cupy_backend._cupy = lambda: fake
-    cupy_backend._modules.clear()
-    if hasattr(cupy_backend, "_device_info"):
-        cupy_backend._device_info.clear()
+    for cache in ("_modules", "_functions", "_compile_errors", "_device_info"):
+        getattr(cupy_backend, cache, {}).clear()
     return fake
