@@ -40,6 +40,7 @@ import numpy as np
 
 from sim import presets
 from sim.errors import ServesimError
+from sim.fileio import read_input_text, reason
 from sim.fit import least_squares, nelder_mead
 
 UNITS = {"time_s": 1.0, "time_ms": 1e-3, "time_us": 1e-6}
@@ -84,9 +85,9 @@ def _number(path, line, field, text) -> float:
 def read_kernel_csv(path: Path) -> list[Row]:
     """The rows of a kernel-timing CSV (module docstring). Raises MeasurementError."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        text = read_input_text(path, encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
-        raise MeasurementError(f"{path}: cannot read: {e}") from None
+        raise MeasurementError(f"{path}: cannot read: {reason(e)}") from None
     reader = csv.DictReader(text.splitlines())
     header = [h.strip() for h in reader.fieldnames or []]
     if "kind" not in header:
@@ -299,9 +300,11 @@ class BenchRun:
 def read_bench_json(path: Path) -> BenchRun:
     """The successful requests of a `vllm bench serve` result file. Raises MeasurementError."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_input_text(path))
     except (OSError, UnicodeDecodeError) as e:
-        raise MeasurementError(f"{path}: cannot read: {e}") from None
+        raise MeasurementError(f"{path}: cannot read: {reason(e)}") from None
+    except RecursionError:
+        raise MeasurementError(f"{path}: not valid JSON: nested too deeply") from None
     except json.JSONDecodeError as e:
         raise MeasurementError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
     if not isinstance(data, dict):

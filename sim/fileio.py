@@ -1,4 +1,8 @@
-"""Writing output files safely: never half-written, never replacing what is not a plain file.
+"""Reading input files without hanging, and writing output files safely: never half-written,
+never replacing what is not a plain file.
+
+An input may be a FIFO or a pipe (`--set workload.trace=<(zcat trace.csv.gz)`), but one that no
+process writes to is refused after FIFO_WAIT_S instead of waiting forever (`open_input`).
 
 A regular file (or a new one) is written to a temporary file beside it and renamed into place,
 so an interrupted write (an error, Ctrl-C, SIGTERM) leaves the old file, or none, and no
@@ -9,6 +13,7 @@ whatever stdout is) is written through in place, never replaced by a file.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import sys
@@ -17,6 +22,50 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sim.errors import ServesimError
+
+# How long an input FIFO may stay silent (no writer, or a writer that writes nothing) before
+# it is refused.
+FIFO_WAIT_S = 10.0
+
+
+def open_input(path, wait_s: float | None = None):
+    """`path` opened for reading in binary. A FIFO is opened without blocking and waited on for
+    at most `wait_s` (FIFO_WAIT_S) until it has data or its writer closes it; past that an
+    OSError (ETIMEDOUT) says so. Anything else opens as open() does (raising as it does)."""
+    try:
+        is_fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        is_fifo = False  # open() raises the right error below
+    if not is_fifo:
+        return open(path, "rb")
+    import select
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        wait = FIFO_WAIT_S if wait_s is None else wait_s
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            raise OSError(errno.ETIMEDOUT, f"a FIFO that nothing wrote to for {wait:g} s")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def reason(e: Exception) -> str:
+    """An exception as the end of a one-line message: an OSError's text without "[Errno N]"."""
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def read_input_text(path, encoding: str = "utf-8", limit: int = 1 << 30) -> str:
+    """The whole text of an input file, opened with `open_input`; an OSError (EFBIG) past
+    `limit` bytes (a device such as /dev/zero never ends)."""
+    with open_input(path) as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB")
+    return data.decode(encoding)
 
 
 def _stat(path) -> os.stat_result | None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from sim import presets
 from sim.errors import ScenarioError
+from sim.fileio import read_input_text, reason
 from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_deployment
 
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "scenarios"
@@ -192,7 +193,8 @@ class WorkloadConfig:
     arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace", "batch"],
                       doc="batch: all num_requests at t = 0 (a fixed batch, offline runs)")
     rate: float = _f(1.0, gt=0, doc="requests per second")
-    cv: float = _f(1.0, gt=0, max=100, doc="gamma: coefficient of variation of inter-arrival times")
+    # (below 1e-3 the gamma's shape 1/cv^2 overflows toward infinity: use arrival = "constant")
+    cv: float = _f(1.0, min=1e-3, max=100, doc="gamma: coefficient of variation of inter-arrival times")
     trace: str = _f("", doc="trace file (Azure CSV, Mooncake JSONL, length-pairs CSV)")
     time_scale: float = _f(1.0, gt=0, doc="trace timestamps are multiplied by this")
     repeat: int = _f(1, min=1, max=100_000,
@@ -298,12 +300,21 @@ class Scenario:
 
 
 # --- loading -------------------------------------------------------------------------------------
+def toml_loads(text: str) -> dict:
+    """tomllib.loads, with a value nested too deeply for its recursive parser (thousands of
+    brackets) reported as a TOMLDecodeError like any other invalid TOML, not a RecursionError."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise tomllib.TOMLDecodeError("a value nested too deeply") from None
+
+
 def bundled_scenarios() -> list[tuple[str, str]]:
     """(name, description) of every scenario bundled in `scenarios/`."""
     out = []
     for p in sorted(BUNDLED_DIR.glob("*.toml")):
         try:
-            desc = tomllib.loads(p.read_text()).get("description", "")
+            desc = toml_loads(p.read_text()).get("description", "")
         except (OSError, tomllib.TOMLDecodeError):
             desc = "(unreadable)"
         out.append((p.stem, str(desc).strip().splitlines()[0] if desc else ""))
@@ -332,11 +343,11 @@ def load_scenario(spec: str | None = None, overrides: list[str] | None = None) -
         if path.stat().st_size > MAX_SCENARIO_BYTES:  # (not read into memory first)
             raise ScenarioError(f"{path}: larger than {MAX_SCENARIO_BYTES >> 20} MiB, not a "
                                 "scenario file")
-        raw = tomllib.loads(path.read_text())
+        raw = toml_loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path}: not valid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"{path}: cannot read: {e}") from None
+        raise ScenarioError(f"{path}: cannot read: {reason(e)}") from None
     for o in overrides or []:
         apply_override(raw, o, str(path))
     return scenario_from_dict(raw, source=str(path), base_dir=path.resolve().parent)
@@ -351,7 +362,7 @@ def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
     if not parts:
         raise ScenarioError(f"{source}: {text!r}: empty key")
     try:
-        parsed = tomllib.loads(f"v = {value.strip()}")["v"]
+        parsed = toml_loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         parsed = value.strip()
     return parts, parsed
@@ -575,9 +586,9 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
     if not path.is_absolute():
         path = base_dir / path
     try:
-        table = tomllib.loads(path.read_text()).get("engine")
+        table = toml_loads(read_input_text(path, limit=MAX_SCENARIO_BYTES)).get("engine")
     except (OSError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"{where} = {name!r}: cannot read {path}: {e}") from None
+        raise ScenarioError(f"{where} = {name!r}: cannot read {path}: {reason(e)}") from None
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path}: not valid TOML: {e}") from None
     if not isinstance(table, dict):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ServesimError
+from sim.fileio import read_input_text, reason
 
 
 class ValidationError(ServesimError):
@@ -195,9 +196,9 @@ def load_points(spec: str | Path) -> list[Point]:
     field of the first bad row."""
     path = points_file(spec)
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        text = read_input_text(path, encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
-        raise ValidationError(f"{path}: cannot read: {e}") from None
+        raise ValidationError(f"{path}: cannot read: {reason(e)}") from None
     reader = csv.DictReader(text.splitlines())
     header = [h.strip() for h in (reader.fieldnames or [])]
     missing = [c for c in REQUIRED if c not in header]
@@ -246,11 +247,11 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     names one; else the profile its engine column maps to. Raises ServesimError."""
     import tomllib
 
-    from sim.scenario import load_scenario
+    from sim.scenario import load_scenario, toml_loads
 
     sets = list(overrides or [])
     try:
-        raw = tomllib.loads(point.scenario_path.read_text())
+        raw = toml_loads(point.scenario_path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         raw = {}  # load_scenario reports it
     named = isinstance(raw.get("engine"), dict) and "preset" in raw["engine"]

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ScenarioError, TraceError
+from sim.fileio import open_input
 from sim.limits import (BYTES_PER_REQUEST, BYTES_PER_STEP, INT64_MAX, MAX_TIME_S, MAX_TOKENS,
                         check_memory)
 
@@ -109,7 +110,7 @@ def _read_text(path: Path) -> str:
         if not stat.S_ISREG(path.stat().st_mode) and not stat.S_ISFIFO(path.stat().st_mode):
             raise TraceError(f"{path}: not a regular file (a device?), not a trace file")
         chunks, size = [], 0
-        with open(path, "rb") as fh:
+        with open_input(path) as fh:
             while chunk := fh.read(1 << 20):
                 if b"\0" in chunk:  # a binary file (or /dev/zero): stop at once
                     data = b"".join(chunks) + chunk
@@ -407,10 +408,30 @@ def repeat_trace(arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray,
     period being the span from first to last arrival plus the mean gap between arrivals (1 s
     for a trace of one request), so the copies keep the trace's own rate across the seams."""
     n = len(arrival)
-    span = float(arrival[-1] - arrival[0]) if n else 0.0
-    period = span + span / (n - 1) if n > 1 else 1.0
-    shifts = np.repeat(np.arange(times, dtype=np.float64) * period, n)
+    shifts = np.repeat(np.arange(times, dtype=np.float64) * trace_period(arrival), n)
     return np.tile(arrival, times) + shifts, np.tile(prompt, times), np.tile(output, times)
+
+
+def trace_period(arrival: np.ndarray) -> float:
+    """How much later each copy of a sorted trace starts when it is repeated (repeat_trace)."""
+    n = len(arrival)
+    span = float(arrival[-1] - arrival[0]) if n else 0.0
+    return span + span / (n - 1) if n > 1 else 1.0
+
+
+def _copies_needed(w, arrival: np.ndarray) -> int:
+    """How many of the `workload.repeat` copies of a sorted trace can hold a request that
+    `num_requests` and `duration_s` keep: only those are made."""
+    n, times = len(arrival), w.repeat
+    if not n:
+        return 1
+    if w.num_requests:
+        times = min(times, -(-w.num_requests // n))
+    if w.duration_s:
+        period = trace_period(arrival)  # (0 when every request arrives at once)
+        if period > 0:
+            times = min(times, max(1, math.floor((w.duration_s - float(arrival[0])) / period) + 1))
+    return times
 
 
 def build_workload(scenario) -> Workload:
@@ -431,8 +452,12 @@ def build_workload(scenario) -> Workload:
             hashes = [trace.hash_ids[i] for i in order]
             hash_block = trace.hash_block_size
         if w.repeat > 1:
-            arrival, prompt, output = repeat_trace(arrival, prompt, output, w.repeat)
-            hashes = None if hashes is None else hashes * w.repeat
+            times = _copies_needed(w, arrival)
+            check_memory(f"{scenario.source}: workload.repeat = {w.repeat:,}",
+                         times * len(arrival) * BYTES_PER_REQUEST,
+                         f" for {times:,} copies of the trace's {len(arrival):,} requests")
+            arrival, prompt, output = repeat_trace(arrival, prompt, output, times)
+            hashes = None if hashes is None else hashes * times
         keep = np.ones(len(arrival), dtype=bool)
         if w.duration_s:
             keep &= arrival < w.duration_s

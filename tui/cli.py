@@ -404,18 +404,18 @@ def cmd_sweep(args) -> int:
     if args.slo:
         overrides += sweep.slo_overrides(args.slo)
     _check_writable(args.output, "-o")  # before the sweep, not after it
-    from sim.scenario import find_scenario
-
-    _not_an_input(args.output, "-o", [str(find_scenario(args.scenario))])
     if args.plot:
         from tui import plot
 
         plot.check_output(args.plot)
         _check_writable(args.plot, "--plot")
-        _not_an_input(args.plot, "--plot", [str(find_scenario(args.scenario))])
     seeds = range(args.seeds) if args.seeds is not None else None  # (checked before listed)
     plan = sweep.plan(args.scenario, sweep.parse_grid(args.grid), seeds=seeds,
                       overrides=overrides)
+    # Every file a grid point reads (its scenario, trace and length files) stays as it is.
+    inputs = list(dict.fromkeys(f for point in plan.points for f in _scenario_inputs(point.scenario)))
+    _not_an_input(args.output, "-o", inputs)
+    _not_an_input(args.plot, "--plot", inputs)
     bar = sweep.ProgressBar(sys.stderr) if args.progress or sys.stderr.isatty() else None
     try:
         with sweep.Runner(args.workers, args.ray) as runner:
@@ -536,6 +536,7 @@ def cmd_calibrate(args) -> int:
         raise ScenarioError(f"{path}: no such measurement file")
     sc = _scenario(args)
     _check_writable(args.output, "-o")
+    _not_an_input(args.output, "-o", [str(path), *_scenario_inputs(sc)])
     fit = calibrate(path, sc)
     text = preset_toml(fit, sc, path)
     err = fit.errors()

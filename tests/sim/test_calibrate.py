@@ -211,3 +211,15 @@ def test_bad_bench_files_are_one_line_and_exit_2(tmp_path, capsys):
     p.write_text("{ not json")
     assert main(["calibrate", str(p)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_calibrate_never_writes_over_what_it_reads(tmp_path, capsys):
+    path = kernel_csv(tmp_path)
+    scenario = tmp_path / "mine.toml"
+    scenario.write_text('name = "mine"\n[workload]\nrate = 2\nduration_s = 10\n')
+    before = path.read_bytes(), scenario.read_bytes()
+    for out in (path, scenario):
+        assert main(["calibrate", str(path), "--scenario", str(scenario), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"-o {out}: is " in err and "which this command reads" in err and err.count("\n") == 1
+    assert (path.read_bytes(), scenario.read_bytes()) == before

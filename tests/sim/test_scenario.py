@@ -279,3 +279,11 @@ def test_engine_profile_from_a_calibrated_file(tmp_path):
     (tmp_path / "mine.toml").write_text('[engine]\npreset = "nope"\n')
     with pytest.raises(ScenarioError, match="must name a built-in engine"):
         load_scenario(path)
+
+
+def test_a_scenario_nested_too_deeply_is_one_line(tmp_path):
+    # tomllib's parser recurses: 1,000 nested arrays were a RecursionError with a long traceback
+    p = tmp_path / "deep.toml"
+    p.write_text("a = " + "[" * 1000 + "]" * 1000 + "\n")
+    with pytest.raises(ScenarioError, match=r"deep.toml: not valid TOML: a value nested too deeply"):
+        load_scenario(str(p))

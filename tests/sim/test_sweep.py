@@ -227,3 +227,19 @@ def test_an_interrupted_sweep_stops_at_once_and_leaves_no_worker(sig):
     assert took < 5, took  # (about 0.3 s on the development machine; it took 24 s before)
     assert p.returncode == {"SIGINT": 130, "SIGTERM": 143, "SIGKILL": -9}[sig], (p.returncode, err)
     assert "Traceback" not in err, err
+
+
+def test_sweep_never_writes_over_a_file_its_scenario_reads(tmp_path, capsys):
+    from tui.cli import main
+
+    lengths = tmp_path / "lengths.svg"  # (a name --plot takes too)
+    lengths.write_text("num_prefill_tokens,num_decode_tokens\n100,20\n300,40\n")
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('name = "s"\n[workload]\nrate = 2\nduration_s = 2\n'
+                        'prompt_tokens = {dist = "empirical", file = "lengths.svg", column = "num_prefill_tokens"}\n')
+    before = lengths.read_bytes()
+    for flag in ("-o", "--plot"):
+        assert main(["sweep", str(scenario), "--workers", "1", flag, str(lengths)]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {lengths}: is " in err and "which this command reads" in err and err.count("\n") == 1
+    assert lengths.read_bytes() == before

@@ -1,6 +1,11 @@
+import os
+import threading
+import time
+
 import numpy as np
 import pytest
 
+from sim.errors import ScenarioError, TraceError
 from sim.scenario import load_scenario
 from sim.workload import build_workload, read_trace
 from sim.scenario import BUNDLED_DIR
@@ -176,3 +181,33 @@ def test_a_directory_or_a_device_is_not_a_trace(tmp_path):
     t.write_text('name="t"\n[workload]\narrival="trace"\ntrace="."\n')
     with pytest.raises(TraceError, match="is a directory"):
         build_workload(load_scenario(str(t)))
+
+
+def test_repeat_makes_only_the_copies_that_the_cut_keeps():
+    # repeat = 100,000 of a 19k-request trace would be ~2 billion rows made before the cut
+    # (minutes, then the OOM killer); only the copies num_requests / duration_s keep are made.
+    many = build_workload(load_scenario("azure-conv", ["workload.repeat=100000", "workload.num_requests=50"]))
+    few = build_workload(load_scenario("azure-conv", ["workload.repeat=2", "workload.num_requests=50"]))
+    assert len(many) == 50 and np.array_equal(many.arrival, few.arrival) and np.array_equal(many.prompt, few.prompt)
+    hour = build_workload(load_scenario("azure-conv", ["workload.repeat=100000", "workload.duration_s=7200"]))
+    two = build_workload(load_scenario("azure-conv", ["workload.repeat=3", "workload.duration_s=7200"]))
+    assert np.array_equal(hour.arrival, two.arrival) and len(hour) > len(build_workload(load_scenario("azure-conv")))
+    with pytest.raises(ScenarioError, match=r"workload.repeat = 100,000: needs about .* GB of memory"):
+        build_workload(load_scenario("azure-conv", ["workload.repeat=100000"]))
+
+
+def test_a_trace_from_a_fifo_is_read_and_a_silent_fifo_refused(tmp_path, monkeypatch):
+    from sim import fileio
+
+    fifo = tmp_path / "trace.csv"
+    os.mkfifo(fifo)
+    p = tmp_path / "m.toml"
+    p.write_text('name="m"\n[workload]\narrival="trace"\ntrace="trace.csv"\n')
+    monkeypatch.setattr(fileio, "FIFO_WAIT_S", 0.3)
+    with pytest.raises(TraceError, match="trace.csv: cannot read: a FIFO that nothing wrote to for 0.3 s"):
+        build_workload(load_scenario(str(p)))
+    writer = threading.Thread(target=lambda: (time.sleep(0.1), fifo.write_text(AZURE_HEAD)))
+    writer.start()
+    w = build_workload(load_scenario(str(p)))  # a writer that comes a little later
+    writer.join()
+    assert len(w) == 1 and w.prompt[0] == 374

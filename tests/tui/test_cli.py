@@ -66,6 +66,12 @@ def test_scenarios_lists_bundled(capsys):
     (["sim", "chat", "--set", "novalue"], "expected SECTION.KEY=VALUE"),
     (["sim", "chat", "--set", "workload.prompt_tokens=200000"], "max_model_len = 131072"),
     (["sim", "chat", "--log", "/nonexistent/dir/x.msgpack"], "does not exist"),
+    # a gamma's shape 1/cv^2 overflows below that (it was a ZeroDivisionError)
+    (["sim", "chat", "--set", 'workload.arrival="gamma"', "--set", "workload.cv=1e-300"],
+     "workload.cv = 1e-300: must be at least 0.001"),
+    # tomllib's parser recurses: thousands of brackets were a RecursionError (a value that
+    # does not parse as TOML is taken as a string)
+    (["sim", "chat", "--set", "workload.rate=" + "[" * 3000 + "]" * 3000], "expected a number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
