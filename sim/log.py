@@ -45,7 +45,7 @@ import numpy as np
 
 from sim import events as ev
 from sim.errors import LogError, ServesimError
-from sim.fileio import atomic_open
+from sim.fileio import atomic_open, open_input
 from sim.gcpause import paused_gc
 from sim.limits import INT64_MAX, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
 
@@ -65,7 +65,8 @@ FIELDS = {code: [f.name for f in fields(cls)] for code, cls in CODE_CLASS.items(
 _ARRAY_FIELDS = ("ends", "durs")  # stored as little-endian float64 bytes
 _LEN = {code: len(names) + 1 for code, names in FIELDS.items()}
 _ACTION_CODE, _STEPS_CODE = KIND_CODE["action"], KIND_CODE["steps"]
-_ACTED_ON = {_ACTION_CODE, KIND_CODE["stream"]}
+_STREAM_CODE = KIND_CODE["stream"]
+_ACTED_ON = {_ACTION_CODE, _STREAM_CODE}
 
 
 # --- events <-> records --------------------------------------------------------------------------
@@ -203,6 +204,9 @@ def check_record(rec) -> None:
         if not ok(v):
             raise ValueError(f"{CODE_CLASS[rec[0]].kind} field {name} = {_shown(v)}: "
                              "of the wrong type or out of range")
+    if rec[0] == _STEPS_CODE and rec[8] is not None and len(rec[8]) != len(rec[3]):
+        raise ValueError(f"steps field durs: {len(rec[8]) // 8} durations, expected one for "
+                         f"each of its {len(rec[3]) // 8} steps")
 
 
 # --- writing -------------------------------------------------------------------------------------
@@ -316,8 +320,35 @@ class SessionLog:
         )
 
 
+# The header's fields (`cluster` only since format 2, for a deployment of several instances).
+_HEADER_KEYS = ("magic", "format", "servesim", "scenario", "seed", "policy", "compute", "clock",
+                "workload")
+_MISSING = object()
+
+
+def _schema(section: str | None, name: str):
+    """The scenario loader's own default and choices for a field (section None: top level)."""
+    from dataclasses import MISSING
+    from sim.scenario import SECTIONS, Scenario
+
+    f = next(f for f in fields(SECTIONS[section] if section else Scenario) if f.name == name)
+    default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    return default, f.metadata.get("choices")
+
+
+def _scenario_value(scenario: dict, section: str | None, name: str):
+    """What loading the header's scenario makes of a field: its value, or the default when it
+    is absent; _MISSING when its section is not a table (the loader refuses that itself)."""
+    table = scenario if section is None else scenario.get(section, {})
+    if type(table) is not dict:
+        return _MISSING
+    return table.get(name, _schema(section, name)[0])
+
+
 def _check_header(path: str, header) -> None:
-    """Every field of the header by type and range; the workload's columns by length and
+    """Every field of the header: its presence, type and allowed values (the policies, routers,
+    roles and clocks the engine knows), and its agreement with the rest of the header (the
+    scenario's seed, compute table and deployment); the workload's columns by length and
     value. Raises LogError naming the field."""
     if not isinstance(header, dict) or header.get("magic") != MAGIC:
         raise LogError(f"{path}: not a servesim session log (no header at byte 0)")
@@ -329,39 +360,137 @@ def _check_header(path: str, header) -> None:
                        "upgrade servesim")
     if fmt < 1:
         raise LogError(f"{path}: header: format = {fmt}: no such log format")
-    for key in ("scenario", "policy", "workload", "clock"):
+    for key in _HEADER_KEYS:
         if key not in header:
             raise LogError(f"{path}: header lacks {key!r}")
+    for key in header:
+        if key not in _HEADER_KEYS and not (key == "cluster" and fmt >= 2):
+            raise LogError(f"{path}: header: unknown field {_shown(key, 60)}"
+                           + (" (format 1 has no deployments)" if key == "cluster" else ""))
     from sim.policies import POLICIES
     from sim.scenario import DEPLOYMENT_POLICIES
 
-    def bad(key, why):
-        raise LogError(f"{path}: header: {key} = {_shown(header.get(key), 60)}: {why}")
+    def bad(key, why, value=_MISSING):
+        value = header.get(key) if value is _MISSING else value
+        raise LogError(f"{path}: header: {key} = {_shown(value, 60)}: {why}")
 
-    if header["policy"] not in (*POLICIES, *DEPLOYMENT_POLICIES):
+    policy = header["policy"]
+    if type(policy) is not str or policy not in (*POLICIES, *DEPLOYMENT_POLICIES):
         bad("policy", "not a policy")
-    if header["clock"] not in ("modeled", "measured"):
-        bad("clock", "expected 'modeled' or 'measured'")
+    _, clocks = _schema("compute", "clock")
+    if type(header["clock"]) is not str or header["clock"] not in clocks:
+        bad("clock", f"expected {' or '.join(map(repr, clocks))}")
     for key in ("scenario", "compute"):
-        if key in header and not (type(header[key]) is dict and is_plain(header[key])):
+        if not (type(header[key]) is dict and is_plain(header[key])):
             bad(key, "expected a table of plain values")
-    if "seed" in header and not _ID(header["seed"]):
+    scenario, compute = header["scenario"], header["compute"]
+    if not _is_str(scenario.get("name")):  # (the exports show it)
+        bad("scenario.name", "expected a string", scenario.get("name"))
+    if not _ID(header["seed"]):
         bad("seed", "expected a non-negative integer")
-    if "servesim" in header and not _is_str(header["servesim"]):
+    seed = _scenario_value(scenario, None, "seed")
+    if header["seed"] != seed:
+        bad("seed", f"differs from the scenario's seed = {_shown(seed)}")
+    if not _is_str(header["servesim"]):
         bad("servesim", "expected a version string")
+    # `compute` is the scenario's [compute] table (the CLI reads its backend before the scenario
+    # is loaded), and `clock` its clock.
+    _, backends = _schema("compute", "backend")
+    if compute.get("backend") not in backends:
+        bad("compute.backend", f"expected one of {', '.join(backends)}", compute.get("backend"))
+    from sim.scenario import ComputeConfig
+
+    names = [f.name for f in fields(ComputeConfig)]
+    for k, v in compute.items():
+        if k not in names:
+            bad(f"compute.{k}", "unknown field", v)
+    for k in names:
+        mine = compute.get(k, _schema("compute", k)[0])
+        theirs = _scenario_value(scenario, "compute", k)
+        if theirs is not _MISSING and mine != theirs:
+            bad(f"compute.{k}", f"differs from the scenario's compute.{k} = {_shown(theirs)}",
+                mine)
+    if header["clock"] != compute.get("clock", _schema("compute", "clock")[0]):
+        bad("clock", f"differs from compute.clock = {_shown(compute.get('clock'))}")
     _check_workload(path, header["workload"])
-    cluster = header.get("cluster")
-    if cluster is not None and not (
-            type(cluster) is dict and type(cluster.get("instances")) is list
-            and cluster["instances"]
-            and all(type(i) is dict and _is_str(i.get("role")) and _is_str(i.get("policy"))
-                    for i in cluster["instances"])
-            and _is_str(cluster.get("mode")) and is_plain(cluster)):
-        bad("cluster", "expected {mode, router, instances: [{role, policy}, ...]}")
+    if "cluster" in header:
+        _check_cluster(path, header)
+    elif policy in DEPLOYMENT_POLICIES:
+        bad("policy", "a deployment of several instances, but the header lacks 'cluster'")
+
+
+_ROLES = ("replica", "prefill", "decode")  # (sim.cluster's instance roles)
+
+
+def _check_cluster(path: str, header: dict) -> None:
+    """The header's description of a deployment (`Cluster.log_header`): known modes, router,
+    roles and policies, and the deployment the header's policy and scenario make: a
+    disaggregated pair (prefill, decode; both chunked; no router), or `cluster.replicas`
+    replicas of the header's policy behind the scenario's router."""
+    from sim.policies import POLICIES
+    from sim.routers import ROUTERS
+
+    cluster = header["cluster"]
+
+    def bad(key, why, value):
+        raise LogError(f"{path}: header: cluster.{key} = {_shown(value, 60)}: {why}")
+
+    if type(cluster) is not dict:
+        raise LogError(f"{path}: header: cluster = {_shown(cluster, 60)}: expected "
+                       "{mode, router, instances: [{role, policy}, ...]}")
+    for key in ("mode", "router", "instances"):
+        if key not in cluster:
+            raise LogError(f"{path}: header: cluster lacks {key!r}")
+    for key, v in cluster.items():
+        if key not in ("mode", "router", "instances"):
+            bad(key, "unknown field", v)
+    mode, router, instances = cluster["mode"], cluster["router"], cluster["instances"]
+    if type(mode) is not str or mode not in ("replicas", "disaggregated"):
+        bad("mode", "expected 'replicas' or 'disaggregated'", mode)
+    if router is not None and (type(router) is not str or router not in ROUTERS):
+        bad("router", f"not a router (one of {', '.join(ROUTERS)})", router)
+    if type(instances) is not list or not instances:
+        bad("instances", "expected [{role, policy}, ...], one per instance", instances)
+    for i, inst in enumerate(instances):
+        if type(inst) is not dict or set(inst) != {"role", "policy"}:
+            bad(f"instances[{i}]", "expected {role, policy}", inst)
+        if type(inst["role"]) is not str or inst["role"] not in _ROLES:
+            bad(f"instances[{i}].role", f"expected one of {', '.join(_ROLES)}", inst["role"])
+        if type(inst["policy"]) is not str or inst["policy"] not in POLICIES:
+            bad(f"instances[{i}].policy", "not a policy", inst["policy"])
+    # The deployment the replay builds from the header's policy and scenario.
+    policy, scenario = header["policy"], header["scenario"]
+    if policy == "disaggregated":
+        want_mode, want_router, count = "disaggregated", None, 2
+        want = [("prefill", "chunked"), ("decode", "chunked")]
+        what = "a disaggregated pair (prefill, decode)"
+        counted = f"{what} has 2"
+    else:
+        want_mode, want_router = "replicas", _scenario_value(scenario, "cluster", "router")
+        count = _scenario_value(scenario, "cluster", "replicas")
+        want = [("replica", policy)] * len(instances)
+        what = "replicas"
+        counted = ("the scenario's cluster is not a table" if count is _MISSING
+                   else f"the scenario's cluster.replicas = {_shown(count)}")
+    if mode != want_mode:
+        bad("mode", f"expected {want_mode!r} for policy = {policy!r}", mode)
+    if want_router is not _MISSING and router != want_router:
+        bad("router", "expected None (a disaggregated pair has no router)" if want_router is None
+            else f"differs from the scenario's cluster.router = {_shown(want_router)}", router)
+    if type(count) is not int or count != len(instances):
+        raise LogError(f"{path}: header: cluster.instances: {len(instances)} of them, but "
+                       f"{counted}")
+    for i, (inst, (role, pol)) in enumerate(zip(instances, want)):
+        if inst["role"] != role:
+            bad(f"instances[{i}].role", f"expected {role!r} in {what}", inst["role"])
+        if inst["policy"] != pol:
+            bad(f"instances[{i}].policy", f"expected {pol!r}, the header's policy"
+                if role == "replica" else f"expected {pol!r} in {what}", inst["policy"])
 
 
 _COLUMNS = {"arrival": "<f8", "prompt": "<i8", "output": "<i8", "priority": "<i8",
             "cancel_at": "<f8"}
+_WORKLOAD_KEYS = (*_COLUMNS, "hash_ids", "hash_block_size", "prefix_group", "prefix_tokens")
 
 
 def _check_workload(path: str, w) -> None:
@@ -372,6 +501,11 @@ def _check_workload(path: str, w) -> None:
 
     if type(w) is not dict:
         bad("not a table")
+    for k in w:
+        if k not in _WORKLOAD_KEYS:
+            bad(f"unknown field {_shown(k)}")
+    if "hash_ids" not in w:
+        bad("lacks 'hash_ids'")
     cols = {}
     for k, dt in _COLUMNS.items():
         v = w.get(k)
@@ -415,20 +549,67 @@ def is_position(v) -> bool:
                                    and _is_time(p[1]) for p in v)
 
 
-def _check_footer(path: str, footer: dict, n: int) -> None:
-    def bad(key, why):
-        raise LogError(f"{path}: footer: {key} = {_shown(footer.get(key), 60)}: {why}")
+def _stream_ends(path: str, records: list, marks: list) -> dict:
+    """Where each stream's steps end, {stream: (steps run, clock)}, from its last `steps`
+    record (stream None: a single engine's log; else the index its marks name)."""
+    if marks:  # (a deployment's log opens with one)
+        segments = [(records[m][2], m + 1, hi) for m, hi in zip(marks, [*marks[1:], len(records)])]
+    else:
+        segments = [(None, 0, len(records))]
+    out: dict = {}
+    for stream, lo, hi in segments:
+        out.setdefault(stream, (0, 0.0))
+        for j in range(hi - 1, lo - 1, -1):
+            r = records[j]
+            if r[0] == _STEPS_CODE:
+                try:
+                    check_record(r)
+                except ValueError as e:
+                    raise LogError(f"{path}: event {j}: {e}") from None
+                out[stream] = (r[2] + len(r[3]) // 8, _F64.unpack(r[3][-8:])[0])
+                break
+    return out
 
-    if footer.get("n") != n:
-        bad("n", f"expected {n} (the events before it)")
+
+def _check_footer(path: str, footer: dict, header: dict, records: list, marks: list) -> None:
+    """The footer's fields by type and range, and where it says the session stood against
+    where its events end: each instance's steps (a deployment's `at`) or the engine's."""
+    def bad(key, why, value=_MISSING):
+        value = footer.get(key) if value is _MISSING else value
+        raise LogError(f"{path}: footer: {key} = {_shown(value, 60)}: {why}")
+
+    if footer.get("n") != len(records):
+        bad("n", f"expected {len(records)} (the events before it)")
     if not _COUNT(footer.get("step")):
         bad("step", "expected a step count")
     if not _is_time(footer.get("now")) or footer["now"] > MAX_TIME_S:
         bad("now", "expected a time from 0 to 1e9 s")
     if not (type(footer.get("summary")) is dict and is_plain(footer["summary"])):
         bad("summary", "expected a table of plain values")
-    if footer.get("at") is not None and not is_position(footer["at"]):
+    at = footer.get("at")
+    if at is not None and not is_position(at):
         bad("at", "expected [step, time] per instance")
+    ends = _stream_ends(path, records, marks)
+    if "cluster" not in header:
+        if at is not None:
+            bad("at", "a position per instance, but the header has no 'cluster'")
+        step, end = ends.get(None, (0, 0.0))
+        if footer["step"] != step:
+            bad("step", f"the events end at step {step}")
+        if footer["now"] < end:
+            bad("now", f"before the end of the last step ({end!r})")
+        return
+    n = len(header["cluster"]["instances"])
+    if at is None or len(at) != n:
+        bad("at", f"expected [step, time] for each of the {n} instances")
+    for k, (step, now) in enumerate(at):
+        s, end = ends.get(k, (0, 0.0))
+        if step != s:
+            bad(f"at[{k}]", f"instance {k}'s events end at step {s}", at[k])
+        if now < end:
+            bad(f"at[{k}]", f"before the end of instance {k}'s last step ({end!r})", at[k])
+    if footer["step"] != sum(p[0] for p in at):
+        bad("step", f"expected {sum(p[0] for p in at)} (the instances' steps, summed)")
 
 
 # What each user action carries (`at`: a deployment's instances' positions).
@@ -485,7 +666,7 @@ def _read_bytes(path: str) -> bytes:
         st = os.stat(path)
         if stat.S_ISDIR(st.st_mode):
             raise LogError(f"{path}: is a directory, not a servesim session log")
-        with open(path, "rb") as fh:
+        with open_input(path) as fh:
             head = fh.read(64)
             if not head:
                 raise LogError(f"{path}: empty file, not a servesim session log")
@@ -584,20 +765,41 @@ def _read_log(path: str) -> SessionLog:
         raise LogError(f"{path}: unexpected {type(obj).__name__} at byte {at} (event {i})")
     # Every record's kind and length here; the fields of those a replay acts on (actions,
     # stream marks, measured durations) too; `read_log` checks the others unless told not to.
+    # And the records agree with the header: a measured clock's steps carry their durations (a
+    # replay steps by them), a modeled clock's none; stream marks in a deployment's log only.
+    measured = header["clock"] == "measured"
+    deployment = "cluster" in header
+    marks = []
     for i, r in enumerate(records):
         if not r or type(r[0]) is not int or _LEN.get(r[0]) != len(r):
             raise LogError(f"{path}: event {i}: not an event record")
-        if r[0] in _ACTED_ON or (r[0] == _STEPS_CODE and r[-1] is not None):
-            try:
-                check_record(r)
-            except ValueError as e:
-                raise LogError(f"{path}: event {i}: {e}") from None
-            if r[0] == _ACTION_CODE:
-                _check_action(path, i, r)
+        code = r[0]
+        if code == _STEPS_CODE:
+            if (r[-1] is None) is measured:
+                raise LogError(
+                    f"{path}: header: clock = {header['clock']!r}, but event {i} (steps) "
+                    + ("records no step durations" if measured else "records measured durations"))
+            if not measured:
+                continue
+        elif code not in _ACTED_ON:
+            continue
+        try:
+            check_record(r)
+        except ValueError as e:
+            raise LogError(f"{path}: event {i}: {e}") from None
+        if code == _ACTION_CODE:
+            _check_action(path, i, r)
+        elif code == _STREAM_CODE:
+            if not deployment:
+                raise LogError(f"{path}: event {i}: a stream mark, but the header has no "
+                               "'cluster' (the log of a single engine)")
+            marks.append(i)
+    if deployment and records and marks[:1] != [0]:
+        raise LogError(f"{path}: event 0: not a stream mark (a deployment's log opens with one)")
     if footer is None:
         raise LogError(f"{path}: no footer before the end mark")
     if up.tell() != len(data):
         raise LogError(f"{path}: {len(data) - up.tell()} unexpected bytes after the end "
                        f"at byte {up.tell()}")
-    _check_footer(path, footer, len(records))
+    _check_footer(path, footer, header, records, marks)
     return SessionLog(path, header, records, footer, len(data))

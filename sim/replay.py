@@ -6,6 +6,7 @@ re-apply every recorded user action at the engine step and simulated time it too
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -51,7 +52,7 @@ class Replayer:
                              executor=executor, clock=log.header["clock"],
                              record_timeline=metrics, keep_history=metrics)
         if log.header["clock"] == "measured":
-            self.engine.duration_override = _durations(log.records)
+            self.engine.duration_override = _durations(log.path, log.records)
         self.actions = [decode(r) for r in log.records if r[0] == _ACTION]
 
     def _init_cluster(self, sc, make_executor) -> None:
@@ -69,7 +70,7 @@ class Replayer:
                            f"{len(self.engine.instances)} instances")
         if log.header["clock"] == "measured":
             for i, e in enumerate(self.engine.instances):
-                e.duration_override = _durations(streams[i])
+                e.duration_override = _durations(log.path, streams[i])
         # The deployment's own actions; those its instances recorded follow from them.
         self.actions = [decode(r) for r in streams[-1] if r[0] == _ACTION]
         # (the reader checked the shape of every `at` there is: here, that there is one for
@@ -187,10 +188,17 @@ class Replayer:
                            f"the log at step {self.end_step}")
 
 
-def _durations(records):
-    """The measured step durations of a stream's `steps` records, in order (an iterator)."""
+def _durations(path: str, records):
+    """The measured step durations of a stream's `steps` records, in order (an iterator). One
+    past the last raises LogError: a replay that runs more steps than the log recorded has
+    diverged from it (`verify` reports where)."""
     durs = [np.frombuffer(r[8], np.float64) for r in records if r[0] == _STEPS and r[8] is not None]
-    return iter(np.concatenate(durs).tolist() if durs else [])
+    return itertools.chain(np.concatenate(durs).tolist() if durs else [], _no_more(path))
+
+
+def _no_more(path: str):
+    raise LogError(f"{path}: the replay runs more steps than the log recorded durations for")
+    yield  # (a generator: raises when the durations before it are used up)
 
 
 def _streams(log: SessionLog) -> dict[int, list]:

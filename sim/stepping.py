@@ -267,9 +267,11 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
             max_steps = min(max_steps, s._window)
     # (Swap copies still to make are charged to the next single step: a request can join a
     # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
+    # (A measured clock records each step's duration, which a run of steps does not: with no
+    # executor it times nothing and keeps the modeled durations, but one per step.)
     if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
             and (ps.plain or policy.skip_ahead_safe) and s.duration_override is None
-            and not (s._swap_out or s._swap_in)):
+            and s.clock != "measured" and not (s._swap_out or s._swap_in)):
         taken = run_decodes(e, [r for r, _ in sched], until, max_steps)
         decoding = True  # (what is left of a run's batch decodes on)
     else:
@@ -315,7 +317,7 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
                 or (len(ps.running) > ps.cfg.max_num_batched_tokens if ps.plain
                     else (policy.next_change_time() <= now or not policy.skip_ahead_safe
                           or not policy.decodes_alone()))
-                or s.executor is not None
+                or s.executor is not None or s.clock == "measured"
                 or not s.skip_ahead or s.duration_override is not None
                 or s._swap_out or s._swap_in or s.scheduler_steps > 1
                 # (blocks cached when scheduled are registered by schedule_running)

@@ -145,6 +145,17 @@ def test_measured_clock_replays_recorded_durations(tmp_path):
     assert r.engine.now == e.now  # wall times differ run to run; the replay used the recorded
 
 
+def test_measured_clock_with_no_compute_replays(tmp_path):
+    # With no executor the engine ran decode steps in runs, which record no durations: the log
+    # of `sim --set compute.clock="measured"` could not be replayed.
+    e = Engine(small_scenario("workload.duration_s=3", "compute.clock=\"measured\""))
+    e.run()
+    log = read_log(write_log(tmp_path / "m.msgpack", e))
+    r, div = verify(log, lambda sc: None)
+    assert div is None, div.describe()
+    assert r.engine.now == e.now and e.step_count > 100
+
+
 @functools.lru_cache(maxsize=1)
 def _small_log() -> bytes:
     import tempfile
@@ -333,7 +344,12 @@ CRAFTED = {
 @pytest.mark.parametrize("case", sorted(CRAFTED))
 def test_crafted_logs_with_valid_checksums_exit_2_with_one_line(tmp_path, capsys, case):
     mutate, needle = CRAFTED[case]
-    p = _crafted(tmp_path, "crafted.msgpack", mutate)
+    _refused_by_every_reader(_crafted(tmp_path, "crafted.msgpack", mutate), needle, capsys)
+
+
+def _refused_by_every_reader(p, needle, capsys) -> None:
+    """replay (with and without --verify) and every export: exit 2, one line naming the file
+    (and `needle` when given), no traceback."""
     for argv in (["replay", str(p), "--verify"], ["replay", str(p)],
                  ["export", str(p), "--format", "jsonl"], ["export", str(p), "--format", "csv"],
                  ["export", str(p), "--format", "chrome"]):
@@ -349,3 +365,225 @@ def test_a_record_whose_time_is_a_list_is_refused_by_verify(tmp_path, capsys):
     assert main(["replay", str(p), "--verify"]) == 2
     err = capsys.readouterr().err
     assert "finish field t = []" in err and err.count("\n") == 1
+
+
+# --- the header against itself, its events and its footer ----------------------------------------
+# (a reporter's edits with valid checksums: each gave a traceback, or a "verified" that `export`
+# contradicted, before the header's every field was checked against the rest)
+def _measured(objs):
+    for h in (objs[0], objs[0]["compute"], objs[0]["scenario"]["compute"]):
+        h["clock"] = "measured"
+
+
+def _step_durations(objs):
+    _first(objs, 4)[8] = _first(objs, 4)[3]
+
+
+HEADER_CRAFTED = {
+    "disaggregated policy without a cluster": (
+        lambda o: o[0].update(policy="disaggregated"),
+        "header: policy = 'disaggregated': a deployment of several instances, but the header "
+        "lacks 'cluster'"),
+    "no compute": (lambda o: o[0].pop("compute"), "header lacks 'compute'"),
+    "compute without a backend": (
+        lambda o: [c.pop("backend") for c in (o[0]["compute"], o[0]["scenario"]["compute"])],
+        "header: compute.backend = None"),
+    "compute other than the scenario's": (
+        lambda o: o[0]["compute"].update(backend="numpy"),
+        "header: compute.backend = 'numpy': differs from the scenario's compute.backend"),
+    "compute with an unknown field": (lambda o: o[0]["compute"].update(junk=3),
+                                      "header: compute.junk = 3: unknown field"),
+    "measured clock on a modeled log": (lambda o: o[0].update(clock="measured"),
+                                        "header: clock = 'measured': differs from compute.clock"),
+    "measured clock everywhere, steps without durations": (
+        _measured, "header: clock = 'measured', but event 6 (steps) records no step durations"),
+    "modeled clock, steps with durations": (
+        _step_durations, "header: clock = 'modeled', but event 6 (steps) records measured"),
+    "seed other than the scenario's": (lambda o: o[0].update(seed=o[0]["seed"] + 1),
+                                       "header: seed = 8: differs from the scenario's seed = 7"),
+    "no seed": (lambda o: o[0].pop("seed"), "header lacks 'seed'"),
+    "unknown header field": (lambda o: o[0].update(junk=1), "header: unknown field 'junk'"),
+    "a deployment in format 1": (
+        lambda o: o[0].update(format=1, cluster={"mode": "replicas", "router": "round-robin",
+                                                 "instances": [{"role": "replica",
+                                                                "policy": "chunked"}]}),
+        "header: unknown field 'cluster' (format 1 has no deployments)"),
+    "scenario without a name": (lambda o: o[0]["scenario"].pop("name"),
+                                "header: scenario.name = None"),
+    "workload without hash_ids": (lambda o: o[0]["workload"].pop("hash_ids"),
+                                  "header's workload: lacks 'hash_ids'"),
+    "workload with an unknown field": (lambda o: o[0]["workload"].update(junk=1),
+                                       "header's workload: unknown field 'junk'"),
+    "a stream mark in a single engine's log": (lambda o: o.insert(1, [14, 0.0, -1]),
+                                               "event 0: a stream mark, but the header has no"),
+    "footer step past the events": (lambda o: o[-2].update(step=2**62),
+                                    "footer: step = 4611686018427387904: the events end at step"),
+    "footer step short of the events": (lambda o: o[-2].update(step=1),
+                                        "footer: step = 1: the events end at step"),
+    "footer time before the last step": (lambda o: o[-2].update(now=0.0),
+                                         "footer: now = 0.0: before the end of the last step"),
+    "footer positions in a single engine's log": (
+        lambda o: o[-2].update(at=[[1, 0.5]]), "footer: at = [[1, 0.5]]: a position per instance"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HEADER_CRAFTED))
+def test_a_header_that_contradicts_itself_is_refused_with_one_line(tmp_path, capsys, case):
+    mutate, needle = HEADER_CRAFTED[case]
+    _refused_by_every_reader(_crafted(tmp_path, "crafted.msgpack", mutate), needle, capsys)
+
+
+@functools.lru_cache(maxsize=None)
+def _deployment_log(kind: str) -> bytes:
+    """A small session of two replicas or a disaggregated pair, with a user action."""
+    import tempfile
+
+    from sim import build
+    over = {"replicas": ["cluster.replicas=2", 'cluster.router="least-kv"'],
+            "disaggregated": ['scheduler.policy="disaggregated"']}[kind]
+    c = build(small_scenario("workload.duration_s=3", "kv.num_blocks=400", *over))
+    c.run_until(1.0)
+    c.inject(100, 8)
+    c.run()
+    with tempfile.TemporaryDirectory() as d:
+        return write_log(f"{d}/c.msgpack", c).read_bytes()
+
+
+def _cluster(o):
+    return o[0]["cluster"]
+
+
+def _instances(**kv):
+    return lambda o: [i.update(kv) for i in _cluster(o)["instances"]]
+
+
+DEPLOYMENT_CRAFTED = {
+    ("replicas", "no cluster"): (lambda o: o[0].pop("cluster"),
+                                 "event 0: a stream mark, but the header has no 'cluster'"),
+    ("replicas", "cluster not a table"): (lambda o: o[0].update(cluster=[1]), "header: cluster"),
+    ("replicas", "unknown mode"): (lambda o: _cluster(o).update(mode="bogus"),
+                                   "header: cluster.mode = 'bogus'"),
+    ("replicas", "mode of the other deployment"): (
+        lambda o: _cluster(o).update(mode="disaggregated"),
+        "header: cluster.mode = 'disaggregated': expected 'replicas' for policy = 'chunked'"),
+    ("replicas", "unknown router"): (lambda o: _cluster(o).update(router="bogus"),
+                                     "header: cluster.router = 'bogus': not a router"),
+    ("replicas", "router other than the scenario's"): (
+        lambda o: _cluster(o).update(router="round-robin"),
+        "header: cluster.router = 'round-robin': differs from the scenario's cluster.router"),
+    ("replicas", "no router"): (lambda o: _cluster(o).pop("router"),
+                                "header: cluster lacks 'router'"),
+    ("replicas", "unknown role"): (_instances(role="bogus"),
+                                   "header: cluster.instances[0].role = 'bogus'"),
+    ("replicas", "unknown instance policy"): (_instances(policy="bogus"),
+                                              "header: cluster.instances[0].policy = 'bogus'"),
+    ("replicas", "instance policy other than the header's"): (
+        _instances(policy="fcfs"), "header: cluster.instances[0].policy = 'fcfs': expected"),
+    ("replicas", "an instance that is not a table"): (
+        lambda o: _cluster(o)["instances"].__setitem__(1, "replica"),
+        "header: cluster.instances[1] = 'replica'"),
+    ("replicas", "one instance too few"): (
+        lambda o: _cluster(o)["instances"].pop(),
+        "header: cluster.instances: 1 of them, but the scenario's cluster.replicas = 2"),
+    ("replicas", "three times the instances"): (
+        lambda o: _cluster(o).update(instances=_cluster(o)["instances"] * 3),
+        "header: cluster.instances: 6 of them"),
+    ("replicas", "disaggregated policy"): (
+        lambda o: o[0].update(policy="disaggregated"),
+        "header: cluster.mode = 'replicas': expected 'disaggregated'"),
+    ("replicas", "footer step not the instances' sum"): (
+        lambda o: o[-2].update(step=o[-2]["step"] + 1), "footer: step = "),
+    ("replicas", "footer position past an instance's events"): (
+        lambda o: o[-2]["at"][1].__setitem__(0, 2**62),
+        "footer: at[1] = [4611686018427387904"),
+    ("disaggregated", "no cluster"): (
+        lambda o: o[0].pop("cluster"),
+        "header: policy = 'disaggregated': a deployment of several instances, but the header "
+        "lacks 'cluster'"),
+    ("disaggregated", "a router"): (lambda o: _cluster(o).update(router="least-kv"),
+                                    "header: cluster.router = 'least-kv': expected None"),
+    ("disaggregated", "roles swapped"): (
+        lambda o: _cluster(o)["instances"].reverse(),
+        "header: cluster.instances[0].role = 'decode': expected 'prefill'"),
+    ("disaggregated", "instance policy fcfs"): (
+        _instances(policy="fcfs"), "header: cluster.instances[0].policy = 'fcfs': expected"),
+    ("disaggregated", "one instance"): (
+        lambda o: _cluster(o)["instances"].pop(),
+        "header: cluster.instances: 1 of them, but a disaggregated pair (prefill, decode) has 2"),
+    ("disaggregated", "a single policy"): (
+        lambda o: o[0].update(policy="chunked"),
+        "header: cluster.mode = 'disaggregated': expected 'replicas' for policy = 'chunked'"),
+}
+
+
+@pytest.mark.parametrize("kind,case", sorted(DEPLOYMENT_CRAFTED))
+def test_a_deployment_header_that_contradicts_itself_is_refused(tmp_path, capsys, kind, case):
+    from tests.logcraft import pack_log, unpack_log
+
+    mutate, needle = DEPLOYMENT_CRAFTED[kind, case]
+    objs = unpack_log(_deployment_log(kind))
+    mutate(objs)
+    p = tmp_path / "c.msgpack"
+    p.write_bytes(pack_log(objs))
+    _refused_by_every_reader(p, needle, capsys)
+
+
+@pytest.mark.parametrize("kind", ["replicas", "disaggregated"])
+def test_deployment_logs_as_written_verify(tmp_path, capsys, kind):
+    p = tmp_path / "c.msgpack"
+    p.write_bytes(_deployment_log(kind))
+    assert main(["replay", str(p), "--verify"]) == 0
+    assert "events identical" in capsys.readouterr().out
+
+
+def test_a_single_engine_log_of_a_replicas_scenario_still_reads(tmp_path):
+    # (`bench log` and the API run a plain Engine on any scenario: no `cluster` in its header)
+    e = Engine(small_scenario("workload.duration_s=2", "cluster.replicas=3"))
+    e.run()
+    r, div = verify(read_log(write_log(tmp_path / "s.msgpack", e)))
+    assert div is None
+
+
+class _FakeExecutor:
+    name, device = "fake", "cpu"
+
+    def execute(self, work):
+        return {s.req_id: 1 for s in work.seqs if s.sample}
+
+
+@functools.lru_cache(maxsize=1)
+def _measured_log() -> bytes:
+    import tempfile
+    e = Engine(small_scenario("workload.duration_s=2", "compute.clock=\"measured\""),
+               executor=_FakeExecutor())
+    e.run()
+    with tempfile.TemporaryDirectory() as d:
+        return write_log(f"{d}/m.msgpack", e).read_bytes()
+
+
+def test_a_replay_that_outruns_the_recorded_durations_says_so(tmp_path, capsys):
+    from tests.logcraft import pack_log, unpack_log
+
+    objs = unpack_log(_measured_log())
+    objs[0]["scenario"]["scheduler"]["max_num_batched_tokens"] = 64  # more steps than recorded
+    p = tmp_path / "m.msgpack"
+    p.write_bytes(pack_log(objs))
+    assert main(["replay", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "more steps than the log recorded durations for" in err, err
+    assert main(["replay", str(p), "--verify"]) == 1
+    assert capsys.readouterr().err.startswith("servesim: replay diverged at event ")
+
+
+def test_steps_with_a_duration_per_step_only(tmp_path, capsys):
+    from tests.logcraft import pack_log, unpack_log
+
+    objs = unpack_log(_measured_log())
+    i = next(k for k, o in enumerate(objs[1:]) if isinstance(o, list) and o[0] == 4)
+    objs[i + 1][8] *= 2
+    p = tmp_path / "m.msgpack"
+    p.write_bytes(pack_log(objs))
+    for argv in (["replay", str(p), "--verify"], ["export", str(p), "--format", "jsonl"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"event {i}: steps field durs: 2 durations, expected one for each of its 1" in err
