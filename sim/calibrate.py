@@ -42,6 +42,7 @@ from sim import presets
 from sim.errors import ServesimError
 from sim.fileio import read_input_text, reason
 from sim.fit import least_squares, nelder_mead
+from sim.limits import MAX_TIME_S, MAX_TOKENS
 
 UNITS = {"time_s": 1.0, "time_ms": 1e-3, "time_us": 1e-6}
 KINDS = {"decode": ("batch", "context"), "prefill": ("tokens",), "allreduce": ("bytes",),
@@ -70,16 +71,37 @@ class Row:
 
 
 # --- reading -------------------------------------------------------------------------------------
-def _number(path, line, field, text) -> float:
+# The largest value each input may take: past these a measurement describes no machine (a
+# 23-digit batch, a petabyte all-reduce), and the fit would be about float overflow.
+TOP = {"batch": MAX_TOKENS, "context": MAX_TOKENS, "tokens": MAX_TOKENS, "bytes": 1e15, "gpus": 1e6}
+# A measured duration (seconds) outside this range is not one a kernel or a step takes.
+SECONDS_RANGE = (1e-9, MAX_TIME_S)
+
+
+def _number(path, line, field, text, top: float = math.inf) -> float:
     try:
         v = float(text)
-    except (TypeError, ValueError):
-        raise MeasurementError(f"{path}:{line}: {field}: {text!r} is not a number") from None
+    except (TypeError, ValueError, OverflowError):
+        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is not a number") from None
     if not math.isfinite(v):
-        raise MeasurementError(f"{path}:{line}: {field}: {text!r} is not a finite number")
+        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is not a finite number")
     if v < 0:
-        raise MeasurementError(f"{path}:{line}: {field}: {text!r} is negative")
+        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is negative")
+    if v > top:
+        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is more than {top:g}")
     return v
+
+
+def _shown(v, width: int = 40) -> str:
+    text = repr(v)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _seconds(path, line, field, v) -> None:
+    lo, hi = SECONDS_RANGE
+    if not lo <= v <= hi:
+        raise MeasurementError(f"{path}:{line}: {field}: {v:g} s is outside {lo:g}-{hi:g} s, not a "
+                               "duration a GPU step takes")
 
 
 def read_kernel_csv(path: Path) -> list[Row]:
@@ -113,13 +135,14 @@ def read_kernel_csv(path: Path) -> list[Row]:
             if col not in header or raw.get(col, "") == "":
                 raise MeasurementError(f"{path}:{line}: {col}: missing (a {kind} row needs "
                                        f"{', '.join(KINDS[kind])})")
-            values[col] = _number(path, line, col, raw[col])
+            values[col] = _number(path, line, col, raw[col], TOP[col])
         for col, default in OPTIONAL[kind].items():
-            values[col] = (_number(path, line, col, raw[col]) if raw.get(col, "") != ""
+            values[col] = (_number(path, line, col, raw[col], TOP[col]) if raw.get(col, "") != ""
                            else default)
         seconds = _number(path, line, tcol, raw.get(tcol, "")) * UNITS[tcol]
         if seconds <= 0:
             raise MeasurementError(f"{path}:{line}: {tcol}: {raw.get(tcol)!r} must be positive")
+        _seconds(path, line, tcol, seconds)
         if kind in ("decode", "cpu") and values["batch"] < 1:
             raise MeasurementError(f"{path}:{line}: batch: must be at least 1")
         if kind == "prefill" and (values["tokens"] < 1 or values["batch"] < 1):
@@ -315,6 +338,8 @@ def read_bench_json(path: Path) -> BenchRun:
     if missing:
         raise MeasurementError(f"{path}:1: {missing[0]}: missing (run vllm bench serve with "
                                "--save-result --save-detailed)")
+    if not isinstance(data["input_lens"], list):
+        raise MeasurementError(f"{path}:1: input_lens: expected a list (one entry per request)")
     n = len(data["input_lens"])
     for k in (*need, "start_times", "errors"):
         if k in data and (not isinstance(data[k], list) or len(data[k]) != n):
@@ -327,13 +352,17 @@ def read_bench_json(path: Path) -> BenchRun:
             continue
         for k in ("input_lens", "output_lens", "ttfts"):
             v = data[k][i]
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
-                raise MeasurementError(f"{path}:1: {k}[{i}]: {v!r} is not a number")
+            if not _is_number(v):
+                raise MeasurementError(f"{path}:1: {k}[{i}]: {_shown(v)} is not a number")
             if v < 0:
-                raise MeasurementError(f"{path}:1: {k}[{i}]: {v!r} is negative")
+                raise MeasurementError(f"{path}:1: {k}[{i}]: {_shown(v)} is negative")
+            if k != "ttfts" and not (v == int(v) and v <= MAX_TOKENS):
+                raise MeasurementError(f"{path}:1: {k}[{i}]: {_shown(v)}: expected a token count "
+                                       f"(a whole number up to {MAX_TOKENS:,})")
+        if data["ttfts"][i] > 0:  # (0: no first token, a failed request)
+            _seconds(path, 1, f"ttfts[{i}]", data["ttfts"][i])
         gaps = data["itls"][i]
-        if not isinstance(gaps, list) or not all(
-                isinstance(g, (int, float)) and math.isfinite(g) and g >= 0 for g in gaps):
+        if not isinstance(gaps, list) or not all(_is_number(g) and 0 <= g <= MAX_TIME_S for g in gaps):
             raise MeasurementError(f"{path}:1: itls[{i}]: expected a list of non-negative "
                                    "seconds")
         if data["output_lens"][i] >= 1 and data["ttfts"][i] > 0:
@@ -341,11 +370,19 @@ def read_bench_json(path: Path) -> BenchRun:
     if len(ok) < MIN_REQUESTS:
         raise MeasurementError(f"{path}: too few successful requests ({len(ok)}; at least "
                                f"{MIN_REQUESTS} are needed)")
+    duration = data.get("duration") or 0.0
+    if not _is_number(duration) or not 0 <= duration <= MAX_TIME_S:
+        raise MeasurementError(f"{path}:1: duration: {_shown(duration)}: expected the run's seconds")
     if "start_times" in data:
+        bad = next((i for i in ok if not _is_number(data["start_times"][i])), None)
+        if bad is not None:
+            raise MeasurementError(f"{path}:1: start_times[{bad}]: {_shown(data['start_times'][bad])} "
+                                   "is not a number")
         t = np.array([data["start_times"][i] for i in ok], dtype=np.float64)
-        if not np.all(np.isfinite(t)):
-            raise MeasurementError(f"{path}:1: start_times: not all numbers")
         arrival = t - t.min()
+        if arrival.max() > MAX_TIME_S:
+            raise MeasurementError(f"{path}:1: start_times: span {arrival.max():.3g} s, past the "
+                                   f"{MAX_TIME_S:g} s a simulated clock can hold")
     else:
         rate = data.get("request_rate", "inf")
         if data.get("max_concurrency") not in (None, 0):
@@ -364,8 +401,18 @@ def read_bench_json(path: Path) -> BenchRun:
     ttft = np.array([data["ttfts"][i] for i in ok], dtype=np.float64)
     tpot = np.array([sum(g) / (o - 1) if o > 1 and g else np.nan for g, o in zip(itls, out)])
     return BenchRun(arrival[order], np.array([data["input_lens"][i] for i in ok], dtype=np.int64),
-                    out, ttft, tpot, itls, float(data.get("duration") or 0.0),
+                    out, ttft, tpot, itls, float(duration),
                     str(data.get("model_id", "")), path)
+
+
+def _is_number(v) -> bool:
+    """A finite JSON number (not a bool, not a string); a 30-digit integer is one."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def bench_workload(run: BenchRun):

@@ -179,6 +179,12 @@ BAD_CSV = [
      ":4: time: contradicts line 2"),
     ("kind,batch,time_ms\ncpu,1,3\ncpu,1,3.1\n", "at least two different batch"),
     ("kind,batch,time_ms\ncpu,1,3\ncpu,8,2\ncpu,64,1\n", "fall as batch grows"),
+    # absurd values: a fit of them exited 0 with residuals of 1e27, or overflowed
+    ("kind,batch,context,time_ms\ndecode,1e30,2,3\n", ":2: batch: '1e30' is more than 1e+09"),
+    ("kind,batch,context,time_ms\ndecode,99999999999999999999999,2,3\n", "batch: '999999"),
+    ("kind,bytes,gpus,time_ms\nallreduce,1e30,4,3\n", ":2: bytes: '1e30' is more than 1e+15"),
+    ("kind,batch,context,time_ms\ndecode,1,2,1e-300\n", ":2: time_ms: 1e-303 s is outside"),
+    ("kind,batch,context,time_s\ndecode,1,2,1e12\n", ":2: time_s: 1e+12 s is outside"),
 ]
 
 
@@ -200,6 +206,14 @@ def test_bad_bench_files_are_one_line_and_exit_2(tmp_path, capsys):
         ({**data, "ttfts": [-1.0] + data["ttfts"][1:]}, "ttfts[0]: -1.0 is negative"),
         ({**data, "errors": ["boom"] * 5 + [""] * 7}, "too few successful requests (7"),
         ({k: v for k, v in data.items() if k != "start_times"}, "request_rate: 6.0"),
+        # damaged fields that were tracebacks (TypeError, ValueError, OverflowError)
+        ({**data, "input_lens": 5}, "input_lens: expected a list"),
+        ({**data, "duration": "abc"}, "duration: 'abc': expected the run's seconds"),
+        ({**data, "start_times": ["x"] + data["start_times"][1:]}, "start_times[0]: 'x' is not a number"),
+        ({**data, "output_lens": [10**30] + data["output_lens"][1:]}, "output_lens[0]: 1000000000000"),
+        ({**data, "input_lens": [1e30] + data["input_lens"][1:]}, "input_lens[0]: 1e+30: expected a token count"),
+        ({**data, "ttfts": [1e-300] * 12}, "ttfts[0]: 1e-300 s is outside"),
+        ({**data, "start_times": [0.0] * 11 + [1e12]}, "start_times: span 1e+12 s"),
     ]
     for i, (bad, message) in enumerate(cases):
         p = tmp_path / f"bad{i}.json"
@@ -211,6 +225,9 @@ def test_bad_bench_files_are_one_line_and_exit_2(tmp_path, capsys):
     p.write_text("{ not json")
     assert main(["calibrate", str(p)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+    p.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")  # (json recursed: RecursionError)
+    assert main(["calibrate", str(p)]) == 2
+    assert "not valid JSON: nested too deeply" in capsys.readouterr().err
 
 
 def test_calibrate_never_writes_over_what_it_reads(tmp_path, capsys):
