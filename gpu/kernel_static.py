@@ -68,6 +68,10 @@ def load_backend_at(ref: str, repo: Path, workdir: Path):
         from . import cupy_backend
 
         return cupy_backend
+    found = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+                           capture_output=True)
+    if found.returncode != 0:
+        raise RuntimeError(f"--before {ref}: not a commit of the repository at {repo}")
     data = subprocess.run(["git", "-C", str(repo), "archive", ref, "gpu"], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(workdir, filter="data")

@@ -34,15 +34,21 @@ def _count(text: str) -> int:
     return v
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds."""
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not 0 < v < math.inf:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of seconds")
-    return v
+def _positive(what: str):
+    """A parser of a positive, finite number (argparse turns the error into one line)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not 0 < v < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {what}")
+        return v
+    return parse
+
+
+_seconds = _positive("number of seconds")
+_speed = _positive("speed")  # simulated seconds per wall second
 
 
 def _list(kind):
@@ -81,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("live-memory", help="the dashboard's memory against simulated time, "
                                            "with real compute and without")
     s.add_argument("--scenario", default="chat")
-    s.add_argument("--speed", type=float, default=4.0, help="dashboard speed (default x4)")
+    s.add_argument("--speed", type=_speed, default=4.0, help="dashboard speed (default x4)")
     s.add_argument("--sim-seconds", type=_seconds, default=300.0,
                    help="simulated seconds to run (default 300)")
     s.add_argument("--json", action="store_true")
@@ -108,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     serve_bench.add_arguments(sub)
     s = sub.add_parser("scale", help="wall time and memory against the number of requests")
     s.add_argument("--scenario", default="chat")
-    s.add_argument("--requests", default="10000,100000,1000000", metavar="N1,N2,...",
+    s.add_argument("--requests", type=_list(_count), default=[10000, 100000, 1000000], metavar="N1,N2,...",
                    help="workload.num_requests of each run (default 10000,100000,1000000)")
     s.add_argument("--with-history", type=_count, default=0, metavar="N",
                    help="also run those up to N requests keeping every request (the old way)")
@@ -300,11 +306,17 @@ def bench_kernel(args):
 
         from sim.errors import ServesimError
 
+        from gpu.cupy_backend import BLOCK_SIZES
+
         try:
             sizes = tuple(int(s) for s in args.block_sizes.split(","))
-            return kernel_static.compare(args.before, ".", Path(__file__).resolve().parents[1], sizes)
         except ValueError:
-            raise ServesimError(f"bench kernel --block-sizes {args.block_sizes!r}: want integers like 8,16") from None
+            sizes = ()
+        if not sizes or any(b not in BLOCK_SIZES for b in sizes):
+            raise ServesimError(f"bench kernel --block-sizes {args.block_sizes!r}: want block sizes like 8,16 "
+                                f"(powers of two from {BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]})")
+        try:
+            return kernel_static.compare(args.before, ".", Path(__file__).resolve().parents[1], sizes)
         except (kernel_static.ToolMissing, RuntimeError, CalledProcessError, OSError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ServesimError(f"bench kernel --static: {first}") from None
@@ -447,6 +459,10 @@ def _serve_bench():
 
 
 def main(args) -> int:
+    if getattr(args, "scenario", None) is not None:  # one line now, not a child's traceback later
+        from sim import load_scenario
+
+        load_scenario(args.scenario)
     run, text = _serve_bench() if args.bench == "serve" else BENCHES[args.bench]
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else text(result))

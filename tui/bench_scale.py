@@ -93,14 +93,20 @@ def peak_rss_bytes() -> int:
 
 def run_in_child(module: str, function: str, *args, env: dict | None = None) -> dict:
     """`module.function(*args)` (plain values) in a fresh Python process (`env`: variables
-    to set in it): its JSON result, the last line it prints. Raises RuntimeError when the
-    process fails."""
+    to set in it): its JSON result, the last line it prints. Raises ServesimError (one line:
+    the child's own error, or the last line of its traceback) when the process fails."""
+    from sim.errors import ServesimError
+
     code = (f"import json; from {module} import {function} as f; "
             f"print(json.dumps(f(*{args!r})))")
-    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE,
+    p = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        env={**os.environ, **env} if env else None)
     if p.returncode:
-        raise RuntimeError(f"{module}.{function}{args!r} exited {p.returncode}")
+        lines = p.stderr.decode(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else f"exited {p.returncode}"
+        if ": " in last and last.split(": ", 1)[0].endswith("Error"):
+            last = last.split(": ", 1)[1]  # "sim.errors.ScenarioError: F: field ..." -> the message
+        raise ServesimError(f"{function}{args!r} in a subprocess: {last}")
     return json.loads(p.stdout.decode().strip().splitlines()[-1])
 
 
@@ -128,7 +134,7 @@ def in_flight_bytes(scenario: str = "chat") -> dict:
 def bench_scale(args) -> dict:
     from tui.bench import bench_sim
 
-    ns = [int(x) for x in args.requests.split(",")]
+    ns = list(args.requests)
     runs = [_run_child(args.scenario, 0, False)]
     for n in ns:
         runs.append(_run_child(args.scenario, n, False))

@@ -66,6 +66,9 @@ def test_scenarios_lists_bundled(capsys):
     (["sim", "chat", "--set", "novalue"], "expected SECTION.KEY=VALUE"),
     (["sim", "chat", "--set", "workload.prompt_tokens=200000"], "max_model_len = 131072"),
     (["sim", "chat", "--log", "/nonexistent/dir/x.msgpack"], "does not exist"),
+    # bench arguments were checked in a subprocess (a RuntimeError traceback) or not at all
+    (["bench", "hotpath", "--scenario", "nope"], "nope: no such scenario"),
+    (["bench", "kernel", "--static", "--block-sizes", "0"], "--block-sizes '0': want block sizes"),
     # a gamma's shape 1/cv^2 overflows below that (it was a ZeroDivisionError)
     (["sim", "chat", "--set", 'workload.arrival="gamma"', "--set", "workload.cv=1e-300"],
      "workload.cv = 1e-300: must be at least 0.001"),
@@ -77,6 +80,17 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "scale", "--requests", "-1"], "--requests: -1: must be at least 1"),
+    (["bench", "live-memory", "--speed", "0"], "--speed: '0': expected a positive speed"),
+    (["bench", "serve", "--streams", "0"], "--streams: 0: must be at least 1"),
+    (["bench", "serve", "--duration", "nan"], "--duration: 'nan': expected a positive number"),
+])
+def test_bad_bench_arguments_are_one_line_and_exit_2(argv, needle):
+    p = subprocess.run([sys.executable, "-m", "tui.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
 
 
 def test_usage_errors_are_one_line_exit_2():

@@ -29,14 +29,16 @@ import numpy as np
 
 
 def add_arguments(sub) -> None:
+    from tui.bench import _count, _seconds, _speed
+
     s = sub.add_parser("serve", help="servesim serve: token send lateness with many streams")
     s.add_argument("--scenario", default="chat")
-    s.add_argument("--streams", type=int, default=500, help="concurrent streams (default 500)")
-    s.add_argument("--duration", type=float, default=30.0,
+    s.add_argument("--streams", type=_count, default=500, help="concurrent streams (default 500)")
+    s.add_argument("--duration", type=_seconds, default=30.0,
                    help="wall seconds of load (default 30)")
-    s.add_argument("--prompt-tokens", type=int, default=256)
-    s.add_argument("--max-tokens", type=int, default=128)
-    s.add_argument("--speed", type=float, default=1.0)
+    s.add_argument("--prompt-tokens", type=_count, default=256)
+    s.add_argument("--max-tokens", type=_count, default=128)
+    s.add_argument("--speed", type=_speed, default=1.0)
     s.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE",
                    help="scenario overrides (default: scheduler.max_num_seqs=512, so that "
