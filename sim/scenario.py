@@ -72,7 +72,7 @@ class ModelConfig:
 @dataclass
 class HardwareConfig:
     preset: str = _f("h100-sxm", choices=[*presets.HARDWARE, ""])
-    memory_gb: float = _f(0.0, min=0)
+    memory_gb: float = _f(0.0, min=0, max=1e6)
     mem_bandwidth_gbps: float = _f(0.0, min=0, doc="HBM bandwidth, GB/s")
     peak_tflops: float = _f(0.0, min=0, doc="dense bf16 tensor TFLOP/s")
     fp8_tflops: float = _f(0.0, min=0, doc="dense FP8 tensor TFLOP/s, used by the GEMMs of "
@@ -323,13 +323,20 @@ def bundled_scenarios() -> list[tuple[str, str]]:
 
 def find_scenario(spec: str | None) -> Path:
     """A scenario path from a file path or a bundled name. Raises ScenarioError if neither."""
-    spec = spec or DEFAULT_SCENARIO
+    if spec is None:
+        spec = DEFAULT_SCENARIO
+    if not spec.strip():
+        raise ScenarioError(f"scenario {spec!r}: an empty name (give a file or a bundled name, or none "
+                            f"for {DEFAULT_SCENARIO})")
     p = Path(spec).expanduser()
     if p.is_file():
         return p
     bundled = BUNDLED_DIR / f"{spec}.toml"
     if bundled.is_file():
         return bundled
+    if p.exists():  # a directory, a FIFO, a device
+        kind = "a directory" if p.is_dir() else "not a regular file"
+        raise ScenarioError(f"{spec}: {kind}, not a scenario file")
     names = [n for n, _ in bundled_scenarios()]
     hint = difflib.get_close_matches(spec, names, n=1)
     more = f" (did you mean {hint[0]!r}?)" if hint else f" (bundled: {', '.join(names)})"
@@ -343,7 +350,7 @@ def load_scenario(spec: str | None = None, overrides: list[str] | None = None) -
         if path.stat().st_size > MAX_SCENARIO_BYTES:  # (not read into memory first)
             raise ScenarioError(f"{path}: larger than {MAX_SCENARIO_BYTES >> 20} MiB, not a "
                                 "scenario file")
-        raw = toml_loads(path.read_text())
+        raw = toml_loads(path.read_text(encoding="utf-8-sig"))  # (a BOM some editors write is fine)
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path}: not valid TOML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -358,9 +365,10 @@ def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
     if "=" not in text:
         raise ScenarioError(f"{source}: {text!r}: expected SECTION.KEY=VALUE")
     key, _, value = text.partition("=")
-    parts = [k.strip() for k in key.strip().split(".") if k.strip()]
-    if not parts:
-        raise ScenarioError(f"{source}: {text!r}: empty key")
+    parts = [k.strip() for k in key.strip().split(".")]
+    if not all(parts):  # "", ".x", "kv..block_size"
+        raise ScenarioError(f"{source}: {text!r}: empty key" if not any(parts) else
+                            f"{source}: {text!r}: an empty part in the key {key.strip()!r}")
     try:
         parsed = toml_loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError:
@@ -641,6 +649,9 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     if m.num_heads % m.num_kv_heads:
         raise ScenarioError(f"{src}: model.num_kv_heads = {m.num_kv_heads}: must divide "
                             f"model.num_heads = {m.num_heads}")
+    if sc.kv.reserve_gb >= sc.hardware.memory_gb:
+        raise ScenarioError(f"{src}: kv.reserve_gb = {sc.kv.reserve_gb:g}: must be less than "
+                            f"hardware.memory_gb = {sc.hardware.memory_gb:g}")
     c = sc.compute
     if c.num_heads and c.num_kv_heads and c.num_heads % c.num_kv_heads:
         raise ScenarioError(f"{src}: compute.num_kv_heads = {c.num_kv_heads}: must divide "

@@ -474,21 +474,22 @@ def cmd_validate(args) -> int:
         results = validate_bench(read_bench_json(spec), _scenario(args))
     else:
         points = V.load_points(spec)
-        if args.only:
-            wanted = set(args.only.split(","))
+        if args.only is not None:
+            wanted = {x.strip() for x in args.only.split(",") if x.strip()}
             points = [p for p in points if p.id in wanted]
             if not points:
-                raise V.ValidationError(f"--only {args.only}: no such point in {spec}")
+                raise V.ValidationError(f"--only {args.only!r}: no such point in {spec}")
         if args.fit or args.loo:
             return _fit_profiles(points, args)
         results = []
+        show = not args.json and _is_terminal(sys.stderr)  # (a progress line is for a person)
         for i, p in enumerate(points):
-            if not args.json:
+            if show:
                 print(f"\r[{i + 1}/{len(points)}] {p.id} ", end="", file=sys.stderr, flush=True)
             try:
                 results.append(V.run_point(p, args.engine, args.overrides))
             finally:  # the progress line goes before a result or an error's one line
-                if not args.json:
+                if show:
                     print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
     stats = V.summary(results)
     if args.plot:
@@ -563,6 +564,13 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _file(text: str) -> str:
+    """An output file name: not empty (an empty one wrote nothing, or wrote to stdout)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r}: an empty file name")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="servesim", description="A live simulator of an LLM serving engine.")
     p.add_argument("--version", action="version", version="servesim 0.1.0")
@@ -608,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--compute", choices=["none", "numpy", "cupy", "auto"],
                    help="override compute.backend")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--log", metavar="FILE", help="write the session log (msgpack)")
+    s.add_argument("--log", type=_file, metavar="FILE", help="write the session log (msgpack)")
     _add_quiet(s)
     s.set_defaults(func=cmd_sim)
 
@@ -631,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("log", help="a session log (msgpack)")
     s.add_argument("--format", required=True, choices=["chrome", "csv", "jsonl"],
                    help="chrome: trace events for Perfetto; csv: a row per request; jsonl: events")
-    s.add_argument("-o", "--output", metavar="FILE", help="write here (default: stdout)")
+    s.add_argument("-o", "--output", type=_file, metavar="FILE", help="write here (default: stdout)")
     _add_quiet(s)
     s.set_defaults(func=cmd_export)
 
@@ -646,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", type=int, metavar="K", help="run seeds 0..K-1 at every point")
     s.add_argument("--slo", metavar="ttft_ms=..,tpot_ms=..,e2e_ms=..",
                    help="replace the [slo] section at every point")
-    s.add_argument("-o", "--output", metavar="FILE", help="write a CSV row per point and seed")
+    s.add_argument("-o", "--output", type=_file, metavar="FILE", help="write a CSV row per point and seed")
     s.add_argument("--workers", type=int, metavar="N",
                    help="local worker processes (default: the CPU count)")
     s.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
@@ -691,7 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override any scenario field")
     s.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
-    s.add_argument("-o", "--output", metavar="FILE.toml", help="write the engine profile here")
+    s.add_argument("-o", "--output", type=_file, metavar="FILE.toml", help="write the engine profile here")
     s.add_argument("--json", action="store_true", help="print the fit as one JSON object")
     s.set_defaults(func=cmd_calibrate)
 

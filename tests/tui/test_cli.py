@@ -198,3 +198,30 @@ def test_the_dashboard_without_a_terminal_is_one_line():
     p = subprocess.run(SERVESIM + ["run", "--compute", "none"], stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "needs a terminal" in p.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["sim", ""], "scenario '': an empty name"),  # (ran the default scenario)
+    (["sim", "/tmp"], "/tmp: a directory, not a scenario file"),  # ("no such scenario file")
+    (["sim", "/dev/zero"], "/dev/zero: not a regular file"),
+    (["sim", "chat", "--set", "kv..block_size=1"], "an empty part in the key 'kv..block_size'"),
+    (["validate", "--only", ""], "--only '': no such point"),  # (ran all 66 points)
+])
+def test_empty_and_odd_names_are_refused(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("argv", [["sim", "chat", "--log", ""], ["export", "x.msgpack", "-o", ""],
+                                  ["sweep", "chat", "-o", ""], ["calibrate", "m.csv", "-o", ""]])
+def test_an_empty_output_name_is_refused(argv):
+    # --log "" wrote no log and -o "" wrote to stdout, both silently
+    p = subprocess.run([sys.executable, "-m", "tui.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "'': an empty file name" in p.stderr and p.stderr.count("\n") == 1
+
+
+def test_a_scenario_with_a_byte_order_mark_loads(tmp_path, capsys):
+    p = tmp_path / "bom.toml"
+    p.write_bytes(b"\xef\xbb\xbf" + b'name = "bom"\n[workload]\nrate = 1\nduration_s = 2\n')
+    code, out, err = run(capsys, "sim", str(p), "--json")
+    assert code == 0 and json.loads(out)["scenario"] == "bom", err
