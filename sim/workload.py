@@ -477,12 +477,13 @@ def build_workload(scenario) -> Workload:
         prompt = sample(scenario, "prompt_tokens", n, _rng(seed, _PROMPT), index=index)
         output = sample(scenario, "output_tokens", n, _rng(seed, _OUTPUT), index=index)
     n = len(arrival)
-    if n and not arrival[-1] <= MAX_TIME_S:  # (arrivals are sorted; NaN fails too)
-        what = (f"workload.time_scale = {w.time_scale:g}" if w.arrival == "trace"
+    # (arrivals are sorted; NaN fails too. Half the clock's range is left to serve them in.)
+    if n and not arrival[-1] <= MAX_TIME_S / 2:
+        what = (f"workload.trace = {w.trace!r} x time_scale = {w.time_scale:g}" if w.arrival == "trace"
                 else f"workload.rate = {w.rate:g}")
         raise ScenarioError(f"{scenario.source}: {what}: the last request would arrive at "
-                            f"t = {arrival[-1]:.3g} s, past the {MAX_TIME_S:g} s a simulated "
-                            "clock can hold")
+                            f"t = {arrival[-1]:.3g} s, past {MAX_TIME_S / 2:g} s (half the "
+                            f"{MAX_TIME_S:g} s a simulated clock can hold)")
     check_memory(f"{scenario.source}: workload", n * BYTES_PER_REQUEST,
                  f" for its {n:,} requests")
     if n:  # the longest request alone takes a step per output token

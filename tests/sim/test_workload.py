@@ -211,3 +211,16 @@ def test_a_trace_from_a_fifo_is_read_and_a_silent_fifo_refused(tmp_path, monkeyp
     w = build_workload(load_scenario(str(p)))  # a writer that comes a little later
     writer.join()
     assert len(w) == 1 and w.prompt[0] == 374
+
+
+def test_a_trace_reaching_past_the_clock_names_the_trace(tmp_path):
+    # A request at 1e12 ms arrived at the clock's last second: the run then stopped past it
+    # with a message blaming [hardware] and [model].
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 10}\n'
+                     '{"timestamp": 1e12, "input_length": 100, "output_length": 10}\n')
+    p = tmp_path / "m.toml"
+    p.write_text('name="m"\n[workload]\narrival="trace"\ntrace="t.jsonl"\n')
+    with pytest.raises(ScenarioError, match=r"workload.trace = 't.jsonl' x time_scale = 1: the last request "
+                                            r"would arrive at t = 1e\+09 s, past 5e\+08 s"):
+        build_workload(load_scenario(str(p)))
