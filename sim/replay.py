@@ -39,7 +39,8 @@ class Replayer:
         try:
             sc = scenario_from_dict(raw, source=log.path, check_workload=False)
         except ServesimError as e:
-            raise LogError(f"{log.path}: the header's scenario does not load: {e}") from None
+            why = str(e).removeprefix(f"{log.path}: ")  # (it names the file too: once is enough)
+            raise LogError(f"{log.path}: the header's scenario does not load: {why}") from None
         self._next = 0
         self.end_step = int(log.footer["step"])
         self.end_time = float(log.footer["now"])

@@ -587,3 +587,14 @@ def test_steps_with_a_duration_per_step_only(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert f"event {i}: steps field durs: 2 durations, expected one for each of its 1" in err
+
+
+def test_a_header_scenario_that_does_not_load_names_the_file_once(tmp_path, capsys):
+    def block_size_3(objs):
+        objs[0]["scenario"].setdefault("kv", {})["block_size"] = 3
+
+    p = _crafted(tmp_path, "crafted.msgpack", block_size_3)
+    assert main(["replay", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "the header's scenario does not load: kv.block_size = 3: must be a power of two" in err
+    assert err.count(str(p)) == 1, err
