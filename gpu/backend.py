@@ -47,10 +47,62 @@ _NUMPY = Backend("numpy", "cpu (numpy)", np, numpy_backend)
 _cupy_backend: Backend | None = None
 
 
+# The CUDA libraries CuPy opens by name at run time (NVRTC for every kernel, its own included;
+# cuRAND and cuBLAS for random numbers and matmuls).
+CUDA_LIBRARIES = ("nvrtc", "curand", "cublas")
+
+
+def cupy_cuda_major() -> int | None:
+    """The CUDA major version the installed CuPy wheel is built for (cupy-cuda12x: 12), read
+    from its package name without importing it; None when that says nothing."""
+    from importlib import metadata
+
+    for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x"):
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        return int(dist[len("cupy-cuda"):-1])
+    return None
+
+
+def preload_wheel_libraries(major: int, roots=None) -> list[str]:
+    """Loads (RTLD_GLOBAL) each of CUDA_LIBRARIES of CUDA `major` that the dynamic linker cannot
+    find by name but a pip wheel holds (`nvidia/*/lib/lib<name>.so.<major>` under `roots`,
+    default sys.path): CuPy then finds it already loaded by its soname. torch's CUDA wheels
+    install these without putting them on the linker's path. Returns the paths loaded."""
+    import ctypes
+    import glob
+    import os
+    import sys
+
+    loaded = []
+    for name in CUDA_LIBRARIES:
+        soname = f"lib{name}.so.{major}"
+        try:
+            ctypes.CDLL(soname)
+            continue  # the linker finds it: nothing to do
+        except OSError:
+            pass
+        for root in roots if roots is not None else sys.path:
+            hits = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", soname + "*")))
+            if hits:
+                try:
+                    ctypes.CDLL(hits[0], mode=ctypes.RTLD_GLOBAL)
+                    loaded.append(hits[0])
+                except OSError:
+                    continue
+                break
+    return loaded
+
+
 def _probe_cupy() -> Backend:
     global _cupy_backend
     if _cupy_backend is not None:
         return _cupy_backend
+    major = cupy_cuda_major()
+    if major is not None:
+        preload_wheel_libraries(major)
     try:
         import cupy
     except Exception as exc:  # ImportError, or a broken CUDA install failing at import
@@ -64,6 +116,10 @@ def _probe_cupy() -> Backend:
         int(cupy.arange(4).sum())  # a real allocation and launch: the driver works
     except Exception as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "failed to load" in message or "cannot open shared object" in message:
+            # (CuPy compiles even its own kernels with NVRTC: the device may be fine)
+            raise BackendUnavailable(f"cupy backend unavailable: a CUDA library CuPy needs cannot be "
+                                     f"loaded ({message}); put its folder on LD_LIBRARY_PATH") from None
         raise BackendUnavailable(f"cupy backend unavailable: no usable CUDA device ({message})") from None
     name = props["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)

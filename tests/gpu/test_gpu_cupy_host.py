@@ -1,6 +1,9 @@
 """The CuPy backend's host side without CUDA: how it compiles and looks up kernels (a stand-in
 for cupy.RawModule counts the compiles)."""
 
+import ctypes
+import shutil
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -59,3 +62,22 @@ def test_the_spin_kernel_is_its_own_module(fake_cupy):
     cupy_backend._kernel(("spin", 0, 0), cupy_backend.SPIN_KERNEL)
     ((code, names),) = fake_cupy.modules
     assert names == ["servesim_spin"] and "globaltimer" in code and "paged_decode" not in code
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build a stand-in library")
+def test_a_cuda_library_from_a_pip_wheel_is_preloaded_by_its_soname(tmp_path):
+    # CuPy opens libnvrtc.so.<major> by name; torch's wheels install it under
+    # site-packages/nvidia/*/lib, where the dynamic linker does not look.
+    from gpu.backend import preload_wheel_libraries
+
+    lib = tmp_path / "site" / "nvidia" / "cu97" / "lib"
+    lib.mkdir(parents=True)
+    src = tmp_path / "x.c"
+    src.write_text("int servesim_probe(void) { return 7; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libnvrtc.so.97", "-o",
+                    str(lib / "libnvrtc.so.97.1"), str(src)], check=True)
+    with pytest.raises(OSError):
+        ctypes.CDLL("libnvrtc.so.97")
+    assert preload_wheel_libraries(97, roots=[str(tmp_path / "site")]) == [str(lib / "libnvrtc.so.97.1")]
+    assert ctypes.CDLL("libnvrtc.so.97").servesim_probe() == 7  # found by name now
+    assert preload_wheel_libraries(97, roots=[str(tmp_path / "site")]) == []  # already there
