@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import collections
 import heapq
 import math
 import os
@@ -43,6 +44,14 @@ from tui.serve.sender import PairWriter, RawWriter
 SERVE_STREAM = 0x5E  # seed stream of output lengths drawn for requests without max_tokens
 WRITE_LIMIT = 32 * 1024  # above this many unsent bytes a client is slow: its own task writes
 MAX_STEPS = 256  # engine steps per pump turn, so that sends and requests are not held up
+# Engine requests injected per pump turn (~20 us each): a call of thousands of sequences (prompts
+# x n) goes in over several turns, the sends due meanwhile between them, not in one stretch.
+INJECT_SLICE = 64
+# Unsent bytes a stream may hold (its backlog and its transport's buffer) while its client does
+# not read: past this the server aborts its requests and closes the connection. 4 MiB is ~20,000
+# token frames (a whole 8k-token answer of a choice, or seconds of n=256); at most
+# max_num_seqs streams produce frames, so at 256 a server holds at most ~1 GiB for them.
+MAX_BACKLOG = 4 << 20
 # The pump looks at least this often (wall seconds), whatever else changed the engine.
 MAX_SLEEP_S = 0.1
 # The pump asks to be woken this much before a step's tokens are due and sleeps the rest in the
@@ -151,6 +160,8 @@ class Call:
         self.first_sent: float | None = None  # wall time the first frame left (record_timing)
         self.chunked = False
         self.backlog: list[bytes] = []
+        self.backlog_bytes = 0
+        self.injected = 0  # sequences (prompt, sample) injected so far (in slices)
         self._kick: asyncio.Future | None = None
         self.done = loop.create_future()  # set when complete (the non-streamed response)
 
@@ -189,9 +200,13 @@ class Call:
                 while self.backlog:
                     data = b"".join(self.backlog)
                     self.backlog.clear()
+                    self.backlog_bytes = 0
                     await resp.write(data)
                 if self.complete:
                     break
+                if self.closed:  # dropped (see `Frontend._write`): no clean end of stream
+                    transport.abort()
+                    raise ConnectionResetError("the stream was dropped")
                 self._kick = loop.create_future()
                 await self._kick
             await resp.write_eof()
@@ -326,7 +341,7 @@ class Frontend:
         self.error: str | None = None
         self.metrics = ServeMetrics(model_name, self.max_model_len, self._read_gauges)
         self.prompt_tokens = 0
-        self._pending: list[Call] = []
+        self._pending: collections.deque[Call] = collections.deque()
         self._tracks: dict[int, _Track] = {}
         self._due: dict[float, _Due] = {}
         self._due_times: list[float] = []
@@ -360,6 +375,12 @@ class Frontend:
         if spec.n > self.max_num_seqs:
             raise APIError(f"n = {spec.n} is larger than max_num_seqs = {self.max_num_seqs}: "
                            "the samples could never run together", param="n")
+        k = len(spec.prompts) * spec.n
+        if self.max_waiting is not None and k > self.max_num_seqs + self.max_waiting:
+            raise APIError(f"{len(spec.prompts):,} prompts x n = {spec.n} is {k:,} sequences: "
+                           f"more than max_num_seqs = {self.max_num_seqs} running and "
+                           f"--max-waiting {self.max_waiting} waiting could ever hold",
+                           param="prompt" if spec.n == 1 else "n")
         limit = self.max_model_len
         for p in spec.prompts:
             if limit and p.num_tokens >= limit:
@@ -376,6 +397,34 @@ class Frontend:
             if self.real_compute and p.text is None:
                 raise APIError(f"Token ids must be below the vocabulary size "
                                f"({self.vocab_size}) of the tiny model", param="prompt")
+            if spec.max_tokens is not None or spec.ignore_eos:  # (else drawn when injected)
+                err = self._too_big(spec, p.num_tokens, self._output_len(spec, p.num_tokens)[0])
+                if err is not None:
+                    raise err
+
+    def _too_big(self, spec: GenerateSpec, prompt_len: int, out: int) -> APIError | None:
+        """The refusal of a sequence whose prompt and output could never fit in the KV cache
+        (the engine would reject it: `out - 1` output tokens are ever held), naming what to
+        shorten; None when it fits."""
+        bs, pool = self.engine.scenario.kv.block_size, self.engine.kv.num_blocks
+        capacity = pool * bs
+        if prompt_len + out - 1 <= capacity:
+            return None
+        needs = f"needs {-(-(prompt_len + out - 1) // bs):,} blocks of {bs} tokens"
+        if prompt_len > capacity:
+            return APIError(f"The request cannot be served: its prompt of {prompt_len:,} tokens "
+                            f"{needs} and the KV cache has {pool:,} ({capacity:,} tokens): "
+                            "shorten the prompt", param="prompt")
+        if spec.max_tokens is not None:
+            what = f"'max_tokens' = {out:,}"
+        elif spec.ignore_eos:
+            what = f"'ignore_eos' without 'max_tokens' ({out:,} output tokens)"
+        else:
+            what = f"the output length drawn for it ({out:,} tokens; no 'max_tokens')"
+        return APIError(f"The request cannot be served: its prompt of {prompt_len:,} tokens with "
+                        f"{what} {needs} and the KV cache has {pool:,} ({capacity:,} tokens): "
+                        f"'max_tokens' can be at most {capacity - prompt_len + 1:,}",
+                        param="max_tokens")
 
     def submit(self, spec: GenerateSpec, tag: str, arrival: float) -> Call:
         """Queue a checked request that arrived at simulated time `arrival`; the pump injects
@@ -482,63 +531,74 @@ class Frontend:
         return min(t, e.next_event())  # a background arrival
 
     def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for call in pending:
+        """Inject the calls that came in, in order, at most INJECT_SLICE engine requests this
+        turn (a call of thousands of sequences goes in over several turns). A call is answered
+        (`accepted`) once all of it is in, or when it is refused."""
+        pending = self._pending
+        budget = INJECT_SLICE
+        while pending and budget > 0:
+            call = pending[0]
             # (a handler cancelled while it awaited `accepted`, its client gone at once, may not
             # have reached `abandon` yet: its future is done, cancelled, and takes no result)
             if call.abandoned or call.accepted.done():
-                continue
-            if self.error:
-                call.accepted.set_exception(APIError(f"the engine stopped: {self.error}",
-                                                     HTTPStatus.INTERNAL_SERVER_ERROR))
+                pending.popleft()
                 continue
             try:
-                self._inject(call)
-            except APIError as err:
-                call.accepted.set_exception(err)
+                if self.error:
+                    raise APIError(f"the engine stopped: {self.error}",
+                                   HTTPStatus.INTERNAL_SERVER_ERROR)
+                budget -= self._inject(call, budget)
+            except (APIError, ServesimError) as err:
+                pending.popleft()
+                self.abandon(call)  # what it had injected goes (cancelled)
+                call.accepted.set_exception(err if isinstance(err, APIError)
+                                            else APIError(str(err)))
                 call.complete = True
                 continue
-            except ServesimError as err:
-                call.accepted.set_exception(APIError(str(err)))
-                call.complete = True
-                continue
-            call.accepted.set_result(True)
+            if call.injected == len(call.spec.prompts) * call.spec.n:
+                pending.popleft()
+                call.open -= 1  # (the one held while it was going in)
+                call.accepted.set_result(True)
 
-    def _inject(self, call: Call) -> None:
-        """Inject one request per prompt and choice, arriving when the call arrived."""
+    def _inject(self, call: Call, budget: int) -> int:
+        """Inject up to `budget` more of the call's requests, one per prompt and choice, arriving
+        when the call arrived (later ones join the queue later, as a real server's fan-out
+        does). Returns how many. Raises APIError (or ServesimError) when it is refused."""
         e, spec = self.engine, call.spec
-        if spec.priority and e.policy.name != "priority":
-            raise APIError(f"Got priority {spec.priority} but Priority scheduling is not "
-                           f"enabled (policy {e.policy.name!r}).", param="priority")
-        if self.max_waiting is not None and len(e.policy.waiting) >= self.max_waiting:
-            raise APIError(f"The server is overloaded: {len(e.policy.waiting)} requests are "
-                           f"waiting (--max-waiting {self.max_waiting})",
-                           HTTPStatus.SERVICE_UNAVAILABLE)
-        e.run_until(call.arrival)  # the engine at (or past) the arrival: it joins from there
-        before = len(e.events)
-        ids = []
-        for prompt in spec.prompts:
-            for _ in range(spec.n):
-                out, reason = self._output_len(spec, prompt.num_tokens)
-                [rid] = e.inject(prompt.num_tokens, out, priority=spec.priority,
-                                 prompt_text=prompt.text, arrival_time=min(call.arrival, e.now),
-                                 tag=call.tag)
-                choice = Choice(call, len(call.choices), rid, reason, self.real_compute)
-                if self.record_timing and choice.index == 0:
-                    choice.times = []
-                call.choices.append(choice)
-                ids.append(rid)
+        if call.injected == 0:
+            if spec.priority and e.policy.name != "priority":
+                raise APIError(f"Got priority {spec.priority} but Priority scheduling is not "
+                               f"enabled (policy {e.policy.name!r}).", param="priority")
+            if self.max_waiting is not None and len(e.policy.waiting) >= self.max_waiting:
+                raise APIError(f"The server is overloaded: {len(e.policy.waiting)} requests are "
+                               f"waiting (--max-waiting {self.max_waiting})",
+                               HTTPStatus.SERVICE_UNAVAILABLE)
+            e.run_until(call.arrival)  # the engine at (or past) the arrival: it joins from there
+            call.open = 1  # held while it goes in: its first choices may end before its last
+        before, first = len(e.events), call.injected
+        stop = min(first + budget, len(spec.prompts) * spec.n)
+        arrival = min(call.arrival, e.now)
+        for i in range(first, stop):
+            prompt = spec.prompts[i // spec.n]
+            out, reason = self._output_len(spec, prompt.num_tokens)
+            err = self._too_big(spec, prompt.num_tokens, out)
+            if err is not None:
+                raise err
+            [rid] = e.inject(prompt.num_tokens, out, priority=spec.priority,
+                             prompt_text=prompt.text, arrival_time=arrival, tag=call.tag)
+            choice = Choice(call, len(call.choices), rid, reason, self.real_compute)
+            if self.record_timing and choice.index == 0:
+                choice.times = []
+            call.choices.append(choice)
+            call.injected += 1
+            call.open += 1
+            self._tracks[rid] = _Track(arrival, prompt.num_tokens, choice)
+        # (`_too_big` checked the engine's own rule: a rejection here is a bug, refused all the
+        # same)
         rejected = [ev for ev in e.events[before:] if ev.kind == "reject"]
         if rejected:
-            for c in call.choices:
-                if c.req_id not in {r.req_id for r in rejected}:
-                    e.cancel(c.req_id)
             raise APIError(f"The request cannot be served: {rejected[0].reason}")
-        call.open = len(call.choices)
-        arrival = min(call.arrival, e.now)
-        for c in call.choices:
-            self._tracks[c.req_id] = _Track(arrival, spec.prompts[c.index // spec.n].num_tokens,
-                                            c)
+        return stop - first
 
     def _output_len(self, spec: GenerateSpec, prompt_len: int) -> tuple[int, str]:
         """The output length of one choice and why it ends: `max_tokens` ("length"); without
@@ -593,6 +653,10 @@ class Frontend:
         self._pending.clear()
 
     def _fail(self, message: str) -> None:
+        """The engine stopped (an EngineError): one line on stderr; every open call ends with
+        `abort`, and later ones are refused (500, /health 503)."""
+        if self.error is None:
+            print(f"servesim serve: the engine stopped: {message}", file=sys.stderr, flush=True)
         self.error = message
         for tr in self._tracks.values():
             c = tr.choice
@@ -950,7 +1014,11 @@ class Frontend:
         if (call.backlog or tr is None or call.resp is None
                 or tr.get_write_buffer_size() > WRITE_LIMIT):
             call.backlog.append(data)
+            call.backlog_bytes += len(data)
             self.gen += 1
+            if call.backlog_bytes + (tr.get_write_buffer_size() if tr else 0) > MAX_BACKLOG:
+                self._drop(call)
+                return
             call.kick()
             return
         if tr.is_closing():
@@ -959,6 +1027,21 @@ class Frontend:
         tr.write(_chunk(data) if call.chunked else data)
         if tr.get_write_buffer_size():  # a raw write now would overtake what it holds
             self.gen += 1
+
+    def _drop(self, call: Call) -> None:
+        """A stream whose client has stopped reading holds MAX_BACKLOG unsent: its requests are
+        aborted in the engine (their blocks freed, counted as `abort`, as vLLM counts a request
+        aborted for its client) and its connection closed."""
+        call.backlog.clear()
+        call.backlog_bytes = 0
+        for c in call.choices:
+            if not c.done:
+                c.reason = "abort"
+        print(f"servesim serve: {call.tag}: stream {call.rid} aborted: over {MAX_BACKLOG >> 20} "
+              "MiB unsent (the client is not reading)", file=sys.stderr, flush=True)
+        self.abandon(call)
+        if call.transport is not None:
+            call.transport.abort()
 
     def _record(self, call: Call) -> None:
         c = call.choices[0]

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import sys
 from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from tui.serve.frontend import Frontend
 from tui.serve.intake import ACCEPT_BATCH, Intake
 from tui.serve.metrics import CONTENT_TYPE
-from tui.serve.protocol import APIError, parse_body, parse_generate
+from tui.serve.protocol import APIError, body_pieces, parse_body, parse_generate
 
 FRONTEND = web.AppKey("frontend", Frontend)
 INTAKE = web.AppKey("intake", Intake)
@@ -54,6 +55,39 @@ async def _errors(request: web.Request, handler):
                                HTTPStatus.INTERNAL_SERVER_ERROR))
 
 
+def _cause(exc: BaseException) -> str:
+    """The innermost message of a chain of exceptions, on one line."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = exc.message if isinstance(exc, http_exceptions.HttpProcessingError) else str(exc)
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+class _ClientErrors(logging.Filter):
+    """aiohttp's server logger: an error the client caused (malformed HTTP, a body that does not
+    decode, a connection reset) becomes one line, without its traceback; anything else (a
+    bug) keeps it."""
+
+    CLIENT = (http_exceptions.HttpProcessingError, web.RequestPayloadError, ConnectionError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, self.CLIENT):
+            peer = record.getMessage().partition(" from ")[2]
+            record.msg = (f"servesim serve: a client's error{f' from {peer}' if peer else ''}: "
+                          f"{type(exc).__name__}: {_cause(exc)}")
+            record.args = None
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _quiet_client_errors() -> None:
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientErrors) for f in logger.filters):
+        logger.addFilter(_ClientErrors())
+
+
 def _client(request: web.Request) -> str:
     peer = request.transport.get_extra_info("peername") if request.transport else None
     if isinstance(peer, tuple) and len(peer) >= 2:
@@ -64,7 +98,13 @@ def _client(request: web.Request) -> str:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     arrival = fe.clock.now()  # (the handler's start, where the kernel's time is not known)
-    body = await request.read()
+    try:
+        body = await request.read()
+    except web.RequestPayloadError as e:  # (a body its Content-Encoding does not decode, ...)
+        encoding = request.headers.get("Content-Encoding")
+        raise APIError(f"cannot read the request body"
+                       f"{f' (Content-Encoding: {encoding})' if encoding else ''}: "
+                       f"{_cause(e)}") from None
     # the receive time of the bytes that completed the body, or of later ones
     wall = request.app[INTAKE].arrival(request.transport)
     if wall is not None:
@@ -72,11 +112,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     spec = parse_generate(parse_body(body), chat)
     fe.check(spec)
     call = fe.submit(spec, _client(request), arrival)
+    resp = None
     try:
         await call.accepted
         if not spec.stream:
             await call.done
-            return web.json_response(call.body())
+            pieces = []
+            for piece in body_pieces(call.body()):
+                pieces.append(piece)
+                await asyncio.sleep(0)  # (sends and other handlers between the pieces)
+            return web.Response(body=b"".join(pieces), content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         if request.version >= (1, 1):  # explicit, so the pump knows it frames chunks
@@ -87,9 +132,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     except asyncio.CancelledError:
         fe.abandon(call)
         raise
-    except ConnectionError:
+    except ConnectionError:  # the client vanished (or its stream was dropped): not an error
         fe.abandon(call)
-        raise
+        return resp if resp is not None else web.Response()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -135,6 +180,7 @@ async def timing(request: web.Request) -> web.Response:
 
 
 def make_app(frontend: Frontend) -> web.Application:
+    _quiet_client_errors()
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
     app[FRONTEND] = frontend
     app[INTAKE] = Intake()

@@ -8,6 +8,8 @@ with NumPy (a step of 500 decodes is one `observe` of 500 values, not 500 calls)
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
@@ -42,11 +44,16 @@ class Histogram:
     def __init__(self, name: str, doc: str, buckets) -> None:
         self.name, self.doc = name, doc
         self.bounds = np.asarray(buckets, dtype=np.float64)
+        self._bounds = tuple(self.bounds.tolist())
         self.counts = np.zeros(len(self.bounds) + 1, dtype=np.int64)  # the last is +Inf
         self.sum = 0.0
 
     def observe(self, values) -> None:
         """Add one value or an array of them."""
+        if isinstance(values, (int, float)):  # (a request's figures: ~20x cheaper than NumPy's)
+            self.counts[bisect.bisect_left(self._bounds, values)] += 1
+            self.sum += values
+            return
         v = np.atleast_1d(np.asarray(values, dtype=np.float64))
         if not len(v):
             return

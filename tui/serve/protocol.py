@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import sys
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -80,44 +82,118 @@ class GenerateSpec:
 
 
 # --- field checks ------------------------------------------------------------------------------
+# Sequences (prompts x n) one request may ask for: 16 waves of vLLM's default max_num_seqs
+# (256). Each is an engine request to inject, track and answer (~35 us of the event loop's
+# time, injected in slices between sends); a batch larger than this is better sent as several
+# requests, which then share the engine fairly with other clients'.
+MAX_SEQUENCES = 4096
+# `priority`: vLLM's is a Python int; servesim keeps it to int32 (its session logs' range).
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
 def _bad(name: str, value, expected: str) -> APIError:
-    shown = json.dumps(value)[:60] if _jsonable(value) else repr(value)[:60]
-    return APIError(f"'{name}' = {shown}: {expected}", param=name)
+    return APIError(f"'{name}' = {shown(value)}: {expected}", param=name)
 
 
-def _jsonable(v) -> bool:
+def shown(value, limit: int = 60) -> str:
+    """`value` as JSON for a message, cut to `limit` characters; only its start is rendered (a
+    prompt list of millions of ids, JSON nested a thousand deep)."""
     try:
-        json.dumps(v)
-        return True
-    except (TypeError, ValueError):
-        return False
+        text = json.dumps(_head(value, 0))
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _int(body: dict, name: str, default, *, minimum: int | None = None):
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(name, v, "must be an integer")
-    if minimum is not None and v < minimum:
-        raise _bad(name, v, f"must be at least {minimum}")
+def _head(v, depth: int):
+    if isinstance(v, str):
+        return v[:80]
+    if isinstance(v, list):
+        return [_head(x, depth + 1) for x in v[:8]] if depth < 4 else "..."
+    if isinstance(v, dict):
+        return ({k: _head(x, depth + 1) for k, x in list(v.items())[:8]} if depth < 4
+                else "...")
     return v
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
+def _int(body: dict, name: str, default, *, minimum: int | None = None,
+         maximum: int | None = None, path: str | None = None):
+    v = body.get(name)
+    path = path or name
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(path, v, "must be an integer")
+    if minimum is not None and maximum is not None and not minimum <= v <= maximum:
+        raise _bad(path, v, f"must be an integer from {minimum:,} to {maximum:,}")
+    if minimum is not None and v < minimum:
+        raise _bad(path, v, f"must be at least {minimum}")
+    return v
+
+
+def _bool(body: dict, name: str, default: bool = False, *, path: str | None = None) -> bool:
     v = body.get(name)
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise _bad(name, v, "must be true or false")
+        raise _bad(path or name, v, "must be true or false")
     return v
 
 
-def _number(body: dict, name: str) -> None:
-    """A sampling knob servesim accepts and does not use: checked for type only."""
+def _number(body: dict, name: str) -> float | None:
+    """A finite number, or None when absent."""
     v = body.get(name)
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise _bad(name, v, "must be a number")
+    if not math.isfinite(v):
+        raise _bad(name, v, "must be a finite number")
+    return v
+
+
+def _sampling(body: dict) -> None:
+    """The sampling knobs servesim accepts and does not use, checked as vLLM's
+    `SamplingParams` and request models check them (types, then ranges). Raises APIError
+    naming the first bad one."""
+    v = _number(body, "temperature")
+    if v is not None and v < 0:
+        raise _bad("temperature", v, "must be non-negative")
+    v = _number(body, "top_p")
+    if v is not None and not 0 < v <= 1:
+        raise _bad("top_p", v, "must be in (0, 1]")
+    v = _int(body, "top_k", None)
+    if v is not None and v < -1:
+        raise _bad("top_k", v, "must be -1 or 0 (disable), or at least 1")
+    v = _number(body, "min_p")
+    if v is not None and not 0 <= v <= 1:
+        raise _bad("min_p", v, "must be in [0, 1]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _number(body, name)
+        if v is not None and not -2 <= v <= 2:
+            raise _bad(name, v, "must be in [-2, 2]")
+    v = _number(body, "repetition_penalty")
+    if v is not None and v <= 0:
+        raise _bad("repetition_penalty", v, "must be greater than zero")
+    _int(body, "seed", None, minimum=-(2**63), maximum=2**63 - 1)
+    stop = body.get("stop")
+    if stop is not None:
+        if not isinstance(stop, (str, list)) or (
+                isinstance(stop, list) and not all(isinstance(s, str) for s in stop)):
+            raise _bad("stop", stop, "must be a string or a list of strings")
+        if isinstance(stop, list) and "" in stop:
+            raise _bad("stop", stop, "cannot contain an empty string")
+    ids = body.get("stop_token_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+        raise _bad("stop_token_ids", ids, "must be a list of non-negative integers")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS):
+        raise _bad("response_format", fmt,
+                   "must be an object whose 'type' is one of " + ", ".join(RESPONSE_FORMATS))
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "use_beam_search",
@@ -130,6 +206,11 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(f"Invalid JSON in the request body: {e}") from None
+    except RecursionError:
+        raise APIError("Invalid JSON in the request body: nested too deeply") from None
+    except ValueError:  # an integer literal past Python's int-from-string limit
+        raise APIError(f"Invalid JSON in the request body: an integer literal of more than "
+                       f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object")
     return body
@@ -160,6 +241,9 @@ def completion_prompts(body: dict) -> list[Prompt]:
     if isinstance(p, list) and p:
         if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
             return [_prompt_of_ids(p, "prompt")]
+        if len(p) > MAX_SEQUENCES:  # (before the prompts are read: one pass is long enough)
+            raise APIError(f"'prompt' is a list of {len(p):,} prompts: at most "
+                           f"{MAX_SEQUENCES:,} prompts x n in one request", param="prompt")
         out = []
         for x in p:
             if isinstance(x, str):
@@ -227,15 +311,20 @@ def parse_generate(body: dict, chat: bool) -> GenerateSpec:
         prompts = completion_prompts(body)
         max_tokens = _int(body, "max_tokens", None, minimum=1)
     for name in UNSUPPORTED:
-        if body.get(name) not in (None, False, 0):
+        v = body.get(name)
+        # (a completion's `logprobs: 0` asks for the sampled token's logprob; a chat's is a
+        # flag)
+        if v is not None and v is not False and (v != 0 or name == "logprobs" and not chat):
             raise APIError(f"'{name}' is not supported by servesim", param=name)
-    best_of = body.get("best_of")
+    best_of = _int(body, "best_of", None)
     if best_of not in (None, 1):
         raise APIError("'best_of' is not supported by servesim", param="best_of")
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "seed"):
-        _number(body, name)
+    _sampling(body)
     n = _int(body, "n", 1, minimum=1)
+    if len(prompts) * n > MAX_SEQUENCES:
+        raise APIError(f"{len(prompts):,} prompts x 'n' = {n:,} is {len(prompts) * n:,} "
+                       f"sequences: at most {MAX_SEQUENCES:,} in one request",
+                       param="prompt" if n == 1 else "n")
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     include_usage = continuous = False
@@ -245,8 +334,9 @@ def parse_generate(body: dict, chat: bool) -> GenerateSpec:
                            param="stream_options")
         if not isinstance(options, dict):
             raise _bad("stream_options", options, "must be an object")
-        include_usage = _bool(options, "include_usage")
-        continuous = _bool(options, "continuous_usage_stats")
+        include_usage = _bool(options, "include_usage", path="stream_options.include_usage")
+        continuous = _bool(options, "continuous_usage_stats",
+                           path="stream_options.continuous_usage_stats")
     min_tokens = _int(body, "min_tokens", 0, minimum=0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise APIError(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
@@ -254,7 +344,8 @@ def parse_generate(body: dict, chat: bool) -> GenerateSpec:
     return GenerateSpec(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens, n=n,
                         stream=stream, include_usage=include_usage, continuous_usage=continuous,
                         ignore_eos=_bool(body, "ignore_eos"), min_tokens=min_tokens,
-                        priority=_int(body, "priority", 0))
+                        priority=_int(body, "priority", 0, minimum=PRIORITY_MIN,
+                                      maximum=PRIORITY_MAX))
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -286,6 +377,23 @@ def chat_body(rid: str, created: int, model: str, choices: list[tuple[str, str]]
                     for i, (text, reason) in enumerate(choices)],
         "usage": usage(prompt_tokens, completion_tokens),
     }
+
+
+def body_pieces(body: dict, per: int = 256):
+    """The bytes of `json.dumps(body)` (a whole response) in pieces, `per` choices each: a
+    response of thousands of choices is encoded between other work, not in one stretch."""
+    choices = body["choices"]
+    if len(choices) <= per:
+        yield json.dumps(body).encode()
+        return
+    text = json.dumps({**body, "choices": []})
+    # (the first match is the key: a quote inside a string value is escaped)
+    i = text.index('"choices": []')
+    yield text[:i].encode() + b'"choices": ['
+    for k in range(0, len(choices), per):
+        part = ", ".join(json.dumps(c) for c in choices[k:k + per])
+        yield (part if k == 0 else ", " + part).encode()
+    yield b"]" + text[i + len('"choices": []'):].encode()
 
 
 class ChunkWriter:

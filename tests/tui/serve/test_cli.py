@@ -11,6 +11,7 @@ from tui.cli import main
 
 @pytest.mark.parametrize("argv, words", [
     (["--speed", "0"], "--speed 0"),
+    (["--speed", "1e8"], "would pass its limit of 1e+09 s within a day of serving; at most 11574"),
     (["--set", "cluster.replicas=2"], "one engine instance"),
     (["--policy", "disaggregated"], "invalid choice"),
     (["--port", "70000"], "--port 70000"),

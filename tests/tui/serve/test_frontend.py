@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from sim import EngineError, load_scenario
+from tui.serve import frontend
 from tui.serve.app import build_frontend
-from tui.serve.protocol import FILLER, parse_generate
+from tui.serve.protocol import FILLER, APIError, parse_generate
 
 
 class Sink:
@@ -57,6 +60,15 @@ def step(fe) -> float:
     fe.clock.set(t + 1e-9, paused=True)
     fe.turn()
     return t
+
+
+def advance(fe) -> None:
+    """Move the clock just past the pump's next turn (a token due, a step to decide) and run
+    it."""
+    t = fe._next_time()
+    assert t < float("inf"), "nothing to do"
+    fe.clock.set(max(t, fe.clock.now()) + 1e-9, paused=True)
+    fe.turn()
 
 
 def test_a_steps_frames_are_built_when_its_events_are_read_and_sent_unchanged():
@@ -312,4 +324,137 @@ def test_a_whole_responses_tokens_are_timed_in_a_prepared_pass():
             step(fe)
         assert len(fe.lateness) == 8  # 4 tokens each
         assert [t["first_sent"] is not None for t in fe.timings] == [True, True]
+    asyncio.run(main())
+
+
+def test_a_call_of_thousands_of_sequences_goes_in_over_several_turns_and_ends_whole():
+    """prompts x n engine requests are injected INJECT_SLICE a turn (sends between them); the
+    first ones may finish before the last are in, and the call still ends once, with all its
+    choices."""
+    async def main():
+        fe = build_frontend(load_scenario("chat", []))
+        fe.clock.set(0.0, paused=True)
+        k = 10 * frontend.INJECT_SLICE + 3
+        call = fe.submit(parse_generate({"prompt": ["a", "b"], "n": k // 2 + 1,
+                                         "max_tokens": 1}, chat=False), "t", 0.0)
+        k = 2 * (k // 2 + 1)
+        fe.turn()
+        assert call.injected == frontend.INJECT_SLICE and not call.accepted.done()
+        seen = [call.injected]
+        ended_early = 0
+        while not call.accepted.done():
+            ended_early = fe.metrics.finished["length"]
+            assert not call.complete and not call.done.done()
+            advance(fe)  # (the first ones run, and finish, meanwhile)
+            seen.append(call.injected)
+        assert max(b - a for a, b in zip(seen, seen[1:])) <= frontend.INJECT_SLICE
+        assert seen[-1] == k and ended_early > 0 and call.accepted.result() is True
+        while not call.complete:
+            advance(fe)
+        body = call.body()
+        assert len(body["choices"]) == k and body["usage"]["completion_tokens"] == k
+        assert {c["finish_reason"] for c in body["choices"]} == {"length"}
+        assert fe.metrics.finished["length"] == k
+    asyncio.run(main())
+
+
+class Full(Sink):
+    """A transport whose client does not read: it holds what it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborted = False
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.data) + frontend.WRITE_LIMIT + 1
+
+    def abort(self) -> None:
+        self.aborted = self.closing = True
+
+
+def test_a_stream_whose_client_does_not_read_is_aborted_once_its_backlog_passes_the_cap(
+        monkeypatch):
+    async def main():
+        monkeypatch.setattr(frontend, "MAX_BACKLOG", 20_000)
+        fe, call = served({"prompt": "abc", "max_tokens": 100_000, "n": 4, "stream": True})
+        call.transport = Full()
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+        while not call.closed:
+            advance(fe)
+            assert call.backlog_bytes <= 20_000 + 1000
+        assert call.transport.aborted and not call.backlog
+        fe.turn()  # the engine's cancels are read
+        assert not fe._tracks and fe.engine.kv.num_used_blocks == 0
+        assert fe.metrics.finished["abort"] == 4
+        assert {c.reason for c in call.choices} == {"abort"}
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_reads_again_keeps_its_backlog(monkeypatch):
+    async def main():
+        fe, call = served({"prompt": "abc", "max_tokens": 200, "stream": True})
+        call.transport = Full()
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+        while not call.complete:
+            advance(fe)
+        frames = b"".join(call.backlog).split(b"\n\n")
+        assert not call.closed and len(frames) == 200 + 2  # every frame, [DONE], ""
+    asyncio.run(main())
+
+
+def test_an_engine_that_stops_says_so_in_one_line(capsys):
+    async def main():
+        fe, call = served({"prompt": "abc", "max_tokens": 50, "stream": True})
+        fe.clock.set(1e-9, paused=True)
+        fe.turn()
+
+        def failing(t, max_steps=None):
+            raise EngineError("simulated time passed 1e+09 s (simulated)")
+        fe.engine.run_until = failing
+        advance(fe)
+        assert fe.error and call.complete
+    asyncio.run(main())
+    err = capsys.readouterr().err
+    assert err == "servesim serve: the engine stopped: simulated time passed 1e+09 s " \
+                  "(simulated)\n"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"prompt": "z" * 200, "max_tokens": 1}, "prompt",
+     "its prompt of 200 tokens needs 13 blocks of 16 tokens and the KV cache has 8"),
+    ({"prompt": "z" * 100, "max_tokens": 40}, "max_tokens",
+     "with 'max_tokens' = 40 needs 9 blocks of 16 tokens and the KV cache has 8 (128 tokens): "
+     "'max_tokens' can be at most 29"),
+    ({"prompt": "z" * 100, "ignore_eos": True}, "max_tokens",
+     "with 'ignore_eos' without 'max_tokens'"),
+])
+def test_a_request_too_big_for_the_kv_cache_is_refused_naming_what_to_shorten(body, param,
+                                                                              words):
+    async def main():
+        fe = build_frontend(load_scenario("chat", ["kv.num_blocks=8", "kv.block_size=16"]))
+        with pytest.raises(APIError) as err:
+            fe.check(parse_generate(body, chat=False))
+        assert err.value.param == param and words in err.value.message
+    asyncio.run(main())
+
+
+def test_an_output_length_drawn_too_big_for_the_kv_cache_is_refused_naming_max_tokens():
+    async def main():
+        fe = build_frontend(load_scenario("chat", ["kv.num_blocks=8", "kv.block_size=16"]))
+        fe.clock.set(0.0, paused=True)
+        ok = fe.submit(parse_generate({"prompt": "z", "n": 2, "max_tokens": 3}, chat=False),
+                       "t", 0.0)
+        spec = parse_generate({"prompt": "z" * 120, "n": 100}, chat=False)
+        fe.check(spec)  # (the lengths are drawn when it is injected)
+        call = fe.submit(spec, "t", 0.0)
+        fe.turn()
+        assert ok.accepted.result() is True
+        with pytest.raises(APIError) as err:
+            call.accepted.result()
+        assert err.value.param == "max_tokens" and "the output length drawn" in err.value.message
+        while not ok.complete:
+            advance(fe)
+        assert ok.complete and not fe._tracks and fe.engine.kv.num_used_blocks == 0
     asyncio.run(main())

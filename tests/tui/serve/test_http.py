@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 import urllib.error
@@ -216,8 +217,82 @@ def test_prompt_longer_than_max_model_len_is_refused():
 
 def test_a_request_that_can_never_fit_in_kv_memory_is_refused():
     with serving(["kv.num_blocks=8", "kv.block_size=16"]) as s:
-        with pytest.raises(openai.BadRequestError, match="cannot be served: needs"):
+        with pytest.raises(openai.BadRequestError, match="cannot be served: its prompt") as e:
             client(s).completions.create(model=MODEL, prompt="z" * 200, max_tokens=1)
+        assert e.value.param == "prompt"
+        with pytest.raises(openai.BadRequestError, match="'max_tokens' can be at most") as e:
+            client(s).completions.create(model=MODEL, prompt="z" * 100, max_tokens=40)
+        assert e.value.param == "max_tokens"
+
+
+def _raw(s, data: bytes, rst: bool = False) -> bytes:
+    """Send `data` on a new connection; what comes back until the server closes it (or, with
+    `rst`, reset it at once)."""
+    sock = socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])), timeout=10)
+    with sock:
+        sock.sendall(data)
+        if rst:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return b""
+        out = b""
+        while chunk := sock.recv(1 << 16):
+            out += chunk
+        return out
+
+
+def test_bodies_that_do_not_decode_and_bad_json_are_400s_not_500s(server):
+    post_ = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    body = b'{"prompt": "hi", "max_tokens": 3}'
+    out = _raw(server, post_ + b"Connection: close\r\nContent-Encoding: gzip\r\n"
+               b"Content-Length: %d\r\n\r\n%b"
+               % (len(body), body))
+    assert out.startswith(b"HTTP/1.1 400")
+    err = json.loads(out.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "Content-Encoding: gzip" in err["message"] and err["type"] == "BadRequestError"
+    for raw, words in ((b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                       "nested too deeply"),
+                      (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "integer")):
+        code, err = post(server, "/v1/completions", raw)
+        assert code == 400 and words in err["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+
+
+def test_clients_that_break_http_or_vanish_leave_at_most_a_line_each_no_traceback(server,
+                                                                                  caplog):
+    """Malformed HTTP (aiohttp's parser answers 400), and streamed requests whose client
+    resets the connection at once (some reach `prepare` after it is gone)."""
+    bad = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nBroken header\r\n\r\n",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+           b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"zz\r\n{}\r\n0\r\n\r\n",
+           b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n")
+    for data in bad:
+        assert _raw(server, data).split(b"\r\n")[0].endswith(b"400 Bad Request")
+    body = json.dumps({"prompt": "hi", "max_tokens": 50, "stream": True}).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    threads = [threading.Thread(target=_raw, args=(server, req, True)) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.5)
+    assert post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
+    logged = [r for r in caplog.records if r.name.startswith("aiohttp")]
+    assert len(logged) >= len(bad)
+    for r in logged:
+        assert r.exc_info is None and "\n" not in r.getMessage(), r.getMessage()
+    fe = server.frontend
+    with fe.lock:  # every reset stream was cancelled
+        assert not fe.engine.policy.running and not fe.engine.policy.waiting
+
+
+def test_a_fan_out_over_the_limit_is_refused_at_once(server):
+    t0 = time.monotonic()
+    code, err = post(server, "/v1/completions", {"prompt": ["a"] * 1000, "n": 256,
+                                                 "max_tokens": 1})
+    assert code == 400 and err["error"]["param"] == "n" and time.monotonic() - t0 < 2
 
 
 def test_full_queue_answers_503_then_serves_again():
