@@ -757,6 +757,7 @@ class ReportFile:
         folder = os.path.dirname(os.path.abspath(self.path))
         fd, tmp = tempfile.mkstemp(prefix=".selfcheck-", suffix=".json", dir=folder)
         try:
+            os.fchmod(fd, self._mode())  # (mkstemp's 0600 is not what open() would have made)
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, self.path)
@@ -764,6 +765,16 @@ class ReportFile:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+
+
+    def _mode(self) -> int:
+        """The file's own mode when it exists, else what open() would give a new file."""
+        try:
+            return stat.S_IMODE(os.stat(self.path).st_mode)
+        except OSError:
+            umask = os.umask(0)
+            os.umask(umask)
+            return 0o666 & ~umask
 
 
 def main(argv=None) -> int:
@@ -788,13 +799,27 @@ def main(argv=None) -> int:
         if out is not None:
             out.write({"backend": None, "error": str(exc), "versions": versions(), "passed": False}, final=True)
         return 2
-    report = run(backend, TINY if args.tiny else QUICK if args.quick else FULL,
-                 on_section=out.write if out is not None else None)
+    write_error: list[str] = []
+
+    def on_section(report: dict) -> None:
+        if out is not None and not write_error:
+            try:
+                out.write(report)
+            except OSError as exc:  # (a full disk): the run goes on, and says so at the end
+                write_error.append(f"{type(exc).__name__}: {exc.strerror or exc}")
+
+    report = run(backend, TINY if args.tiny else QUICK if args.quick else FULL, on_section=on_section)
     try:
         print(format_report(report))
     finally:  # a report the table cannot show is still written
-        if out is not None:
-            out.write(report, final=True)
+        if out is not None and not write_error:
+            try:
+                out.write(report, final=True)
+            except OSError as exc:
+                write_error.append(f"{type(exc).__name__}: {exc.strerror or exc}")
+    if write_error:
+        print(f"gpu.selfcheck: --json-out {args.json_out}: cannot write there ({write_error[0]})", file=sys.stderr)
+        return 2
     return 0 if report["passed"] else 1
 
 

@@ -1,8 +1,9 @@
 """Reading input files without hanging, and writing output files safely: never half-written,
 never replacing what is not a plain file.
 
-An input may be a FIFO or a pipe (`--set workload.trace=<(zcat trace.csv.gz)`), but one that no
-process writes to is refused after FIFO_WAIT_S instead of waiting forever (`open_input`).
+An input may be a pipe (`--set workload.trace=<(zcat trace.csv.gz)`: it has a writer, however
+slow) or a named FIFO, but a named FIFO that no process writes to is refused after FIFO_WAIT_S
+instead of waiting forever (`open_input`).
 
 A regular file (or a new one) is written to a temporary file beside it and renamed into place,
 so an interrupted write (an error, Ctrl-C, SIGTERM) leaves the old file, or none, and no
@@ -29,14 +30,16 @@ FIFO_WAIT_S = 10.0
 
 
 def open_input(path, wait_s: float | None = None):
-    """`path` opened for reading in binary. A FIFO is opened without blocking and waited on for
-    at most `wait_s` (FIFO_WAIT_S) until it has data or its writer closes it; past that an
-    OSError (ETIMEDOUT) says so. Anything else opens as open() does (raising as it does)."""
+    """`path` opened for reading in binary. A named FIFO is opened without blocking and waited
+    on for at most `wait_s` (FIFO_WAIT_S) until it has data or its writer closes it; past that
+    an OSError (ETIMEDOUT) says so. Anything else, a pipe (/dev/fd/N of a process substitution)
+    included, opens as open() does (raising as it does)."""
     try:
         is_fifo = stat.S_ISFIFO(os.stat(path).st_mode)
     except OSError:
         is_fifo = False  # open() raises the right error below
-    if not is_fifo:
+    # (an anonymous pipe's writer exists as long as it is open: waiting on it is right)
+    if not is_fifo or "pipe:[" in os.path.realpath(path):
         return open(path, "rb")
     import select
 

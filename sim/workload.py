@@ -429,8 +429,8 @@ def _copies_needed(w, arrival: np.ndarray) -> int:
         times = min(times, -(-w.num_requests // n))
     if w.duration_s:
         period = trace_period(arrival)  # (0 when every request arrives at once)
-        if period > 0:
-            times = min(times, max(1, math.floor((w.duration_s - float(arrival[0])) / period) + 1))
+        if period > 0:  # (one copy more than the division says: its rounding may differ from the cut's)
+            times = min(times, max(1, math.floor((w.duration_s - float(arrival[0])) / period) + 2))
     return times
 
 

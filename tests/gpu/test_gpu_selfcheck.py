@@ -190,3 +190,25 @@ def test_a_fifo_json_out_is_written_once_and_kept(tmp_path):
     out.write({"final": math.inf}, final=True)
     reader.join(10)
     assert strict_json(got[0]) == {"final": "inf"} and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_the_report_gets_the_mode_a_new_file_would_and_a_failed_write_is_exit_2(tmp_path, monkeypatch,
+                                                                                 capsys):
+    monkeypatch.setattr(selfcheck, "get_backend", lambda kind: gpu.get_backend("numpy"))
+    monkeypatch.setattr(selfcheck, "TINY", TINY)
+    path = tmp_path / "r.json"
+    old = os.umask(0o022)
+    try:
+        assert selfcheck.main(["--tiny", "--json-out", str(path)]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644  # (mkstemp alone made it 0600)
+    capsys.readouterr()
+
+    def full_disk(self, report, final=False):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(selfcheck.ReportFile, "write", full_disk)
+    assert selfcheck.main(["--tiny", "--json-out", str(path)]) == 2  # (was a traceback, exit 1)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err

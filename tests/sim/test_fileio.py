@@ -149,3 +149,30 @@ def test_check_writable_finds_problems_before_a_run(tmp_path):
         os.chmod(tmp_path / "locked", 0o444)
         with pytest.raises(ServesimError, match="permission denied"):
             check_writable(tmp_path / "locked")
+
+
+def test_a_pipe_is_read_however_slow_its_writer(tmp_path, monkeypatch):
+    # A process substitution (<(sort big.csv)) is a pipe with a writer: only a named FIFO that
+    # nothing writes to is refused after FIFO_WAIT_S.
+    import threading
+    import time
+
+    from sim import fileio
+
+    monkeypatch.setattr(fileio, "FIFO_WAIT_S", 0.2)
+    r, w = os.pipe()
+
+    def slow_writer():
+        time.sleep(0.5)
+        os.write(w, b"late but here\n")
+        os.close(w)
+    threading.Thread(target=slow_writer).start()
+    try:
+        with fileio.open_input(f"/dev/fd/{r}") as fh:
+            assert fh.read() == b"late but here\n"
+    finally:
+        os.close(r)
+    fifo = tmp_path / "named"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="a FIFO that nothing wrote to for 0.2 s"):
+        fileio.open_input(fifo)

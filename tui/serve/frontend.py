@@ -52,6 +52,7 @@ INJECT_SLICE = 64
 # token frames (a whole 8k-token answer of a choice, or seconds of n=256); at most
 # max_num_seqs streams produce frames, so at 256 a server holds at most ~1 GiB for them.
 MAX_BACKLOG = 4 << 20
+MAX_BACKLOG_UNANSWERED = 64 << 20  # the same before its response is attached (see `_write`)
 # The pump looks at least this often (wall seconds), whatever else changed the engine.
 MAX_SLEEP_S = 0.1
 # The pump asks to be woken this much before a step's tokens are due and sleeps the rest in the
@@ -162,6 +163,7 @@ class Call:
         self.backlog: list[bytes] = []
         self.backlog_bytes = 0
         self.injected = 0  # sequences (prompt, sample) injected so far (in slices)
+        self.outs: list[tuple[int, str]] = []  # each sequence's output length and finish reason
         self._kick: asyncio.Future | None = None
         self.done = loop.create_future()  # set when complete (the non-streamed response)
 
@@ -542,6 +544,9 @@ class Frontend:
             # have reached `abandon` yet: its future is done, cancelled, and takes no result)
             if call.abandoned or call.accepted.done():
                 pending.popleft()
+                if not call.accepted.done():  # (dropped part way in: its handler still waits)
+                    call.accepted.set_exception(APIError("the request was aborted while it was "
+                                                         "being queued", HTTPStatus.SERVICE_UNAVAILABLE))
                 continue
             try:
                 if self.error:
@@ -574,16 +579,22 @@ class Frontend:
                                f"waiting (--max-waiting {self.max_waiting})",
                                HTTPStatus.SERVICE_UNAVAILABLE)
             e.run_until(call.arrival)  # the engine at (or past) the arrival: it joins from there
+            # Every choice's output length now, drawn in order as if all went in at once, and
+            # checked against the pool before any goes in: a call is refused whole (as vLLM
+            # refuses a request before adding it), never after part of it ran.
+            call.outs = [self._output_len(spec, spec.prompts[i // spec.n].num_tokens, ahead=i)
+                         for i in range(len(spec.prompts) * spec.n)]
+            for i, (out, _) in enumerate(call.outs):
+                err = self._too_big(spec, spec.prompts[i // spec.n].num_tokens, out)
+                if err is not None:
+                    raise err
             call.open = 1  # held while it goes in: its first choices may end before its last
         before, first = len(e.events), call.injected
         stop = min(first + budget, len(spec.prompts) * spec.n)
         arrival = min(call.arrival, e.now)
         for i in range(first, stop):
             prompt = spec.prompts[i // spec.n]
-            out, reason = self._output_len(spec, prompt.num_tokens)
-            err = self._too_big(spec, prompt.num_tokens, out)
-            if err is not None:
-                raise err
+            out, reason = call.outs[i]
             [rid] = e.inject(prompt.num_tokens, out, priority=spec.priority,
                              prompt_text=prompt.text, arrival_time=arrival, tag=call.tag)
             choice = Choice(call, len(call.choices), rid, reason, self.real_compute)
@@ -600,17 +611,18 @@ class Frontend:
             raise APIError(f"The request cannot be served: {rejected[0].reason}")
         return stop - first
 
-    def _output_len(self, spec: GenerateSpec, prompt_len: int) -> tuple[int, str]:
+    def _output_len(self, spec: GenerateSpec, prompt_len: int, ahead: int = 0) -> tuple[int, str]:
         """The output length of one choice and why it ends: `max_tokens` ("length"); without
-        it, drawn from the scenario's workload (the model's end of sequence: "stop"), at least
-        `min_tokens`; with `ignore_eos`, up to the context length."""
+        it, drawn from the scenario's workload (the model's end of sequence: "stop"; the draw
+        of the engine's injected request number `ahead` from now), at least `min_tokens`; with
+        `ignore_eos`, up to the context length."""
         limit = self.max_model_len - prompt_len if self.max_model_len else None
         if spec.max_tokens is not None:
             return spec.max_tokens, "length"
         if spec.ignore_eos and limit is not None:
             return limit, "length"
         sc = self.engine.scenario
-        rng = np.random.default_rng([sc.seed, SERVE_STREAM, self.engine.counts["injected"]])
+        rng = np.random.default_rng([sc.seed, SERVE_STREAM, self.engine.counts["injected"] + ahead])
         out = max(int(sample_lengths(sc, 1, rng)[1][0]), spec.min_tokens, 1)
         if limit is not None and out >= limit:
             return limit, "length"
@@ -1016,7 +1028,11 @@ class Frontend:
             call.backlog.append(data)
             call.backlog_bytes += len(data)
             self.gen += 1
-            if call.backlog_bytes + (tr.get_write_buffer_size() if tr else 0) > MAX_BACKLOG:
+            # (Only a client with its response can be the slow one: before that, frames wait for
+            # the rest of a call still going in, or for its handler, a pump turn away, and only a
+            # runaway, at a high speed, meets the larger bound.)
+            limit = MAX_BACKLOG if call.resp is not None else MAX_BACKLOG_UNANSWERED
+            if call.backlog_bytes + (tr.get_write_buffer_size() if tr else 0) > limit:
                 self._drop(call)
                 return
             call.kick()
@@ -1037,8 +1053,9 @@ class Frontend:
         for c in call.choices:
             if not c.done:
                 c.reason = "abort"
-        print(f"servesim serve: {call.tag}: stream {call.rid} aborted: over {MAX_BACKLOG >> 20} "
-              "MiB unsent (the client is not reading)", file=sys.stderr, flush=True)
+        why = (f"over {MAX_BACKLOG >> 20} MiB unsent (the client is not reading)" if call.resp is not None
+               else f"over {MAX_BACKLOG_UNANSWERED >> 20} MiB made before its response could start")
+        print(f"servesim serve: {call.tag}: stream {call.rid} aborted: {why}", file=sys.stderr, flush=True)
         self.abandon(call)
         if call.transport is not None:
             call.transport.abort()

@@ -122,6 +122,8 @@ def _int(body: dict, name: str, default, *, minimum: int | None = None,
     path = path or name
     if v is None:
         return default
+    if isinstance(v, float) and v.is_integer():  # 5.0: vLLM's pydantic models take it, as 5
+        v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(path, v, "must be an integer")
     if minimum is not None and maximum is not None and not minimum <= v <= maximum:
@@ -185,8 +187,8 @@ def _sampling(body: dict) -> None:
             raise _bad("stop", stop, "cannot contain an empty string")
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-        raise _bad("stop_token_ids", ids, "must be a list of non-negative integers")
+            isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise _bad("stop_token_ids", ids, "must be a list of integers")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS):
         raise _bad("response_format", fmt,

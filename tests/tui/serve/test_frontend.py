@@ -391,6 +391,36 @@ def test_a_stream_whose_client_does_not_read_is_aborted_once_its_backlog_passes_
     asyncio.run(main())
 
 
+def test_a_stream_still_going_in_is_not_taken_for_a_slow_client(monkeypatch):
+    # Frames of a call's first slices wait for the rest of it (and for its handler) before any
+    # client could read them: counted against the 4 MiB cap, a reading client of a large fast
+    # call was dropped, its handler never answered (a hang). Past the larger bound the call is
+    # dropped and its handler answered.
+    def going_in(fe, start):
+        body = {"prompt": ["abc"] * 16, "max_tokens": 20, "n": frontend.INJECT_SLICE, "stream": True}
+        call = fe.submit(parse_generate(body, chat=False), "t", start)
+        t = start
+        while not call.accepted.done():
+            t += 2.0  # 2 simulated seconds a pump turn (x1000 at 2 ms turns)
+            fe.clock.set(t, paused=True)
+            fe.turn()
+        return call
+
+    async def main():
+        monkeypatch.setattr(frontend, "MAX_BACKLOG", 2_000)
+        fe = build_frontend(load_scenario("chat", []))
+        fe.clock.set(0.0, paused=True)
+        call = going_in(fe, 0.0)
+        assert call.accepted.result() is True and not call.closed and call.backlog_bytes > 2_000
+        fe.abandon(call)
+        monkeypatch.setattr(frontend, "MAX_BACKLOG_UNANSWERED", 2_000)
+        call = going_in(fe, fe.clock.now())
+        assert call.closed
+        with pytest.raises(APIError, match="aborted while it was being queued"):
+            call.accepted.result()
+    asyncio.run(main())
+
+
 def test_a_stream_whose_client_reads_again_keeps_its_backlog(monkeypatch):
     async def main():
         fe, call = served({"prompt": "abc", "max_tokens": 200, "stream": True})
@@ -457,4 +487,24 @@ def test_an_output_length_drawn_too_big_for_the_kv_cache_is_refused_naming_max_t
         while not ok.complete:
             advance(fe)
         assert ok.complete and not fe._tracks and fe.engine.kv.num_used_blocks == 0
+    asyncio.run(main())
+
+
+def test_a_call_is_refused_whole_before_any_of_it_goes_in():
+    # Output lengths drawn (no max_tokens) are checked against the pool for every choice first:
+    # the 100th of 200 that could not fit refused the call after 99 had gone in and run, left
+    # as aborts in the metrics and cancels in the session log.
+    async def main():
+        fe = build_frontend(load_scenario("chat", ["kv.num_blocks=14", "kv.block_size=16"]))
+        fe.clock.set(0.0, paused=True)
+        spec = parse_generate({"prompt": "z", "n": 200}, chat=False)
+        fe.check(spec)
+        call = fe.submit(spec, "t", 0.0)
+        fe.turn()
+        fe.clock.set(0.1, paused=True)
+        fe.turn()
+        with pytest.raises(APIError, match="the output length drawn for it"):
+            call.accepted.result()
+        assert not call.choices and fe.engine.counts["injected"] == 0
+        assert dict(fe.metrics.finished) == {"stop": 0, "length": 0, "abort": 0}
     asyncio.run(main())

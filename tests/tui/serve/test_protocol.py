@@ -82,7 +82,7 @@ def test_json_nested_too_deep_or_with_an_endless_integer_is_a_400(raw, words):
     ("seed", 1.5, "an integer"), ("seed", 2**64, "an integer from"),
     ("stop", 5, "a string or a list of strings"), ("stop", {}, "a string or a list"),
     ("stop", [5], "a string or a list"), ("stop", [""], "empty string"),
-    ("stop_token_ids", [-1], "non-negative integers"), ("best_of", True, "an integer"),
+    ("stop_token_ids", ["x"], "a list of integers"), ("best_of", True, "an integer"),
     ("best_of", 2, "not supported"), ("logprobs", 0, "not supported"),
     ("response_format", 5, "'type' is one of"), ("response_format", {"type": "x"}, "one of"),
 ])
@@ -98,6 +98,8 @@ def test_sampling_knobs_of_a_wrong_type_or_range_are_refused_naming_the_field(fi
     ("top_k", 40), ("min_p", 0), ("presence_penalty", -2), ("repetition_penalty", 1.1),
     ("seed", -3), ("stop", "x"), ("stop", ["a", "b"]), ("best_of", 1),
     ("response_format", {"type": "json_object"}), ("logprobs", None), ("echo", False),
+    # whole numbers written as floats, which vLLM's pydantic models take; any integer stop id
+    ("top_k", 5.0), ("seed", 42.0), ("best_of", 1.0), ("stop_token_ids", [-1, 7]),
 ])
 def test_sampling_knobs_in_range_are_accepted(field, value):
     assert parse_generate({"prompt": "hi", field: value}, chat=False).prompts
