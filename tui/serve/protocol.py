@@ -218,12 +218,18 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def _prompt_of_ids(ids: list, name: str) -> Prompt:
+def _ints(xs: list) -> bool:
+    """Every item a JSON integer (not a bool): type by type in C, not item by item in Python,
+    since the list is checked on the event loop (2M ids: ~50 ms, not ~400)."""
+    return set(map(type, xs)) == {int}
+
+
+def _prompt_of_ids(ids: list, name: str, typed: bool = False) -> Prompt:
+    """A prompt of token ids (`typed`: they are known to be integers already)."""
     if not ids:
         raise _bad(name, ids, "must not be empty")
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise _bad(name, ids, "token ids must be non-negative integers")
+    if not (typed or _ints(ids)) or min(ids) < 0:
+        raise _bad(name, ids, "token ids must be non-negative integers")
     text = bytes(ids) if max(ids) < 256 else None
     return Prompt(len(ids), text)
 
@@ -241,8 +247,8 @@ def completion_prompts(body: dict) -> list[Prompt]:
     if isinstance(p, str):
         return [_prompt_of_text(p, "prompt")]
     if isinstance(p, list) and p:
-        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            return [_prompt_of_ids(p, "prompt")]
+        if _ints(p):
+            return [_prompt_of_ids(p, "prompt", typed=True)]
         if len(p) > MAX_SEQUENCES:  # (before the prompts are read: one pass is long enough)
             raise APIError(f"'prompt' is a list of {len(p):,} prompts: at most "
                            f"{MAX_SEQUENCES:,} prompts x n in one request", param="prompt")

@@ -257,6 +257,19 @@ def test_bodies_that_do_not_decode_and_bad_json_are_400s_not_500s(server):
     assert post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2})[0] == 200
 
 
+def test_a_body_over_16_mib_is_413_and_a_long_id_list_is_refused_on_its_length(server):
+    # Bodies are parsed on the event loop: 64 MiB of token ids held every stream ~2.8 s.
+    from tui.serve.http import MAX_BODY
+
+    assert MAX_BODY == 16 << 20
+    code, err = post(server, "/v1/completions", b'{"prompt": "' + b"x" * (MAX_BODY + 1) + b'"}')
+    assert code == 413 and "larger than 16777216 bytes" in err["error"]["message"]
+    code, err = post(server, "/v1/completions", {"prompt": list(range(200_000)), "max_tokens": 1})
+    assert code == 400 and "maximum context length is 131072 tokens" in err["error"]["message"]
+    assert post(server, "/v1/completions", {"prompt": [-1, 2]})[0] == 400
+    assert post(server, "/v1/completions", {"prompt": [1, True]})[0] == 400
+
+
 def test_clients_that_break_http_or_vanish_leave_at_most_a_line_each_no_traceback(server,
                                                                                   caplog):
     """Malformed HTTP (aiohttp's parser answers 400), and streamed requests whose client
