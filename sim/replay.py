@@ -142,24 +142,27 @@ class Replayer:
         return c.step_count - start
 
     def step(self) -> int:
+        """One engine step (the dashboard's `n`), after every action recorded where the engine
+        now is (two keys pressed between two steps are two actions at one step: applying only
+        the first stepped the replay off the recording)."""
         if self.end_at is not None:
             c = self.engine
-            if self._next < len(self.actions):
+            while self._next < len(self.actions):
                 a = self.actions[self._next]
-                if [e.step_count for e in c.instances] == [p[0] for p in a.args["at"]]:
-                    c.advance_to(a.args["at"])
-                    c.apply_action(a.action, a.args)
-                    self._next += 1
+                if [e.step_count for e in c.instances] != [p[0] for p in a.args["at"]]:
+                    break
+                c.advance_to(a.args["at"])
+                c.apply_action(a.action, a.args)
+                self._next += 1
             caps = (self.actions[self._next].args["at"] if self._next < len(self.actions)
                     else self.end_at)
             return c.run_until(math.inf, 1, caps=caps)
         e = self.engine
-        if self._next < len(self.actions):
+        while self._next < len(self.actions) and self.actions[self._next].step == e.step_count:
             a = self.actions[self._next]
-            if a.step == e.step_count:
-                e.advance_to(a.step, a.t)
-                e.apply_action(a.action, a.args)
-                self._next += 1
+            e.advance_to(a.step, a.t)
+            e.apply_action(a.action, a.args)
+            self._next += 1
         if e.step_count >= self.end_step:
             return 0
         return e.step()

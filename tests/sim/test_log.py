@@ -598,3 +598,37 @@ def test_a_header_scenario_that_does_not_load_names_the_file_once(tmp_path, caps
     err = capsys.readouterr().err
     assert "the header's scenario does not load: kv.block_size = 3: must be a power of two" in err
     assert err.count(str(p)) == 1, err
+
+
+@pytest.mark.parametrize("second", ["inject", "switch_policy", "cancel_waiting"])
+def test_stepping_a_replay_applies_every_action_recorded_at_that_step(tmp_path, second):
+    # Two keys pressed between two steps are two actions at one step: the dashboard's `n` in a
+    # replay applied only the first, then stepped on off the recording ("replay diverged").
+    e = Engine(small_scenario("workload.duration_s=3"))
+    e.run_until(0.5)
+    e.inject(40, 8)
+    {"inject": lambda: e.inject(30, 6), "switch_policy": lambda: e.switch_policy("fcfs"),
+     "cancel_waiting": e.cancel_waiting}[second]()
+    at = e.step_count
+    e.run_until(1.0)
+    log = read_log(write_log(tmp_path / "s.msgpack", e))
+    r = Replayer(log)
+    r.run_until(0.5)
+    assert r.engine.step_count == at and r.engine.counts["injected"] == 0
+    r.step()
+    assert r.engine.counts["injected"] == (2 if second == "inject" else 1)
+    while r.engine.step_count < e.step_count:
+        r.step()
+    assert r.engine.now == e.now and r.engine.counts == e.counts
+
+
+@pytest.mark.parametrize("scenario", ["replicas", "disaggregated"])
+def test_a_deployment_log_written_before_its_first_step_verifies(tmp_path, scenario):
+    # Its replay routed the arrivals due at t = 0, which the session had not yet done.
+    from sim import build, load_scenario
+
+    c = build(load_scenario(scenario, []))
+    c.inject(50, 5)
+    log = read_log(write_log(tmp_path / "c.msgpack", c))
+    _, div = verify(log)
+    assert div is None, div.describe()
