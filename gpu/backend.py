@@ -13,7 +13,7 @@ from types import ModuleType
 import numpy as np
 
 from . import numpy_backend
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, first_line
 
 BACKEND_NAMES = ("auto", "numpy", "cupy")
 
@@ -115,7 +115,7 @@ def _probe_cupy() -> Backend:
         props = cupy.cuda.runtime.getDeviceProperties(device_id)
         int(cupy.arange(4).sum())  # a real allocation and launch: the driver works
     except Exception as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        message = first_line(exc)
         if "failed to load" in message or "cannot open shared object" in message:
             # (CuPy compiles even its own kernels with NVRTC: the device may be fine)
             raise BackendUnavailable(f"cupy backend unavailable: a CUDA library CuPy needs cannot be "

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line (its first), or its type's name when it has none:
+    CuPy's and NVRTC's errors run to many lines (a compile log)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 class BackendUnavailable(RuntimeError):
     """A compute backend was asked for by name but cannot run here (no CuPy, no CUDA device).
 

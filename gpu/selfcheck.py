@@ -56,7 +56,7 @@ from . import numpy_backend
 from .backend import Backend, get_backend
 from .driver import Driver
 from .dtypes import storage
-from .errors import BackendUnavailable
+from .errors import BackendUnavailable, first_line
 from .executor import GPU_MODEL, ModelExecutor
 from .synthetic import random_paged_batch, random_values
 
@@ -137,7 +137,7 @@ class _Timer:
             self.method = "CUDA events around each round, queued behind a spin kernel"
         except Exception as exc:  # timings then include launch overhead: say so in the report
             self.method = (f"CUDA events around each round, no spin kernel ({type(exc).__name__}: "
-                           f"{_first_line(exc)}): small shapes include the host's launch time")
+                           f"{first_line(exc)}): small shapes include the host's launch time")
 
     def measure(self, fn, repeat: int) -> dict:
         """{"seconds": median per call, "host_seconds": the host's per-call queueing time (CuPy),
@@ -177,11 +177,6 @@ class _Timer:
                 "spin_covered": covered / self.rounds}
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def device_error(backend: Backend) -> str | None:
     """None while the device still works; else why not (a kernel fault leaves the CUDA context
     broken for good, and every later call fails)."""
@@ -192,7 +187,7 @@ def device_error(backend: Backend) -> str | None:
         int(backend.xp.arange(4).sum())
         return None
     except Exception as exc:
-        return f"{type(exc).__name__}: {_first_line(exc)}"
+        return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _rel_error(got, ref) -> float:
@@ -220,7 +215,7 @@ def check_kernels(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
                 _check_case(backend, kernels, plan, rng, case, results)
             except Exception as exc:  # the case's inputs could not even be set up on the device
                 results.append({"kernel": "setup", **case, "error": None, "passed": False,
-                                "error_text": f"{type(exc).__name__}: {_first_line(exc)}",
+                                "error_text": f"{type(exc).__name__}: {first_line(exc)}",
                                 "traceback": traceback.format_exc(limit=4)})
             broken = device_error(backend)
             if broken:
@@ -360,7 +355,7 @@ class _Filler:
             try:
                 return backend.xp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)
             except Exception as exc:
-                self.note = f"host values (cuRAND failed: {type(exc).__name__}: {_first_line(exc)})"
+                self.note = f"host values (cuRAND failed: {type(exc).__name__}: {first_line(exc)})"
                 self.host_chunk = backend.asarray(np.random.default_rng(seed).standard_normal(1 << 24, dtype=np.float32))
         n = int(np.prod(shape))
         reps = -(-n // self.host_chunk.size)
@@ -455,7 +450,7 @@ def _time_model(backend: Backend, plan: Plan, timer: _Timer, filler: _Filler, h:
                 _time_row(backend, plan, timer, row, rng, k_cache, v_cache, h, kvh, d, copy_gbps, sdpa,
                           rotate_bytes, scale, tol)
             except Exception as exc:
-                row["error_text"] = f"{type(exc).__name__}: {_first_line(exc)}"
+                row["error_text"] = f"{type(exc).__name__}: {first_line(exc)}"
                 broken = device_error(backend)
                 if broken:
                     row["error_text"] += f"; the CUDA context is broken, the remaining shapes were not run ({broken})"
@@ -564,7 +559,7 @@ def versions() -> dict:
     try:
         import cupy
     except Exception as exc:
-        found["cupy"] = f"unavailable: {type(exc).__name__}: {_first_line(exc)}"
+        found["cupy"] = f"unavailable: {type(exc).__name__}: {first_line(exc)}"
         return found
     probes = {"cupy": lambda: cupy.__version__,
               "cuda_runtime": lambda: cupy.cuda.runtime.runtimeGetVersion(),
@@ -574,7 +569,7 @@ def versions() -> dict:
         try:
             found[name] = probe()
         except Exception as exc:
-            found[name] = f"unavailable: {type(exc).__name__}: {_first_line(exc)}"
+            found[name] = f"unavailable: {type(exc).__name__}: {first_line(exc)}"
     return found
 
 
@@ -613,7 +608,7 @@ def run(backend: Backend, plan: Plan, on_section=None) -> dict:
             report[name] = steps[name]()
             status: dict[str, Any] = {"status": "ok"}
         except Exception as exc:
-            status = {"status": "failed", "error_text": f"{type(exc).__name__}: {_first_line(exc)}",
+            status = {"status": "failed", "error_text": f"{type(exc).__name__}: {first_line(exc)}",
                       "traceback": traceback.format_exc(limit=6)}
         status["seconds"] = time.monotonic() - t0
         report["sections"][name] = status

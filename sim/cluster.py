@@ -129,6 +129,20 @@ class InstanceView:
     routed: int              # requests routed to it (or handed to it)
 
 
+ROLES = ("replica", "prefill", "decode")
+
+
+def deployment_header(policy: str, router: str | None, replicas: int) -> dict:
+    """A deployment as its session log's header describes it (`cluster`): the disaggregated
+    pair (prefill, decode, both chunked, no router) for policy "disaggregated", else `replicas`
+    replicas of `policy` behind `router`. The log reader checks a header against this."""
+    if policy == "disaggregated":
+        return {"mode": "disaggregated", "router": None,
+                "instances": [{"role": r, "policy": "chunked"} for r in ROLES[1:]]}
+    return {"mode": "replicas", "router": router,
+            "instances": [{"role": ROLES[0], "policy": policy} for _ in range(replicas)]}
+
+
 @dataclass(slots=True)
 class ClusterSnapshot(EngineSnapshot):
     """An EngineSnapshot of the whole deployment (queues merged, `replica` set on each view;
@@ -192,7 +206,7 @@ class Cluster:
         # the same on each (the router compares them, a hand-off carries them).
         for e in self.instances[1:]:
             e.kv._chains = self.instances[0].kv._chains
-        self.roles = ["prefill", "decode"] if self.disaggregated else ["replica"] * n
+        self.roles = list(ROLES[1:]) if self.disaggregated else [ROLES[0]] * n
         self.router = None if self.disaggregated else ROUTERS[scenario.cluster.router](
             scenario.cluster)
         self.clock = self.instances[0].clock
@@ -486,10 +500,8 @@ class Cluster:
             yield from events
 
     def log_header(self) -> dict:
-        return {"mode": self.mode,
-                "router": self.router.name if self.router is not None else None,
-                "instances": [{"role": r, "policy": self.initial_policy
-                               if not self.disaggregated else "chunked"} for r in self.roles]}
+        return deployment_header(self.initial_policy, self.router.name if self.router is not None else None,
+                                 len(self.instances))
 
     # ============================================================================== lockstep
     def _action(self, action: str, **args) -> None:

@@ -78,7 +78,7 @@ def _stat(path) -> os.stat_result | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise ServesimError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise ServesimError(f"{path}: cannot write: {reason(e)}") from None
 
 
 def _std_stream(st: os.stat_result):
@@ -114,7 +114,7 @@ def check_writable(path, what: str = "") -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise ServesimError(f"{where}: cannot write in {parent}: {e.strerror or e}") from None
+        raise ServesimError(f"{where}: cannot write in {parent}: {reason(e)}") from None
 
 
 @contextmanager
@@ -154,7 +154,7 @@ def atomic_open(path, mode: str = "wb", exclusive: bool = False):
         raise
     except OSError as e:
         _discard(tmp)
-        raise ServesimError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise ServesimError(f"{path}: cannot write: {reason(e)}") from None
     except BaseException:  # an error in the block, Ctrl-C, SIGTERM (see tui.cli)
         _discard(tmp)
         raise
@@ -172,7 +172,7 @@ def _written_through(path, mode: str, stream):
         with fh:
             yield fh
     except OSError as e:
-        raise ServesimError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise ServesimError(f"{path}: cannot write: {reason(e)}") from None
 
 
 def _discard(tmp: Path) -> None:

@@ -419,14 +419,12 @@ def _check_header(path: str, header) -> None:
         bad("policy", "a deployment of several instances, but the header lacks 'cluster'")
 
 
-_ROLES = ("replica", "prefill", "decode")  # (sim.cluster's instance roles)
-
-
 def _check_cluster(path: str, header: dict) -> None:
     """The header's description of a deployment (`Cluster.log_header`): known modes, router,
     roles and policies, and the deployment the header's policy and scenario make: a
     disaggregated pair (prefill, decode; both chunked; no router), or `cluster.replicas`
     replicas of the header's policy behind the scenario's router."""
+    from sim.cluster import ROLES, deployment_header
     from sim.policies import POLICIES
     from sim.routers import ROUTERS
 
@@ -454,33 +452,34 @@ def _check_cluster(path: str, header: dict) -> None:
     for i, inst in enumerate(instances):
         if type(inst) is not dict or set(inst) != {"role", "policy"}:
             bad(f"instances[{i}]", "expected {role, policy}", inst)
-        if type(inst["role"]) is not str or inst["role"] not in _ROLES:
-            bad(f"instances[{i}].role", f"expected one of {', '.join(_ROLES)}", inst["role"])
+        if type(inst["role"]) is not str or inst["role"] not in ROLES:
+            bad(f"instances[{i}].role", f"expected one of {', '.join(ROLES)}", inst["role"])
         if type(inst["policy"]) is not str or inst["policy"] not in POLICIES:
             bad(f"instances[{i}].policy", "not a policy", inst["policy"])
-    # The deployment the replay builds from the header's policy and scenario.
+    # The deployment the replay builds from the header's policy and scenario (as the cluster
+    # itself writes it).
     policy, scenario = header["policy"], header["scenario"]
     if policy == "disaggregated":
-        want_mode, want_router, count = "disaggregated", None, 2
-        want = [("prefill", "chunked"), ("decode", "chunked")]
-        what = "a disaggregated pair (prefill, decode)"
+        count, what, scenario_router = 2, "a disaggregated pair (prefill, decode)", None
         counted = f"{what} has 2"
     else:
-        want_mode, want_router = "replicas", _scenario_value(scenario, "cluster", "router")
+        scenario_router = _scenario_value(scenario, "cluster", "router")
         count = _scenario_value(scenario, "cluster", "replicas")
-        want = [("replica", policy)] * len(instances)
         what = "replicas"
         counted = ("the scenario's cluster is not a table" if count is _MISSING
                    else f"the scenario's cluster.replicas = {_shown(count)}")
-    if mode != want_mode:
-        bad("mode", f"expected {want_mode!r} for policy = {policy!r}", mode)
-    if want_router is not _MISSING and router != want_router:
-        bad("router", "expected None (a disaggregated pair has no router)" if want_router is None
-            else f"differs from the scenario's cluster.router = {_shown(want_router)}", router)
+    want = deployment_header(policy, None if scenario_router is _MISSING else scenario_router,
+                             len(instances))
+    if mode != want["mode"]:
+        bad("mode", f"expected {want['mode']!r} for policy = {policy!r}", mode)
+    if scenario_router is not _MISSING and router != want["router"]:
+        bad("router", "expected None (a disaggregated pair has no router)" if want["router"] is None
+            else f"differs from the scenario's cluster.router = {_shown(want['router'])}", router)
     if type(count) is not int or count != len(instances):
         raise LogError(f"{path}: header: cluster.instances: {len(instances)} of them, but "
                        f"{counted}")
-    for i, (inst, (role, pol)) in enumerate(zip(instances, want)):
+    for i, (inst, w) in enumerate(zip(instances, want["instances"])):
+        role, pol = w["role"], w["policy"]
         if inst["role"] != role:
             bad(f"instances[{i}].role", f"expected {role!r} in {what}", inst["role"])
         if inst["policy"] != pol:
