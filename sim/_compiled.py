@@ -1,10 +1,11 @@
 """Which modules the install compiles with mypyc, and whether this process uses them.
 
-The compiled build is an optimisation of the same sources (see setup.py): results are
+The compiled build is an optimisation of the same sources (see sim/_build.py): results are
 bit-identical either way (tests/test_compiled.py compares whole runs). A compiled module is
 used only while every compiled source still has the digest recorded when the build was made,
 so an edited checkout runs the edited code, never a stale build; `SERVESIM_PURE=1` forces pure
-Python. This module imports nothing from `sim`: setup.py reads it before the package exists.
+Python. This module imports nothing from `sim`: the install (sim/_build.py) reads it before
+the package exists.
 """
 
 from __future__ import annotations

@@ -51,8 +51,6 @@ def test_an_edited_source_loads_every_listed_module_from_source(tmp_path):
     source (compiled modules call each other directly, so it is all or none)."""
     shutil.copytree(ROOT / "sim", tmp_path / "sim",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for lib in ROOT.glob("*__mypyc*"):
-        shutil.copy(lib, tmp_path)
     assert _python(PROBE, path=tmp_path) == "True False False True"
     kv = tmp_path / "sim" / "kv.py"
     kv.write_text(kv.read_text() + "\n# edited\n")
@@ -68,8 +66,6 @@ def test_a_leftover_build_of_a_module_no_longer_compiled_never_loads(tmp_path):
     is not compiled) must not shadow the module's source."""
     shutil.copytree(ROOT / "sim", tmp_path / "sim",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for lib in ROOT.glob("*__mypyc*"):
-        shutil.copy(lib, tmp_path)
     [so] = (tmp_path / "sim").glob("kv.*.so")
     shutil.copy(so, tmp_path / "sim" / so.name.replace("kv.", "engine.", 1))
     assert _python(PROBE, path=tmp_path) == "True False False True"
@@ -110,3 +106,13 @@ def test_compiled_and_pure_runs_are_identical(case):
     assert compiled.pop("compiled") is True and pure.pop("compiled") is False
     assert compiled["events"], "the run recorded nothing"
     assert compiled == pure
+
+
+def test_the_c_modules_pyproject_declares_are_those_checked_at_run_time():
+    """The install builds pyproject.toml's ext-modules; `sim/_compiled.py` decides at run time
+    whether each is used by its source's digest: the two lists must be the same modules."""
+    import tomllib
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert declared["cmdclass"]["build_ext"] == "sim._build.OptionalBuildExt"
+    assert {e["name"]: e["sources"] for e in declared["ext-modules"]} == {
+        m: [path] for m, path in {**_compiled.C_MODULES, **_compiled.OTHER_C_MODULES}.items()}

@@ -131,3 +131,16 @@ def test_no_merge_conflict_markers_are_left_in_the_sources():
              and not {".venv", ".git", "build", "__pycache__"} & set(p.relative_to(ROOT).parts)]
     assert len(files) > 50
     assert [str(p.relative_to(ROOT)) for p in files if marker.search(p.read_text(errors="replace"))] == []
+
+
+def test_the_top_level_is_the_shape_the_user_fixed():
+    """pyproject.toml, README.md, tui/, sim/, gpu/, scenarios/, tests/, plus .ci/ and dotfiles:
+    nothing else is tracked at the top (the build hook lives in sim/_build.py)."""
+    import subprocess
+    try:
+        files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                               check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("not a git checkout")
+    top = {f.split("/", 1)[0] for f in files if not f.startswith(".")}
+    assert top == {"pyproject.toml", "README.md", "tui", "sim", "gpu", "scenarios", "tests"}
