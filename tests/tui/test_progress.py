@@ -3,6 +3,7 @@ off a pipe and under --quiet."""
 
 import io
 import json
+import threading
 import time
 
 import pytest
@@ -45,6 +46,28 @@ def test_nothing_is_drawn_before_the_delay_or_when_disabled():
         assert stream.getvalue() == "", kw
 
 
+@pytest.fixture
+def run_waits_for_a_draw(monkeypatch):
+    """Hold a run, once it is watched, until the progress thread has drawn it (at most 2 s): a
+    run faster than the thread's first turn (a compiled build, a loaded machine) would
+    otherwise end before anything could be drawn, and these tests would say nothing."""
+    drawn = threading.Event()
+    draw, watch = RunProgress.draw, RunProgress.watch
+
+    def drawing(self):
+        draw(self)
+        if self.engine is not None:
+            drawn.set()
+
+    def watching(self, engine, label):
+        drawn.clear()
+        watch(self, engine, label)
+        drawn.wait(timeout=2.0)
+
+    monkeypatch.setattr(RunProgress, "draw", drawing)
+    monkeypatch.setattr(RunProgress, "watch", watching)
+
+
 @pytest.mark.parametrize("argv, stdout_tty, drawn", [
     (["sim", "chat", "--set", "workload.duration_s=300"], False, True),
     (["sim", "chat", "--set", "workload.duration_s=300", "--quiet"], True, False),
@@ -54,7 +77,7 @@ def test_nothing_is_drawn_before_the_delay_or_when_disabled():
      True, True),
 ])
 def test_the_cli_draws_on_a_terminal_unless_quiet_or_json_to_a_pipe(
-        monkeypatch, capsys, argv, stdout_tty, drawn):
+        monkeypatch, capsys, run_waits_for_a_draw, argv, stdout_tty, drawn):
     monkeypatch.setattr(RunProgress, "DELAY", 0.0)
     monkeypatch.setattr(RunProgress, "INTERVAL", 0.001)
     monkeypatch.setattr(cli, "_is_terminal",
@@ -66,7 +89,8 @@ def test_the_cli_draws_on_a_terminal_unless_quiet_or_json_to_a_pipe(
         json.loads(out)  # stdout holds the JSON alone
 
 
-def test_replay_verify_and_export_show_progress(monkeypatch, capsys, tmp_path):
+def test_replay_verify_and_export_show_progress(monkeypatch, capsys, run_waits_for_a_draw,
+                                                tmp_path):
     log = tmp_path / "s.msgpack"
     assert cli.main(["sim", "chat", "--set", "workload.duration_s=10", "--log", str(log),
                      "--quiet"]) == 0
