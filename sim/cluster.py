@@ -25,7 +25,7 @@ Disaggregation. The prefill instance schedules as `chunked`. A request that samp
 token leaves its batch (TRANSFERRING) and waits, holding its prefill blocks, until the decode
 instance has room for it (an empty queue there, free blocks for its context above the
 watermark when it is running anything, a free sequence slot). Then the decode instance allocates those blocks and the K/V
-travels for `context tokens * kv_bytes_per_token / tensor_parallel / (kv_link_gbps * 1e9)`
+travels for `context tokens * kv_bytes_per_token_gpu / (kv_link_gbps * 1e9)`
 seconds (each transfer has the whole link; concurrent transfers are not modeled as sharing it).
 When it has arrived, the decode instance takes the request into its batch at its next step
 boundary and the prefill instance frees its blocks at its own; a cancellation in between frees
@@ -247,7 +247,7 @@ class Cluster:
         self.cancelled_in_transfer = 0
         if self.disaggregated:
             cost = CostModel(scenario)
-            self._s_per_token = (cost.kv_bytes_per_token / cost.tp
+            self._s_per_token = (cost.kv_bytes_per_token_gpu
                                  / (scenario.scheduler.kv_link_gbps * 1e9))
             watermark = scenario.scheduler.watermark
             self._reserve = int(watermark * scenario.kv.num_blocks)

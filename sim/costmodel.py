@@ -13,10 +13,10 @@ A step is the sum of the times of the kernels it launches, per GPU, with the mod
     D, Kd = decoding sequences, and over them the cached tokens each reads
 
 Model sizes: L layers, h hidden, nh / nkv query / KV heads of hd, V vocab, P parameters;
-P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through), the MLP width
-I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP). Bytes per element: wb weights
-(`model.dtype_bytes`), kvb KV cache (`model.kv_dtype_bytes`), ab activations
-(`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte weights when
+P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through; P - V h with
+tied embeddings), the MLP width I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP).
+Bytes per element: wb weights (`model.dtype_bytes`), kvb KV cache (`model.kv_dtype_bytes`), ab
+activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte weights when
 the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), B = mem_bandwidth_gbps * 1e9,
 N = interconnect_gbps * 1e9. Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n all-reduce
 efficiencies.
@@ -32,11 +32,11 @@ efficiencies.
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
 
-`kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU, and `g = 1 + (nh / nkv
-- 1) r` when the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`),
-where `r = gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others
-hit in L2: the group's query heads run at about the same time), else 1. The
-linear layers' quadrature sum is the smooth knee between their two rooflines: a GEMM of a few
+`kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
+fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r`
+when the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`), where
+`r = gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others hit in
+L2: the group's query heads run at about the same time), else 1. The linear layers' quadrature sum is the smooth knee between their two rooflines: a GEMM of a few
 hundred tokens is neither bandwidth- nor compute-saturated (Vidur's per-operator profiles show
 1.4x the larger roofline where the two meet), so their efficiency grows with T. Only the
 embedding rows a step uses are read (the `wb h / tp` per token in t_elem). A mixed step pays
@@ -97,6 +97,10 @@ class CostModel:
         wb = m.dtype_bytes
         kvb = m.kv_dtype_bytes or wb
         self.kv_bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * kvb
+        # On one GPU: its share of the KV heads, and at least one (with fewer KV heads than
+        # GPUs each head is replicated, as vLLM does): what its pool, swaps and hand-offs hold.
+        self.kv_bytes_per_token_gpu = (2.0 * m.num_layers * max(m.num_kv_heads / tp, 1.0)
+                                       * m.head_dim * kvb)
         self.weight_bytes = m.num_params * wb
         self._idle = tp * h.idle_w
         self._dyn = tp * max(0.0, h.tdp_w - h.idle_w)
@@ -129,7 +133,8 @@ class CostModel:
         tp, L, hid = self.tp, m.num_layers, m.hidden_size
         nh, nkv, hd, ab = m.num_heads, m.num_kv_heads, m.head_dim, m.act_dtype_bytes
         p_head = float(m.vocab_size * hid)
-        p_blocks = max(m.num_params - 2.0 * p_head, 0.0)
+        # (the embedding table and the LM head: one matrix where they are tied)
+        p_blocks = max(m.num_params - (1.0 if m.tie_word_embeddings else 2.0) * p_head, 0.0)
         inter = max((p_blocks / L - hid * hd * (2 * nh + 2 * nkv)) / (3 * hid), 0.0)
         f16 = h.peak_tflops * 1e12
         bw = h.mem_bandwidth_gbps * 1e9
@@ -147,8 +152,7 @@ class CostModel:
         self._elem = elem / (bw * e.elementwise_efficiency)
         attn = tp * f16 * e.attention_efficiency
         self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
-        kv_gpu = 2.0 * L * max(nkv / tp, 1.0) * hd * kvb  # K/V bytes per token on one GPU
-        self._kv = kv_gpu / (bw * e.kv_bandwidth_efficiency)
+        self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
         self._kv_read = self._kv * (1.0 if e.gqa_shared_kv
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         if tp > 1:
@@ -165,13 +169,13 @@ class CostModel:
     def weight_bytes_per_gpu(self) -> float:
         return self.weight_bytes / self.tp
 
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across all GPUs."""
-        return self.kv_bytes_per_token * self.block_size
+    def kv_bytes_per_block_gpu(self) -> float:
+        """Bytes one block takes on each GPU (its share of the KV heads, at least one)."""
+        return self.kv_bytes_per_token_gpu * self.block_size
 
     def num_host_blocks(self) -> int:
         """Blocks of host swap space (`kv.swap_space_gb` per GPU)."""
-        return int(self._swap_bytes // (self.kv_bytes_per_block() / self.tp))
+        return int(self._swap_bytes // self.kv_bytes_per_block_gpu())
 
     def num_blocks(self) -> int:
         """The scenario's `kv.num_blocks`, or when 0, what the GPU memory holds (vLLM's rule):
@@ -179,7 +183,7 @@ class CostModel:
         if self._fixed_blocks > 0:
             return self._fixed_blocks
         free = self._mem * self._util - self.weight_bytes_per_gpu() - self._reserve
-        return int(free // (self.kv_bytes_per_block() / self.tp))
+        return int(free // self.kv_bytes_per_block_gpu())
 
     def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
              d_cached: float, num_seqs: float, sampled: float) -> tuple[float, float]:
@@ -338,4 +342,4 @@ class CostModel:
         """Seconds to move `num_blocks` blocks over the host link (one direction)."""
         if self.pcie_bytes_per_s <= 0:
             return 0.0
-        return num_blocks * self.kv_bytes_per_block() / self.tp / self.pcie_bytes_per_s
+        return num_blocks * self.kv_bytes_per_block_gpu() / self.pcie_bytes_per_s

@@ -108,7 +108,7 @@ def check_deployment(sc, cost, num_blocks: int) -> None:
             "hardware.mem_bandwidth_gbps, peak_tflops, step_overhead_ms, model.num_params and "
             "the [engine] coefficients")
     if sc.scheduler.policy == "disaggregated":  # one block's K/V over the hand-off link
-        t = cost.kv_bytes_per_block() / cost.tp / (sc.scheduler.kv_link_gbps * 1e9)
+        t = cost.kv_bytes_per_block_gpu() / (sc.scheduler.kv_link_gbps * 1e9)
         if not t <= MAX_STEP_S:
             raise ScenarioError(f"{src}: scheduler.kv_link_gbps = {sc.scheduler.kv_link_gbps:g}: "
                                 f"one block's K/V would take {t:.3g} s to hand off")
@@ -119,6 +119,6 @@ def check_deployment(sc, cost, num_blocks: int) -> None:
     check_memory(f"{src}: kv.num_blocks = {num_blocks}", num_blocks * BYTES_PER_BLOCK,
                  " for the block pool's bookkeeping")
     if sc.scheduler.preemption == "swap":
-        host = sc.kv.swap_space_gb * 1e9 / (cost.kv_bytes_per_block() / cost.tp)
+        host = sc.kv.swap_space_gb * 1e9 / cost.kv_bytes_per_block_gpu()
         check_memory(f"{src}: kv.swap_space_gb = {sc.kv.swap_space_gb:g}",
                      host * BYTES_PER_BLOCK, f" for a host pool of {host:.3g} blocks")

@@ -60,6 +60,9 @@ class ModelConfig:
     num_kv_heads: int = _f(0, min=0)
     head_dim: int = _f(0, min=0)
     vocab_size: int = _f(0, min=0)
+    tie_word_embeddings: bool = _f(False, doc="the LM head is the embedding table: one "
+                                              "vocab x hidden matrix in num_params (Hugging "
+                                              "Face's config field)")
     max_model_len: int = _f(0, min=0, doc="longest prompt+output a request may have")
     dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per weight (and per KV element "
                                                     "unless kv_dtype_bytes says otherwise)")
@@ -649,6 +652,21 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     if m.num_heads % m.num_kv_heads:
         raise ScenarioError(f"{src}: model.num_kv_heads = {m.num_kv_heads}: must divide "
                             f"model.num_heads = {m.num_heads}")
+    tp = m.tensor_parallel
+    if m.num_heads % tp:
+        raise ScenarioError(f"{src}: model.tensor_parallel = {tp}: must divide "
+                            f"model.num_heads = {m.num_heads} (each GPU holds whole heads)")
+    if m.num_kv_heads % tp and tp % m.num_kv_heads:
+        raise ScenarioError(f"{src}: model.tensor_parallel = {tp}: must divide "
+                            f"model.num_kv_heads = {m.num_kv_heads}, or be a multiple of it "
+                            "(each KV head then replicated)")
+    embeddings = (1 if m.tie_word_embeddings else 2) * m.vocab_size * m.hidden_size
+    attention = m.num_layers * m.hidden_size * m.head_dim * 2 * (m.num_heads + m.num_kv_heads)
+    if m.num_params <= embeddings + attention:
+        raise ScenarioError(
+            f"{src}: model.num_params = {m.num_params:.4g}: no more than the "
+            f"{embeddings + attention:.4g} that [model]'s sizes hold in their embeddings and "
+            "attention projections alone (no room for the MLPs)")
     if sc.kv.reserve_gb >= sc.hardware.memory_gb:
         raise ScenarioError(f"{src}: kv.reserve_gb = {sc.kv.reserve_gb:g}: must be less than "
                             f"hardware.memory_gb = {sc.hardware.memory_gb:g}")

@@ -1,10 +1,12 @@
 import math
+import re
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from sim.costmodel import CostModel
+from sim.errors import ScenarioError
 from sim.scenario import load_scenario
 
 ROOFLINE = 'engine.preset="roofline"'
@@ -125,6 +127,60 @@ def test_tensor_parallel_all_reduce_is_latency_plus_bytes():
     one = model("model.preset=\"llama-3.1-70b\"", "kv.num_blocks=100", *BARE,
                 "engine.allreduce_latency_us=50")
     assert one._ar_fix == 0.0  # one GPU: no all-reduce
+
+
+def test_fewer_kv_heads_than_gpus_replicates_them_in_the_pool_and_its_moves():
+    """Llama-3.1-70B has 8 KV heads: on 16 GPUs each holds one (replicated), not half of one,
+    so its pool is what one head's blocks fill of each GPU's free memory; swaps and hand-offs
+    move that much per GPU, and decode reads it."""
+    def pool(tp, *o):
+        sc = load_scenario("chat", ["model.preset=\"llama-3.1-70b\"", "hardware.preset=\"h100-sxm\"",
+                                    f"model.tensor_parallel={tp}", *o])
+        return sc.kv.num_blocks, CostModel(sc)
+    per_gpu_block = 2 * 80 * 1 * 128 * 2 * 16  # one KV head of 128, bf16, 16-token blocks
+    for tp in (8, 16, 32):
+        blocks, cm = pool(tp)
+        assert cm.kv_bytes_per_block_gpu() == per_gpu_block
+        free = 80e9 * 0.9 - 70.6e9 * 2 / tp - cm._reserve
+        assert blocks == int(free // per_gpu_block)
+        assert cm.swap_time(1000) == pytest.approx(1000 * per_gpu_block / cm.pcie_bytes_per_s)
+    assert pool(16)[1]._kv == pool(8)[1]._kv  # decode reads one head's bytes per token
+    # Two KV heads per GPU at tp=4: half the heads of the 8, the pool's blocks twice as large.
+    assert pool(4)[1].kv_bytes_per_block_gpu() == 2 * per_gpu_block
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.tensor_parallel=3", "tensor_parallel = 3: must divide model.num_heads = 32"),
+    ("model.tensor_parallel=5", "tensor_parallel = 5: must divide model.num_heads"),
+    ("model.num_params=1e9", "model.num_params = 1e+09: no more than"),
+])
+def test_shapes_tensor_parallel_cannot_split_and_too_few_parameters_are_refused(override, field):
+    with pytest.raises(ScenarioError, match=re.escape(field)):
+        load_scenario("chat", [override])
+
+
+def test_kv_heads_must_split_evenly_over_the_gpus_or_be_replicated_whole():
+    sizes = ['model.preset=""', "model.num_params=10e9", "model.num_layers=32",
+             "model.hidden_size=3072", "model.num_heads=24", "model.vocab_size=32000",
+             "model.head_dim=128", "model.max_model_len=8192"]
+    with pytest.raises(ScenarioError, match="tensor_parallel = 4: must divide model.num_kv_heads = 6"):
+        load_scenario("chat", [*sizes, "model.num_kv_heads=6", "model.tensor_parallel=4"])
+    load_scenario("chat", [*sizes, "model.num_kv_heads=6", "model.tensor_parallel=3"])
+    load_scenario("chat", [*sizes, "model.num_kv_heads=2", "model.tensor_parallel=8"])
+
+
+def test_tied_embeddings_leave_one_vocab_matrix_out_of_the_blocks():
+    """A tied model's num_params holds the vocab x hidden matrix once: the rest, one matrix
+    more than an untied model's, goes through every token."""
+    base = ("engine.cpu_base_us=0", "engine.cpu_per_seq_us=0", "engine.layer_overhead_us=0")
+    untied = model(*base)
+    tied = model(*base, "model.tie_word_embeddings=true")
+    v_h = 128256 * 4096
+    assert tied._blk_m / untied._blk_m == pytest.approx((8.03e9 - v_h) / (8.03e9 - 2 * v_h))
+    assert tied._blk_c / untied._blk_c == pytest.approx((8.03e9 - v_h) / (8.03e9 - 2 * v_h))
+    assert tied._head_m == untied._head_m  # the LM head still reads the matrix
+    assert decode(tied, 1, 100) > decode(untied, 1, 100)
+
 
 
 def test_cpu_time_adds_to_the_step_unless_it_overlaps():
