@@ -33,14 +33,14 @@ efficiencies.
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
-fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r`
-when the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`), where
-`r = gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others hit in
-L2: the group's query heads run at about the same time), else 1. The linear layers' quadrature sum is the smooth knee between their two rooflines: a GEMM of a few
-hundred tokens is neither bandwidth- nor compute-saturated (Vidur's per-operator profiles show
-1.4x the larger roofline where the two meet), so their efficiency grows with T. Only the
-embedding rows a step uses are read (the `wb h / tp` per token in t_elem). A mixed step pays
-prefill and decode attention both, as the separate kernels do.
+fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
+the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`), where `r =
+gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others hit in L2: the
+group's query heads run at about the same time), else 1. The linear layers' quadrature sum is the
+smooth knee between their two rooflines: a GEMM of a few hundred tokens is neither bandwidth- nor
+compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline where the two meet),
+so their efficiency grows with T. Only the embedding rows a step uses are read (the `wb h / tp` per
+token in t_elem). A mixed step pays prefill and decode attention both, as the separate kernels do.
 
 Energy per step (all GPUs): `tp * (idle_w * step + (tdp_w - idle_w) * busy)` where busy is the
 kernels' time (t_blocks + t_head + t_elem + t_pa + t_da).

@@ -21,7 +21,10 @@ FREEZE_AFTER_S = 1.0  # a block at least this long freezes what it made
 
 
 @contextmanager
-def paused_gc():
+def paused_gc(freeze: bool = False):
+    """`freeze=True` freezes on the way out however short the block: for work done once per
+    command (reading a session log, checking a replay), whose objects would otherwise all be
+    scanned by the first collection after it."""
     was_on = gc.isenabled()
     gc.disable()
     t0 = time.perf_counter()
@@ -29,6 +32,6 @@ def paused_gc():
         yield
     finally:
         if was_on:
-            if time.perf_counter() - t0 >= FREEZE_AFTER_S:
+            if freeze or time.perf_counter() - t0 >= FREEZE_AFTER_S:
                 gc.freeze()
             gc.enable()

@@ -687,7 +687,7 @@ def read_log(path, check_events: bool = True) -> SessionLog:
     `check_events=False` (for `replay --verify`, which compares every record with the one it
     regenerates and checks those that differ) checks in full only the records a replay acts
     on: the header, footer, user actions, stream marks and measured step durations."""
-    with paused_gc():
+    with paused_gc(freeze=True):  # (the records live as long as the log)
         log = _read_log(str(path))
         if check_events:
             for i, r in enumerate(log.records):

@@ -39,3 +39,20 @@ def test_a_long_block_freezes_what_exists(monkeypatch):
     finally:
         gc.unfreeze()
     del keep
+
+
+def test_a_block_done_once_per_command_freezes_however_short():
+    """Reading a log and checking a replay freeze what they made (their records would otherwise
+    all be scanned by the first collection after them); other short blocks do not."""
+    gc.collect()
+    before = gc.get_freeze_count()
+    try:
+        with gcpause.paused_gc():
+            short = [Node() for _ in range(100)]
+        assert gc.get_freeze_count() < before + 100
+        with gcpause.paused_gc(freeze=True):
+            once = [Node() for _ in range(100)]
+        assert gc.get_freeze_count() >= before + 200
+    finally:
+        gc.unfreeze()
+    del short, once
