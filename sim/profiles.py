@@ -1,5 +1,5 @@
 """Fitting the built-in engine profiles (`sim.presets.ENGINES`) to published measurements, and
-their leave-one-out error.
+their leave-one-out and leave-group-out errors.
 
 What is fitted (`FIT`): the kernel efficiencies and fixed GPU costs are shared by every engine
 (the GEMM, attention and collective libraries are largely the same, and few points would
@@ -203,20 +203,53 @@ def leave_one_out(rows: list[_Row], log=None) -> list[tuple[Point, float]]:
     """For each row: fit the others from the priors (neither the shipped profiles nor a fit
     of all rows, which have seen the row) and predict it by simulation. Returns (point,
     predicted / published) pairs."""
-    out = []
+    folds = _held_out(rows, [(r.point.id, [i]) for i, r in enumerate(rows)], log)
+    return [pair for _, pairs in folds for pair in pairs]
+
+
+# What `leave_group_out` can hold out together: each point's value of it, from its scenario.
+GROUPS = {
+    "model": lambda sc: sc.model.preset or f"{sc.model.num_params:.3g} parameters",
+    "hardware": lambda sc: sc.hardware.preset or f"{sc.hardware.mem_bandwidth_gbps:g} GB/s",
+    "dtype": lambda sc: f"{sc.model.dtype_bytes}-byte weights",
+    "tp": lambda sc: f"tensor_parallel {sc.model.tensor_parallel}",
+    "engine": lambda sc: sc.engine.preset,
+}
+
+
+def leave_group_out(rows: list[_Row], key: str,
+                    log=None) -> list[tuple[str, list[tuple[Point, float]]]]:
+    """Hold out every row sharing a value of `key` (one of GROUPS) at once, fit the rest from
+    the priors and predict the held-out rows: the error on a model, a GPU, a data type, a
+    degree of tensor parallelism or an engine the fit has not seen. Returns, per value,
+    (value, [(point, predicted / published)]). A value held by every row is skipped (nothing
+    would be left to fit)."""
+    of = GROUPS[key]
+    values: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        values.setdefault(of(r.scenario), []).append(i)
+    return _held_out(rows, [(v, ix) for v, ix in sorted(values.items()) if len(ix) < len(rows)],
+                     log)
+
+
+def _held_out(rows: list[_Row], folds: list[tuple[str, list[int]]],
+              log=None) -> list[tuple[str, list[tuple[Point, float]]]]:
     start = prior_start({r.scenario.engine.preset for r in rows} & set(FIT))
-    for i, row in enumerate(rows):
-        rest = rows[:i] + rows[i + 1:]
-        # Stage 2 runs for the left-out row's own engine only (the others' rows do not
-        # change what predicts it).
-        c = fit(rest, start=start, stage2={row.scenario.engine.preset})
+    out = []
+    for name, held in folds:
+        out_ix = set(held)
+        rest = [r for i, r in enumerate(rows) if i not in out_ix]
+        test = [rows[i] for i in held]
+        # Stage 2 runs for the held-out rows' own engines only (the others' rows do not
+        # change what predicts them).
+        c = fit(rest, start=start, stage2={r.scenario.engine.preset for r in test})
         # (an engine with no other row keeps its priors, not the profile its scenario was
-        # built from, which was fitted on this row too)
+        # built from, which was fitted on these rows too)
         c = {**start, **c}
-        ratio = predict(row, c, simulate=True) / row.point.published
-        out.append((row.point, ratio))
+        pairs = [(r.point, predict(r, c, simulate=True) / r.point.published) for r in test]
+        out.append((name, pairs))
         if log:
-            log(f"leave out {row.point.id}: ratio {ratio:.3f}")
+            log(f"leave out {name}: ratio " + ", ".join(f"{p.id} {x:.3f}" for p, x in pairs))
     return out
 
 

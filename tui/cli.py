@@ -479,7 +479,7 @@ def cmd_validate(args) -> int:
             points = [p for p in points if p.id in wanted]
             if not points:
                 raise V.ValidationError(f"--only {args.only!r}: no such point in {spec}")
-        if args.fit or args.loo:
+        if args.fit or args.loo or args.leave_out:
             return _fit_profiles(points, args)
         results = []
         show = not args.json and _is_terminal(sys.stderr)  # (a progress line is for a person)
@@ -503,8 +503,9 @@ def cmd_validate(args) -> int:
 
 
 def _fit_profiles(points, args) -> int:
-    """`validate --fit` / `--loo`: fit the engine profiles on the `use = fit` points (how the
-    built-in ones were made), or their leave-one-out error."""
+    """`validate --fit` / `--loo` / `--leave-out KEY`: fit the engine profiles on the `use =
+    fit` points (how the built-in ones were made), and their leave-one-out error or their error
+    on each value of KEY held out whole."""
     from sim import profiles as P
     from sim.validate import error_stats
 
@@ -514,7 +515,7 @@ def _fit_profiles(points, args) -> int:
     rows = P.prepare([p for p in points if p.use == "fit"])
     c = P.fit(rows, log=log)
     profiles = P.profiles(c)
-    if not args.loo:  # the derived profiles need the fitted ones as their reference
+    if not (args.loo or args.leave_out):  # (the derived profiles need the fitted ones)
         from sim.presets import ENGINES
 
         profiles = P.fit_ratios({**ENGINES, **profiles}, log=log)
@@ -523,6 +524,14 @@ def _fit_profiles(points, args) -> int:
         loo = P.leave_one_out(rows, log=log)
         out["leave_one_out"] = {p.id: ratio for p, ratio in loo}
         out["leave_one_out_error"] = error_stats([r for _, r in loo])
+    if args.leave_out:
+        folds = P.leave_group_out(rows, args.leave_out, log=log)
+        out["leave_group_out"] = {
+            "key": args.leave_out,
+            "groups": {name: {"points": {p.id: ratio for p, ratio in pairs},
+                              "error": error_stats([r for _, r in pairs])}
+                       for name, pairs in folds},
+            "error": error_stats([r for _, pairs in folds for _, r in pairs])}
     print(json.dumps(out, indent=2))
     return 0
 
@@ -689,6 +698,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fit", action="store_true",
                    help="fit the engine profiles on the use = fit points (prints JSON)")
     s.add_argument("--loo", action="store_true", help="with the fit, its leave-one-out error")
+    from sim.profiles import GROUPS
+    s.add_argument("--leave-out", choices=sorted(GROUPS),
+                   help="with the fit, its error on each model, GPU, data type, tensor-parallel "
+                        "degree or engine held out whole")
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("calibrate", help="fit an engine profile to measurements")

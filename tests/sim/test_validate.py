@@ -169,6 +169,33 @@ def test_fit_and_leave_one_out_on_a_few_points(capsys):
         assert [r for _, r in P.leave_one_out(rows)] == [loo[i] for i in ids]
 
 
+def test_leave_group_out_holds_out_every_row_of_a_value_together(capsys):
+    """`validate --leave-out model`: one refit per model without any of its rows. With one row
+    per model it is leave-one-out; with two, each fold's prediction differs from leaving out a
+    single row (its partner is gone from the fit too); a model every row shares is not held out
+    (nothing would be left to fit)."""
+    from sim import profiles as P
+
+    assert main(["validate", "--only", "T1,T3", "--leave-out", "model", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["leave_group_out"]
+    assert out["key"] == "model" and out["error"]["count"] == 2
+    assert {g: list(v["points"]) for g, v in out["groups"].items()} == {
+        "llama-2-7b": ["T1"], "llama-2-70b": ["T3"]}
+    rows = P.prepare([p for p in load_points(BUNDLED_DIR / "fidelity") if p.id in ("T1", "T3")])
+    assert {p.id: r for p, r in P.leave_one_out(rows)} == {
+        **out["groups"]["llama-2-7b"]["points"], **out["groups"]["llama-2-70b"]["points"]}
+
+    rows = P.prepare([p for p in load_points(BUNDLED_DIR / "fidelity")
+                      if p.id in ("T1", "T2", "T3", "T4")])
+    folds = dict(P.leave_group_out(rows, "model"))
+    assert {g: [p.id for p, _ in v] for g, v in folds.items()} == {
+        "llama-2-7b": ["T1", "T2"], "llama-2-70b": ["T3", "T4"]}
+    alone = dict((p.id, r) for p, r in P.leave_one_out(rows))
+    assert all(0.2 < r < 5 for v in folds.values() for _, r in v)
+    assert any(abs(r - alone[p.id]) > 1e-6 for v in folds.values() for p, r in v)
+    assert P.leave_group_out(rows, "hardware") == []  # every row on the A100
+
+
 def test_leave_one_out_of_an_engines_only_row_uses_its_priors():
     # V1 is the only vLLM row here: left out, no row fits vLLM's coefficients, and the ones its
     # scenario was built with (the shipped profile) were fitted on V1 itself.
