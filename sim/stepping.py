@@ -351,8 +351,13 @@ def arrive(e: Any, now: float) -> None:
         due = s.requests.get(rid)  # (gone: it ended, and keep_history is off)
         if due is not None and not due.state.is_done:
             e._cancel(due, by="client")
-        elif due in s._releasing:  # finished, its output not yet processed: freed now
-            e._release_now(due)
+            continue
+        # Finished, its output not yet processed (async scheduling): freed now. (Looked up
+        # among those, not in `requests`: a run that keeps no history has forgotten it.)
+        for r in s._releasing:
+            if r.req_id == rid:
+                e._release_now(r)
+                break
 
 
 def on_arrival(e: Any, req: Request) -> None:
