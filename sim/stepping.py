@@ -646,9 +646,16 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     s._batch_decodes = (not prefilling and len(sched) + len(s._releasing)
                            == len(ps.running))
     if s.num_samples > 1:
+        # Seats free in the next step, each further sample one: those free now, plus those
+        # of requests that leave the batch before it is scheduled (finished by the last step,
+        # released below; finished by this one, unless async scheduling holds their seats).
+        seats: int = (ps.cfg.max_num_seqs - len(ps.running) + len(s._releasing)
+                      + (0 if ps.async_scheduling else len(finished)))
         for req in first:
             if req.parent_id is None and req not in finished:
-                sampled += e._fork(req, end, g)
+                started: int = e._fork(req, end, g, seats)
+                sampled += started
+                seats -= started
     if s.record_timeline:
         tl.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
                               kv.num_used_blocks, empty_slots(e), energy,

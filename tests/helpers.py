@@ -35,6 +35,9 @@ def check_invariants(engine: Engine, held=(), releasing_elsewhere=()) -> None:
     has finished and not yet released (a prefill instance's record of a handed-off request)."""
     pool = engine.kv.pool
     owners = Counter(held)
+    # Every sequence holds a seat, a further sample of a request included (vLLM V1 fans `n`
+    # out into `n` requests); one finished by the last step keeps it until the next is scheduled.
+    assert len(engine.policy.running) <= engine.scenario.scheduler.max_num_seqs
     live = list(engine.policy.running) + list(engine.policy.waiting)
     # Async scheduling: finished by the last step, still holding blocks and a seat in the batch
     # until the next step has been scheduled.

@@ -1,10 +1,14 @@
 """Each policy's ordering rule, observed through the engine's event stream."""
 
 import numpy as np
+import pytest
+from hypothesis import given, strategies as st
 
-from sim import Engine, summarize
+from sim import Engine, build, summarize
 from sim.request import RequestState
-from tests.helpers import check_invariants, small_scenario, workload_of
+from tests.fuzz import fuzz_settings
+from tests.helpers import (check_cluster_invariants, check_invariants, small_scenario,
+                           workload_of)
 
 
 def run_steps(engine, n=100000):
@@ -287,3 +291,66 @@ def test_priority_preempting_for_an_arrival_is_not_a_run_of_decode_steps():
         assert e.counts["preemptions"] == 1 and e.get(urgent).state.value == "finished"
         runs.append([x.to_dict() for x in e.events if x.kind != "steps"])
     assert runs[0] == runs[1]
+
+
+SINGLE = ["fcfs", "static", "contiguous", "chunked", "priority", "sjf", "lpm"]
+
+
+def batch_sizes(events) -> list[int]:
+    """The sequences each recorded step (or run of identical steps) computed."""
+    return [len({c[0] for c in x.prefill} | set(x.decode)) for x in events if x.kind == "steps"]
+
+
+@pytest.mark.parametrize("policy", SINGLE)
+def test_parallel_samples_take_a_seat_each(policy):
+    # Found by the invariant hunt: eight requests of two samples each under max_num_seqs = 4
+    # ran eight sequences a step, every further sample forked into the batch past the limit.
+    sc = small_scenario(f'scheduler.policy="{policy}"', "scheduler.max_num_seqs=4",
+                        "workload.num_samples=2")
+    e = Engine(sc, workload=workload_of([(0.0, 100, 10)] * 8))
+    run_steps(e)
+    s = summarize(e)
+    assert max(batch_sizes(e.events)) == s["batch"]["max"] == 4
+    # every sample still runs to the end: the ones that found no seat waited for one
+    assert e.counts["finished"] == 8 and e.counts["finished_samples"] == 8
+    assert s["output_tokens"] == 8 * 2 * 10
+
+
+@pytest.mark.fuzz
+@fuzz_settings(30)
+@given(policy=st.sampled_from([*SINGLE, "disaggregated", "replicas"]),
+       seats=st.integers(1, 6), samples=st.integers(1, 4), seed=st.integers(0, 2**16),
+       async_scheduling=st.booleans(), caching=st.booleans(),
+       budget=st.sampled_from([64, 256, 2048]))
+def test_no_step_runs_more_than_max_num_seqs_sequences(policy, seats, samples, seed,
+                                                       async_scheduling, caching, budget):
+    deployment = policy in ("disaggregated", "replicas")
+    over = [f"scheduler.max_num_seqs={seats}", f"seed={seed}",
+            f"scheduler.async_scheduling={str(async_scheduling).lower()}",
+            f"kv.enable_prefix_caching={str(caching).lower()}",
+            f"scheduler.max_num_batched_tokens={budget}", "kv.num_blocks=120",
+            "kv.block_size=8", "workload.rate=30", "workload.duration_s=0",
+            "workload.num_requests=30", "workload.cancel_fraction=0.2",
+            "workload.cancel_after_s=0.1", "workload.shared_prefix_tokens=24",
+            'workload.prompt_tokens={dist="uniform", min=1, max=60}',
+            'workload.output_tokens={dist="uniform", min=1, max=40}',
+            "cluster.replicas=2" if policy == "replicas" else
+            f'scheduler.policy="{"chunked" if deployment else policy}"']
+    if policy == "disaggregated":
+        over.append('scheduler.policy="disaggregated"')
+    if not deployment:  # (parallel sampling is for a single engine)
+        over.append(f"workload.num_samples={samples}")
+    e = build(small_scenario(*over))
+    engines = e.instances if deployment else [e]
+    for _ in range(20000):
+        if e.done:
+            break
+        e.step()
+        if deployment:
+            check_cluster_invariants(e)
+        else:
+            check_invariants(e)
+    assert e.done
+    for x in engines:
+        assert max(batch_sizes(x.events), default=0) <= seats
+        assert summarize(x)["batch"]["max"] <= seats
