@@ -244,6 +244,11 @@ class Cluster:
         # (steps, clock) at which an instance found nothing it could schedule; cleared by any
         # delivery, after which it may again.
         self._stuck: list[tuple | None] = [None] * n
+        # (steps, clock) at which each instance last applied what it finds at a decision's
+        # start (arrivals, cancellations, deliveries), and whether the deployment has routed
+        # what was due since its last decision or user action: see `settled`.
+        self._settled: list[tuple | None] = [None] * n
+        self._routed = False
         self.cancelled_in_transfer = 0
         if self.disaggregated:
             cost = CostModel(scenario)
@@ -303,6 +308,34 @@ class Cluster:
     def position(self) -> list[list]:
         """Where each instance stands: [steps run, clock]."""
         return [[e.step_count, e.now] for e in self.instances]
+
+    @property
+    def settled(self) -> list[bool]:
+        """Whether the deployment has routed what was due (the arrivals and the cancellations
+        between instances that every instance concerned has reached) since its last decision
+        or user action, then whether each instance has applied, where it stands, what its
+        next decision would first (the arrivals, cancellations and deliveries due by its
+        clock). A session log records it with each position: an instance whose last decision
+        applied them and found nothing more to do stands where one cut before them does, and
+        a deployment run up to t = 0 where one never run does."""
+        return [self._routed] + [p == (e.step_count, e.now)
+                                 for p, e in zip(self._settled, self.instances)]
+
+    def settle(self, settled: list[bool] | None) -> None:
+        """Apply what `settled` (a recorded session's, or None: nothing) says the session had
+        applied where the deployment stands (a replay, at a recorded position)."""
+        engines = self.instances
+        if type(settled) is not list or len(settled) != len(engines) + 1:
+            return  # (a log written before logs said)
+        if settled[0] and not self._routed:
+            self._global()
+        mine = self.settled
+        for i in sorted(range(len(engines)), key=lambda i: (engines[i].now, i)):
+            if settled[i + 1] and not mine[i + 1]:
+                self._prologue(i)
+                engines[i].settle()  # (its decision, which ran no step)
+                if settled[0]:
+                    self._global()
 
     def get(self, req_id: int) -> Request:
         try:
@@ -508,7 +541,9 @@ class Cluster:
         self._unstick()  # the action may give a stuck instance something it can schedule
         if self.record_events:
             args["at"] = self.position()
+            args["settled"] = self.settled
             self.events.append(ev.UserAction(self.now, self.step_count, action, args))
+        self._routed = False
 
     def _busy(self, i: int) -> bool:
         """Whether instance `i` has anything to do: requests, or a hand-off to serve."""
@@ -569,9 +604,11 @@ class Cluster:
             tc = self._cancels[0][0] if self._cancels else INF
             t = min(ta, tc)
             if t == INF:
+                self._routed = True
                 return
             concerned = routes if ta <= tc else range(len(self.instances))
             if any(self.instances[i].now < t and self._busy(i) for i in concerned):
+                self._routed = True
                 return
             if ta <= tc:
                 self._arrive(self._w_next)
@@ -586,6 +623,7 @@ class Cluster:
         idle advance), or None when no instance has anything to do before `until` (or within
         `caps`)."""
         self._global()
+        self._routed = False  # (whatever this decision does may let more be routed)
         engines = self.instances
         delivered = False
         # Instances at a replay's recorded position: they take no further decision, and what
@@ -609,8 +647,7 @@ class Cluster:
                     # At its recorded step with its clock behind the recorded one: it found
                     # nothing to schedule meanwhile (a step now would be a divergence).
                     steps, idle_cap = 1, cap_now
-            e.arrive_due()  # (a cancellation here may make room for a hand-off)
-            delivered |= self._deliver(i)
+            delivered |= self._prologue(i)
             bound = min(self._bound(i, until, frozen), idle_cap)
             if e.policy.has_work():
                 if (self.disaggregated and i == 1 and self._ready
@@ -631,6 +668,15 @@ class Cluster:
                 return 0
         # A delivery that let no instance move yet still changed what the others may do.
         return 0 if delivered else None
+
+    def _prologue(self, i: int) -> bool:
+        """What instance `i` finds at the start of a decision: the arrivals and cancellations
+        due by its clock, then deliveries (`_deliver`, whose result it returns)."""
+        e = self.instances[i]
+        e.arrive_due()  # (a cancellation here may make room for a hand-off)
+        delivered = self._deliver(i)
+        self._settled[i] = (e.step_count, e.now)
+        return delivered
 
     # ================================================================================ routing
     def _arrive(self, i: int) -> None:

@@ -273,6 +273,35 @@ class Engine(EngineState):
         """True when no request is queued, running or still to arrive."""
         return stepping.done(self)
 
+    @property
+    def settled(self) -> bool:
+        """Whether `settle` has nothing to do. A session log records it at each user action
+        and at its end: a session that ends (or a screen that pauses) just after a decision
+        that ran no step stands where one cut before that decision does, and only this tells
+        a replay which."""
+        return not (self._due() or self._only_finishing())
+
+    def settle(self) -> None:
+        """Do what the next decision does before it schedules anything: apply the arrivals
+        and client cancellations due by the clock (unless a multi-step window holds them),
+        then, if only requests finished by the last step are left, release them (a replay,
+        where the session's last decision ran no step)."""
+        if self._due():
+            self._arrive(self.now)
+        if self._only_finishing():
+            self._release()
+
+    def _due(self) -> bool:
+        """Whether the next decision starts by applying arrivals or client cancellations."""
+        return (self._next_external() <= self.now
+                and not (self._window and self.policy.running))
+
+    def _only_finishing(self) -> bool:
+        """Whether nothing but requests finished by the last step (async scheduling) runs or
+        waits: the next decision schedules nothing but releases them."""
+        return bool(self._releasing and not self.policy.waiting
+                    and len(self.policy.running) == len(self._releasing))
+
     def step(self) -> int:
         """Run exactly one engine step (or one idle advance). Returns steps taken (0 or 1)."""
         self._check_hooks()
@@ -557,6 +586,7 @@ class Engine(EngineState):
     # ====================================================================== internals: events
     def _action(self, action: str, **args) -> None:
         if self.record_events:
+            args["settled"] = self.settled
             self.events.append(ev.UserAction(self.now, self.step_count, action, args))
 
     def _emit_steps(self, e: ev.Steps) -> None:

@@ -14,8 +14,10 @@ Layout (each item one msgpack object, in this order):
 3. every 4,096 events, a checkpoint map `{"crc": crc32, "n": events so far}` over the bytes
    since the previous checkpoint (the first covers the header), so a flipped byte is found and
    located;
-4. a footer map `{"footer": true, "n", "step", "now", "summary": {...}}`: where the session
-   stood when it was exported, and its summary metrics;
+4. a footer map `{"footer": true, "n", "step", "now", "settled", "summary": {...}}`: where the
+   session stood when it was exported, whether the arrivals and client cancellations due by
+   then had been applied (`Engine.settled`; logs written before it lack it: not), and its
+   summary metrics;
 5. an end mark `{"crc", "n", "end": true}`, the last checkpoint, covering the footer.
 
 Since format 2, for a deployment of several instances (`sim.cluster`: replicas, or a disaggregated
@@ -23,7 +25,9 @@ prefill/decode pair): the header adds `"cluster": {"mode", "router", "instances"
 "policy"}, ...]}`; the events are one stream per source, each opened by a `stream` event naming
 it: first the deployment's own (-1: routing, user actions, cancellations between instances),
 then each instance's, in instance order, each in that instance's simulated-time order; the footer
-adds `"at": [[step, now], ...]`, where each instance stood. (Format 1 is format 2 without them.)
+adds `"at": [[step, now], ...]`, where each instance stood, and its `settled` is one flag for
+the deployment's own stream and one per instance (`Cluster.settled`). (Format 1 is format 2
+without them.) A user action's args carry `settled` as the footer does, where it took effect.
 
 A log is written to a temporary file in the target's directory and renamed into place, so an
 interrupted export never leaves a half-written log under the final name.
@@ -273,6 +277,7 @@ def write_log(path, engine, summary: dict | None = None, exclusive: bool = False
                       "summary": summary}
             if streams is not None:
                 footer["at"] = engine.position()
+            footer["settled"] = engine.settled
             chunk.append(packer.pack(footer))
             body = b"".join(chunk)
             fh.write(body)
@@ -548,6 +553,11 @@ def is_position(v) -> bool:
                                    and _is_time(p[1]) for p in v)
 
 
+def is_flags(v, n: int) -> bool:
+    """Whether `v` is one true or false for each of `n` instances."""
+    return type(v) is list and len(v) == n and all(type(x) is bool for x in v)
+
+
 def _stream_ends(path: str, records: list, marks: list) -> dict:
     """Where each stream's steps end, {stream: (steps run, clock)}, from its last `steps`
     record (stream None: a single engine's log; else the index its marks name)."""
@@ -597,6 +607,8 @@ def _check_footer(path: str, footer: dict, header: dict, records: list, marks: l
             bad("step", f"the events end at step {step}")
         if footer["now"] < end:
             bad("now", f"before the end of the last step ({end!r})")
+        if type(footer.get("settled", False)) is not bool:
+            bad("settled", "expected true or false")
         return
     n = len(header["cluster"]["instances"])
     if at is None or len(at) != n:
@@ -609,6 +621,9 @@ def _check_footer(path: str, footer: dict, header: dict, records: list, marks: l
             bad(f"at[{k}]", f"before the end of instance {k}'s last step ({end!r})", at[k])
     if footer["step"] != sum(p[0] for p in at):
         bad("step", f"expected {sum(p[0] for p in at)} (the instances' steps, summed)")
+    if not is_flags(footer.get("settled", [False] * (n + 1)), n + 1):
+        bad("settled", f"expected true or false for the deployment and each of its {n} "
+                       "instances")
 
 
 # What each user action carries (`at`: a deployment's instances' positions).
@@ -643,6 +658,12 @@ def _check_action(path: str, i: int, rec: list) -> None:
             if not is_position(v):
                 raise LogError(f"{path}: event {i}: {action} at = {_shown(v)}: expected "
                                "[step, time] per instance")
+        elif k == "settled":
+            # (a deployment's: its own, then one per instance, as many as the replay
+            # checks against the header)
+            if not (type(v) is bool or is_flags(v, len(v))):
+                raise LogError(f"{path}: event {i}: {action} settled = {_shown(v)}: expected "
+                               "true or false (a deployment's: for it and each instance)")
         elif k not in spec or not spec[k](v):
             raise LogError(f"{path}: event {i}: {action} {k} = {_shown(v)}: unknown or "
                            "out of range")

@@ -44,6 +44,9 @@ class Replayer:
         self._next = 0
         self.end_step = int(log.footer["step"])
         self.end_time = float(log.footer["now"])
+        # Whether the session had applied the arrivals and cancellations due where it ended
+        # (written before logs said so: not).
+        self.end_settled = log.footer.get("settled")
         if "cluster" in log.header:  # a deployment of several instances
             self._init_cluster(sc, make_executor)
             return
@@ -81,6 +84,10 @@ class Replayer:
             if len(a.args.get("at") or ()) != n:
                 raise LogError(f"{log.path}: the deployment's {a.action!r} action at "
                                f"t={a.t} lacks where each of its {n} instances stood ('at')")
+            if len(a.args.get("settled", [False] * (n + 1))) != n + 1:
+                raise LogError(f"{log.path}: the deployment's {a.action!r} action at "
+                               f"t={a.t} lacks whether it and each of its {n} instances had "
+                               "settled ('settled')")
         at = log.footer.get("at")
         if len(at or ()) != n:
             raise LogError(f"{log.path}: footer lacks where each instance stood ('at')")
@@ -106,7 +113,7 @@ class Replayer:
             a = self.actions[self._next]
             if a.t > t:
                 break
-            e.advance_to(a.step, a.t)
+            self._bring(a)
             e.apply_action(a.action, a.args)
             self._next += 1
         limit = self.end_step - e.step_count
@@ -116,9 +123,23 @@ class Replayer:
             limit = min(limit, max(0, max_steps - (e.step_count - start)))
         if limit > 0 and e.now < t:
             e.run_until(t, limit)
-        if self._next >= len(self.actions) and e.step_count == self.end_step and e.now < t:
-            e.advance_to(self.end_step, t)
+        if self._next >= len(self.actions) and e.step_count == self.end_step:
+            if e.now < t:
+                e.advance_to(self.end_step, t)
+            if t >= self.end_time and self.end_settled is True:
+                e.settle()  # (the session's last decision, which ran no step)
         return e.step_count - start
+
+    def _bring(self, a) -> None:
+        """Bring the engine to where action `a` took effect, with what was due there applied
+        if it had been (`Engine.settled`)."""
+        if self.end_at is not None:
+            self.engine.advance_to(a.args["at"])
+            self.engine.settle(a.args.get("settled"))
+            return
+        self.engine.advance_to(a.step, a.t)
+        if a.args.get("settled") is True:
+            self.engine.settle()
 
     def _run_cluster_until(self, t: float, max_steps: int | None) -> int:
         """`run_until` for a deployment: each action at the instances' recorded positions, and
@@ -128,7 +149,7 @@ class Replayer:
         t = min(t, self.end_time)
         while self._next < len(self.actions) and self.actions[self._next].t <= t:
             a = self.actions[self._next]
-            c.advance_to(a.args["at"])
+            self._bring(a)
             c.apply_action(a.action, a.args)
             self._next += 1
         caps = (self.actions[self._next].args["at"] if self._next < len(self.actions)
@@ -139,6 +160,7 @@ class Replayer:
         within = max_steps is None or c.step_count - start < max_steps
         if self._next >= len(self.actions) and t >= self.end_time and within:
             c.advance_to(self.end_at)  # the instances' last idle stretches
+            c.settle(self.end_settled)
         return c.step_count - start
 
     def step(self) -> int:
@@ -151,19 +173,24 @@ class Replayer:
                 a = self.actions[self._next]
                 if [e.step_count for e in c.instances] != [p[0] for p in a.args["at"]]:
                     break
-                c.advance_to(a.args["at"])
+                self._bring(a)
                 c.apply_action(a.action, a.args)
                 self._next += 1
             caps = (self.actions[self._next].args["at"] if self._next < len(self.actions)
                     else self.end_at)
-            return c.run_until(math.inf, 1, caps=caps)
+            n = c.run_until(math.inf, 1, caps=caps)
+            if self.done:
+                c.settle(self.end_settled)
+            return n
         e = self.engine
         while self._next < len(self.actions) and self.actions[self._next].step == e.step_count:
             a = self.actions[self._next]
-            e.advance_to(a.step, a.t)
+            self._bring(a)
             e.apply_action(a.action, a.args)
             self._next += 1
         if e.step_count >= self.end_step:
+            if self._next >= len(self.actions):
+                self.run_until(self.end_time)  # (the idle stretch, and what was due, at the end)
             return 0
         return e.step()
 
@@ -181,10 +208,11 @@ class Replayer:
         if self.end_at is not None:
             while self._next < len(self.actions):
                 a = self.actions[self._next]
-                self.engine.advance_to(a.args["at"])
+                self._bring(a)
                 self.engine.apply_action(a.action, a.args)
                 self._next += 1
             self.engine.advance_to(self.end_at)
+            self.engine.settle(self.end_settled)
             return
         self.run_until(math.inf)
         if self.engine.step_count != self.end_step:
