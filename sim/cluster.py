@@ -718,7 +718,9 @@ class Cluster:
         self._handoffs[req.req_id] = h
         self._ready.append(h)
         if req.cancel_at is not None:
-            heapq.heappush(self._cancels, (req.cancel_at, req.req_id))
+            # A cancellation due while its last prefill step ran applies at that step's end,
+            # as a single engine's would, not before its first token.
+            heapq.heappush(self._cancels, (max(req.cancel_at, h.ready), req.req_id))
         if self.record_events:
             p.events.append(ev.Handoff(p.now, req.req_id, "ready", len(h.src)))
 
@@ -799,9 +801,12 @@ class Cluster:
             del self._handoffs[h.req.req_id]
 
     def _cancel_handoff(self, h: Handoff, t: float, by: str) -> None:
-        """Cancel a request between the two instances: free its blocks on both sides."""
+        """Cancel a request between the two instances: free its blocks on both sides. It ends
+        at `t`, or where it got to if later (a user's, at the deployment's clock, may be behind
+        the instance that handed it off)."""
         req = h.req
         rid = req.req_id
+        t = max(t, h.ready, h.ready if h.start is None else h.start)
         if h.start is None:
             self._ready.remove(h)
         else:

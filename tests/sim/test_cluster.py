@@ -576,3 +576,52 @@ def test_a_request_finishing_on_the_decode_instance_is_released_there_one_step_l
             assert r.block_table == []  # released: the blocks went back to the decode pool
             break
     assert seen and d.requests[rid].block_table == []
+
+
+def _times_in_order(c) -> None:
+    """Each request's times in the order of its states, its end last of its events (but the
+    prefill instance's freeing of its blocks, at its own step boundary)."""
+    last: dict[int, float] = {}
+    for _, events in c.tagged_events():
+        for e in events:
+            rid = getattr(e, "req_id", None)
+            if rid is not None and getattr(e, "phase", None) != "sent":
+                last[rid] = max(last.get(rid, 0.0), e.t)
+    for r in c.requests.values():
+        times = [r.arrival_time, r.admitted_time, r.first_token_time, r.finish_time]
+        times = [t for t in times if t is not None]
+        assert times == sorted(times), (r.req_id, r.state, times)
+        if r.state.is_done:
+            assert r.finish_time == last[r.req_id], (r.req_id, r.state, r.finish_time,
+                                                     last[r.req_id])
+
+
+@settings(max_examples=25, deadline=None)
+@given(deployment=st.sampled_from([(DISAGG,), ("cluster.replicas=2",)]),
+       rows=st.lists(st.tuples(st.sampled_from([0.0, 0.02, 0.05]),
+                               st.sampled_from([100, 2100, 4000]), st.integers(1, 6),
+                               st.sampled_from([0.001, 0.03, 0.05, 0.08, 0.1, 0.2])),
+                     min_size=1, max_size=6),
+       user=st.lists(st.integers(0, 30), max_size=3))
+def test_cancellations_in_every_state_end_after_everything_else(deployment, rows, user):
+    # A client cancellation due while a request's last prefill chunk ran was stamped with the
+    # client's time once the request was between the instances: before its first token.
+    rows = sorted((t, p, o, 0, t + after) for t, p, o, after in rows)
+    c = build(small_scenario("kv.num_blocks=800", *deployment), workload=workload_of(rows))
+    k = 0
+    while not c.done:
+        c.step()
+        k += 1
+        if k in user:  # a user's cancellation of the request furthest along
+            live = [r for r in c.requests.values() if not r.state.is_done]
+            if live:
+                c.cancel(max(live, key=lambda r: r.num_computed_tokens).req_id)
+    _times_in_order(c)
+
+
+def test_a_cancellation_during_the_last_prefill_step_ends_at_its_end():
+    c = build(small_scenario(DISAGG), workload=workload_of([(0.0, 4000, 5, 0, 0.05)]))
+    c.run()
+    [r] = c.requests.values()
+    assert r.state is S.CANCELLED and r.cancelled_in is S.TRANSFERRING
+    assert r.finish_time == r.first_token_time > 0.05
