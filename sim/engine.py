@@ -497,8 +497,9 @@ class Engine(EngineState):
 
     def arrive_due(self) -> None:
         """Apply the arrivals and client cancellations due by now, as the next decision would
-        first (a deployment looks at the engine's room after them)."""
-        if self._next_external() <= self.now:
+        first (a deployment looks at the engine's room after them): not within a multi-step
+        window, whose steps they wait for as they do on a single engine."""
+        if self._due():
             self._arrive(self.now)
 
     def idle_until(self, t: float) -> None:

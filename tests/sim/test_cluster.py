@@ -625,3 +625,22 @@ def test_a_cancellation_during_the_last_prefill_step_ends_at_its_end():
     [r] = c.requests.values()
     assert r.state is S.CANCELLED and r.cancelled_in is S.TRANSFERRING
     assert r.finish_time == r.first_token_time > 0.05
+
+
+@settings(max_examples=20, deadline=None)
+@given(deployment=st.sampled_from([(DISAGG,), ("cluster.replicas=2",),
+                                   ("cluster.replicas=2", 'cluster.router="least-outstanding"',
+                                    'scheduler.policy="priority"')]),
+       window=st.sampled_from([2, 4, 10]), seed=st.integers(0, 50),
+       cancel=st.sampled_from([0.05, 0.3, 1.0]))
+def test_multi_step_windows_give_the_same_events_however_time_is_sliced(deployment, window,
+                                                                         seed, cancel):
+    # A deployment applied its instances' client cancellations at every decision, within a
+    # multi-step window too: step by step they came mid-window, in a run of steps at its end.
+    sc = small_scenario(*deployment, f"engine.num_scheduler_steps={window}", f"seed={seed}",
+                        "workload.duration_s=1.5", "workload.rate=40", "kv.num_blocks=300",
+                        "workload.cancel_fraction=0.7", f"workload.cancel_after_s={cancel}")
+    whole, stepped = build(sc), build(sc, skip_ahead=False)
+    whole.run()
+    stepped.run()
+    assert streams(whole) == streams(stepped)
