@@ -638,8 +638,11 @@ def _fill_presets(sc: Scenario) -> None:
         for k, v in base.items():
             if getattr(cfg, k) == 0:
                 setattr(cfg, k, type(getattr(cfg, k))(v))
-        missing = [k for k in next(iter(table.values()))
-                   if getattr(cfg, k) == 0 and k not in presets.OPTIONAL_HARDWARE]
+        optional = set(presets.OPTIONAL_HARDWARE)
+        if sc.model.tensor_parallel == 1:
+            optional.add("interconnect_gbps")  # (one GPU: no GPU-GPU link is used)
+        missing = [k for k in next(iter(table.values())) if getattr(cfg, k) == 0
+                   and k not in optional]
         if missing:
             raise ScenarioError(
                 f"{sc.source}: {sec}: preset = \"\" needs every size; missing {', '.join(missing)}"

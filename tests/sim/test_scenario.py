@@ -288,3 +288,15 @@ def test_a_scenario_nested_too_deeply_is_one_line(tmp_path):
     p.write_text("a = " + "[" * 1000 + "]" * 1000 + "\n")
     with pytest.raises(ScenarioError, match=r"deep.toml: not valid TOML: a value nested too deeply"):
         load_scenario(str(p))
+
+
+def test_custom_hardware_needs_a_gpu_link_only_when_the_model_is_sharded():
+    gpu = ['hardware.preset=""', "hardware.memory_gb=24", "hardware.mem_bandwidth_gbps=600",
+           "hardware.peak_tflops=125", "hardware.tdp_w=150", "hardware.idle_w=20",
+           "hardware.pcie_gbps=32"]
+    small = ['model.preset="llama-2-7b"', "kv.num_blocks=100"]
+    assert load_scenario("chat", [*gpu, *small]).hardware.interconnect_gbps == 0
+    with pytest.raises(ScenarioError, match="hardware: preset = \"\" needs every size; missing "
+                                            "interconnect_gbps"):
+        load_scenario("chat", [*gpu, *small, "model.tensor_parallel=2"])
+    load_scenario("chat", [*gpu, *small, "model.tensor_parallel=2", "hardware.interconnect_gbps=64"])
