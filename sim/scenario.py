@@ -143,7 +143,9 @@ class EngineConfig:
 @dataclass
 class KVConfig:
     block_size: int = _f(16, min=1, max=1024, pow2=True)
-    num_blocks: int = _f(0, min=0, doc="0 = derive from GPU memory")
+    num_blocks: int = _f(0, min=0, doc="0 = derive from GPU memory; a number is taken as "
+                                       "given, even beyond the memory (as vLLM's "
+                                       "num_gpu_blocks_override)")
     gpu_memory_utilization: float = _f(0.9, gt=0, max=1)
     reserve_gb: float = _f(1.0, min=0, doc="activations and workspace kept out of the KV pool")
     swap_space_gb: float = _f(4.0, min=0, doc="host memory per GPU for swapped-out blocks")
