@@ -450,7 +450,14 @@ class Cluster:
 
     def cancel(self, req_id: int) -> None:
         """Cancel a request in any live state (TRANSFERRING included). Raises
-        UnknownRequestError / EngineError."""
+        UnknownRequestError / EngineError. (A request that finished in its instance's last step
+        but still holds its blocks, under async scheduling, gives them back now, as a single
+        engine's does.)"""
+        for inst in self.instances:  # (by id: without history `requests` may have forgotten it)
+            if any(r.req_id == req_id for r in inst._releasing):
+                self._action("cancel", req_id=req_id)
+                inst.cancel(req_id)
+                return
         req = cancellable(self.requests, req_id)
         self._action("cancel", req_id=req_id)
         h = self._handoffs.get(req_id)

@@ -689,15 +689,15 @@ class Engine(EngineState):
         (Compiled where the install could: `sim.stepping`, as the other step functions.)"""
         return stepping.single_step(self, sched, num_waiting)
 
-    def _fork(self, parent: Request, t: float, g: int, seats: int) -> int:
+    def _fork(self, parent: Request, t: float, g: int, seats: int) -> list[Request]:
         """Start the further samples of `parent`, which has just sampled its first token: each
         shares the parent's full blocks (by reference count) and gets a copy of its partial last
         block, and samples on its own from the next step. Each is a sequence of its own in
         `max_num_seqs` (vLLM V1 fans `n` out into `n` requests): a sample that finds none of
         the `seats` free in the next step, or no free block for its copy, waits in the queue
-        and will prefill from scratch. Returns the first tokens the samples got (one each for
-        those that started, each taking a seat)."""
-        started = 0
+        and will prefill from scratch. Returns the samples that started (each has its first
+        token and takes a seat; with a one-token output it ends with the parent)."""
+        started: list[Request] = []
         bs = self.block_size
         full = parent.num_computed_tokens // bs
         pool = self.kv.pool
@@ -713,7 +713,7 @@ class Engine(EngineState):
             if self.record_events:
                 self.events.append(ev.Fork(t, parent.req_id, child.req_id))
             partial = len(parent.block_table) - full
-            if started >= seats or partial > pool.num_free:
+            if len(started) >= seats or partial > pool.num_free:
                 self.policy.add(child)
                 continue
             for b in parent.block_table[:full]:
@@ -731,7 +731,7 @@ class Engine(EngineState):
             child.first_token_time = child.last_token_time = t
             child.token_segments = [[g, 1]]
             self.policy.running.append(child)
-            started += 1
+            started.append(child)
         return started
 
     # Steps of a decode run computed one by one before switching to NumPy for the rest: most

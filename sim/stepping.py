@@ -531,7 +531,8 @@ def admit(e: Any, req: Request) -> None:
     req.transition(RUNNING)
     if req.admitted_time is None:
         req.admitted_time = s.now
-        s.queue_wait.add(s.now - req.arrival_time)
+        if req.parent_id is None:  # (a further sample's wait is not a request's latency)
+            s.queue_wait.add(s.now - req.arrival_time)
     if s.record_events:
         s.events.append(ev.Admit(s.now, req.req_id, resumed))
 
@@ -652,10 +653,13 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         seats: int = (ps.cfg.max_num_seqs - len(ps.running) + len(s._releasing)
                       + (0 if ps.async_scheduling else len(finished)))
         for req in first:
-            if req.parent_id is None and req not in finished:
-                started: int = e._fork(req, end, g, seats)
-                sampled += started
-                seats -= started
+            if req.parent_id is None:
+                kids: list[Request] = e._fork(req, end, g, seats)
+                sampled += len(kids)
+                seats -= len(kids)
+                for kid in kids:  # (a one-token output: each sample ends with its first)
+                    if kid.num_output_tokens >= kid.max_output_tokens:
+                        finished.append(kid)
     if s.record_timeline:
         tl.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
                               kv.num_used_blocks, empty_slots(e), energy,

@@ -644,3 +644,28 @@ def test_multi_step_windows_give_the_same_events_however_time_is_sliced(deployme
     whole.run()
     stepped.run()
     assert streams(whole) == streams(stepped)
+
+
+@pytest.mark.parametrize("deployment", ["cluster.replicas=2", 'scheduler.policy="disaggregated"'])
+@pytest.mark.parametrize("history", [True, False])
+def test_a_user_cancel_of_a_request_finished_in_the_last_step_frees_its_blocks(
+        tmp_path, deployment, history):
+    """Under async scheduling a request that finished in its instance's last step holds its
+    blocks until the next is scheduled; a user's cancel then gives them back at once, as on a
+    single engine (it raised "already finished", or with no history "no request with id"),
+    and the session replays."""
+    c = build(small_scenario("kv.num_blocks=64", deployment), keep_history=history,
+              workload=workload_of([(0.0, 40, 3), (0.0, 40, 3), (0.0, 40, 30), (0.0, 40, 30)]))
+    while not any(i._releasing for i in c.instances):
+        c.step()
+    inst = next(i for i in c.instances if i._releasing)
+    req = inst._releasing[0]
+    used = inst.kv.num_used_blocks
+    c.cancel(req.req_id)
+    assert req not in inst._releasing and inst.kv.num_used_blocks < used
+    assert req.state is S.FINISHED  # (all its tokens were computed: it stays finished)
+    c.run()
+    check_cluster_invariants(c)
+    path = tmp_path / "s.msgpack"
+    write_log(path, c, summarize(c))
+    assert verify(read_log(path))[1] is None

@@ -316,6 +316,30 @@ def test_parallel_samples_take_a_seat_each(policy):
     assert s["output_tokens"] == 8 * 2 * 10
 
 
+@pytest.mark.parametrize("policy", SINGLE)
+def test_a_one_token_output_still_gives_every_sample(policy):
+    """n samples of max_tokens = 1 are n tokens (vLLM: n requests): each further sample ends
+    with its first token, as its parent does; they once never forked."""
+    sc = small_scenario(f'scheduler.policy="{policy}"', "workload.num_samples=3")
+    e = Engine(sc, workload=workload_of([(0.0, 10, 1), (0.0, 10, 2), (0.5, 30, 1)]))
+    run_steps(e)
+    s = summarize(e)
+    assert e.counts["finished"] == 3 and e.counts["finished_samples"] == 6
+    assert s["output_tokens"] == 3 * (1 + 2 + 1)
+    assert e.kv.pool.num_free == e.kv.pool.num_blocks  # (the samples shared, then freed)
+
+
+def test_a_sample_that_waited_for_a_seat_adds_no_queue_wait():
+    """A request's latencies are its first sample's: queue waits too, not one per sample
+    that had to wait for a seat."""
+    sc = small_scenario("workload.num_samples=2", "scheduler.max_num_seqs=2")
+    e = Engine(sc, workload=workload_of([(0.0, 10, 5)] * 4))
+    run_steps(e)
+    s = summarize(e)
+    assert e.counts["finished_samples"] == 4
+    assert s["queue_ms"]["count"] == s["ttft_ms"]["count"] == s["requests"]["finished"] == 4
+
+
 @pytest.mark.fuzz
 @fuzz_settings(30)
 @given(policy=st.sampled_from([*SINGLE, "disaggregated", "replicas"]),
