@@ -88,8 +88,12 @@ class OptionalBuildExt(build_ext):
 
     def run(self) -> None:
         manifest = ROOT / _c.MANIFEST
-        # (no record while building: a build that fails part way is never trusted)
-        manifest.unlink(missing_ok=True)
+        built = None if self.inplace else Path(self.build_lib) / _c.MANIFEST
+        # (no record while building, in the checkout or the wheel: a build that fails part
+        # way, over an older whole one, is never trusted)
+        for path in (manifest, built):
+            if path is not None:
+                path.unlink(missing_ok=True)
         if self._pure:
             return
         try:
@@ -103,7 +107,6 @@ class OptionalBuildExt(build_ext):
                              {**_c.MODULES, **_c.C_MODULES, **_c.OTHER_C_MODULES}.items()},
                             indent=1) + "\n"
         manifest.write_text(record)
-        if not self.inplace:
-            built = Path(self.build_lib) / _c.MANIFEST
+        if built is not None:
             built.parent.mkdir(parents=True, exist_ok=True)
             built.write_text(record)

@@ -201,6 +201,7 @@ class Cluster:
                 e = PrefillEngine(scenario, on_first_token=me._on_first_token, **kw)
             else:
                 e = Engine(scenario, **kw)
+            e.records_settled = False  # (this deployment's actions say it for each instance)
             self.instances.append(e)
         # One table of prefix chain ids for every instance, so that a request's block keys mean
         # the same on each (the router compares them, a hand-off carries them).

@@ -293,8 +293,19 @@ class Engine(EngineState):
 
     def _due(self) -> bool:
         """Whether the next decision starts by applying arrivals or client cancellations."""
+        # (a cancellation of a request that has ended since, blocks given back, does nothing
+        # when it comes due: dropped here, so that whether anything is due does not depend on
+        # whether an idle decision has passed over it, which a replay cannot know)
+        cancels = self._cancels
+        while cancels and self._spent_cancel(cancels[0][1]):
+            heapq.heappop(cancels)
         return (self._next_external() <= self.now
                 and not (self._window and self.policy.running))
+
+    def _spent_cancel(self, req_id: int) -> bool:
+        req = self.requests.get(req_id)
+        return ((req is None or req.state.is_done)
+                and not any(r.req_id == req_id for r in self._releasing))
 
     def _only_finishing(self) -> bool:
         """Whether nothing but requests finished by the last step (async scheduling) runs or
@@ -337,8 +348,11 @@ class Engine(EngineState):
         while self.step_count == step and self.now < t:
             before = self.now
             self._advance(t, 1)
-            if self.now == before:
-                self._idle_to(t)
+            if self.now == before:  # (a decision that ran no step and did not move the clock:
+                # on to the next arrival or cancellation, decided at its time as the session
+                # did, or to `t`)
+                nxt = self.next_event()
+                self._idle_to(nxt if before < nxt < t else t)
         if self.step_count != step or self.now != t:
             raise EngineError(f"replay diverged: expected step {step} at t={t:.9f}, "
                               f"got step {self.step_count} at t={self.now:.9f}")
@@ -585,9 +599,14 @@ class Engine(EngineState):
             self.events.append(ev.Preempt(self.now, req.req_id, mode))
 
     # ====================================================================== internals: events
+    # Whether a user action records `settled`: an instance of a deployment does not (the
+    # deployment's own action says it for every instance, and a replay reads that one).
+    records_settled = True
+
     def _action(self, action: str, **args) -> None:
         if self.record_events:
-            args["settled"] = self.settled
+            if self.records_settled:
+                args["settled"] = self.settled
             self.events.append(ev.UserAction(self.now, self.step_count, action, args))
 
     def _emit_steps(self, e: ev.Steps) -> None:

@@ -648,7 +648,7 @@ def _policies():
     return POLICIES
 
 
-def _check_action(path: str, i: int, rec: list) -> None:
+def _check_action(path: str, i: int, rec: list, deployment: bool) -> None:
     action, args = rec[3], rec[4]
     spec = _ACTION_ARGS.get(action)
     if spec is None:
@@ -661,9 +661,11 @@ def _check_action(path: str, i: int, rec: list) -> None:
         elif k == "settled":
             # (a deployment's: its own, then one per instance, as many as the replay
             # checks against the header)
-            if not (type(v) is bool or is_flags(v, len(v))):
+            if not ((type(v) is list and is_flags(v, len(v))) if deployment
+                    else type(v) is bool):
                 raise LogError(f"{path}: event {i}: {action} settled = {_shown(v)}: expected "
-                               "true or false (a deployment's: for it and each instance)")
+                               + ("true or false for the deployment and each instance"
+                                  if deployment else "true or false"))
         elif k not in spec or not spec[k](v):
             raise LogError(f"{path}: event {i}: {action} {k} = {_shown(v)}: unknown or "
                            "out of range")
@@ -808,7 +810,7 @@ def _read_log(path: str) -> SessionLog:
         except ValueError as e:
             raise LogError(f"{path}: event {i}: {e}") from None
         if code == _ACTION_CODE:
-            _check_action(path, i, r)
+            _check_action(path, i, r, deployment)
         elif code == _STREAM_CODE:
             if not deployment:
                 raise LogError(f"{path}: event {i}: a stream mark, but the header has no "

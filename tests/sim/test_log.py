@@ -1,17 +1,19 @@
 import functools
 import json
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from sim import Engine
+from sim import Engine, build, summarize
 from sim.errors import LogError
 from sim.export import to_chrome, to_csv
-from sim.log import FORMAT, encode, read_log, write_log
+from sim.log import FORMAT, KIND_CODE, encode, read_log, write_log
 from sim.replay import Replayer, verify
 from tests.fuzz import fuzz_settings
+from tests.logcraft import pack_log, unpack_log
 from tests.helpers import small_scenario, workload_of
 from tui.cli import main
 
@@ -632,3 +634,43 @@ def test_a_deployment_log_written_before_its_first_step_verifies(tmp_path, scena
     log = read_log(write_log(tmp_path / "c.msgpack", c))
     _, div = verify(log)
     assert div is None, div.describe()
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.mark.parametrize("kind", ["single", "replicas", "disaggregated"])
+def test_a_log_written_before_actions_said_settled_still_verifies(tmp_path, capsys, kind):
+    """Logs written by servesim before actions and footers carried `settled` (at abf1b3c: an
+    inject and a cancel mid-run) replay and verify: the regenerated actions' flag is not
+    compared with records that never had it."""
+    p = FIXTURES / f"before-settled-{kind}.msgpack"
+    objs = unpack_log(p.read_bytes())
+    assert not any(isinstance(o, dict) and "settled" in o for o in objs)
+    assert main(["replay", str(p), "--verify"]) == 0
+    assert "events identical" in capsys.readouterr().out
+
+
+def _set_first_actions_settled(objs, value):
+    for o in objs:
+        if isinstance(o, list) and o[0] == KIND_CODE["action"]:
+            o[4]["settled"] = value
+            return
+    raise AssertionError("no action")
+
+
+@pytest.mark.parametrize("kind,value", [("single", 5), ("single", None), ("single", [True]),
+                                        ("replicas", True), ("replicas", 5),
+                                        ("replicas", [True, "x", False])])
+def test_an_actions_settled_flag_of_the_wrong_shape_is_one_line(tmp_path, capsys, kind, value):
+    c = build(small_scenario("kv.num_blocks=64",
+                             *(("cluster.replicas=2",) if kind == "replicas" else ())),
+              workload=workload_of([(0.0, 40, 5), (0.1, 60, 80)]))
+    c.run_until(0.15)
+    c.inject(50, 6)
+    c.run()
+    objs = unpack_log(write_log(tmp_path / "ok.msgpack", c, summarize(c)).read_bytes())
+    _set_first_actions_settled(objs, value)
+    p = tmp_path / "c.msgpack"
+    p.write_bytes(pack_log(objs))
+    _refused_by_every_reader(p, "settled", capsys)
