@@ -714,8 +714,9 @@ class Engine(EngineState):
         block, and samples on its own from the next step. Each is a sequence of its own in
         `max_num_seqs` (vLLM V1 fans `n` out into `n` requests): a sample that finds none of
         the `seats` free in the next step, or no free block for its copy, waits in the queue
-        and will prefill from scratch. Returns the samples that started (each has its first
-        token and takes a seat; with a one-token output it ends with the parent)."""
+        where vLLM's would (`Policy.add_sample`) and will prefill from scratch. Returns the
+        samples that started (each has its first token and takes a seat; with a one-token
+        output it ends with the parent)."""
         started: list[Request] = []
         bs = self.block_size
         full = parent.num_computed_tokens // bs
@@ -733,7 +734,7 @@ class Engine(EngineState):
                 self.events.append(ev.Fork(t, parent.req_id, child.req_id))
             partial = len(parent.block_table) - full
             if len(started) >= seats or partial > pool.num_free:
-                self.policy.add(child)
+                self.policy.add_sample(child)
                 continue
             for b in parent.block_table[:full]:
                 pool.share(b)

@@ -13,7 +13,7 @@ import weakref
 from collections import deque
 
 from sim import stepping
-from sim.request import Request
+from sim.request import Request, RequestState
 from sim.stepping import PolicyState, SchedulerOutput
 
 
@@ -49,6 +49,20 @@ class Policy(PolicyState):
     # --- queue management (called by the engine) ------------------------------------------------
     def add(self, req: Request) -> None:
         """A new arrival joins the queue."""
+        self.waiting.append(req)
+
+    def add_sample(self, req: Request) -> None:
+        """A further sample of a request (`num_samples`) that could not start beside it joins
+        the queue where vLLM's `n` requests wait, queued together when their request arrived:
+        behind the requests preempted back to the front and those that arrived before it,
+        ahead of later arrivals. (Policies whose queue is ordered by a key place it by its
+        key, which holds its request's arrival time.)"""
+        key = (req.arrival_time, req.parent_id)
+        for i, w in enumerate(self.waiting):
+            if w.state is RequestState.WAITING and (
+                    w.arrival_time, w.req_id if w.parent_id is None else w.parent_id) > key:
+                self.waiting.insert(i, req)
+                return
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:

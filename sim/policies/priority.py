@@ -84,6 +84,7 @@ class PriorityPolicy(ChunkedPolicy):
         self.waiting.push(req)
 
     requeue = add  # a preempted request goes back to its place by its key, as in vLLM
+    add_sample = add
 
     def remove(self, req) -> None:
         if req in self.running:

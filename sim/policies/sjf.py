@@ -68,6 +68,7 @@ class SJFPolicy(ChunkedPolicy):
         heapq.heappush(self._by_size, (self._size(req), *entry))
 
     requeue = add  # its place follows from its key, not its position
+    add_sample = add
 
     def remove(self, req) -> None:
         if req in self.running:

@@ -329,6 +329,24 @@ def test_a_one_token_output_still_gives_every_sample(policy):
     assert e.kv.pool.num_free == e.kv.pool.num_blocks  # (the samples shared, then freed)
 
 
+@pytest.mark.parametrize("policy", ["chunked", "priority", "lpm"])
+def test_a_sample_without_a_seat_waits_ahead_of_later_arrivals(policy):
+    """vLLM queues a request's n samples together when it arrives: one that found no seat
+    waits ahead of requests that arrived after its request (it joined the back before).
+    (Chunked prefills, so that the later arrival is queued before the first tokens; `sjf`
+    puts the shorter later arrival first, as it should.)"""
+    # (prompts of several chunks: the later arrival waits before its request's first token)
+    sc = small_scenario(f'scheduler.policy="{policy}"', "scheduler.max_num_seqs=2",
+                        "workload.num_samples=2", "scheduler.max_num_batched_tokens=64")
+    e = Engine(sc, workload=workload_of([(0.0, 100, 30), (0.0, 100, 30), (0.001, 10, 30)]))
+    while sum(r.parent_id is not None for r in e.requests.values()) < 2:
+        e.step()
+    assert [(r.parent_id, r.arrival_time) for r in e.policy.waiting_in_order()] == [
+        (0, 0.0), (1, 0.0), (None, 0.001)]
+    run_steps(e)
+    assert e.counts["finished"] == 3 and e.counts["finished_samples"] == 3
+
+
 def test_a_sample_that_waited_for_a_seat_adds_no_queue_wait():
     """A request's latencies are its first sample's: queue waits too, not one per sample
     that had to wait for a seat."""
