@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from sim import presets
-from sim.errors import ServesimError
+from sim.errors import ServesimError, shown
 from sim.fileio import read_input_text, reason
 from sim.fit import least_squares, nelder_mead
 from sim.limits import MAX_TIME_S, MAX_TOKENS
@@ -82,19 +82,14 @@ def _number(path, line, field, text, top: float = math.inf) -> float:
     try:
         v = float(text)
     except (TypeError, ValueError, OverflowError):
-        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is not a number") from None
+        raise MeasurementError(f"{path}:{line}: {field}: {shown(text)} is not a number") from None
     if not math.isfinite(v):
-        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is not a finite number")
+        raise MeasurementError(f"{path}:{line}: {field}: {shown(text)} is not a finite number")
     if v < 0:
-        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is negative")
+        raise MeasurementError(f"{path}:{line}: {field}: {shown(text)} is negative")
     if v > top:
-        raise MeasurementError(f"{path}:{line}: {field}: {_shown(text)} is more than {top:g}")
+        raise MeasurementError(f"{path}:{line}: {field}: {shown(text)} is more than {top:g}")
     return v
-
-
-def _shown(v, width: int = 40) -> str:
-    text = repr(v)
-    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _seconds(path, line, field, v) -> None:
@@ -353,11 +348,11 @@ def read_bench_json(path: Path) -> BenchRun:
         for k in ("input_lens", "output_lens", "ttfts"):
             v = data[k][i]
             if not _is_number(v):
-                raise MeasurementError(f"{path}:1: {k}[{i}]: {_shown(v)} is not a number")
+                raise MeasurementError(f"{path}:1: {k}[{i}]: {shown(v)} is not a number")
             if v < 0:
-                raise MeasurementError(f"{path}:1: {k}[{i}]: {_shown(v)} is negative")
+                raise MeasurementError(f"{path}:1: {k}[{i}]: {shown(v)} is negative")
             if k != "ttfts" and not (v == int(v) and v <= MAX_TOKENS):
-                raise MeasurementError(f"{path}:1: {k}[{i}]: {_shown(v)}: expected a token count "
+                raise MeasurementError(f"{path}:1: {k}[{i}]: {shown(v)}: expected a token count "
                                        f"(a whole number up to {MAX_TOKENS:,})")
         if data["ttfts"][i] > 0:  # (0: no first token, a failed request)
             _seconds(path, 1, f"ttfts[{i}]", data["ttfts"][i])
@@ -372,11 +367,11 @@ def read_bench_json(path: Path) -> BenchRun:
                                f"{MIN_REQUESTS} are needed)")
     duration = data.get("duration") or 0.0
     if not _is_number(duration) or not 0 <= duration <= MAX_TIME_S:
-        raise MeasurementError(f"{path}:1: duration: {_shown(duration)}: expected the run's seconds")
+        raise MeasurementError(f"{path}:1: duration: {shown(duration)}: expected the run's seconds")
     if "start_times" in data:
         bad = next((i for i in ok if not _is_number(data["start_times"][i])), None)
         if bad is not None:
-            raise MeasurementError(f"{path}:1: start_times[{bad}]: {_shown(data['start_times'][bad])} "
+            raise MeasurementError(f"{path}:1: start_times[{bad}]: {shown(data['start_times'][bad])} "
                                    "is not a number")
         t = np.array([data["start_times"][i] for i in ok], dtype=np.float64)
         arrival = t - t.min()

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sim import events as ev
+from sim import stepping
 from sim.costmodel import CostModel
 from sim.engine import Engine, EngineSnapshot, _view, cancellable, checked_injection
 from sim.errors import EngineError, ScenarioError, UnknownRequestError
@@ -454,8 +455,8 @@ class Cluster:
         UnknownRequestError / EngineError. (A request that finished in its instance's last step
         but still holds its blocks, under async scheduling, gives them back now, as a single
         engine's does.)"""
-        for inst in self.instances:  # (by id: without history `requests` may have forgotten it)
-            if any(r.req_id == req_id for r in inst._releasing):
+        for inst in self.instances:
+            if stepping.releasing_request(inst, req_id) is not None:
                 self._action("cancel", req_id=req_id)
                 inst.cancel(req_id)
                 return
@@ -541,8 +542,8 @@ class Cluster:
             yield from events
 
     def log_header(self) -> dict:
-        return deployment_header(self.initial_policy, self.router.name if self.router is not None else None,
-                                 len(self.instances))
+        router = self.router.name if self.router is not None else None
+        return deployment_header(self.initial_policy, router, len(self.instances))
 
     # ============================================================================== lockstep
     def _action(self, action: str, **args) -> None:

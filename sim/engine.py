@@ -279,16 +279,15 @@ class Engine(EngineState):
         and at its end: a session that ends (or a screen that pauses) just after a decision
         that ran no step stands where one cut before that decision does, and only this tells
         a replay which."""
-        return not (self._due() or self._only_finishing())
+        return not (self._due() or stepping.only_finishing(self))
 
     def settle(self) -> None:
         """Do what the next decision does before it schedules anything: apply the arrivals
         and client cancellations due by the clock (unless a multi-step window holds them),
         then, if only requests finished by the last step are left, release them (a replay,
         where the session's last decision ran no step)."""
-        if self._due():
-            self._arrive(self.now)
-        if self._only_finishing():
+        self.arrive_due()
+        if stepping.only_finishing(self):
             self._release()
 
     def _due(self) -> bool:
@@ -305,13 +304,7 @@ class Engine(EngineState):
     def _spent_cancel(self, req_id: int) -> bool:
         req = self.requests.get(req_id)
         return ((req is None or req.state.is_done)
-                and not any(r.req_id == req_id for r in self._releasing))
-
-    def _only_finishing(self) -> bool:
-        """Whether nothing but requests finished by the last step (async scheduling) runs or
-        waits: the next decision schedules nothing but releases them."""
-        return bool(self._releasing and not self.policy.waiting
-                    and len(self.policy.running) == len(self._releasing))
+                and stepping.releasing_request(self, req_id) is None)
 
     def step(self) -> int:
         """Run exactly one engine step (or one idle advance). Returns steps taken (0 or 1)."""
@@ -404,9 +397,7 @@ class Engine(EngineState):
         """Cancel a request in any live state. Raises UnknownRequestError / EngineError.
         (A request that finished in the last step but still holds its blocks, under async
         scheduling, gives them back now, as vLLM's abort of it would.)"""
-        # (looked up among them, not in `requests`: a run that keeps no history has
-        # forgotten a finished request, blocks or not)
-        req = next((r for r in self._releasing if r.req_id == req_id), None)
+        req = stepping.releasing_request(self, req_id)
         if req is not None:
             self._action("cancel", req_id=req_id)
             self._release_now(req)

@@ -7,6 +7,12 @@ on stderr and exit with code 2.
 from __future__ import annotations
 
 
+def shown(v, n: int = 40) -> str:
+    """A value as a message shows it: its repr (one line whatever it holds), cut to n."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
 class ServesimError(Exception):
     """Base of every error the CLI reports as one line with exit code 2."""
 

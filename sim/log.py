@@ -48,7 +48,7 @@ import msgpack
 import numpy as np
 
 from sim import events as ev
-from sim.errors import LogError, ServesimError
+from sim.errors import LogError, ServesimError, shown
 from sim.fileio import atomic_open, open_input
 from sim.gcpause import paused_gc
 from sim.limits import INT64_MAX, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
@@ -190,23 +190,17 @@ _CHECKS = {code: [(n, FIELD_CHECKS.get(n) or _BY_TYPE.get(f.type, is_plain))
            for code, names in FIELDS.items()}
 
 
-def _shown(v, n: int = 40) -> str:
-    """A value as a message shows it: its repr (one line whatever it holds), cut to n."""
-    r = repr(v)
-    return r if len(r) <= n else r[:n - 3] + "..."
-
-
 def check_record(rec) -> None:
     """Raise ValueError naming the field when `rec` is not a well-formed event record."""
     if type(rec) is not list or not rec or type(rec[0]) is not int or rec[0] not in CODE_CLASS:
-        raise ValueError(f"not an event record: {_shown(rec, 60)}")
+        raise ValueError(f"not an event record: {shown(rec, 60)}")
     checks = _CHECKS[rec[0]]
     if len(rec) != len(checks) + 1:
         raise ValueError(f"{CODE_CLASS[rec[0]].kind} record has {len(rec) - 1} fields, "
                          f"expected {len(checks)}")
     for (name, ok), v in zip(checks, rec[1:]):
         if not ok(v):
-            raise ValueError(f"{CODE_CLASS[rec[0]].kind} field {name} = {_shown(v)}: "
+            raise ValueError(f"{CODE_CLASS[rec[0]].kind} field {name} = {shown(v)}: "
                              "of the wrong type or out of range")
     if rec[0] == _STEPS_CODE and rec[8] is not None and len(rec[8]) != len(rec[3]):
         raise ValueError(f"steps field durs: {len(rec[8]) // 8} durations, expected one for "
@@ -370,14 +364,14 @@ def _check_header(path: str, header) -> None:
             raise LogError(f"{path}: header lacks {key!r}")
     for key in header:
         if key not in _HEADER_KEYS and not (key == "cluster" and fmt >= 2):
-            raise LogError(f"{path}: header: unknown field {_shown(key, 60)}"
+            raise LogError(f"{path}: header: unknown field {shown(key, 60)}"
                            + (" (format 1 has no deployments)" if key == "cluster" else ""))
     from sim.policies import POLICIES
     from sim.scenario import DEPLOYMENT_POLICIES
 
     def bad(key, why, value=_MISSING):
         value = header.get(key) if value is _MISSING else value
-        raise LogError(f"{path}: header: {key} = {_shown(value, 60)}: {why}")
+        raise LogError(f"{path}: header: {key} = {shown(value, 60)}: {why}")
 
     policy = header["policy"]
     if type(policy) is not str or policy not in (*POLICIES, *DEPLOYMENT_POLICIES):
@@ -395,7 +389,7 @@ def _check_header(path: str, header) -> None:
         bad("seed", "expected a non-negative integer")
     seed = _scenario_value(scenario, None, "seed")
     if header["seed"] != seed:
-        bad("seed", f"differs from the scenario's seed = {_shown(seed)}")
+        bad("seed", f"differs from the scenario's seed = {shown(seed)}")
     if not _is_str(header["servesim"]):
         bad("servesim", "expected a version string")
     # `compute` is the scenario's [compute] table (the CLI reads its backend before the scenario
@@ -413,10 +407,10 @@ def _check_header(path: str, header) -> None:
         mine = compute.get(k, _schema("compute", k)[0])
         theirs = _scenario_value(scenario, "compute", k)
         if theirs is not _MISSING and mine != theirs:
-            bad(f"compute.{k}", f"differs from the scenario's compute.{k} = {_shown(theirs)}",
+            bad(f"compute.{k}", f"differs from the scenario's compute.{k} = {shown(theirs)}",
                 mine)
     if header["clock"] != compute.get("clock", _schema("compute", "clock")[0]):
-        bad("clock", f"differs from compute.clock = {_shown(compute.get('clock'))}")
+        bad("clock", f"differs from compute.clock = {shown(compute.get('clock'))}")
     _check_workload(path, header["workload"])
     if "cluster" in header:
         _check_cluster(path, header)
@@ -436,10 +430,10 @@ def _check_cluster(path: str, header: dict) -> None:
     cluster = header["cluster"]
 
     def bad(key, why, value):
-        raise LogError(f"{path}: header: cluster.{key} = {_shown(value, 60)}: {why}")
+        raise LogError(f"{path}: header: cluster.{key} = {shown(value, 60)}: {why}")
 
     if type(cluster) is not dict:
-        raise LogError(f"{path}: header: cluster = {_shown(cluster, 60)}: expected "
+        raise LogError(f"{path}: header: cluster = {shown(cluster, 60)}: expected "
                        "{mode, router, instances: [{role, policy}, ...]}")
     for key in ("mode", "router", "instances"):
         if key not in cluster:
@@ -472,14 +466,14 @@ def _check_cluster(path: str, header: dict) -> None:
         count = _scenario_value(scenario, "cluster", "replicas")
         what = "replicas"
         counted = ("the scenario's cluster is not a table" if count is _MISSING
-                   else f"the scenario's cluster.replicas = {_shown(count)}")
+                   else f"the scenario's cluster.replicas = {shown(count)}")
     want = deployment_header(policy, None if scenario_router is _MISSING else scenario_router,
                              len(instances))
     if mode != want["mode"]:
         bad("mode", f"expected {want['mode']!r} for policy = {policy!r}", mode)
     if scenario_router is not _MISSING and router != want["router"]:
         bad("router", "expected None (a disaggregated pair has no router)" if want["router"] is None
-            else f"differs from the scenario's cluster.router = {_shown(want['router'])}", router)
+            else f"differs from the scenario's cluster.router = {shown(want['router'])}", router)
     if type(count) is not int or count != len(instances):
         raise LogError(f"{path}: header: cluster.instances: {len(instances)} of them, but "
                        f"{counted}")
@@ -507,7 +501,7 @@ def _check_workload(path: str, w) -> None:
         bad("not a table")
     for k in w:
         if k not in _WORKLOAD_KEYS:
-            bad(f"unknown field {_shown(k)}")
+            bad(f"unknown field {shown(k)}")
     if "hash_ids" not in w:
         bad("lacks 'hash_ids'")
     cols = {}
@@ -585,7 +579,7 @@ def _check_footer(path: str, footer: dict, header: dict, records: list, marks: l
     where its events end: each instance's steps (a deployment's `at`) or the engine's."""
     def bad(key, why, value=_MISSING):
         value = footer.get(key) if value is _MISSING else value
-        raise LogError(f"{path}: footer: {key} = {_shown(value, 60)}: {why}")
+        raise LogError(f"{path}: footer: {key} = {shown(value, 60)}: {why}")
 
     if footer.get("n") != len(records):
         bad("n", f"expected {len(records)} (the events before it)")
@@ -652,22 +646,22 @@ def _check_action(path: str, i: int, rec: list, deployment: bool) -> None:
     action, args = rec[3], rec[4]
     spec = _ACTION_ARGS.get(action)
     if spec is None:
-        raise LogError(f"{path}: event {i}: unknown action {_shown(action)}")
+        raise LogError(f"{path}: event {i}: unknown action {shown(action)}")
     for k, v in args.items():
         if k == "at":
             if not is_position(v):
-                raise LogError(f"{path}: event {i}: {action} at = {_shown(v)}: expected "
+                raise LogError(f"{path}: event {i}: {action} at = {shown(v)}: expected "
                                "[step, time] per instance")
         elif k == "settled":
             # (a deployment's: its own, then one per instance, as many as the replay
             # checks against the header)
             if not ((type(v) is list and is_flags(v, len(v))) if deployment
                     else type(v) is bool):
-                raise LogError(f"{path}: event {i}: {action} settled = {_shown(v)}: expected "
+                raise LogError(f"{path}: event {i}: {action} settled = {shown(v)}: expected "
                                + ("true or false for the deployment and each instance"
                                   if deployment else "true or false"))
         elif k not in spec or not spec[k](v):
-            raise LogError(f"{path}: event {i}: {action} {k} = {_shown(v)}: unknown or "
+            raise LogError(f"{path}: event {i}: {action} {k} = {shown(v)}: unknown or "
                            "out of range")
     missing = [k for k in spec if k not in args and k not in ("priority", "count",
                                                                   "prompt_text", "previous",

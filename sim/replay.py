@@ -159,9 +159,13 @@ class Replayer:
             c.run_until(t, left, caps=caps)
         within = max_steps is None or c.step_count - start < max_steps
         if self._next >= len(self.actions) and t >= self.end_time and within:
-            c.advance_to(self.end_at)  # the instances' last idle stretches
-            c.settle(self.end_settled)
+            self._cluster_to_end()
         return c.step_count - start
+
+    def _cluster_to_end(self) -> None:
+        """The instances' last idle stretches, and what was due there applied if it had been."""
+        self.engine.advance_to(self.end_at)
+        self.engine.settle(self.end_settled)
 
     def step(self) -> int:
         """One engine step (the dashboard's `n`), after every action recorded where the engine
@@ -180,7 +184,7 @@ class Replayer:
                     else self.end_at)
             n = c.run_until(math.inf, 1, caps=caps)
             if self.done:
-                c.settle(self.end_settled)
+                self._cluster_to_end()
             return n
         e = self.engine
         while self._next < len(self.actions) and self.actions[self._next].step == e.step_count:
@@ -211,8 +215,7 @@ class Replayer:
                 self._bring(a)
                 self.engine.apply_action(a.action, a.args)
                 self._next += 1
-            self.engine.advance_to(self.end_at)
-            self.engine.settle(self.end_settled)
+            self._cluster_to_end()
             return
         self.run_until(math.inf)
         if self.engine.step_count != self.end_step:

@@ -352,12 +352,21 @@ def arrive(e: Any, now: float) -> None:
         if due is not None and not due.state.is_done:
             e._cancel(due, by="client")
             continue
-        # Finished, its output not yet processed (async scheduling): freed now. (Looked up
-        # among those, not in `requests`: a run that keeps no history has forgotten it.)
-        for r in s._releasing:
-            if r.req_id == rid:
-                e._release_now(r)
-                break
+        # Finished, its output not yet processed (async scheduling): freed now.
+        finishing = releasing_request(e, rid)
+        if finishing is not None:
+            e._release_now(finishing)
+
+
+def releasing_request(e: Any, rid: int) -> Request | None:
+    """Request `rid` if it finished in the last step and still holds its blocks and seat
+    (async scheduling), else None. (Looked up among those, not in `requests`: a run that
+    keeps no history has forgotten it.)"""
+    s: EngineState = e
+    for r in s._releasing:
+        if r.req_id == rid:
+            return r
+    return None
 
 
 def on_arrival(e: Any, req: Request) -> None:
@@ -491,15 +500,20 @@ def recent(e: Any, q: deque, t: float, v: float) -> None:
 
 def finish_step(e: Any, finished: list[Request], t: float) -> None:
     """The requests whose last token the step ending at `t` computed end."""
-    s: EngineState = e
-    ps: PolicyState = s.policy
     for req in finished:
         finish(e, req, t)
-    if (s._releasing and not ps.waiting
-            and len(ps.running) == len(s._releasing)):
+    if only_finishing(e):
         # Nothing else runs or waits: the next step would schedule nothing but let vLLM
         # process this one's output, at once (short of an arrival at exactly `t`).
         release(e)
+
+
+def only_finishing(e: Any) -> bool:
+    """Whether nothing but requests finished by the last step (async scheduling) runs or
+    waits: the next decision schedules nothing but releases them."""
+    s: EngineState = e
+    ps: PolicyState = s.policy
+    return bool(s._releasing and not ps.waiting and len(ps.running) == len(s._releasing))
 
 
 def release(e: Any) -> None:
