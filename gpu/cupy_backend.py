@@ -58,13 +58,18 @@ _sync_check = os.environ.get("SERVESIM_CUDA_SYNC", "") == "1"
 _modules: dict[tuple, object] = {}
 _functions: dict[tuple, object] = {}  # (module key, kernel name) -> the compiled kernel
 _compile_errors: dict[tuple, str] = {}  # module key -> why it did not compile
-_device_info: dict[str, int] = {}
+_device_info: dict = {}  # (device_property: the current device's properties)
 
 
 def set_sync_check(enabled: bool) -> None:
     """Synchronise after every launch (slow, exact fault attribution) when `enabled`."""
     global _sync_check
     _sync_check = enabled
+
+
+def timing_source() -> str:
+    """The spin kernel's CUDA source (kernels/timing.cu: the self-check's timing only)."""
+    return (KERNEL_DIR / TIMING_FILE).read_text()
 
 
 def kernel_source() -> str:
@@ -129,7 +134,7 @@ def _module(key: tuple[str, int, int]):
     if module is None:
         cp = _cupy()
         if key[0] == "spin":
-            code, names = (KERNEL_DIR / TIMING_FILE).read_text(), [SPIN_KERNEL]
+            code, names = timing_source(), [SPIN_KERNEL]
         else:
             code = kernel_source()
             names = write_kv_name_expressions() if key[0] == "write_kv" else name_expressions(*key)
@@ -179,13 +184,20 @@ def spin(seconds: float) -> None:
     _launch(_kernel(("spin", 0, 0), SPIN_KERNEL), SPIN_KERNEL, (1, 1, 1), 1, (ns,))
 
 
-def _num_sms() -> int:
-    """The current device's SM count (cached): sizes split-K so one sequence fills the GPU."""
-    if "sms" not in _device_info:
+def device_property(name: str, default=None):
+    """A property of the current device (CUDA's cudaDeviceProp field `name`), read once."""
+    if not _device_info:
         cp = _cupy()
-        device = cp.cuda.Device().id
-        _device_info["sms"] = int(cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-    return _device_info["sms"]
+        _device_info.update(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id))
+    value = _device_info.get(name, default)
+    if value is None:
+        raise KernelError(f"the device does not report {name}")
+    return value
+
+
+def _num_sms() -> int:
+    """The current device's SM count: sizes split-K so one sequence fills the GPU."""
+    return int(device_property("multiProcessorCount"))
 
 
 def _check_cache(k_cache, v_cache) -> None:

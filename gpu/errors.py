@@ -10,6 +10,11 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def describe(exc: BaseException) -> str:
+    """An exception as a report shows it: its type's name and the first line of its message."""
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
 class BackendUnavailable(RuntimeError):
     """A compute backend was asked for by name but cannot run here (no CuPy, no CUDA device).
 

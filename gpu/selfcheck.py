@@ -56,7 +56,7 @@ from . import numpy_backend
 from .backend import Backend, get_backend
 from .driver import Driver
 from .dtypes import storage
-from .errors import BackendUnavailable, first_line
+from .errors import BackendUnavailable, describe
 from .executor import GPU_MODEL, ModelExecutor
 from .synthetic import random_paged_batch, random_values
 
@@ -122,7 +122,7 @@ class _Timer:
     before), so the events time the kernels, not the launches; on NumPy, perf_counter around
     each round. `fn(i)` gets a call counter that runs on across rounds (for rotating inputs)."""
 
-    def __init__(self, backend: Backend, rounds: int = 5) -> None:
+    def __init__(self, backend: Backend, rounds: int) -> None:
         self.backend, self.rounds = backend, rounds
         self.spin = None
         if backend.name != "cupy":
@@ -136,8 +136,8 @@ class _Timer:
             self.spin = cupy_backend.spin
             self.method = "CUDA events around each round, queued behind a spin kernel"
         except Exception as exc:  # timings then include launch overhead: say so in the report
-            self.method = (f"CUDA events around each round, no spin kernel ({type(exc).__name__}: "
-                           f"{first_line(exc)}): small shapes include the host's launch time")
+            self.method = (f"CUDA events around each round, no spin kernel ({describe(exc)}): "
+                           "small shapes include the host's launch time")
 
     def measure(self, fn, repeat: int) -> dict:
         """{"seconds": median per call, "host_seconds": the host's per-call queueing time (CuPy),
@@ -187,7 +187,7 @@ def device_error(backend: Backend) -> str | None:
         int(backend.xp.arange(4).sum())
         return None
     except Exception as exc:
-        return f"{type(exc).__name__}: {first_line(exc)}"
+        return describe(exc)
 
 
 def _rel_error(got, ref) -> float:
@@ -205,17 +205,16 @@ def check_kernels(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
     """Runs every kernel on `backend` against the NumPy backend (float64 queries). One dict per
     check: kernel, storage, shape, error, tolerance, passed (and `error_text` if it raised)."""
     rng = np.random.default_rng(seed)
-    kernels = backend.kernels
     results: list[dict] = []
     for storage_name in plan.storages:
         for group, num_kv_heads, head_dim, block_size, lens in plan.kernel_cases:
             case = {"storage": storage_name, "group": group, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                     "block_size": block_size, "seq_lens": list(lens)}
             try:
-                _check_case(backend, kernels, plan, rng, case, results)
+                _check_case(backend, plan, rng, case, results)
             except Exception as exc:  # the case's inputs could not even be set up on the device
                 results.append({"kernel": "setup", **case, "error": None, "passed": False,
-                                "error_text": f"{type(exc).__name__}: {first_line(exc)}",
+                                "error_text": describe(exc),
                                 "traceback": traceback.format_exc(limit=4)})
             broken = device_error(backend)
             if broken:
@@ -226,7 +225,7 @@ def check_kernels(backend: Backend, plan: Plan, seed: int = 0) -> list[dict]:
     return results
 
 
-def _check_case(backend: Backend, kernels, plan: Plan, rng, case: dict, results: list) -> None:
+def _check_case(backend: Backend, plan: Plan, rng, case: dict, results: list) -> None:
     """One kernel case: decode (each split mode), prefill and write_kv, appended to `results`."""
     storage_name, group, num_kv_heads = case["storage"], case["group"], case["num_kv_heads"]
     head_dim, block_size, lens = case["head_dim"], case["block_size"], case["seq_lens"]
@@ -237,6 +236,7 @@ def _check_case(backend: Backend, kernels, plan: Plan, rng, case: dict, results:
     k_dev, v_dev = backend.asarray(batch.k_cache), backend.asarray(batch.v_cache)
     tables, seq_lens = backend.asarray(batch.block_tables), backend.asarray(batch.seq_lens)
     num_heads = group * num_kv_heads
+    kernels = backend.kernels
     tol = TOLERANCE[storage_name]
 
     def record(kernel: str, fn, **extra):
@@ -355,7 +355,7 @@ class _Filler:
             try:
                 return backend.xp.random.RandomState(seed).standard_normal(shape, dtype=np.float32)
             except Exception as exc:
-                self.note = f"host values (cuRAND failed: {type(exc).__name__}: {first_line(exc)})"
+                self.note = f"host values (cuRAND failed: {describe(exc)})"
                 self.host_chunk = backend.asarray(np.random.default_rng(seed).standard_normal(1 << 24, dtype=np.float32))
         n = int(np.prod(shape))
         reps = -(-n // self.host_chunk.size)
@@ -382,9 +382,10 @@ def _l2_bytes(backend: Backend) -> int:
     """The device's L2 cache size in bytes (0 on NumPy, or if the device does not say)."""
     if backend.name != "cupy":
         return 0
+    from . import cupy_backend
+
     try:
-        cp = backend.xp
-        return int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id).get("l2CacheSize", 0))
+        return int(cupy_backend.device_property("l2CacheSize", 0))
     except Exception:
         return 0
 
@@ -436,8 +437,6 @@ def _time_model(backend: Backend, plan: Plan, timer: _Timer, filler: _Filler, h:
         n = min(chunk, max_blocks - start)
         for cache in (k_cache, v_cache):
             cache[start:start + n] = st.encode(xp, filler((n, bs, kvh, d), seed + start))
-    scale = 1.0 / math.sqrt(d)
-    tol = TOLERANCE[plan.timing_dtype]
     rows: list[dict[str, Any]] = []
     for context in plan.contexts:
         for batch in plan.batches:
@@ -448,9 +447,9 @@ def _time_model(backend: Backend, plan: Plan, timer: _Timer, filler: _Filler, h:
                 continue
             try:
                 _time_row(backend, plan, timer, row, rng, k_cache, v_cache, h, kvh, d, copy_gbps, sdpa,
-                          rotate_bytes, scale, tol)
+                          rotate_bytes)
             except Exception as exc:
-                row["error_text"] = f"{type(exc).__name__}: {first_line(exc)}"
+                row["error_text"] = describe(exc)
                 broken = device_error(backend)
                 if broken:
                     row["error_text"] += f"; the CUDA context is broken, the remaining shapes were not run ({broken})"
@@ -460,11 +459,13 @@ def _time_model(backend: Backend, plan: Plan, timer: _Timer, filler: _Filler, h:
 
 
 def _time_row(backend: Backend, plan: Plan, timer: _Timer, row: dict, rng, k_cache, v_cache, h: int, kvh: int,
-              d: int, copy_gbps: float, sdpa, rotate_bytes: int, scale: float, tol: float) -> None:
+              d: int, copy_gbps: float, sdpa, rotate_bytes: int) -> None:
     """Times one (batch, context) of one model into `row`: paged, then contiguous, then checks
     the paged output against a float32 contiguous reference."""
     xp = backend.xp
     st = storage(plan.timing_dtype)
+    scale = 1.0 / math.sqrt(d)
+    tol = TOLERANCE[plan.timing_dtype]
     batch, context = row["batch"], row["context"]
     blocks = context // plan.block_size
     kv_bytes = 2 * batch * context * kvh * d * st.itemsize
@@ -559,7 +560,7 @@ def versions() -> dict:
     try:
         import cupy
     except Exception as exc:
-        found["cupy"] = f"unavailable: {type(exc).__name__}: {first_line(exc)}"
+        found["cupy"] = f"unavailable: {describe(exc)}"
         return found
     probes = {"cupy": lambda: cupy.__version__,
               "cuda_runtime": lambda: cupy.cuda.runtime.runtimeGetVersion(),
@@ -569,7 +570,7 @@ def versions() -> dict:
         try:
             found[name] = probe()
         except Exception as exc:
-            found[name] = f"unavailable: {type(exc).__name__}: {first_line(exc)}"
+            found[name] = f"unavailable: {describe(exc)}"
     return found
 
 
@@ -608,7 +609,7 @@ def run(backend: Backend, plan: Plan, on_section=None) -> dict:
             report[name] = steps[name]()
             status: dict[str, Any] = {"status": "ok"}
         except Exception as exc:
-            status = {"status": "failed", "error_text": f"{type(exc).__name__}: {first_line(exc)}",
+            status = {"status": "failed", "error_text": describe(exc),
                       "traceback": traceback.format_exc(limit=6)}
         status["seconds"] = time.monotonic() - t0
         report["sections"][name] = status
@@ -749,10 +750,15 @@ class ReportFile:
                 with open(self.path, "w") as f:
                     f.write(text)
             return
-        folder = os.path.dirname(os.path.abspath(self.path))
-        fd, tmp = tempfile.mkstemp(prefix=".selfcheck-", suffix=".json", dir=folder)
+        folder, name = os.path.split(os.path.abspath(self.path))
+        tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
         try:
-            os.fchmod(fd, self._mode())  # (mkstemp's 0600 is not what open() would have made)
+            # (the mode open() would give a new file, the umask applied; an existing one's kept)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+            try:
+                os.fchmod(fd, stat.S_IMODE(os.stat(self.path).st_mode))
+            except FileNotFoundError:
+                pass
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, self.path)
@@ -760,16 +766,6 @@ class ReportFile:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-
-
-    def _mode(self) -> int:
-        """The file's own mode when it exists, else what open() would give a new file."""
-        try:
-            return stat.S_IMODE(os.stat(self.path).st_mode)
-        except OSError:
-            umask = os.umask(0)
-            os.umask(umask)
-            return 0o666 & ~umask
 
 
 def main(argv=None) -> int:
@@ -796,22 +792,18 @@ def main(argv=None) -> int:
         return 2
     write_error: list[str] = []
 
-    def on_section(report: dict) -> None:
+    def write(report: dict, final: bool = False) -> None:
         if out is not None and not write_error:
             try:
-                out.write(report)
+                out.write(report, final=final)
             except OSError as exc:  # (a full disk): the run goes on, and says so at the end
                 write_error.append(f"{type(exc).__name__}: {exc.strerror or exc}")
 
-    report = run(backend, TINY if args.tiny else QUICK if args.quick else FULL, on_section=on_section)
+    report = run(backend, TINY if args.tiny else QUICK if args.quick else FULL, on_section=write)
     try:
         print(format_report(report))
     finally:  # a report the table cannot show is still written
-        if out is not None and not write_error:
-            try:
-                out.write(report, final=True)
-            except OSError as exc:
-                write_error.append(f"{type(exc).__name__}: {exc.strerror or exc}")
+        write(report, final=True)
     if write_error:
         print(f"gpu.selfcheck: --json-out {args.json_out}: cannot write there ({write_error[0]})", file=sys.stderr)
         return 2

@@ -49,7 +49,7 @@ def test_kernels_compile_with_nvcc(tmp_path: Path, arch: str):
 def test_spin_kernel_compiles_with_nvcc(tmp_path: Path):
     # The self-check's timing queues it ahead of each round (kernels/timing.cu, its own module).
     source = tmp_path / "timing.cu"
-    source.write_text((cupy_backend.KERNEL_DIR / cupy_backend.TIMING_FILE).read_text())
+    source.write_text(cupy_backend.timing_source())
     ptx = tmp_path / "timing.ptx"
     result = subprocess.run(["nvcc", "--ptx", "-arch=sm_90", str(source), "-o", str(ptx)],
                             capture_output=True, text=True, timeout=300)
@@ -101,5 +101,5 @@ def test_kernels_compile_with_nvrtc_name_expressions(storage_name):
     status, log = compile_module(cupy_backend.write_kv_name_expressions())
     assert status == 0, log
     status, log = compile_module([cupy_backend.SPIN_KERNEL],
-                                 (cupy_backend.KERNEL_DIR / cupy_backend.TIMING_FILE).read_text())
+                                 cupy_backend.timing_source())
     assert status == 0, log
