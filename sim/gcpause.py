@@ -35,3 +35,11 @@ def paused_gc(freeze: bool = False):
             if freeze or time.perf_counter() - t0 >= FREEZE_AFTER_S:
                 gc.freeze()
             gc.enable()
+
+
+def freeze_survivors() -> None:
+    """Collect, then freeze what is left: for what a long-running process made at start-up
+    and keeps for good (a server's modules, engine and scenario), so that no later collection
+    scans it. Garbage is collected first, so nothing that should go is frozen."""
+    gc.collect()
+    gc.freeze()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import gc
 import math
 import signal
 import sys
@@ -14,6 +13,7 @@ import sys
 import numpy as np
 
 from sim import Engine, ScenarioError
+from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
 from sim.workload import Workload
 from tui.serve.frontend import Frontend
@@ -93,8 +93,7 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
         # What start-up made (modules, the engine, the scenario) lives as long as the server:
         # out of the collector's sight, a full collection (which a call of thousands of
         # sequences can set off) scans only what came since, not ~20 ms of it in the loop.
-        gc.collect()
-        gc.freeze()
+        freeze_survivors()
         print(banner(frontend, host, server.port), file=sys.stderr, flush=True)
         if ready is not None:
             ready(server)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from sim import EngineError, ServesimError
+from sim.kv import blocks_for
 from sim.workload import sample_lengths
 from tui.serve.metrics import ServeMetrics
 from tui.serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
@@ -369,15 +370,14 @@ class Frontend:
     def check(self, spec: GenerateSpec) -> None:
         """What can be refused before the engine sees a request. Raises APIError."""
         if self.error:
-            raise APIError(f"the engine stopped: {self.error}",
-                           HTTPStatus.INTERNAL_SERVER_ERROR)
+            raise self._stopped()
         if spec.model is not None and spec.model != self.model_name:
             raise APIError(f"The model `{spec.model}` does not exist.", HTTPStatus.NOT_FOUND,
                            param="model")
         if spec.n > self.max_num_seqs:
             raise APIError(f"n = {spec.n} is larger than max_num_seqs = {self.max_num_seqs}: "
                            "the samples could never run together", param="n")
-        k = len(spec.prompts) * spec.n
+        k = spec.num_sequences
         if self.max_waiting is not None and k > self.max_num_seqs + self.max_waiting:
             raise APIError(f"{len(spec.prompts):,} prompts x n = {spec.n} is {k:,} sequences: "
                            f"more than max_num_seqs = {self.max_num_seqs} running and "
@@ -409,10 +409,11 @@ class Frontend:
         (the engine would reject it: `out - 1` output tokens are ever held), naming what to
         shorten; None when it fits."""
         bs, pool = self.engine.scenario.kv.block_size, self.engine.kv.num_blocks
-        capacity = pool * bs
-        if prompt_len + out - 1 <= capacity:
+        blocks = blocks_for(prompt_len + out - 1, bs)  # (the engine's own rule: sim.stepping)
+        if blocks <= pool:
             return None
-        needs = f"needs {-(-(prompt_len + out - 1) // bs):,} blocks of {bs} tokens"
+        capacity = pool * bs
+        needs = f"needs {blocks:,} blocks of {bs} tokens"
         if prompt_len > capacity:
             return APIError(f"The request cannot be served: its prompt of {prompt_len:,} tokens "
                             f"{needs} and the KV cache has {pool:,} ({capacity:,} tokens): "
@@ -550,8 +551,7 @@ class Frontend:
                 continue
             try:
                 if self.error:
-                    raise APIError(f"the engine stopped: {self.error}",
-                                   HTTPStatus.INTERNAL_SERVER_ERROR)
+                    raise self._stopped()
                 budget -= self._inject(call, budget)
             except (APIError, ServesimError) as err:
                 pending.popleft()
@@ -560,7 +560,7 @@ class Frontend:
                                             else APIError(str(err)))
                 call.complete = True
                 continue
-            if call.injected == len(call.spec.prompts) * call.spec.n:
+            if call.injected == call.spec.num_sequences:
                 pending.popleft()
                 call.open -= 1  # (the one held while it was going in)
                 call.accepted.set_result(True)
@@ -583,14 +583,14 @@ class Frontend:
             # checked against the pool before any goes in: a call is refused whole (as vLLM
             # refuses a request before adding it), never after part of it ran.
             call.outs = [self._output_len(spec, spec.prompts[i // spec.n].num_tokens, ahead=i)
-                         for i in range(len(spec.prompts) * spec.n)]
+                         for i in range(spec.num_sequences)]
             for i, (out, _) in enumerate(call.outs):
                 err = self._too_big(spec, spec.prompts[i // spec.n].num_tokens, out)
                 if err is not None:
                     raise err
             call.open = 1  # held while it goes in: its first choices may end before its last
         before, first = len(e.events), call.injected
-        stop = min(first + budget, len(spec.prompts) * spec.n)
+        stop = min(first + budget, spec.num_sequences)
         arrival = min(call.arrival, e.now)
         for i in range(first, stop):
             prompt = spec.prompts[i // spec.n]
@@ -628,6 +628,10 @@ class Frontend:
             return limit, "length"
         return out, "stop"
 
+    def _stopped(self) -> APIError:
+        """The refusal of a call once the engine has stopped (500)."""
+        return APIError(f"the engine stopped: {self.error}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
     def _crash(self, err: Exception) -> None:
         """An unexpected error in the pump: say so on stderr and in /health, and end every
         open call now (a stream gets an `abort` frame where it can), refusing new ones."""
@@ -660,8 +664,7 @@ class Frontend:
                 call.done.set_result(None)
         for call in self._pending:
             if not call.accepted.done():
-                call.accepted.set_exception(APIError(
-                    f"the engine stopped: {self.error}", HTTPStatus.INTERNAL_SERVER_ERROR))
+                call.accepted.set_exception(self._stopped())
         self._pending.clear()
 
     def _fail(self, message: str) -> None:

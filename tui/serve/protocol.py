@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+from sim.limits import PRIORITY_RANGE
+
 # Output text when no real compute runs: one word per token, the same for every request.
 FILLER = (" The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog.")
 
@@ -80,6 +82,11 @@ class GenerateSpec:
     priority: int = 0
     extra: dict = field(default_factory=dict)
 
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests the call makes: one per prompt and choice."""
+        return len(self.prompts) * self.n
+
 
 # --- field checks ------------------------------------------------------------------------------
 # Sequences (prompts x n) one request may ask for: 16 waves of vLLM's default max_num_seqs
@@ -87,8 +94,6 @@ class GenerateSpec:
 # time, injected in slices between sends); a batch larger than this is better sent as several
 # requests, which then share the engine fairly with other clients'.
 MAX_SEQUENCES = 4096
-# `priority`: vLLM's is a Python int; servesim keeps it to int32 (its session logs' range).
-PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 def _bad(name: str, value, expected: str) -> APIError:
@@ -352,8 +357,8 @@ def parse_generate(body: dict, chat: bool) -> GenerateSpec:
     return GenerateSpec(chat=chat, model=model, prompts=prompts, max_tokens=max_tokens, n=n,
                         stream=stream, include_usage=include_usage, continuous_usage=continuous,
                         ignore_eos=_bool(body, "ignore_eos"), min_tokens=min_tokens,
-                        priority=_int(body, "priority", 0, minimum=PRIORITY_MIN,
-                                      maximum=PRIORITY_MAX))
+                        priority=_int(body, "priority", 0, minimum=PRIORITY_RANGE[0],
+                                      maximum=PRIORITY_RANGE[1]))
 
 
 # --- responses ---------------------------------------------------------------------------------
