@@ -22,6 +22,7 @@ MODULES = {
     "sim.costmodel": "sim/costmodel.py",
     "sim.timeline": "sim/timeline.py",
     "sim.stepping": "sim/stepping.py",
+    "sim.policies.batch": "sim/policies/batch.py",
     "sim.quantiles": "sim/quantiles.py",
 }
 # C extension modules built beside them (the same arithmetic, or the same list moves, as the

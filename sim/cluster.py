@@ -47,7 +47,7 @@ import numpy as np
 from sim import events as ev
 from sim import stepping
 from sim.costmodel import CostModel
-from sim.engine import Engine, EngineSnapshot, _view, cancellable, checked_injection
+from sim.engine import Engine, EngineSnapshot, StepObserver, _view, cancellable, checked_injection
 from sim.errors import EngineError, ScenarioError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.metrics import KVPeak
@@ -61,6 +61,12 @@ RS = RequestState
 INF = math.inf
 
 
+def is_deployment(scenario, policy: str | None = None) -> bool:
+    """Whether the scenario (under `policy`, default its own) deploys several instances."""
+    name = policy or scenario.scheduler.policy
+    return name == "disaggregated" or scenario.cluster.replicas > 1
+
+
 def build(scenario, *, policy: str | None = None, make_executor=None,
           workload: Workload | None = None, record_events: bool = True,
           skip_ahead: bool = True, clock: str | None = None, keep_history: bool = True):
@@ -69,8 +75,7 @@ def build(scenario, *, policy: str | None = None, make_executor=None,
     `make_executor(scenario)`, when given, builds the real-compute executor of each instance.
     Raises ScenarioError on a deployment that is not modeled.
     """
-    name = policy or scenario.scheduler.policy
-    if name == "disaggregated" or scenario.cluster.replicas > 1:
+    if is_deployment(scenario, policy):
         return Cluster(scenario, policy=policy, make_executor=make_executor, workload=workload,
                        record_events=record_events, skip_ahead=skip_ahead, clock=clock,
                        keep_history=keep_history)
@@ -81,21 +86,25 @@ def build(scenario, *, policy: str | None = None, make_executor=None,
 
 
 # ================================================================================ disaggregation
-class PrefillEngine(Engine):
-    """The prefill instance of a disaggregated pair: a request that samples its first token
+class _FirstTokens(StepObserver):
+    """On the prefill instance of a disaggregated pair: a request that samples its first token
     leaves the batch at once for the decode instance (`on_first_token`)."""
 
-    def __init__(self, scenario, *, on_first_token, **kw) -> None:
-        super().__init__(scenario, **kw)
+    def __init__(self, on_first_token) -> None:
         self.on_first_token = on_first_token
 
-    def _single_step(self, sched, num_waiting: int) -> int:
-        n = super()._single_step(sched, num_waiting)
+    def stepped(self, engine, sched) -> None:
         for req, _ in sched:
             # Nothing decodes here, so one output token means it was sampled in this step.
             if req.num_output_tokens == 1 and req.state is RS.RUNNING:
                 self.on_first_token(req)
-        return n
+
+
+class PrefillEngine(Engine):
+    """The prefill instance of a disaggregated pair (see `_FirstTokens`)."""
+
+    def __init__(self, scenario, *, on_first_token, **kw) -> None:
+        super().__init__(scenario, observers=[_FirstTokens(on_first_token)], **kw)
 
 
 @dataclass(slots=True, eq=False)

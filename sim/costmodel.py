@@ -58,6 +58,7 @@ with A = Ap + Kd + D, Kr = Kp + Kd, kvt = 2 L nkv hd wb, busy = max(t_compute, t
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -343,3 +344,28 @@ class CostModel:
         if self.pcie_bytes_per_s <= 0:
             return 0.0
         return num_blocks * self.kv_bytes_per_block_gpu() / self.pcie_bytes_per_s
+
+
+class ServiceTime(Protocol):
+    """What the engine asks of a service-time model: `CostModel` is the one it builds from
+    a scenario; `Engine(..., cost=...)` takes any other (sim.fit's recorder is one).
+
+    `step` times one step (the arguments as `CostModel.step` has them); `decode_times` the
+    first steps of a run of identical decode steps, one by one, up to the first that ends at
+    or after `t_ext`; `decode_steps` any further steps of such a run at once (NumPy arrays).
+    Each must equal `step` of the same arguments, bit for bit."""
+
+    def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
+             d_cached: float, num_seqs: float, sampled: float) -> tuple[float, float]: ...
+
+    def decode_times(self, b: int, c0: int, n: int, t: float, t_ext: float) -> Any: ...
+
+    def decode_steps(self, b: int, d_cached: Any) -> Any: ...
+
+    def swap_time(self, num_blocks: int) -> float: ...
+
+    def idle_energy(self, seconds: float) -> float: ...
+
+    def num_blocks(self) -> int: ...
+
+    def num_host_blocks(self) -> int: ...

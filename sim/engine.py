@@ -33,7 +33,6 @@ from sim.kv import KVCacheManager
 from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TOKENS,
                         PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
-from sim.policies.chunked import is_plain
 from sim.quantiles import Samples
 from sim.request import Request, RequestState
 from sim.stepping import EngineState
@@ -43,6 +42,24 @@ from sim.workload import Workload, build_workload
 
 RS = RequestState
 INF = math.inf
+
+
+class StepObserver:
+    """Watches what the engine schedules, without changing it: pass instances as
+    `Engine(..., observers=[...])` (or append to `engine.observers`). Each method is called
+    once per event, in simulated order; the base methods do nothing."""
+
+    def admitted(self, engine: "Engine", req: Request) -> None:
+        """`req` joined the running batch (first admission or after a preemption), at
+        `engine.now`, before the step that computes it (step `engine.step_count`)."""
+
+    def stepped(self, engine: "Engine", sched: list[tuple[Request, int]]) -> None:
+        """A single step has run: `sched` is its (request, tokens computed) in batch order;
+        the clock, step count, tokens and finishes are updated."""
+
+    def decoded(self, engine: "Engine", reqs: list[Request], steps: int) -> None:
+        """`steps` identical decode-only steps of `reqs` have run at once (the engine's
+        skip-ahead); the clock, step count, tokens and finishes are updated."""
 
 
 @dataclass(slots=True)
@@ -172,18 +189,23 @@ class Engine(EngineState):
     def __init__(self, scenario, *, policy: str | None = None, executor=None,
                  workload: Workload | None = None, record_events: bool = True,
                  skip_ahead: bool = True, clock: str | None = None,
-                 record_timeline: bool = True, keep_history: bool = True) -> None:
+                 record_timeline: bool = True, keep_history: bool = True,
+                 cost: Any = None, observers: list[StepObserver] | None = None) -> None:
         """`record_timeline=False` keeps no per-step figures: the events are the same, but
         metrics (`sim.summarize`, `sim.rolling`) cannot be computed; for verifying a replay.
 
         `keep_history=False` bounds memory by what is in flight: a request is dropped when it
         ends (`requests` and `get` know only live ones; the last RECENT stay in `recent`) and
         timeline rows once folded into the summary's totals (`rolling`, the token times of
-        ended requests and the exports need the default). The summary is the same either way."""
+        ended requests and the exports need the default). The summary is the same either way.
+
+        `cost` is the service-time model that times each step (a `sim.costmodel.ServiceTime`;
+        default the scenario's `CostModel`); `observers` are told what each step scheduled."""
         self.scenario = scenario
         self.record_timeline = record_timeline
         self.keep_history = keep_history
-        self.cost: Any = CostModel(scenario)  # (sim.fit wraps it to record what it is asked)
+        self.cost: Any = cost if cost is not None else CostModel(scenario)
+        self.observers = list(observers or ())
         self.workload = workload if workload is not None else build_workload(scenario)
         self.kv = KVCacheManager(
             scenario.kv.num_blocks, scenario.kv.block_size,
@@ -259,7 +281,6 @@ class Engine(EngineState):
         self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
         self._batch_decodes = False  # set by each single step (see stepping.decodes_follow)
-        self._plain_hooks = False  # (see _check_hooks)
         self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
 
     # ================================================================================ public API
@@ -308,7 +329,7 @@ class Engine(EngineState):
 
     def step(self) -> int:
         """Run exactly one engine step (or one idle advance). Returns steps taken (0 or 1)."""
-        self._check_hooks()
+        self._load_constants()
         return self._advance(INF, 1)
 
     def run_until(self, t: float, max_steps: int | None = None) -> int:
@@ -319,7 +340,7 @@ class Engine(EngineState):
         start = self.step_count
         budget = max_steps if max_steps is not None else 1 << 62
         t0 = time.perf_counter()
-        self._check_hooks()
+        self._load_constants()
         with paused_gc():
             stepping.run_loop(self, t, budget)  # (raises EngineError on a stalled engine)
             if self.done and self.now < t and math.isfinite(t):
@@ -337,7 +358,7 @@ class Engine(EngineState):
         recorded action). Raises EngineError if the run cannot land there."""
         if step > self.step_count:
             self.run_until(t, step - self.step_count)
-        self._check_hooks()
+        self._load_constants()
         while self.step_count == step and self.now < t:
             before = self.now
             self._advance(t, 1)
@@ -493,7 +514,7 @@ class Engine(EngineState):
         first step boundary at or after `until` (or after `max_steps` steps), or an idle advance
         toward `until`. Returns the engine steps taken."""
         # (not fused: a deployment routes, hands off and cancels between any two decisions)
-        self._check_hooks()
+        self._load_constants()
         return self._advance(until, max_steps, fuse=False)
 
     def next_event(self) -> float:
@@ -671,20 +692,11 @@ class Engine(EngineState):
     def _drop(self, req: Request) -> None:
         stepping.drop(self, req)
 
-    def _check_hooks(self) -> None:
-        """Let the hot path do the work of the engine's hooks (`_admit`, `_single_step`,
-        `_decode_run`) and of the policy's methods without calling them, where neither a
-        subclass overrides them nor a caller has patched them (as tests and `sim.fit` do);
-        checked each time a run starts (`run_until`, `step`, `decide`, `advance_to`), when the
-        class constants the hot path reads are copied too."""
-        mine, cls = self.__dict__, type(self)
-        self._plain_hooks = all(name not in mine and getattr(cls, name) is f
-                                for name, f in _HOOKS.items())
-        self.policy.plain = is_plain(self.policy)
+    def _load_constants(self) -> None:
+        """Copy the class constants the hot path reads into native fields (a subclass or a
+        test may change them); done each time a run starts (`run_until`, `step`, `decide`,
+        `advance_to`)."""
         self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
-
-    def _admit(self, req: Request) -> None:
-        stepping.admit(self, req)
 
     # ===================================================================== internals: stepping
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
@@ -693,11 +705,6 @@ class Engine(EngineState):
         `sim.stepping.decodes_follow`). Returns the number of engine steps taken. (`sim.stepping.advance`,
         compiled where the install could.)"""
         return stepping.advance(self, until, max_steps, fuse)
-
-    def _single_step(self, sched: list[tuple[Request, int]], num_waiting: int) -> int:
-        """One engine step of `sched` ((request, tokens) pairs, blocks allocated); returns 1.
-        (Compiled where the install could: `sim.stepping`, as the other step functions.)"""
-        return stepping.single_step(self, sched, num_waiting)
 
     def _fork(self, parent: Request, t: float, g: int, seats: int) -> list[Request]:
         """Start the further samples of `parent`, which has just sampled its first token: each
@@ -754,11 +761,6 @@ class Engine(EngineState):
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20
 
-    def _decode_run(self, reqs: list[Request], until: float, max_steps: int) -> int:
-        """Identical decode-only steps of `reqs` up to the next event, all at once
-        (`sim.stepping.decode_run`); returns the steps taken."""
-        return stepping.decode_run(self, reqs, until, max_steps)
-
     def _build_work(self, sched) -> StepWork:
         seqs = []
         vocab = self.scenario.compute.vocab_size
@@ -783,6 +785,3 @@ class Engine(EngineState):
                         swap_in=self._swap_in, freed=self._freed)
         return work
 
-
-# The hooks as Engine defines them (Engine._check_hooks compares with these).
-_HOOKS = {name: Engine.__dict__[name] for name in ("_admit", "_single_step", "_decode_run")}

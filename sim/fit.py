@@ -19,36 +19,47 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 
+from sim.cluster import is_deployment
+from sim.costmodel import CostModel
+from sim.engine import Engine, StepObserver
+from sim.errors import ScenarioError
+from sim.metrics import summarize
 
-class _RecordingCost:
-    """Wraps an engine's cost model; keeps the arguments of every step it is asked to time.
+
+class RecordingCost(StepObserver):
+    """A service-time model (`sim.costmodel.ServiceTime`) that times steps with `model` and
+    keeps the arguments of every step it is asked to time; as the engine's observer it also
+    keeps each admission's step and arrival. Give it to one engine as both
+    (`Engine(scenario, cost=rec, observers=[rec])`) and `bind` it to that engine.
 
     The engine times a run of decode steps before it knows how many it will take (it cuts the
     run at the next event), so a step index may be timed twice: the later record wins, and
     records past the engine's last step are dropped (`features`)."""
 
-    def __init__(self, cost, engine) -> None:
-        self._cost = cost
-        self._engine = engine
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+        self.roofline = model.roofline
+        self._engine: Any = None
         self._count = -1
         self._offset = 0
-        self._idle = engine.idle_time
+        self._idle = 0.0
         self.records: list[tuple] = []  # (first step index, start or None, args)
         self.swaps: list[tuple[int, float]] = []  # (step index, seconds of block copies)
-        self.admitted: list[tuple[int, float]] = []  # (step index, arrival) per admission
-        admit = engine._admit
+        self.admitted_at: list[tuple[int, float]] = []  # (step index, arrival) per admission
 
-        def _admit(req):
-            # A request cannot be computed before it arrives, however fast earlier steps run.
-            self.admitted.append((engine.step_count, req.arrival_time))
-            admit(req)
+    def bind(self, engine) -> None:
+        """Record the steps of `engine` (whose cost model this is)."""
+        self._engine = engine
+        self._idle = engine.idle_time
 
-        engine._admit = _admit
-
-    def __getattr__(self, name):
-        return getattr(self._cost, name)
+    # --- StepObserver
+    def admitted(self, engine, req) -> None:
+        # A request cannot be computed before it arrives, however fast earlier steps run.
+        self.admitted_at.append((engine.step_count, req.arrival_time))
 
     def _index(self, n: int) -> int:
         e = self._engine
@@ -69,28 +80,39 @@ class _RecordingCost:
             start, self._idle = e.now, e.idle_time
         self.records.append((i, start, args))
 
-    # Every method the engine times steps with (a step missed here would replay as an empty
-    # step: tests/sim/test_calibrate.py replays runs under their own cost model).
-    def step(self, *args, **kw):
+    # --- ServiceTime: every method the engine times steps with records what it is asked (a
+    # step missed here would replay as an empty step: tests/sim/test_calibrate.py replays
+    # runs under their own cost model)
+    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
+        args = (p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled)
         self._record(1, args)
-        return self._cost.step(*args, **kw)
+        return self.model.step(*args)
 
     def decode_steps(self, b, d_cached):
         self._record(len(d_cached), (0, 0, 0, b, np.asarray(d_cached), b, b))
-        return self._cost.decode_steps(b, d_cached)
+        return self.model.decode_steps(b, d_cached)
 
     def decode_times(self, b, c0, n, t, t_ext):
-        ends, durs, ens = self._cost.decode_times(b, c0, n, t, t_ext)
+        ends, durs, ens = self.model.decode_times(b, c0, n, t, t_ext)
         cached = c0 + b * np.arange(len(ends), dtype=np.int64)
         self._record(len(ends), (0, 0, 0, b, cached, b, b))
         return ends, durs, ens
 
-    def swap_time(self, blocks):
+    def swap_time(self, num_blocks):
         # (added to the duration of the step just timed: copies over the host link, which
         # no engine coefficient changes)
-        t = self._cost.swap_time(blocks)
+        t = self.model.swap_time(num_blocks)
         self.swaps.append((self._count + self._offset - 1, t))
         return t
+
+    def idle_energy(self, seconds):
+        return self.model.idle_energy(seconds)
+
+    def num_blocks(self):
+        return self.model.num_blocks()
+
+    def num_host_blocks(self):
+        return self.model.num_host_blocks()
 
     def features(self, num_steps: int):
         """Per-step arrays of the 7 cost-model arguments, each step's earliest start, and the
@@ -107,7 +129,7 @@ class _RecordingCost:
             ready[i:hi] = -np.inf
             if start is not None:
                 ready[i] = start
-        for i, t in self.admitted:
+        for i, t in self.admitted_at:
             if i < num_steps:
                 ready[i] = max(ready[i], t)
         extra = np.zeros(num_steps, dtype=np.float64)
@@ -154,16 +176,12 @@ class RunRecord:
 def record_run(scenario) -> RunRecord:
     """Run `scenario` (one engine) and keep its schedule. Raises ServesimError as `sim.build`
     does."""
-    from sim import build, summarize
-
-    engine = build(scenario)
-    if hasattr(engine, "instances"):
-        from sim.errors import ScenarioError
-
+    if is_deployment(scenario):
         raise ScenarioError(f"{scenario.source}: calibration replays one engine instance "
                             "(cluster.replicas = 1, no disaggregation)")
-    rec = _RecordingCost(engine.cost, engine)
-    engine.cost = rec
+    rec = RecordingCost(CostModel(scenario))
+    engine = Engine(scenario, cost=rec, observers=[rec])
+    rec.bind(engine)
     engine.run()
     cols, ready, swap = rec.features(engine.step_count)
     reqs = [r for r in engine.requests.values()
@@ -172,8 +190,6 @@ def record_run(scenario) -> RunRecord:
     first = np.array([r.token_segments[0][0] for r in reqs], dtype=np.int64)
     last = np.array([r.token_segments[-1][0] + r.token_segments[-1][1] - 1 for r in reqs],
                     dtype=np.int64)
-    engine.cost = rec._cost
-    del engine._admit
     return RunRecord(cols, ready, np.array([r.arrival_time for r in reqs], dtype=np.float64),
                      first, last, np.array([r.num_output_tokens for r in reqs], dtype=np.int64),
                      summarize(engine), swap)

@@ -1,16 +1,15 @@
 """The engine's hot path: each scheduling decision (`advance`), its single step or run of
 identical decode steps, their block allocation, timeline rows and step times, arrivals and
-finishes, and the policy's pass over the running batch (`schedule_running`).
+finishes.
 
-These are `Engine` (and `Policy`) methods moved out of the classes so that the install can
-compile them with mypyc (`sim/_compiled.py`), while `Engine` and `Policy` stay Python classes
-that are subclassed, wrapped and patched. Each takes the engine as `e`; the fields it reads are
-declared on `EngineState` and `PolicyState` (compiled bases of `Engine` and `Policy`: native
-fields, as the requests' are). The engine's hooks (`_admit`, `_single_step`, `_decode_run`) and
-a policy's methods are called through the engine and the policy where a subclass overrides or a
-caller patches them (`sim.cluster`'s `_single_step`, `sim.fit`'s `_admit`); otherwise these
-functions do their work directly (`Engine._check_hooks`). The results are the same bits either
-way (tests/test_compiled.py runs both).
+These are `Engine` methods moved out of the class so that the install can compile them with
+mypyc (`sim/_compiled.py`), while `Engine` stays a Python class. Each takes the engine as `e`;
+the fields it reads are declared on `EngineState` (a compiled base of `Engine`: native fields,
+as the requests' are). Every scheduling rule is the policy's: the decision asks the policy
+(`schedule`, `has_work`, `add`, `finished`, `decodes_alone`, `skip_ahead_safe`,
+`next_change_time`) and never decides in its place. What a step scheduled is told to the
+engine's observers (`sim.engine.StepObserver`); the step times come from the engine's
+service-time model (`sim.costmodel.ServiceTime`).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from sim import _compiled, events as ev
 from sim.costmodel import CostModel
 from sim.errors import EngineError
 from sim.kv import KVCacheManager, blocks_for
+from sim.policies.batch import PolicyState
 from sim.limits import MAX_TIME_S
 from sim.request import Request, RequestState
 from sim.quantiles import Samples
@@ -43,7 +43,6 @@ WAITING: Final = RS.WAITING
 SWAPPED: Final = RS.SWAPPED
 FINISHED: Final = RS.FINISHED
 REJECTED: Final = RS.REJECTED
-UNBOUNDED: Final = 1 << 62  # a token budget that no step reaches
 
 
 # sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) and
@@ -80,7 +79,7 @@ class EngineState:
     kv: KVCacheManager
     timeline: Timeline
     policy: Any
-    cost: Any  # (sim.fit puts a recorder in its place)
+    cost: Any  # a ServiceTime (sim.fit's recorder, or the CostModel)
     executor: Any
     duration_override: Any
     scenario: Any
@@ -104,9 +103,7 @@ class EngineState:
     _copies: list[tuple[int, int]]
     _freed: list[int]
     _prompt_ids: dict
-    # No hook (`_admit`, `_single_step`, `_decode_run`) overridden or patched: the hot path
-    # calls them directly (set by `Engine._check_hooks` when a run starts)
-    _plain_hooks: bool
+    observers: list  # StepObserver: told what each step scheduled
     # the class's SCALAR_STEPS and RUN_STEPS_MAX (copied by `Engine._check_hooks` when a run
     # starts: a native field reads in a few instructions, a class attribute in hundreds)
     _scalar_steps: int
@@ -124,77 +121,11 @@ class EngineState:
     recent_gaps: deque
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)
-class PolicyState:
-    """A policy's fields that the hot path reads (`Policy` subclasses this; see EngineState)."""
-
-    engine: Any
-    kv: KVCacheManager
-    cfg: Any
-    waiting: Any  # (a deque, or a policy's own queue)
-    running: list[Request]
-    async_scheduling: bool
-    continue_after_self_preemption: bool
-    # Exactly `ChunkedPolicy`, no method patched: the hot path does what its methods (and
-    # Policy's) would without calling them (set by `Engine._check_hooks` when a run starts)
-    plain: bool
-
-
-class SchedulerOutput:
-    """One step's plan: (request, tokens to compute) in batch order, and who was preempted.
-    `decode_only` is True when every running request decodes one token and nothing else
-    happens: the engine may then run identical steps back to back until the next event."""
-
-    __slots__ = ("scheduled", "preempted", "decode_only")
-
-    def __init__(self) -> None:
-        self.scheduled: list[tuple[Request, int]] = []
-        self.preempted: list[Request] = []
-        self.decode_only = False
-
-
-# --- the hooks: called through the engine or policy only where overridden or patched -------
-def has_work(ps: PolicyState) -> bool:
-    """`Policy.has_work`."""
-    if ps.plain:
-        return bool(ps.waiting or ps.running)
-    p: Any = ps
-    return p.has_work()
-
-
-def schedule(ps: PolicyState) -> SchedulerOutput:
-    """`Policy.schedule`."""
-    p: Any = ps
-    return chunked_schedule(p) if ps.plain else p.schedule()
-
-
-def leave_batch(ps: PolicyState, req: Request) -> None:
-    """`Policy.finished`: `req` has ended and leaves the running batch."""
-    if ps.plain:
-        ps.running.remove(req)
-    else:
-        p: Any = ps
-        p.finished(req)
-
-
-def step_once(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> int:
-    """`Engine._single_step`."""
-    s: EngineState = e
-    return (single_step(e, sched, num_waiting) if s._plain_hooks
-            else e._single_step(sched, num_waiting))
-
-
-def run_decodes(e: Any, reqs: list[Request], until: float, max_steps: int) -> int:
-    """`Engine._decode_run`."""
-    s: EngineState = e
-    return (decode_run(e, reqs, until, max_steps) if s._plain_hooks
-            else e._decode_run(reqs, until, max_steps))
-
-
 def done(e: Any) -> bool:
     """`Engine.done`: no request is queued, running or still to arrive."""
     s: EngineState = e
-    return not has_work(s.policy) and s._w_next >= len(s._w_arrival)
+    policy: Any = s.policy
+    return not policy.has_work() and s._w_next >= len(s._w_arrival)
 
 
 def schedule_decodes(e: Any) -> list[Request] | None:
@@ -232,35 +163,32 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
         raise EngineError(f"simulated time passed {MAX_TIME_S:g} s at step {s.step_count} "
                           f"(t = {now:.3g} s): steps or hand-offs take too long under this "
                           "scenario's [hardware] and [model]")
-    policy = s.policy
+    policy: Any = s.policy
     if not ps.running:
         s._window = 0
     if not s._window and (
             (s._w_next < len(s._w_arrival) and s._w_arrival[s._w_next] <= now)
             or (s._cancels and s._cancels[0][0] <= now)):
         arrive(e, now)
-    if not has_work(ps):
+    if not policy.has_work():
         target = min(next_external(e), until)
         if target > now and target != INF:
             e._idle_to(target)
         return 0
-    out = schedule(ps)
+    out = policy.schedule()
     sched: list[tuple[Request, int]] = out.scheduled
     if not sched and s._releasing:
         # Only requests finishing (async scheduling): their output is processed now, and
         # what their blocks and seats allow is scheduled at once, as vLLM's next iteration
         # would (nothing else arrives meanwhile).
         release(e)
-        out = schedule(ps)
+        out = policy.schedule()
         sched = out.scheduled
     if not sched:
         return 0  # everything was preempted; the next decision admits again
     for req, _ in sched:
         if req.state is not RUNNING:
-            if s._plain_hooks:
-                admit(e, req)
-            else:
-                e._admit(req)
+            admit(e, req)
     if s.scheduler_steps > 1:
         s._window = (s._window or s.scheduler_steps) if out.decode_only else 0
         if s._window:
@@ -270,12 +198,12 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     # (A measured clock records each step's duration, which a run of steps does not: with no
     # executor it times nothing and keeps the modeled durations, but one per step.)
     if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
-            and (ps.plain or policy.skip_ahead_safe) and s.duration_override is None
+            and policy.skip_ahead_safe and s.duration_override is None
             and s.clock != "measured" and not (s._swap_out or s._swap_in)):
-        taken = run_decodes(e, [r for r, _ in sched], until, max_steps)
+        taken = decode_run(e, [r for r, _ in sched], until, max_steps)
         decoding = True  # (what is left of a run's batch decodes on)
     else:
-        taken = step_once(e, sched, len(ps.waiting))
+        taken = single_step(e, sched, len(ps.waiting))
         decoding = s._batch_decodes
     if s._window:
         s._window = max(s._window - taken, 0)
@@ -286,7 +214,7 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
         reqs = schedule_decodes(e)
         if reqs is None:  # blocks are short: the policy decides (and preempts)
             break
-        taken += run_decodes(e, reqs, until, max_steps - taken)
+        taken += decode_run(e, reqs, until, max_steps - taken)
         decoding = True
     return taken
 
@@ -310,13 +238,12 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     as it stands (`Policy.decodes_alone`)."""
     s: EngineState = e
     ps: PolicyState = s.policy
-    policy = s.policy
+    policy: Any = s.policy
     now = s.now
     return not (not decoding or now >= until or ps.waiting or not ps.running
                 or now > MAX_TIME_S or next_external(e) <= now
-                or (len(ps.running) > ps.cfg.max_num_batched_tokens if ps.plain
-                    else (policy.next_change_time() <= now or not policy.skip_ahead_safe
-                          or not policy.decodes_alone()))
+                or policy.next_change_time() <= now or not policy.skip_ahead_safe
+                or not policy.decodes_alone()
                 or s.executor is not None or s.clock == "measured"
                 or not s.skip_ahead or s.duration_override is not None
                 or s._swap_out or s._swap_in or s.scheduler_steps > 1
@@ -400,10 +327,8 @@ def on_arrival(e: Any, req: Request) -> None:
         return
     if req.cancel_at is not None:
         heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
-    if ps.plain:
-        ps.waiting.append(req)
-    else:
-        s.policy.add(req)
+    policy: Any = s.policy
+    policy.add(req)
 
 
 def finish(e: Any, req: Request, t: float) -> None:
@@ -411,6 +336,7 @@ def finish(e: Any, req: Request, t: float) -> None:
     (after the next step is scheduled, under async scheduling)."""
     s: EngineState = e
     ps: PolicyState = s.policy
+    policy: Any = s.policy
     kv: KVCacheManager = s.kv
     req.transition(FINISHED)
     req.finish_time = t
@@ -418,7 +344,7 @@ def finish(e: Any, req: Request, t: float) -> None:
         s._releasing.append(req)
     else:
         kv.free(req)
-        leave_batch(ps, req)
+        policy.finished(req)
     s.recent.append(req)
     drop(e, req)
     s.finished_prompt_tokens += req.prompt_len
@@ -520,7 +446,7 @@ def release(e: Any) -> None:
     """Async scheduling: the step scheduled after the one that finished these requests
     has been; their output is processed now, their blocks freed and seats given back."""
     s: EngineState = e
-    ps: PolicyState = s.policy
+    policy: Any = s.policy
     kv: KVCacheManager = s.kv
     if not s._releasing:
         return
@@ -530,7 +456,7 @@ def release(e: Any) -> None:
         if kv.register_at_allocation:  # the blocks its last step filled
             kv.cache_blocks(req, req.num_computed_tokens)
         kv.free(req)
-        leave_batch(ps, req)
+        policy.finished(req)
 
 
 def admit(e: Any, req: Request) -> None:
@@ -549,6 +475,8 @@ def admit(e: Any, req: Request) -> None:
             s.queue_wait.add(s.now - req.arrival_time)
     if s.record_events:
         s.events.append(ev.Admit(s.now, req.req_id, resumed))
+    for o in s.observers:
+        o.admitted(e, req)
 
 
 def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> int:
@@ -695,6 +623,8 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         release(e)
     if finished:
         finish_step(e, finished, end)
+    for o in s.observers:
+        o.stepped(e, sched)
     return 1
 
 
@@ -703,6 +633,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     allocated), up to the next event, all at once."""
     s: EngineState = e
     ps: PolicyState = s.policy
+    policy: Any = s.policy
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
     b = len(reqs)
@@ -738,10 +669,10 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
             cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
             kmax = cross[free]  # the step whose allocation would fail is scheduled alone
     if kmax == 1:
-        return step_once(e, [(r, 1) for r in reqs], len(ps.waiting))
+        return single_step(e, [(r, 1) for r in reqs], len(ps.waiting))
     # (within a multi-step window, arrivals and cancellations do not end the run)
     t_ext = min(INF if s._window else next_external(e), until,
-                INF if ps.plain else s.policy.next_change_time())
+                policy.next_change_time())
     tl: Timeline = s.timeline
     cost: Any = s.cost
     # The scalar part of the run straight into the timeline's staging columns (sim/_rows.c),
@@ -826,6 +757,8 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     s.counts["output_tokens"] += b * k
     if finished:
         finish_step(e, finished, end)
+    for o in s.observers:
+        o.decoded(e, reqs, k)
     return k
 
 
@@ -962,132 +895,3 @@ def empty_slots(e: Any) -> int:
         tokens += r.num_computed_tokens
     bs: int = s.block_size
     return slots * bs - tokens
-
-
-def schedule_running(p: Any, out: Any, tokens: Any) -> Any:
-    """`Policy.schedule_running` (which see) of policy `p`: the running batch advanced in
-    order within `tokens` (an int, or inf: no budget), preempting while blocks run short.
-    Returns the budget left. (Here to be compiled: the policy's pass over the batch every
-    decision.)"""
-    ps: PolicyState = p
-    # (an int budget, so that the arithmetic below is machine arithmetic; no budget is one
-    # that nothing reaches)
-    unbounded = not isinstance(tokens, int)
-    budget: int = UNBOUNDED if unbounded and tokens == INF else int(tokens)
-    kv: KVCacheManager = ps.kv
-    bs = kv.block_size
-    running: list[Request] = ps.running
-    sched: list[tuple[Request, Any]] = out.scheduled
-    register = kv.register_at_allocation
-    # Async scheduling: a request that sampled in the last step has a token the scheduler
-    # has not seen yet, and one that finished then is skipped (it holds its seat).
-    lagging: bool = ps.async_scheduling
-    engine = ps.engine
-    g: int = engine.step_count if register and lagging else 0
-    # (`Engine.has_finishing`, read through the proxy: the method call costs 4x)
-    skip_finished: bool = lagging and len(engine._releasing) > 0
-    all_decode = True
-    finishing = 0
-    i = 0
-    while i < len(running) and budget > 0:
-        req = running[i]
-        if skip_finished and req.state is FINISHED:
-            finishing += 1
-            i += 1
-            continue
-        c = req.num_computed_tokens
-        total = req.prompt_len + req.num_output_tokens
-        n = total - c
-        if n > budget:
-            n = budget
-        if -(-(c + n) // bs) > len(req.block_table):
-            while not kv.allocate_slots(req, n):
-                victim = p.pick_victim()
-                before = victim is not running[-1] and running.index(victim) < i
-                _, given_back = p.preempt_one(out, victim)
-                if victim is req:
-                    break
-                budget += given_back
-                if before:  # a request earlier in the batch (priority): the index shifts
-                    i -= 1
-            if req.state is not RUNNING:
-                all_decode = False
-                if ps.continue_after_self_preemption:
-                    continue
-                break
-        sched.append((req, n))
-        if register:
-            unseen = (1 if lagging and req.run_open and req.run_start + req.run_len == g
-                      else 0)
-            kv.cache_scheduled(req, n, unseen)
-        if n != 1 or c + 1 != total or total == req.prompt_len or req.recomputing:
-            all_decode = False
-        budget -= n
-        i += 1
-    if register and lagging:
-        # The output of the last step, processed after this one is scheduled, registers
-        # the blocks its tokens filled for requests this step leaves out.
-        for req in running[i:]:
-            kv.cache_blocks(req, req.num_computed_tokens)
-    # (Requests finishing may stay beside a run of decode steps, which gives their blocks
-    # back after its first step, unless that could let a waiting request in.)
-    out.decode_only = (all_decode and not out.preempted
-                       and len(sched) + finishing == len(running)
-                       and not (finishing and ps.waiting))
-    return INF if unbounded and tokens == INF else budget
-
-
-def chunked_schedule(p: Any) -> SchedulerOutput:
-    """`ChunkedPolicy.schedule` of policy `p` (which see)."""
-    ps: PolicyState = p
-    out = SchedulerOutput()
-    budget = schedule_running(p, out, ps.cfg.max_num_batched_tokens)
-    if not out.preempted and ps.waiting:
-        n_before = len(out.scheduled)
-        if ps.plain:
-            admit_waiting(p, out, budget)
-        else:
-            p.admit_waiting(out, budget)
-        # (an admission that preempted a scheduled request for room keeps the count)
-        if len(out.scheduled) != n_before or out.preempted:
-            out.decode_only = False
-    return out
-
-
-def admit_waiting(p: Any, out: Any, budget: Any) -> None:
-    """`ChunkedPolicy.admit_waiting` of policy `p` (which see). A `plain` policy's methods
-    (`next_waiting`, `plan_waiting`, `watermark_blocks`, `make_room`, `schedule_admitted`)
-    are done here as they would do them."""
-    ps: PolicyState = p
-    kv: KVCacheManager = ps.kv
-    plain = ps.plain
-    full = ps.cfg.reserve_full_sequence
-    watermark = int(ps.cfg.watermark * (kv.num_blocks + 1)) if plain else p.watermark_blocks()
-    register = kv.register_at_allocation
-    while ps.waiting and budget > 0 and len(ps.running) < ps.cfg.max_num_seqs:
-        if plain:
-            req: Request = ps.waiting[0]
-            hits = kv.match_prefix(req)
-            n = req.num_tokens - req.num_computed_tokens - len(hits) * kv.block_size
-            n = min(n, budget)
-        else:
-            req = p.next_waiting()
-            n, hits = p.plan_waiting(req, budget)
-        if not kv.allocate_slots(req, n, reserve=watermark if ps.running else 0,
-                                 prefix=hits, full_sequence=full):
-            if plain:
-                break  # (vLLM V1 never preempts for a waiting request)
-            given_back = p.make_room(out, req)
-            if given_back is None:
-                break
-            budget += given_back
-            continue
-        if plain:
-            ps.waiting.popleft()  # (the head: take_waiting)
-            ps.running.append(req)
-            out.scheduled.append((req, n))
-            if register:
-                kv.cache_scheduled(req, n)
-        else:
-            p.schedule_admitted(out, req, n)
-        budget -= n

@@ -12,9 +12,9 @@ from __future__ import annotations
 import weakref
 from collections import deque
 
-from sim import stepping
+from sim.policies import batch
+from sim.policies.batch import PolicyState, SchedulerOutput
 from sim.request import Request, RequestState
-from sim.stepping import PolicyState, SchedulerOutput
 
 
 class Policy(PolicyState):
@@ -40,7 +40,6 @@ class Policy(PolicyState):
         # With async scheduling a request that finished in the last step stays in `running`
         # (FINISHED), holding its blocks and seat, until the engine has scheduled the next one.
         self.async_scheduling = self.models_v1 and self.cfg.async_scheduling
-        self.plain = False  # (set when a run starts: Engine._check_hooks)
         # After preempting itself for lack of blocks, a running request lets the requests after
         # it in the batch try (only `priority` can have any: others preempt the last one).
         self.continue_after_self_preemption = (self.models_v1
@@ -102,7 +101,7 @@ class Policy(PolicyState):
     def decodes_alone(self) -> bool:
         """Whether `schedule()`, with the queue empty and every running request decoding, would
         schedule each of them for one token in `running` order as `schedule_running` does
-        (the engine then runs such steps without asking: `sim.stepping.decodes_follow`)."""
+        (the engine then runs such steps without asking it again)."""
         return False
 
     def next_change_time(self) -> float:
@@ -124,9 +123,10 @@ class Policy(PolicyState):
         return self.running[-1]
 
     def watermark_blocks(self) -> int:
-        """Blocks a waiting request must leave free when admitted while others run: vLLM V1
-        takes `scheduler.watermark` of its pool counting its null block (block 0)."""
-        return int(self.cfg.watermark * (self.kv.num_blocks + 1))
+        """Blocks a waiting request must leave free when admitted while others run: the
+        fraction `scheduler.watermark` of the pool (vLLM V1's pool counts its null block,
+        block 0, too)."""
+        return int(self.cfg.watermark * (self.kv.num_blocks + (1 if self.models_v1 else 0)))
 
     def schedule_admitted(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """`req`, given its blocks, leaves the queue for the batch and computes `n` tokens."""
@@ -166,7 +166,7 @@ class Policy(PolicyState):
         `continue_after_self_preemption`). Sets `out.decode_only` when every running request
         decodes exactly one token. Returns the budget left.
         """
-        return stepping.schedule_running(self, out, budget)  # (compiled where it could be)
+        return batch.schedule_running(self, out, budget)  # (compiled where it could be)
 
     def schedule(self) -> SchedulerOutput:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -12,7 +12,6 @@ anything runs; the first request that does not fit ends admission for the step.
 
 from __future__ import annotations
 
-from sim import stepping
 from sim.policies.base import Policy, SchedulerOutput
 
 
@@ -23,39 +22,43 @@ class ChunkedPolicy(Policy):
 
     def schedule(self) -> SchedulerOutput:
         """Running requests first within the token budget, then admissions from the queue
-        in what is left (`sim.stepping.chunked_schedule`, compiled where it could be)."""
-        return stepping.chunked_schedule(self)
+        in what is left, unless the pass over the batch preempted."""
+        out = SchedulerOutput()
+        budget = self.schedule_running(out, self.cfg.max_num_batched_tokens)
+        if not out.preempted and self.waiting:
+            n_before = len(out.scheduled)
+            self.admit_waiting(out, budget)
+            # (an admission that preempted a scheduled request for room keeps the count)
+            if len(out.scheduled) != n_before or out.preempted:
+                out.decode_only = False
+        return out
 
     def decodes_alone(self) -> bool:
         return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
 
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit from the queue, in the policy's order, within what is left of the token budget
-        and `max_num_seqs`, while blocks for each (and the watermark) fit; the first that does
-        not fit ends admission unless `make_room` preempts for it. (`sim.stepping`, compiled
-        where it could be.)"""
-        stepping.admit_waiting(self, out, budget)
+        """Admit from the queue, in the policy's order (`next_waiting`), within what is left
+        of the token budget and `max_num_seqs`, while blocks for each fit and leave the
+        watermark free (`watermark_blocks`, while anything runs); the first that does not fit
+        ends admission unless `make_room` preempts for it."""
+        kv = self.kv
+        full = self.cfg.reserve_full_sequence
+        watermark = self.watermark_blocks()
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.next_waiting()
+            n, hits = self.plan_waiting(req, budget)
+            if not kv.allocate_slots(req, n, reserve=watermark if self.running else 0,
+                                     prefix=hits, full_sequence=full):
+                given_back = self.make_room(out, req)
+                if given_back is None:
+                    break
+                budget += given_back
+                continue
+            self.schedule_admitted(out, req, n)
+            budget -= n
 
     def make_room(self, out: SchedulerOutput, req) -> int | None:
         """`req`, next in the queue, does not fit: preempt for it and return the tokens given
         back, or None to end admission for this step (vLLM V1 never preempts for a waiting
         request)."""
         return None
-
-
-
-# What the hot path does itself for a plain ChunkedPolicy (sim.stepping: `PolicyState.plain`).
-_METHODS = ("schedule", "schedule_running", "admit_waiting", "make_room", "decodes_alone",
-            "next_waiting", "plan_waiting", "watermark_blocks", "schedule_admitted",
-            "take_waiting", "next_change_time", "has_work", "add", "finished",
-            "skip_ahead_safe")
-_ORIGINAL = {name: getattr(ChunkedPolicy, name) for name in _METHODS}
-
-
-def is_plain(policy) -> bool:
-    """Whether `policy` is exactly a ChunkedPolicy, none of its methods patched."""
-    if type(policy) is not ChunkedPolicy:
-        return False
-    mine = policy.__dict__
-    return all(name not in mine and getattr(ChunkedPolicy, name) is f
-               for name, f in _ORIGINAL.items())

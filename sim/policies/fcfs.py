@@ -30,7 +30,7 @@ class FCFSPolicy(Policy):
 
     def admit_prompts(self, out: SchedulerOutput) -> None:
         budget = self.cfg.max_num_batched_tokens
-        reserve = int(self.cfg.watermark * self.kv.num_blocks) if self.running else 0
+        reserve = self.watermark_blocks() if self.running else 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
             n, hits = self.plan_waiting(req, float("inf"))

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from sim import Engine, summarize
+from sim.engine import StepObserver
 from sim.errors import EngineError, UnknownRequestError
 from sim.log import encode
 from sim.request import RequestState as S
@@ -304,22 +305,30 @@ def test_a_client_abort_frees_a_finished_request_at_once():
     assert _admit_step(e, 2) == late - 1
 
 
-def test_skip_ahead_beside_finishing_requests_equals_step_by_step(monkeypatch):
+def test_skip_ahead_beside_finishing_requests_equals_step_by_step():
     """Under async scheduling a run of decode steps may start while requests that finished in
     the step before still hold their blocks: it gives them back after its first step."""
-    beside = []
-    run = Engine._decode_run
+    class Beside(StepObserver):
+        """Counts the decode runs that start while requests finished in the step before
+        still hold their blocks (left in `_releasing` when that step ended)."""
 
-    def counting(self, sched, until, max_steps):
-        beside.append(bool(self._releasing))
-        return run(self, sched, until, max_steps)
+        def __init__(self):
+            self.holding = False
+            self.count = 0
 
-    monkeypatch.setattr(Engine, "_decode_run", counting)
+        def stepped(self, engine, sched):
+            self.holding = bool(engine._releasing)
+
+        def decoded(self, engine, reqs, steps):
+            self.count += self.holding
+            self.holding = bool(engine._releasing)
+
     sc = small_scenario("workload.rate=2", "workload.duration_s=40", *SHARED)
-    fast, slow = Engine(sc), Engine(sc, skip_ahead=False)
+    beside = Beside()
+    fast, slow = Engine(sc, observers=[beside]), Engine(sc, skip_ahead=False)
     fast.run()
     slow.run()
-    assert sum(beside) > 10
+    assert beside.count > 10
     assert expand_steps(fast) == expand_steps(slow)
     for col in ("end", "kv_used", "kv_empty", "itl_count", "batch"):
         assert np.array_equal(fast.timeline.column(col), slow.timeline.column(col)), col

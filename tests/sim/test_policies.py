@@ -396,3 +396,133 @@ def test_no_step_runs_more_than_max_num_seqs_sequences(policy, seats, samples, s
     for x in engines:
         assert max(batch_sizes(x.events), default=0) <= seats
         assert summarize(x)["batch"]["max"] <= seats
+
+
+# --- each rule has one definition: changing it changes every policy that applies it --------------
+def _results(e) -> dict:
+    """What a run produced, less what does not depend on the schedule (wall time, names)."""
+    s = summarize(e)
+    return {k: v for k, v in s.items() if k not in ("wall_s", "policy")}
+
+
+def _summary(policy, *overrides):
+    sc = small_scenario(f"scheduler.policy=\"{policy}\"", "kv.num_blocks=420", *overrides)
+    e = Engine(sc)
+    e.run()
+    return e, _results(e)
+
+
+WATERMARKED = ["fcfs", "chunked", "priority", "sjf", "lpm"]
+BASE_VICTIM = ["static", "fcfs", "chunked", "sjf", "lpm"]  # (priority picks its own)
+
+
+@pytest.mark.parametrize("policy", WATERMARKED)
+def test_a_changed_watermark_rule_changes_every_policy_that_keeps_one(policy, monkeypatch):
+    from sim.policies.base import Policy
+
+    _, before = _summary(policy)
+    monkeypatch.setattr(Policy, "watermark_blocks", lambda self: self.kv.num_blocks // 2)
+    e, after = _summary(policy)
+    assert after != before
+    # Half the pool kept free while anything runs: never more than half is used by admissions
+    # beside others, so the batch is smaller than before.
+    assert after["batch"]["mean"] < before["batch"]["mean"]
+    check_invariants(e)
+
+
+@pytest.mark.parametrize("policy", BASE_VICTIM)
+def test_a_changed_victim_rule_changes_every_policy_that_preempts_the_base_way(policy,
+                                                                              monkeypatch):
+    from sim.policies.base import Policy
+
+    e, before = _summary(policy)
+    assert e.counts["preemptions"] > 0
+    victims = []
+
+    def oldest(self):
+        victims.append(self.running[0])
+        return self.running[0]
+
+    monkeypatch.setattr(Policy, "pick_victim", oldest)
+    e, after = _summary(policy)
+    assert victims and after != before
+    check_invariants(e)
+
+
+def test_a_subclass_that_changes_one_rule_runs_with_it(monkeypatch):
+    """A policy subclass registered under a new name is scheduled by its own rules: a
+    watermark of half the pool changes what `chunked` does, and only that."""
+    from sim.policies import POLICIES, ChunkedPolicy
+
+    class HalfFree(ChunkedPolicy):
+        name = "half-free"
+
+        def watermark_blocks(self):
+            return self.kv.num_blocks // 2
+
+    monkeypatch.setitem(POLICIES, "half-free", HalfFree)
+    sc = small_scenario("kv.num_blocks=420")
+    plain, half = Engine(sc), Engine(sc, policy="half-free")
+    plain.run()
+    half.run()
+    assert half.policy.name == "half-free" and half.step_count != plain.step_count
+    assert _results(half) != _results(plain)
+    # with the same watermark as chunked's, the subclass schedules exactly as chunked does
+    monkeypatch.setattr(HalfFree, "watermark_blocks", ChunkedPolicy.watermark_blocks)
+    same = Engine(sc, policy="half-free")
+    same.run()
+    assert _results(same) == _results(plain)
+
+
+_EDITS = {
+    "watermark": ("        return int(self.cfg.watermark * (self.kv.num_blocks + (1 if self.models_v1 "
+                  "else 0)))\n", "        return self.kv.num_blocks // 2\n"),
+    "victim": ('        """The running request to preempt when blocks run short: the most recently '
+               'admitted."""\n        return self.running[-1]\n',
+               '        """(edited)"""\n        return self.running[0]\n'),
+}
+_RUN = """
+import json, sys
+from tests.helpers import small_scenario
+from sim import Engine, summarize
+out = {}
+for policy in sys.argv[1].split(","):
+    e = Engine(small_scenario(f'scheduler.policy="{policy}"', "kv.num_blocks=420"))
+    e.run()
+    out[policy] = [e.step_count, e.counts["preemptions"], summarize(e)["duration_s"]]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("rule,policies", [("watermark", WATERMARKED), ("victim", BASE_VICTIM)])
+def test_an_edit_of_a_rule_in_the_policies_source_takes_effect(rule, policies, tmp_path):
+    """As a contributor would: edit one rule in `sim/policies/base.py` and run again (with the
+    compiled hot path, where the install built it: the policies are not part of it, so the
+    edit is what runs). Every policy that applies the rule moves."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("sim", "tests", "scenarios"):
+        shutil.copytree(root / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.msgpack"))
+    (tmp_path / "gpu").mkdir()  # (not imported by the engine)
+
+    def run(cwd):
+        got = subprocess.run([sys.executable, "-c", _RUN, ",".join(policies)], cwd=cwd,
+                             capture_output=True, text=True, check=True,
+                             env={**__import__("os").environ, "PYTHONPATH": str(cwd)})
+        return json.loads(got.stdout)
+
+    before = run(tmp_path)
+    base = tmp_path / "sim" / "policies" / "base.py"
+    old, new = _EDITS[rule]
+    text = base.read_text()
+    assert text.count(old) == 1
+    base.write_text(text.replace(old, new))
+    after = run(tmp_path)
+    for policy in policies:
+        assert after[policy] != before[policy], (rule, policy)
