@@ -1,7 +1,7 @@
 """Real compute for servesim: paged attention kernels (NumPy and CUDA), a tiny model, an executor.
 
 `gpu` never imports `sim`: the engine reaches it only through the executor protocol of
-`sim/executor.py`, which `gpu.executor.ModelExecutor` implements by duck typing.
+`sim/engine/executor.py`, which `gpu.executor.ModelExecutor` implements by duck typing.
 
 Memory layout (the same on both backends)
 -----------------------------------------

@@ -4,7 +4,7 @@ For the GPU self-check and the tests, which need to run a few requests through `
 and steer the awkward cases (chunked prefill, preemption by recompute or swap, blocks in a
 chosen order) without `sim`. It is not a scheduler: every active request runs every step, and
 blocks come from a free list in the order given. Its step objects carry the attribute names of
-`sim.executor.StepWork` / `SeqWork`.
+`sim.engine.executor.StepWork` / `SeqWork`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ModelExecutor: the engine's executor protocol (`sim/executor.py`) over the tiny model.
+"""ModelExecutor: the engine's executor protocol (`sim/engine/executor.py`) over the tiny model.
 
 Each `execute(work)` applies the step's block moves, plans the batch once (`gpu.batch`), runs
 the model over every new token of the step (prefill chunks and decode tokens together; per layer

@@ -6,14 +6,14 @@ from sim import _compiled
 
 _compiled.activate()  # (before anything imports a module the install may have compiled)
 
-from sim.cluster import Cluster, ClusterSnapshot, build
-from sim.engine import Engine, EngineSnapshot, RequestView
+from sim.deploy.cluster import Cluster, ClusterSnapshot, build
+from sim.engine.engine import Engine, EngineSnapshot, RequestView
 from sim.errors import (EngineError, LogError, ScenarioError, ServesimError, TraceError,
                         UnknownRequestError)
-from sim.metrics import rolling, summarize
+from sim.stats.metrics import rolling, summarize
 from sim.policies import POLICIES
-from sim.request import Request, RequestState
-from sim.scenario import Scenario, bundled_scenarios, load_scenario
+from sim.engine.request import Request, RequestState
+from sim.inputs.scenario import Scenario, bundled_scenarios, load_scenario
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-/* The block pool's two bulk moves (sim/kv.py `BlockPool`) without sharing: taking `n` blocks
+/* The block pool's two bulk moves (sim/engine/kv.py `BlockPool`) without sharing: taking `n` blocks
  * from the head of the free queue, and freeing a request's whole table; and a decode run's
- * block crossings in allocation order (sim/stepping.py `crossing_order`), dealt onto the
+ * block crossings in allocation order (sim/engine/stepping.py `crossing_order`), dealt onto the
  * requests' tables. A `chat` request holds ~175 blocks; compiled Python spends ~130 machine
  * instructions a block on each move (a boxed int read and written per reference count), this
  * ~40 (callgrind).

@@ -17,13 +17,13 @@ from pathlib import Path
 
 # module name -> source path relative to the repository root
 MODULES = {
-    "sim.request": "sim/request.py",
-    "sim.kv": "sim/kv.py",
-    "sim.costmodel": "sim/costmodel.py",
-    "sim.timeline": "sim/timeline.py",
-    "sim.stepping": "sim/stepping.py",
+    "sim.engine.request": "sim/engine/request.py",
+    "sim.engine.kv": "sim/engine/kv.py",
+    "sim.model.costmodel": "sim/model/costmodel.py",
+    "sim.engine.timeline": "sim/engine/timeline.py",
+    "sim.engine.stepping": "sim/engine/stepping.py",
     "sim.policies.batch": "sim/policies/batch.py",
-    "sim.quantiles": "sim/quantiles.py",
+    "sim.stats.quantiles": "sim/stats/quantiles.py",
 }
 # C extension modules built beside them (the same arithmetic, or the same list moves, as the
 # Python they stand in for; used only when the compiled build is)

@@ -1,8 +1,8 @@
 /* The per-step part of a run of decode-only steps, written straight into the timeline's
- * staging columns (sim/timeline.py) instead of into Python lists of boxed floats and ints.
+ * staging columns (sim/engine/timeline.py) instead of into Python lists of boxed floats and ints.
  *
- * An optimisation of the same arithmetic as sim/costmodel.py (`CostModel.decode_times`) and
- * sim/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles and
+ * An optimisation of the same arithmetic as sim/model/costmodel.py (`CostModel.decode_times`) and
+ * sim/engine/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles and
  * 64-bit integers, so the results are equal bit for bit (built with -ffp-contract=off: no fused
  * multiply-adds). Used only with the compiled build (sim/_compiled.py), never under
  * SERVESIM_PURE=1; tests/test_compiled.py compares whole runs against pure Python.
@@ -179,7 +179,7 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
 
 /* expand(runs, used, k, out) -> None
  *
- * The timeline's flush (sim/timeline.py `Timeline.flush`): the staged runs' shared values onto
+ * The timeline's flush (sim/engine/timeline.py `Timeline.flush`): the staged runs' shared values onto
  * their rows. `runs` is a list of ten equally long lists of ints, a value per staged run: its
  * rows, tokens, prefill tokens, batch, sampled, waiting, first row's itl_count, and kv_empty's
  * base, per-block factor and first-row extra; `used` the int64 staging column of blocks used

@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 
 from sim import Engine, load_scenario
-from sim.request import RequestState
-from sim.workload import Workload
+from sim.engine.request import RequestState
+from sim.inputs.workload import Workload
 
 
 def small_scenario(*overrides: str, base: str = "chat"):
@@ -134,8 +134,9 @@ def run_with_and_without_history(monkeypatch, sc, chunk: int, itl_rows: int, exa
     """Run `sc` keeping its history and not, with timeline chunks of `chunk` rows, ITL exact
     for `itl_rows` steps and other figures for `exact` values (small: a short run then seals,
     drops rows and sketches). Returns both deployments and their summaries (no wall time)."""
-    from sim import build, quantiles, summarize, timeline
-
+    from sim import build, summarize
+    from sim.stats import quantiles
+    from sim.engine import timeline
     monkeypatch.setattr(timeline, "CHUNK", chunk)
     # (rows staged before they are written: fewer than a chunk, as in a long run, where a
     # stage is a quarter of a chunk)

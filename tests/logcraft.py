@@ -1,5 +1,5 @@
 """Crafting session logs for tests: unpack a log into its objects, change them, pack them again
-with valid checksums (as an adversary who read `sim/log.py` would)."""
+with valid checksums (as an adversary who read `sim/session/log.py` would)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from sim import Engine, summarize
-from sim.log import read_log, write_log
-from sim.replay import verify
+from sim.session.log import read_log, write_log
+from sim.session.replay import verify
 from tests.helpers import check_invariants, small_scenario, workload_of
 from tui.cli import main, make_executor
 

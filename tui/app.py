@@ -1,7 +1,7 @@
 """The live dashboard: composes the panels, drives the engine from a worker thread, and routes
 keys to the engine's public API and snapshots to the panels.
 
-A worker thread advances the engine (or, with `--replay`, a `sim.replay.Replayer`) toward a
+A worker thread advances the engine (or, with `--replay`, a `sim.session.replay.Replayer`) toward a
 target simulated time that moves `speed` simulated seconds per wall second, in slices of a few
 milliseconds, holding `EngineDriver.lock`. The UI takes a snapshot under the same lock on its
 refresh timers (skipping a tick while a slow real-compute step holds it) and every key action
@@ -35,7 +35,7 @@ from textual.widgets import Footer
 
 from sim import POLICIES, Engine, ServesimError, build, rolling
 from sim.fileio import check_writable
-from sim.workload import sample_lengths
+from sim.inputs.workload import sample_lengths
 from tui import keymap
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
                          InjectSpec, InstanceRows, RequestTable, StatusHeader)
@@ -319,7 +319,7 @@ class Dashboard(App[int]):
     def _write_new_log(self, kind: str) -> Path:
         """Write the session log under a name no other file has (two exports within one
         second get -2, -3, ...). Returns its path."""
-        from sim.log import write_log
+        from sim.session.log import write_log
 
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         # the scenario's name is the user's text: in a file name only its plain characters
@@ -584,8 +584,8 @@ def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
     """Open the dashboard on `scenario` (or play the session log `replay` back). Returns the
     exit code. Raises ServesimError (a log that does not load, a backend that is missing)."""
     if replay:
-        from sim.log import read_log
-        from sim.replay import Replayer
+        from sim.session.log import read_log
+        from sim.session.replay import Replayer
 
         app = Dashboard(replayer=Replayer(read_log(replay)), replay_name=Path(replay).name,
                         speed=speed)

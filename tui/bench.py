@@ -142,7 +142,7 @@ def _machine() -> str:
 
 def bench_sim(args) -> dict:
     from sim import Engine, load_scenario, summarize
-    from sim.workload import build_workload
+    from sim.inputs.workload import build_workload
 
     sc = load_scenario(args.scenario, [f"scheduler.policy={json.dumps(args.policy)}"])
     best = None
@@ -172,9 +172,9 @@ def bench_log(args) -> dict:
     import tempfile
 
     from sim import Engine, load_scenario, summarize
-    from sim.log import read_log, write_log
-    from sim.replay import verify
-    from sim.workload import build_workload
+    from sim.session.log import read_log, write_log
+    from sim.session.replay import verify
+    from sim.inputs.workload import build_workload
 
     sc = load_scenario(args.scenario)
     t_run = t_write = t_verify = math.inf
@@ -330,8 +330,7 @@ SWEEP_GRID = ["workload.rate=4,6,8,10", "kv.block_size=8,16,32,64"]
 
 
 def bench_sweep(args) -> dict:
-    from sim import sweep
-
+    from sim.deploy import sweep
     p = sweep.plan("chat", sweep.parse_grid(SWEEP_GRID),
                    overrides=[f"workload.duration_s={args.duration}"])
     walls, tables = {}, {}
@@ -388,7 +387,7 @@ def text_hotpath(r: dict) -> str:
 
 def bench_queue(args) -> dict:
     from sim import Engine, load_scenario
-    from sim.workload import build_workload
+    from sim.inputs.workload import build_workload
 
     rows = []
     for n in args.queued:

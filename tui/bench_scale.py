@@ -177,7 +177,7 @@ def text_scale(r: dict) -> str:
 
 def bench_hotpath(args) -> dict:
     """A cProfile of one run: per function, its share of the run and its time and calls per
-    scheduling decision (`sim.stepping.advance`). Compiled functions are invisible to
+    scheduling decision (`sim.engine.stepping.advance`). Compiled functions are invisible to
     cProfile, so where this process runs the compiled hot path the profile is of the
     pure-Python modules, in a child process."""
     from sim import _compiled
@@ -203,7 +203,7 @@ def profile_hotpath(scenario: str, policy: str, top: int) -> dict:
     prof.disable()
     wall = time.perf_counter() - t0
     st = pstats.Stats(prof)
-    # (every decision is a call of sim.stepping.advance, from the run loop or Engine._advance)
+    # (every decision is a call of sim.engine.stepping.advance, from the run loop or Engine._advance)
     decisions = sum(v[1] for k, v in st.stats.items()
                     if k[2] == "advance" and os.path.basename(k[0]) == "stepping.py")
     total = sum(v[2] for v in st.stats.values())

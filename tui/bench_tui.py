@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from sim import Engine, load_scenario
-from sim.workload import sample_lengths
+from sim.inputs.workload import sample_lengths
 from tui.app import Dashboard
 from tui.bench_scale import run_in_child, status_bytes
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
 from sim.policies import POLICIES
-from sim.scenario import DEPLOYMENT_POLICIES, bundled_scenarios
+from sim.inputs.scenario import DEPLOYMENT_POLICIES, bundled_scenarios
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,7 +65,7 @@ def make_executor(scenario):
         return None
     from gpu import BackendUnavailable
     from gpu.executor import ModelExecutor
-    from sim.costmodel import CostModel
+    from sim.model.costmodel import CostModel
 
     sizes = {k: getattr(c, k) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")
              if getattr(c, k)}
@@ -239,7 +239,7 @@ def cmd_sim(args) -> int:
         engine.run()
     summary = summarize(engine)
     if args.log:
-        from sim.log import write_log
+        from sim.session.log import write_log
 
         write_log(args.log, engine, summary)
     if args.json:
@@ -262,7 +262,7 @@ def cmd_compare(args) -> int:
     for n in names:
         if n not in known:
             raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
-    from sim.workload import build_workload
+    from sim.inputs.workload import build_workload
 
     workload = build_workload(sc)  # one trace, every policy
     out = {}
@@ -332,8 +332,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_replay(args) -> int:
-    from sim.log import read_log
-    from sim.replay import Replayer, verify
+    from sim.session.log import read_log
+    from sim.session.replay import Replayer, verify
 
     log = read_log(args.log, check_events=not args.verify)  # (verify checks what differs)
     make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
@@ -368,10 +368,10 @@ def cmd_replay(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from sim import export
+    from sim.session import export
     from sim.fileio import write_atomic
-    from sim.log import read_log
-    from sim.replay import Replayer
+    from sim.session.log import read_log
+    from sim.session.replay import Replayer
 
     _check_writable(args.output, "-o")
     _not_an_input(args.output, "-o", [args.log])
@@ -393,7 +393,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from sim import sweep
+    from sim.deploy import sweep
     from sim.fileio import write_atomic
 
     if args.seeds is not None and args.seeds < 1:
@@ -464,12 +464,12 @@ def _speed(text: str) -> float:
 
 
 def cmd_validate(args) -> int:
-    from sim import validate as V
-    from sim.scenario import BUNDLED_DIR
+    from sim.model import validate as V
+    from sim.inputs.scenario import BUNDLED_DIR
 
     spec = Path(args.points) if args.points else BUNDLED_DIR / "fidelity"
     if spec.suffix.lower() == ".json":
-        from sim.calibrate import read_bench_json, validate_bench
+        from sim.model.calibrate import read_bench_json, validate_bench
 
         results = validate_bench(read_bench_json(spec), _scenario(args))
     else:
@@ -506,8 +506,8 @@ def _fit_profiles(points, args) -> int:
     """`validate --fit` / `--loo` / `--leave-out KEY`: fit the engine profiles on the `use =
     fit` points (how the built-in ones were made), and their leave-one-out error or their error
     on each value of KEY held out whole."""
-    from sim import profiles as P
-    from sim.validate import error_stats
+    from sim.model import profiles as P
+    from sim.model.validate import error_stats
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -516,7 +516,7 @@ def _fit_profiles(points, args) -> int:
     c = P.fit(rows, log=log)
     profiles = P.profiles(c)
     if not (args.loo or args.leave_out):  # (the derived profiles need the fitted ones)
-        from sim.presets import ENGINES
+        from sim.model.presets import ENGINES
 
         profiles = P.fit_ratios({**ENGINES, **profiles}, log=log)
     out = {"coefficients": c, "profiles": profiles}
@@ -539,7 +539,7 @@ def _fit_profiles(points, args) -> int:
 def cmd_calibrate(args) -> int:
     import numpy as np
 
-    from sim.calibrate import calibrate, preset_toml
+    from sim.model.calibrate import calibrate, preset_toml
 
     path = Path(args.measurements)
     if not path.is_file():
@@ -698,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fit", action="store_true",
                    help="fit the engine profiles on the use = fit points (prints JSON)")
     s.add_argument("--loo", action="store_true", help="with the fit, its leave-one-out error")
-    from sim.profiles import GROUPS
+    from sim.model.profiles import GROUPS
     s.add_argument("--leave-out", choices=sorted(GROUPS),
                    help="with the fit, its error on each model, GPU, data type, tensor-parallel "
                         "degree or engine held out whole")

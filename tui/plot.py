@@ -32,7 +32,7 @@ class Curve:
 
 
 def curves(table) -> list[Curve]:
-    """The curves of a sweep's or a rate search's Table (sim.sweep)."""
+    """The curves of a sweep's or a rate search's Table (sim.deploy.sweep)."""
     runs = table.probes if table.probes is not None else table
     config_keys = [k for k in runs.key_columns if k not in ("workload.rate", "seed")]
     groups: dict[tuple, dict] = {}

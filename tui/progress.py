@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from sim.sweep import clock_text
+from sim.deploy.sweep import clock_text
 
 
 class RunProgress:

@@ -14,7 +14,7 @@ from collections import deque
 
 from sim.policies import batch
 from sim.policies.batch import PolicyState, SchedulerOutput
-from sim.request import Request, RequestState
+from sim.engine.request import Request, RequestState
 
 
 class Policy(PolicyState):

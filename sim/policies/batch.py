@@ -11,8 +11,8 @@ from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-from sim.kv import KVCacheManager
-from sim.request import Request, RequestState
+from sim.engine.kv import KVCacheManager
+from sim.engine.request import Request, RequestState
 
 INF = math.inf
 RUNNING: Final = RequestState.RUNNING

@@ -7,7 +7,7 @@ import pytest
 
 import gpu
 from gpu.executor import ModelExecutor
-from sim.executor import SeqWork, StepWork
+from sim.engine.executor import SeqWork, StepWork
 
 BLOCK_SIZE = 8
 SIZES = {"num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 32}

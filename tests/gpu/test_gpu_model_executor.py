@@ -7,7 +7,7 @@ import pytest
 import gpu
 from gpu.driver import Driver
 from gpu.executor import CPU_MODEL, GPU_MODEL, ModelExecutor
-from sim.executor import SeqWork, StepWork
+from sim.engine.executor import SeqWork, StepWork
 
 NUM_BLOCKS = 96
 BLOCK_SIZE = 8

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from sim import Engine, load_scenario
-from sim.workload import Workload
+from sim.inputs.workload import Workload
 from tests.parity.generate import NEWEST_KNOWN, OLDEST_KNOWN, is_known, version_behaviours
 
 # vLLM settings -> servesim scenario fields. These behaviours have no setting in vLLM (they are

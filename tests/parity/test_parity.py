@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.scenario import KVConfig, SchedulerConfig
+from sim.inputs.scenario import KVConfig, SchedulerConfig
 from tests.parity.compare import describe, first_divergence, load, provenance, replay
 from tests.parity.generate import NEWEST_KNOWN, release, version_behaviours
 

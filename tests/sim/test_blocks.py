@@ -7,8 +7,10 @@ from contextlib import contextmanager
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim import _compiled, kv
-from sim.kv import BlockPool, OutOfBlocks
+from sim import _compiled
+
+from sim.engine import kv
+from sim.engine.kv import BlockPool, OutOfBlocks
 
 blocks = kv._BLOCKS
 needs_c = pytest.mark.skipif(blocks is None, reason="no compiled build (pure Python)")
@@ -16,7 +18,7 @@ needs_c = pytest.mark.skipif(blocks is None, reason="no compiled build (pure Pyt
 
 @contextmanager
 def in_python():
-    """The pool's moves in Python while inside (sim.kv reads its C functions at each move)."""
+    """The pool's moves in Python while inside (sim.engine.kv reads its C functions at each move)."""
     saved = kv._take, kv._release_c
     kv._take = kv._release_c = None
     try:
@@ -113,8 +115,7 @@ def test_crossings_equal_crossing_order(k, bs, data):
     # A decode run's block crossings in allocation order: C (one sort of every crossing)
     # against the Python (its one-block and round-robin shortcuts), for batches whose first
     # crossings lie within one block's span (the usual case) and spread wide (reservations).
-    from sim import stepping
-
+    from sim.engine import stepping
     span = data.draw(st.sampled_from([bs, 4 * bs + 3, 400]))
     first = data.draw(st.lists(st.integers(1, span), max_size=40))
     assert blocks.crossings(first, k, bs) == stepping.crossing_order(first, k, bs)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from sim import build
-from sim.calibrate import fit_bench, read_bench_json, read_kernel_csv, fit_kernels
-from sim.costmodel import CostModel
-from sim.fit import record_run
-from sim.scenario import load_scenario
+from sim.model.calibrate import fit_bench, read_bench_json, read_kernel_csv, fit_kernels
+from sim.model.costmodel import CostModel
+from sim.model.fit import record_run
+from sim.inputs.scenario import load_scenario
 from tui.cli import main
 
 TRUE = dict(gemm_efficiency=0.62, bandwidth_efficiency=0.78, kv_bandwidth_efficiency=0.66,

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from sim import Cluster, Engine, build, summarize
 from sim.errors import ScenarioError
-from sim.kv import blocks_for
-from sim.log import encode, read_log, write_log
-from sim.replay import verify
-from sim.request import RequestState as S
+from sim.engine.kv import blocks_for
+from sim.session.log import encode, read_log, write_log
+from sim.session.replay import verify
+from sim.engine.request import RequestState as S
 from tests.fuzz import fuzz_settings
 from tests.helpers import (check_cluster_invariants, run_with_and_without_history,
                            small_scenario, workload_of)

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.costmodel import CostModel
+from sim.model.costmodel import CostModel
 from sim.errors import ScenarioError
-from sim.scenario import load_scenario
+from sim.inputs.scenario import load_scenario
 
 ROOFLINE = 'engine.preset="roofline"'
 # No CPU, no fixed costs: what is left is the kernels' time.
@@ -228,7 +228,7 @@ def test_a_mixed_step_pays_prefill_and_decode_attention():
 
 
 def test_engines_differ_in_cpu_and_multi_step():
-    from sim.presets import ENGINES
+    from sim.model.presets import ENGINES
 
     assert ENGINES["vllm-0.6-multistep"]["num_scheduler_steps"] == 10
     assert not ENGINES["tensorrt-llm-0.6"]["gqa_shared_kv"]

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 
 from sim import Engine, summarize
-from sim.engine import StepObserver
+from sim.engine.engine import StepObserver
 from sim.errors import EngineError, UnknownRequestError
-from sim.log import encode
-from sim.request import RequestState as S
+from sim.session.log import encode
+from sim.engine.request import RequestState as S
 from tests.helpers import (check_invariants, expand_steps, run_with_and_without_history,
                            small_scenario, workload_of)
 
@@ -166,8 +166,8 @@ def test_inject_arrives_now_and_is_recorded():
 def test_inject_with_an_earlier_arrival_time_joins_now_and_replays_exactly(tmp_path):
     """A request that arrived during a step (an HTTP arrival) joins at the step boundary, its
     latencies timed from its arrival; the log replays it exactly."""
-    from sim.log import read_log, write_log
-    from sim.replay import verify
+    from sim.session.log import read_log, write_log
+    from sim.session.replay import verify
 
     e = Engine(small_scenario())
     e.run_until(1.0)
@@ -356,8 +356,8 @@ def test_a_run_without_history_has_the_same_summary_in_bounded_memory(monkeypatc
 
 
 def test_percentiles_past_the_exact_limit_are_within_the_bound(monkeypatch):
-    from sim import quantiles, timeline
-
+    from sim.stats import quantiles
+    from sim.engine import timeline
     sc = small_scenario()
     exact = Engine(sc)
     exact.run()

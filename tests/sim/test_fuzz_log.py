@@ -16,7 +16,7 @@ from hypothesis import event, given, strategies as st
 
 import sim.limits
 from sim import Engine, build
-from sim.log import write_log
+from sim.session.log import write_log
 from tests.fuzz import fuzz_settings
 from tests.helpers import small_scenario
 from tests.logcraft import pack_log, unpack_log

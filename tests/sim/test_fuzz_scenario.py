@@ -13,7 +13,7 @@ from hypothesis import assume, event, given, strategies as st
 import sim.limits
 from sim import build, summarize
 from sim.errors import ServesimError
-from sim.scenario import DIST_KEYS, SECTIONS, load_scenario
+from sim.inputs.scenario import DIST_KEYS, SECTIONS, load_scenario
 from tests.fuzz import fuzz_settings
 
 pytestmark = pytest.mark.fuzz
@@ -161,7 +161,7 @@ def small_machine(monkeypatch):
 @given(raw=scenarios())
 def test_schema_fuzz_runs_or_refuses_with_one_line(tmp_path_factory, raw):
     d = tmp_path_factory.mktemp("fuzz")
-    (d / "traces").symlink_to(sim.scenario.BUNDLED_DIR / "traces")
+    (d / "traces").symlink_to(sim.inputs.scenario.BUNDLED_DIR / "traces")
     path = d / "s.toml"
     try:
         path.write_text(to_toml(raw))

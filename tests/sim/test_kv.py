@@ -2,8 +2,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sim.kv import BlockPool, KVCacheManager, OutOfBlocks
-from sim.request import Request
+from sim.engine.kv import BlockPool, KVCacheManager, OutOfBlocks
+from sim.engine.request import Request
 
 
 def test_allocate_is_fifo_and_free_returns_to_the_tail():

@@ -9,9 +9,9 @@ from hypothesis import assume, given, strategies as st
 
 from sim import Engine, build, summarize
 from sim.errors import LogError
-from sim.export import to_chrome, to_csv
-from sim.log import FORMAT, KIND_CODE, encode, read_log, write_log
-from sim.replay import Replayer, verify
+from sim.session.export import to_chrome, to_csv
+from sim.session.log import FORMAT, KIND_CODE, encode, read_log, write_log
+from sim.session.replay import Replayer, verify
 from tests.fuzz import fuzz_settings
 from tests.logcraft import pack_log, unpack_log
 from tests.helpers import small_scenario, workload_of

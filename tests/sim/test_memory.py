@@ -4,7 +4,7 @@ in every state returning every block exactly once."""
 from hypothesis import given, settings, strategies as st
 
 from sim import Engine, summarize
-from sim.request import RequestState as S
+from sim.engine.request import RequestState as S
 from tests.helpers import check_invariants, small_scenario, workload_of
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from sim import Engine, build, summarize
-from sim.request import RequestState
+from sim.engine.request import RequestState
 from tests.fuzz import fuzz_settings
 from tests.helpers import (check_cluster_invariants, check_invariants, small_scenario,
                            workload_of)

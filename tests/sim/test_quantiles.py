@@ -3,9 +3,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim import quantiles
-from sim.metrics import PCTS, distribution_ms, weighted_quantiles
-from sim.quantiles import ALPHA, LogHistogram, Samples, pooled_distribution_ms
+from sim.stats import quantiles
+from sim.stats.quantiles import PCTS, distribution_ms, weighted_quantiles
+from sim.stats.quantiles import ALPHA, LogHistogram, Samples, pooled_distribution_ms
 
 values = st.lists(st.one_of(st.just(0.0), st.floats(1e-7, 1e4)), min_size=1, max_size=300)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from sim import build
-from sim.log import read_log, write_log
-from sim.replay import verify
+from sim.session.log import read_log, write_log
+from sim.session.replay import verify
 from tests.fuzz import fuzz_settings
 from tests.helpers import small_scenario, workload_of
 

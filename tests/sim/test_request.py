@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from sim.errors import InvalidTransition
-from sim.request import TRANSITIONS, Request, RequestState as S
-from sim.timeline import Timeline
+from sim.engine.request import TRANSITIONS, Request, RequestState as S
+from sim.engine.timeline import Timeline
 
 
 def test_lifecycle_transitions_are_enforced():

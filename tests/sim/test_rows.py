@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim import _compiled, stepping
-from sim.costmodel import CostModel
-from sim.scenario import load_scenario
+from sim import _compiled
+
+from sim.engine import stepping
+from sim.model.costmodel import CostModel
+from sim.inputs.scenario import load_scenario
 
 rows = stepping._ROWS
 pytestmark = pytest.mark.skipif(rows is None, reason="no compiled build (pure Python)")
@@ -69,8 +71,8 @@ def test_bad_arguments_raise_not_crash():
 def test_expand_equals_the_numpy_flush(data):
     # The timeline's flush: staged runs (single steps and decode runs) onto their rows, by
     # sim/_rows.c and by NumPy, give the same columns.
-    from sim import timeline as tlmod
-    from sim.timeline import COLUMNS, Timeline
+    from sim.engine import timeline as tlmod
+    from sim.engine.timeline import COLUMNS, Timeline
 
     steps = data.draw(st.lists(st.tuples(st.booleans(), st.integers(1, 40), st.integers(0, 500),
                                          st.integers(0, 10**6), st.integers(0, 64)),

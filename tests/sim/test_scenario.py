@@ -1,7 +1,7 @@
 import pytest
 
 from sim.errors import ScenarioError, TraceError
-from sim.scenario import bundled_scenarios, load_scenario
+from sim.inputs.scenario import bundled_scenarios, load_scenario
 
 
 def write(tmp_path, text, name="s.toml"):
@@ -62,7 +62,7 @@ def test_unparseable_toml_names_the_file(tmp_path):
 def test_missing_trace_and_malformed_row(tmp_path):
     path = write(tmp_path, BASE.replace('arrival = "poisson"', 'arrival = "trace"\ntrace = "nope.csv"'))
     with pytest.raises(TraceError, match="nope.csv: trace file not found"):
-        from sim.workload import build_workload
+        from sim.inputs.workload import build_workload
         build_workload(load_scenario(path))
     (tmp_path / "bad.csv").write_text(
         "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -174,7 +174,7 @@ def test_repeat_is_checked_like_every_field(base, override, message):
      "workload.rate = 1e-300: the last request would arrive at t = "),
 ])
 def test_values_that_pass_type_checks_but_could_not_run(tmp_path, overrides, message):
-    from sim.workload import build_workload
+    from sim.inputs.workload import build_workload
 
     path = write(tmp_path, BASE.replace("num_requests = 10", "duration_s = 10\nnum_requests = 5"))
     with pytest.raises(ScenarioError) as e:
@@ -195,11 +195,11 @@ def test_a_pool_too_large_for_this_machine_says_how_much_it_needs(tmp_path, monk
 
 def test_draws_stay_within_the_fields_bounds(tmp_path, monkeypatch):
     from sim.limits import MAX_TOKENS
-    from sim.workload import build_workload
+    from sim.inputs.workload import build_workload
 
     import numpy as np
 
-    from sim.workload import sample
+    from sim.inputs.workload import sample
 
     path = write(tmp_path, BASE)
     sc = load_scenario(path, [
@@ -235,7 +235,7 @@ def test_a_shared_system_prompt_counts_toward_the_smallest_request(tmp_path):
         load_scenario(write(tmp_path, BASE), ["kv.num_blocks=100",
                                               "workload.shared_prefix_tokens=5000"])
 def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
-    from sim.presets import ENGINES
+    from sim.model.presets import ENGINES
 
     sc = load_scenario(write(tmp_path, BASE))
     assert sc.engine.preset == "vllm-v1"
@@ -261,7 +261,7 @@ def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
 
 
 def test_engine_profile_from_a_calibrated_file(tmp_path):
-    from sim.scenario import scenario_from_dict
+    from sim.inputs.scenario import scenario_from_dict
 
     (tmp_path / "mine.toml").write_text('[engine]\npreset = "sglang"\ncpu_base_us = 1234.0\n'
                                         '[calibration]\nrows = 3\n')

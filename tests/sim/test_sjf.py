@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from sim import Engine
-from sim.log import encode
+from sim.session.log import encode
 from sim.policies.chunked import ChunkedPolicy
 from tests.fuzz import fuzz_settings
 from tests.helpers import check_invariants, small_scenario

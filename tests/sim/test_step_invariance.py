@@ -13,7 +13,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from sim import Engine, build, summarize
 from sim.errors import ServesimError
-from sim.log import encode
+from sim.session.log import encode
 from sim.policies import POLICIES
 from tests.fuzz import fuzz_settings
 from tests.helpers import check_cluster_invariants, check_invariants, small_scenario
@@ -334,7 +334,7 @@ def test_decode_runs_that_follow_without_a_decision_equal_single_steps(policy, s
                                                                          blocks, seqs, budget):
     # After a prefill step, or a run that ended with requests finishing, while nothing arrives
     # and the queue is empty the engine runs the batch's decode steps without asking the
-    # policy (sim.stepping.decodes_follow). Random pressure: short pools (preemption at the first
+    # policy (sim.engine.stepping.decodes_follow). Random pressure: short pools (preemption at the first
     # step of such a run), few seats, small token budgets, cancellations.
     sc = small_scenario(f'scheduler.policy="{policy}"', f"seed={seed}", f"workload.rate={rate}",
                         f"kv.num_blocks={blocks}", f"scheduler.max_num_seqs={seqs}",

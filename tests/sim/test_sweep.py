@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim import sweep
+from sim.deploy import sweep
 from sim.errors import ScenarioError, ServesimError
 from tui.cli import main
 

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from sim import timeline as tlmod
+from sim.engine import timeline as tlmod
 from sim.errors import EngineError
-from sim.timeline import NAMES, Timeline
+from sim.engine.timeline import NAMES, Timeline
 
 
 def _rows(n, seed=0):
@@ -113,8 +113,9 @@ def test_a_run_with_the_collector_paused_makes_no_garbage_cycles(monkeypatch):
     # made one per flush (their shared environment), holding the flush's arrays.
     import gc
 
-    from sim import Engine, load_scenario, timeline
+    from sim import Engine, load_scenario
 
+    from sim.engine import timeline
     monkeypatch.setattr(timeline, "_STAGE", 64)  # (a flush every 64 rows)
     sc = load_scenario("chat", ["workload.num_requests=300", "workload.duration_s=0"])
     e = Engine(sc, record_events=False, keep_history=False)

@@ -3,8 +3,8 @@ import shutil
 
 import pytest
 
-from sim.scenario import BUNDLED_DIR
-from sim.validate import Metric, engine_preset_for, load_points, parse_metric
+from sim.inputs.scenario import BUNDLED_DIR
+from sim.model.validate import Metric, engine_preset_for, load_points, parse_metric
 from tui.cli import main
 
 POINTS = BUNDLED_DIR / "fidelity"
@@ -143,8 +143,8 @@ def test_plot_is_written(tmp_path, capsys):
 def test_fit_and_leave_one_out_on_a_few_points(capsys):
     """`validate --loo` on four static rows: one refit per left-out row, each predicting a row
     it never saw, so the held-out error is no better than the in-sample error of the full fit."""
-    from sim import profiles as P
-    from sim.validate import error_stats
+    from sim.model import profiles as P
+    from sim.model.validate import error_stats
 
     ids = ["T1", "T2", "T5", "T6"]
     assert main(["validate", "--only", ",".join(ids), "--loo", "--json"]) == 0
@@ -174,8 +174,7 @@ def test_leave_group_out_holds_out_every_row_of_a_value_together(capsys):
     per model it is leave-one-out; with two, each fold's prediction differs from leaving out a
     single row (its partner is gone from the fit too); a model every row shares is not held out
     (nothing would be left to fit)."""
-    from sim import profiles as P
-
+    from sim.model import profiles as P
     assert main(["validate", "--only", "T1,T3", "--leave-out", "model", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)["leave_group_out"]
     assert out["key"] == "model" and out["error"]["count"] == 2
@@ -199,8 +198,7 @@ def test_leave_group_out_holds_out_every_row_of_a_value_together(capsys):
 def test_leave_one_out_of_an_engines_only_row_uses_its_priors():
     # V1 is the only vLLM row here: left out, no row fits vLLM's coefficients, and the ones its
     # scenario was built with (the shipped profile) were fitted on V1 itself.
-    from sim import profiles as P
-
+    from sim.model import profiles as P
     def v1_ratio():
         rows = P.prepare([p for p in load_points(BUNDLED_DIR / "fidelity")
                           if p.id in ("T1", "T5", "V1")])

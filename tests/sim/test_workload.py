@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from sim.errors import ScenarioError, TraceError
-from sim.scenario import load_scenario
-from sim.workload import build_workload, read_trace
-from sim.scenario import BUNDLED_DIR
+from sim.inputs.scenario import load_scenario
+from sim.inputs.workload import build_workload, read_trace
+from sim.inputs.scenario import BUNDLED_DIR
 
 TRACES = BUNDLED_DIR / "traces"
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from sim import POLICIES, Engine, load_scenario
-from sim.log import read_log, write_log
-from sim.replay import Replayer
+from sim.session.log import read_log, write_log
+from sim.session.replay import Replayer
 from tui import keymap
 from tui.app import Dashboard, EngineDriver
 from tui.widgets import HelpScreen, InjectDialog, RequestTable

@@ -19,8 +19,8 @@ def test_reachable_bytes_counts_owned_buffers_once_and_skips_what_is_shared():
 
 def test_past_the_limits_a_run_without_history_holds_the_same_after_more_requests(
         monkeypatch):
-    from sim import quantiles, timeline
-
+    from sim.stats import quantiles
+    from sim.engine import timeline
     # (scaled down: chunks of 1,024 steps, ITL exact to 2,048 steps, other figures to 64)
     monkeypatch.setattr(timeline, "CHUNK", 1024)
     monkeypatch.setattr(timeline, "ITL_EXACT_ROWS", 2048)

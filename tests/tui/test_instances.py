@@ -5,8 +5,8 @@ deployment, and a deployment's session log played back."""
 from __future__ import annotations
 
 from sim import build, load_scenario
-from sim.log import read_log, write_log
-from sim.replay import Replayer
+from sim.session.log import read_log, write_log
+from sim.session.replay import Replayer
 from tests.tui.test_app import SIZE, pilot_test
 from tui.app import Dashboard
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from sim import sweep
+from sim.deploy import sweep
 from tui import plot
 from tui.cli import main
 

@@ -15,7 +15,7 @@ import numpy as np
 from sim import Engine, ScenarioError
 from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
-from sim.workload import Workload
+from sim.inputs.workload import Workload
 from tui.serve.frontend import Frontend
 
 

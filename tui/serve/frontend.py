@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from sim import EngineError, ServesimError
-from sim.kv import blocks_for
-from sim.workload import sample_lengths
+from sim.engine.kv import blocks_for
+from sim.inputs.workload import sample_lengths
 from tui.serve.metrics import ServeMetrics
 from tui.serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
                             completion_body, created_now, usage)
@@ -409,7 +409,7 @@ class Frontend:
         (the engine would reject it: `out - 1` output tokens are ever held), naming what to
         shorten; None when it fits."""
         bs, pool = self.engine.scenario.kv.block_size, self.engine.kv.num_blocks
-        blocks = blocks_for(prompt_len + out - 1, bs)  # (the engine's own rule: sim.stepping)
+        blocks = blocks_for(prompt_len + out - 1, bs)  # (the engine's own rule: sim.engine.stepping)
         if blocks <= pool:
             return None
         capacity = pool * bs

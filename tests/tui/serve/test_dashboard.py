@@ -7,8 +7,8 @@ import asyncio
 import aiohttp
 
 from sim import load_scenario
-from sim.log import read_log
-from sim.replay import verify
+from sim.session.log import read_log
+from sim.session.replay import verify
 from tui.serve.app import build_frontend
 from tui.serve.dashboard import ServeDashboard
 from tests.tui.test_app import pilot_test

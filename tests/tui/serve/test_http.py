@@ -383,8 +383,8 @@ def test_models_health_version(server):
 
 
 def test_a_served_session_replays_exactly(server, tmp_path):
-    from sim.log import read_log, write_log
-    from sim.replay import verify
+    from sim.session.log import read_log, write_log
+    from sim.session.replay import verify
 
     c = client(server)
     threads = [threading.Thread(target=c.completions.create,

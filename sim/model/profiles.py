@@ -1,4 +1,4 @@
-"""Fitting the built-in engine profiles (`sim.presets.ENGINES`) to published measurements, and
+"""Fitting the built-in engine profiles (`sim.model.presets.ENGINES`) to published measurements, and
 their leave-one-out and leave-group-out errors.
 
 What is fitted (`FIT`): the kernel efficiencies and fixed GPU costs are shared by every engine
@@ -11,7 +11,7 @@ fit noise. The objective is the sum of squared log(predicted / published) / POIN
 `use = fit` rows plus the priors' squared (log(value / prior) / spread).
 
 Points whose requests all arrive at t = 0 (fixed batches, offline throughput) have a schedule
-that does not depend on the step times, so `sim.fit.RunRecord.replay` re-times them exactly for
+that does not depend on the step times, so `sim.model.fit.RunRecord.replay` re-times them exactly for
 any coefficients; the fit runs on those first (stage 1). The others (online rows: arrivals over
 time) are simulated at every trial of the engine's own CPU coefficients (stage 2).
 """
@@ -23,9 +23,11 @@ import math
 
 import numpy as np
 
-from sim import presets
-from sim.fit import least_squares, record_run
-from sim.validate import Point, metric_value, point_scenario
+from sim.model import presets
+from sim.model.fit import least_squares, nelder_mead, record_run
+from sim.model.validate import Point, metric_value, point_scenario
+from sim.model.costmodel import CostModel
+from sim.inputs.scenario import BUNDLED_DIR, load_scenario
 
 # name -> (prior value, spread of its log); "shared" coefficients apply to every engine.
 FIT: dict[str, dict[str, tuple[float, float]]] = {
@@ -86,7 +88,6 @@ def _with(scenario, coeffs: dict):
 
 def predict(row: _Row, c: dict, simulate: bool = False) -> float:
     """The row's metric under coefficients `c`: re-timed from its record, or simulated."""
-    from sim.costmodel import CostModel
 
     sc = _with(row.scenario, _coeffs(row, c))
     m = row.point.metric
@@ -275,8 +276,6 @@ RATIO_FIT = {"vllm-0.5": ("cpu_per_seq_us",), "vllm-0.6": ("cpu_per_seq_us",)}
 def fit_ratios(engines: dict[str, dict], log=None) -> dict[str, dict]:
     """The ratio-derived engines' CPU coefficients (RATIOS), on top of `engines` (profile name
     -> coefficients, the reference profiles already fitted). Returns the updated profiles."""
-    from sim.fit import nelder_mead
-    from sim.scenario import BUNDLED_DIR, load_scenario
 
     out = {k: dict(v) for k, v in engines.items()}
 

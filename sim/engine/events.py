@@ -135,7 +135,7 @@ class UserAction(Event):
 @dataclass(slots=True)
 class Route(Event):
     """A deployment of several instances sent request `req_id` to instance `instance`; `why`
-    says by which rule (the router's, see sim.cluster)."""
+    says by which rule (the router's, see sim.deploy.cluster)."""
 
     req_id: int
     instance: int

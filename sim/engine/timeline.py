@@ -11,7 +11,7 @@ energy) in staging columns that a run of decode steps writes in one call (`reser
 Python lists.
 
 When a chunk fills it is sealed: its sums (energy, KV use and empty slots over time, batch sizes)
-are added to running totals and its ITL gaps go to a `sim.quantiles.Samples`. The summary reads
+are added to running totals and its ITL gaps go to a `sim.stats.quantiles.Samples`. The summary reads
 the totals plus the unsealed rows, so it never needs the sealed rows again. A timeline with
 `keep=False` (a headless run) then drops them: it holds only the `end` times that live requests'
 token times still point into (and, for a deployment, the KV use its peak has not merged yet),
@@ -29,7 +29,7 @@ import numpy as np
 
 from sim import _compiled
 from sim.errors import EngineError
-from sim.quantiles import Samples
+from sim.stats.quantiles import Samples
 
 COLUMNS = {
     "end": np.float64,         # step end time (s); a token sampled in the step has this time
@@ -52,7 +52,7 @@ CHUNK = 1 << 16  # rows per chunk (a power of two: chunk sums are of fixed row r
 _STAGE = 1 << 14
 # sim/_rows.c with the compiled build (the flush's per-row columns in one pass), else None
 _ROWS: Any = _compiled.c_module("sim._rows")
-ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.quantiles' sketch)
+ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.stats.quantiles' sketch)
 
 
 def _ints(values: list[int]) -> np.ndarray:
@@ -64,7 +64,7 @@ TOTALS = ("rows", "energy", "used_dur", "empty_dur", "batch_sum", "batch_max", "
 
 
 class Totals:
-    """Sums over a span of rows, the figures `sim.metrics.summarize` needs."""
+    """Sums over a span of rows, the figures `sim.stats.metrics.summarize` needs."""
 
     __slots__ = TOTALS
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from sim import _compiled
 from sim.errors import ScenarioError
-from sim.request import Request
+from sim.engine.request import Request
 
 # sim/_blocks.c (the pool's bulk moves of whole tables) with the compiled build, else None
 _BLOCKS: Any = _compiled.c_module("sim._blocks")

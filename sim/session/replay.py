@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.engine import Engine
+from sim.engine.engine import Engine
 from sim.errors import LogError, ServesimError
 from sim.gcpause import paused_gc
-from sim.log import KIND_CODE, SessionLog, check_record, decode, encode, is_flags
-from sim.scenario import scenario_from_dict
+from sim.session.log import KIND_CODE, SessionLog, check_record, decode, encode, is_flags
+from sim.inputs.scenario import scenario_from_dict
+from sim.deploy.cluster import Cluster
 
 _ACTION = KIND_CODE["action"]
 _STEPS = KIND_CODE["steps"]
@@ -60,8 +61,6 @@ class Replayer:
         self.actions = [decode(r) for r in log.records if r[0] == _ACTION]
 
     def _init_cluster(self, sc, make_executor) -> None:
-        from sim.cluster import Cluster
-
         log = self.log
         try:
             self.engine = Cluster(sc, policy=log.header["policy"], workload=log.workload(),

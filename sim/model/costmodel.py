@@ -3,7 +3,7 @@ in energy, and how many KV blocks the GPU memory holds.
 
 A step is the sum of the times of the kernels it launches, per GPU, with the model sharded over
 `tp = tensor_parallel` GPUs, plus the engine's CPU time (`[engine]` holds every coefficient;
-`sim.presets.ENGINES` the fitted profiles). What a step computes:
+`sim.model.presets.ENGINES` the fitted profiles). What a step computes:
 
     T  = tokens computed (prefill chunk tokens + one per decoding sequence)
     S  = rows that sample a token (the LM head runs on these only)
@@ -348,7 +348,7 @@ class CostModel:
 
 class ServiceTime(Protocol):
     """What the engine asks of a service-time model: `CostModel` is the one it builds from
-    a scenario; `Engine(..., cost=...)` takes any other (sim.fit's recorder is one).
+    a scenario; `Engine(..., cost=...)` takes any other (sim.model.fit's recorder is one).
 
     `step` times one step (the arguments as `CostModel.step` has them); `decode_times` the
     first steps of a run of identical decode steps, one by one, up to the first that ends at

@@ -38,7 +38,9 @@ from typing import Any, Callable
 
 from sim.errors import ScenarioError, ServesimError
 from sim.limits import check_memory
-from sim.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
+from sim.inputs.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
+from sim.deploy.cluster import build
+from sim.stats.metrics import summarize
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)
 BYTES_PER_RUN = 16_000  # a planned run: its checked scenario (about 4 KB), task and row
@@ -214,8 +216,6 @@ def run_scenario(sc: Scenario) -> dict[str, Any]:
     """Run one scenario headless: its metric columns plus `wall_s` (build, run and summary).
 
     Raises ServesimError when the run fails (an engine that stalls, an unreadable trace)."""
-    from sim.cluster import build
-    from sim.metrics import summarize
 
     t0 = time.perf_counter()
     engine = build(sc, record_events=False, keep_history=False)
@@ -295,7 +295,7 @@ class Runner:
             # never from this one's threads (a Ray driver), and start faster than spawned ones.
             if "forkserver" in multiprocessing.get_all_start_methods():
                 ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(["sim.engine", "sim.metrics", "sim.sweep"])
+                ctx.set_forkserver_preload(["sim.engine.engine", "sim.stats.metrics", "sim.deploy.sweep"])
             else:
                 ctx = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,

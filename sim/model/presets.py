@@ -7,7 +7,7 @@ never fitted. `idle_w` is an assumed idle draw, not a data-sheet figure.
 Engine profiles hold what differs between serving engines and is fitted to measurements: how
 close their kernels come to the hardware's peaks, their fixed costs per layer and per step, their
 CPU time per step and whether it overlaps the GPU's, and whether their decode attention shares K/V
-across a GQA group. `sim.costmodel` documents each coefficient; the README says what each profile
+across a GQA group. `sim.model.costmodel` documents each coefficient; the README says what each profile
 was fitted on and its leave-one-out error.
 """
 
@@ -50,8 +50,8 @@ HARDWARE: dict[str, dict] = {
 # Hardware fields a preset may leave at 0 (`fp8_tflops`: the GPU has no FP8 tensor cores).
 OPTIONAL_HARDWARE = ("fp8_tflops",)
 
-# Engine profiles (see the module docstring; `sim.costmodel` defines each coefficient).
-# The fitted values come from `servesim validate --fit` on the bundled points (sim.profiles says
+# Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
+# The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
 # what is fitted and how); the README reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
@@ -75,7 +75,7 @@ ENGINES: dict[str, dict] = {
                        allreduce_latency_us=26.76, cpu_base_us=2567.0, cpu_per_seq_us=40.73),
 }
 # Profiles without bundled points of their own, derived from a fitted one (README: why;
-# sim.profiles.DERIVED and RATIOS say how).
+# sim.model.profiles.DERIVED and RATIOS say how).
 ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True)

@@ -26,7 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ServesimError
-from sim.fileio import read_input_text, reason
+from sim.deploy.cluster import build
+from sim.fileio import read_input_text, reason, save_figure
+from sim.inputs.scenario import load_scenario, toml_loads
+from sim.stats.metrics import summarize
 
 
 class ValidationError(ServesimError):
@@ -97,7 +100,7 @@ def parse_metric(text: str) -> Metric:
 
 
 def metric_value(metric: Metric, summary: dict, tensor_parallel: int = 1) -> float:
-    """The value a servesim summary (sim.metrics.summarize) gives for `metric`, in the
+    """The value a servesim summary (sim.stats.metrics.summarize) gives for `metric`, in the
     published unit."""
     if metric.is_latency:
         stats = summary[f"{metric.quantity}_ms"]
@@ -247,8 +250,6 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     names one; else the profile its engine column maps to. Raises ServesimError."""
     import tomllib
 
-    from sim.scenario import load_scenario, toml_loads
-
     sets = list(overrides or [])
     try:
         raw = toml_loads(point.scenario_path.read_text())
@@ -276,7 +277,6 @@ def run_point(point: Point, engine: str | None = None,
               overrides: list[str] | None = None) -> dict:
     """Simulate one point. Returns its result row (predicted, ratio, the engine profile used).
     Raises ServesimError naming the point when its scenario cannot run."""
-    from sim import build, summarize
 
     try:
         sc = point_scenario(point, engine, overrides)
@@ -360,7 +360,6 @@ def plot(results: list[dict], path: str) -> None:
     ax.set_ylabel("servesim (same unit)")
     ax.set_title("servesim validate: predicted against published (dashed: ±30%)")
     ax.legend(fontsize=7, loc="upper left")
-    from sim.fileio import save_figure
 
     try:
         save_figure(fig, path, bbox_inches="tight")

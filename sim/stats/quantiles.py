@@ -2,7 +2,7 @@
 a size limit.
 
 `Samples` keeps every value (with its integer weight) until it holds `EXACT_LIMIT` entries; its
-percentiles are then exactly those of `sim.metrics.weighted_quantiles`. Past the limit it folds
+percentiles are then exactly those of `weighted_quantiles`. Past the limit it folds
 them into a `LogHistogram` and keeps only bucket counts: memory stops growing with the run.
 
 `LogHistogram` buckets non-negative values on a logarithmic scale (as HDR histograms and
@@ -204,13 +204,49 @@ class Samples:
         return v if w is None else np.repeat(v, w)
 
 
+PCTS = (50, 90, 95, 99)
+
+
+def weighted_quantiles(values: np.ndarray, weights: np.ndarray | None, qs) -> list[float]:
+    """Inverted-CDF quantiles (q in 0..100) of `values` with integer `weights`."""
+    values = np.asarray(values, dtype=np.float64)
+    if weights is None:
+        weights = np.ones(len(values), dtype=np.int64)
+    keep = weights > 0
+    values, weights = values[keep], weights[keep]
+    if len(values) == 0:
+        return [float("nan")] * len(qs)
+    order = np.argsort(values, kind="stable")
+    v, cw = values[order], np.cumsum(weights[order])
+    total = cw[-1]
+    out = []
+    for q in qs:
+        # smallest value whose cumulative weight reaches q% of the total
+        need = q / 100.0 * total
+        i = int(np.searchsorted(cw, need - 1e-9 * total, side="left"))
+        out.append(float(v[min(i, len(v) - 1)]))
+    return out
+
+
+def distribution_ms(values, weights=None) -> dict:
+    """{count, mean, p50, p90, p95, p99, max} in milliseconds (NaN-free: empty gives None)."""
+    values = np.asarray(values, dtype=np.float64)
+    w = None if weights is None else np.asarray(weights, dtype=np.int64)
+    count = int(len(values) if w is None else w.sum())
+    if count == 0:
+        return {"count": 0, "mean": None, **{f"p{q}": None for q in PCTS}, "max": None}
+    mean = float(values.mean() if w is None else (values * w).sum() / count)
+    qs = weighted_quantiles(values, w, PCTS)
+    vmax = float(values.max() if w is None else values[w > 0].max())
+    return {"count": count, "mean": mean * 1e3,
+            **{f"p{q}": x * 1e3 for q, x in zip(PCTS, qs)}, "max": vmax * 1e3}
+
+
 def pooled_distribution_ms(sources: list) -> dict:
     """{count, mean, p50, p90, p95, p99, max} in milliseconds of several sources pooled in
     order, each a Samples or a (values, weights or None) pair of arrays: computed exactly as
-    `sim.metrics.distribution_ms` of their concatenation when every Samples is exact, else
+    `distribution_ms` of their concatenation when every Samples is exact, else
     from merged sketches."""
-    from sim.metrics import PCTS, distribution_ms
-
     pairs = []
     for src in sources:
         if isinstance(src, Samples):
@@ -229,8 +265,6 @@ def pooled_distribution_ms(sources: list) -> dict:
 
 
 def _sketched(sources: list) -> dict:
-    from sim.metrics import PCTS
-
     pool = Samples(limit=0)
     pool.sketch = LogHistogram()
     for src in sources:

@@ -44,18 +44,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sim import events as ev
-from sim import stepping
-from sim.costmodel import CostModel
-from sim.engine import Engine, EngineSnapshot, StepObserver, _view, cancellable, checked_injection
+from sim.engine import events as ev
+from sim.engine import stepping
+from sim.model.costmodel import CostModel
+from sim.engine.engine import Engine, EngineSnapshot, StepObserver, _view, cancellable, checked_injection
 from sim.errors import EngineError, ScenarioError, UnknownRequestError
 from sim.gcpause import paused_gc
-from sim.metrics import KVPeak
+from sim.stats.metrics import KVPeak
 from sim.policies import POLICIES
-from sim.quantiles import Samples
-from sim.request import Request, RequestState
-from sim.routers import ROUTERS
-from sim.workload import Workload, build_workload
+from sim.stats.quantiles import Samples
+from sim.engine.request import Request, RequestState
+from sim.deploy.routers import ROUTERS
+from sim.inputs.workload import Workload, build_workload
 
 RS = RequestState
 INF = math.inf

@@ -125,7 +125,7 @@ class Request:
         self.reject_reason: str | None = None
         self.cancelled_in: RequestState | None = None
         # The steps its token segments index: a Timeline, or an engine's view that also holds
-        # the tokens sampled before a hand-off (sim.engine._Continued).
+        # the tokens sampled before a hand-off (sim.engine.engine._Continued).
         self._timeline: Any = None
 
     # --- state machine -------------------------------------------------------------------------

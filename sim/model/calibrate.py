@@ -21,7 +21,7 @@ Two kinds of measurements:
   efficiencies and the CPU time per step and per sequence are fitted to every request's measured
   TTFT and TPOT.
 
-Every fitted coefficient keeps the prior of `sim.profiles.FIT`, so a coefficient the
+Every fitted coefficient keeps the prior of `sim.model.profiles.FIT`, so a coefficient the
 measurements do not constrain stays at its physical value. A file with a missing column, an
 unknown unit or kind, a negative or non-numeric time, too few points, or rows that contradict
 each other raises MeasurementError naming the file, line and field.
@@ -38,11 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
-from sim import presets
+from sim.model import presets
 from sim.errors import ServesimError, shown
 from sim.fileio import read_input_text, reason
-from sim.fit import least_squares, nelder_mead
+from sim.model.fit import least_squares, nelder_mead
 from sim.limits import MAX_TIME_S, MAX_TOKENS
+from sim.model.profiles import FIT, POINT_SPREAD
+from sim.model.costmodel import CostModel
+from sim.inputs.workload import Workload
+from sim.deploy.cluster import build
+from sim.stats.metrics import summarize
 
 UNITS = {"time_s": 1.0, "time_ms": 1e-3, "time_us": 1e-6}
 KINDS = {"decode": ("batch", "context"), "prefill": ("tokens",), "allreduce": ("bytes",),
@@ -54,7 +59,7 @@ CONTRADICTION = 1.5
 MIN_ROWS = {"forward": 3, "allreduce": 2, "cpu": 2}
 MIN_REQUESTS = 10
 # The spread of log(model / measured) a kernel timing is weighed with against the priors: such
-# measurements repeat to a few percent (end-to-end latencies use sim.profiles.POINT_SPREAD).
+# measurements repeat to a few percent (end-to-end latencies use sim.model.profiles.POINT_SPREAD).
 KERNEL_SPREAD = 0.02
 
 
@@ -177,8 +182,6 @@ def _forward_args(r: Row) -> tuple:
 
 
 def _prior(name: str) -> tuple[float, float]:
-    from sim.profiles import FIT
-
     for group in FIT.values():
         if name in group:
             return group[name]
@@ -214,7 +217,6 @@ class Fit:
 
 def fit_kernels(rows: list[Row], scenario, path) -> Fit:
     """Coefficients fitted to kernel-timing rows on `scenario`'s model and hardware."""
-    from sim.costmodel import CostModel
 
     fwd = [r for r in rows if r.kind in ("decode", "prefill")]
     ar = [r for r in rows if r.kind == "allreduce"]
@@ -412,7 +414,6 @@ def _is_number(v) -> bool:
 
 def bench_workload(run: BenchRun):
     """The measured requests as a servesim workload."""
-    from sim.workload import Workload
 
     n = len(run.arrival)
     return Workload(arrival=run.arrival.astype(np.float64),
@@ -424,7 +425,6 @@ def bench_workload(run: BenchRun):
 def replay_bench(run: BenchRun, scenario) -> tuple[np.ndarray, np.ndarray, dict]:
     """Per-request predicted TTFT and TPOT (s) of the measured requests on `scenario`, and the
     run's summary."""
-    from sim import build, summarize
 
     engine = build(scenario, workload=bench_workload(run), record_events=False)
     if hasattr(engine, "instances"):
@@ -462,7 +462,6 @@ def _distribution(ttft: np.ndarray, tpot: np.ndarray) -> dict[str, float]:
 def fit_bench(run: BenchRun, scenario) -> Fit:
     """GEMM and bandwidth efficiencies and CPU time per step fitted to the measured TTFT and
     TPOT distributions, replaying the exact requests."""
-    from sim.profiles import POINT_SPREAD
 
     e = scenario.engine
     gemm = ("fp8_gemm_efficiency" if scenario.model.dtype_bytes == 1
@@ -534,7 +533,7 @@ def preset_toml(fit: Fit, scenario, source: Path) -> str:
 
 def validate_bench(run: BenchRun, scenario) -> list[dict]:
     """Measured against predicted for a bench result's summary metrics (the rows
-    `sim.validate.format_report` prints)."""
+    `sim.model.validate.format_report` prints)."""
     _, _, s = replay_bench(run, scenario)
     itl = np.array([g for gaps in run.itl for g in gaps], dtype=np.float64)
     tpot = run.tpot[np.isfinite(run.tpot)]

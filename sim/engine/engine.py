@@ -23,22 +23,22 @@ from typing import Any
 import numpy as np
 
 from sim import _compiled
-from sim import events as ev
-from sim import stepping
-from sim.costmodel import CostModel
+from sim.engine import events as ev
+from sim.engine import stepping
+from sim.model.costmodel import CostModel
 from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
-from sim.executor import SeqWork, StepWork
-from sim.kv import KVCacheManager
+from sim.engine.executor import SeqWork, StepWork
+from sim.engine.kv import KVCacheManager
 from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TOKENS,
                         PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
-from sim.quantiles import Samples
-from sim.request import Request, RequestState
-from sim.stepping import EngineState
-from sim.timeline import Timeline
-from sim.tokens import prompt_token_ids
-from sim.workload import Workload, build_workload
+from sim.stats.quantiles import Samples
+from sim.engine.request import Request, RequestState
+from sim.engine.stepping import EngineState
+from sim.engine.timeline import Timeline
+from sim.engine.tokens import prompt_token_ids
+from sim.inputs.workload import Workload, build_workload
 
 RS = RequestState
 INF = math.inf
@@ -81,7 +81,7 @@ class RequestView:
     num_preemptions: int
     is_prefill: bool
     tokens: tuple[int, ...] = ()
-    replica: int = 0  # the instance it is on, in a deployment of several (sim.cluster)
+    replica: int = 0  # the instance it is on, in a deployment of several (sim.deploy.cluster)
     tag: str | None = None  # who sent it (servesim serve: the client's address)
 
 
@@ -199,7 +199,7 @@ class Engine(EngineState):
         timeline rows once folded into the summary's totals (`rolling`, the token times of
         ended requests and the exports need the default). The summary is the same either way.
 
-        `cost` is the service-time model that times each step (a `sim.costmodel.ServiceTime`;
+        `cost` is the service-time model that times each step (a `sim.model.costmodel.ServiceTime`;
         default the scenario's `CostModel`); `observers` are told what each step scheduled."""
         self.scenario = scenario
         self.record_timeline = record_timeline
@@ -266,7 +266,7 @@ class Engine(EngineState):
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
                            swaps=0, output_tokens=0, injected=0, finished_samples=0,
                            cancelled_samples=0, fragmentation_stalls=0)
-        # Per-request figures, folded as they happen (sim.metrics reads them; sim.quantiles
+        # Per-request figures, folded as they happen (sim.stats.metrics reads them; sim.stats.quantiles
         # says when their percentiles stop being exact).
         self.queue_wait = Samples()
         self.ttft = Samples()  # of every request's first token (not further samples')
@@ -505,7 +505,7 @@ class Engine(EngineState):
         except KeyError:
             raise UnknownRequestError(f"no request with id {req_id}") from None
 
-    # ============================================ hooks for sim.cluster (several instances)
+    # ============================================ hooks for sim.deploy.cluster (several instances)
     # A deployment of several engines (replicas, a prefill/decode pair) routes arrivals itself,
     # advances each engine one decision at a time, and moves requests between instances; these
     # methods are the only ways it changes an engine.
@@ -702,7 +702,7 @@ class Engine(EngineState):
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
         """One scheduling decision: a step, a run of identical decode steps, or an idle advance;
         with `fuse`, followed by the runs of decode steps that need no decision (see
-        `sim.stepping.decodes_follow`). Returns the number of engine steps taken. (`sim.stepping.advance`,
+        `sim.engine.stepping.decodes_follow`). Returns the number of engine steps taken. (`sim.engine.stepping.advance`,
         compiled where the install could.)"""
         return stepping.advance(self, until, max_steps, fuse)
 

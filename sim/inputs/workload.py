@@ -307,7 +307,7 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
         x = np.minimum(x, float(spec["max"]))
     # Within the field's own bounds whatever the spread (a wide lognormal overflows to inf),
     # so that every draw converts to int64 and stays a length, delay or priority.
-    top = _field_max(field)
+    top = _field_max(type(scenario.workload), field)
     x = np.clip(np.nan_to_num(x, nan=0.0, posinf=top, neginf=0.0), 0.0, top)
     if integer:
         x = np.rint(x).astype(np.int64)
@@ -315,11 +315,10 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
 
 
 @functools.cache
-def _field_max(field: str) -> float:
-    """The schema's upper bound of a distribution field of `[workload]`."""
-    from sim.scenario import WorkloadConfig
-
-    f = {f.name: f for f in dataclasses.fields(WorkloadConfig)}[field]
+def _field_max(config: type, field: str) -> float:
+    """The schema's upper bound of a distribution field of `[workload]` (`config`, the
+    section's dataclass)."""
+    f = {f.name: f for f in dataclasses.fields(config)}[field]
     return float(f.metadata.get("max") or INT64_MAX)
 
 

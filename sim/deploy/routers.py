@@ -1,4 +1,4 @@
-"""Routers: which replica of a deployment (`sim.cluster`) an arriving request goes to.
+"""Routers: which replica of a deployment (`sim.deploy.cluster`) an arriving request goes to.
 
 A router sees the replicas as they stand at the request's arrival (each at its first step
 boundary at or after it) and returns the replica's index and, for the event log, why.
@@ -6,9 +6,9 @@ boundary at or after it) and returns the replica's index and, for the event log,
 
 from __future__ import annotations
 
-from sim.engine import Engine
-from sim.kv import blocks_for
-from sim.request import Request
+from sim.engine.engine import Engine
+from sim.engine.kv import blocks_for
+from sim.engine.request import Request
 
 
 def outstanding(e: Engine) -> int:

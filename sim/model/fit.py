@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from sim.cluster import is_deployment
-from sim.costmodel import CostModel
-from sim.engine import Engine, StepObserver
+from sim.deploy.cluster import is_deployment
+from sim.model.costmodel import CostModel
+from sim.engine.engine import Engine, StepObserver
 from sim.errors import ScenarioError
-from sim.metrics import summarize
+from sim.stats.metrics import summarize
 
 
 class RecordingCost(StepObserver):
-    """A service-time model (`sim.costmodel.ServiceTime`) that times steps with `model` and
+    """A service-time model (`sim.model.costmodel.ServiceTime`) that times steps with `model` and
     keeps the arguments of every step it is asked to time; as the engine's observer it also
     keeps each admission's step and arrival. Give it to one engine as both
     (`Engine(scenario, cost=rec, observers=[rec])`) and `bind` it to that engine.
@@ -149,11 +149,11 @@ class RunRecord:
     first: np.ndarray  # step index of its first token
     last: np.ndarray  # step index of its last token
     num_output: np.ndarray
-    summary: dict  # the simulation's own summary (sim.metrics.summarize)
+    summary: dict  # the simulation's own summary (sim.stats.metrics.summarize)
     swap: np.ndarray  # seconds of swap copies each step adds (no coefficient changes them)
 
     def durations(self, cost) -> np.ndarray:
-        """Each step's duration under `cost` (a sim.costmodel.CostModel)."""
+        """Each step's duration under `cost` (a sim.model.costmodel.CostModel)."""
         return np.asarray(cost.steps(*self.features)[0], dtype=np.float64) * np.ones(
             self.features.shape[1]) + self.swap
 

@@ -14,49 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.quantiles import pooled_distribution_ms
-
-PCTS = (50, 90, 95, 99)
-
-
-def weighted_quantiles(values: np.ndarray, weights: np.ndarray | None, qs) -> list[float]:
-    """Inverted-CDF quantiles (q in 0..100) of `values` with integer `weights`."""
-    values = np.asarray(values, dtype=np.float64)
-    if weights is None:
-        weights = np.ones(len(values), dtype=np.int64)
-    keep = weights > 0
-    values, weights = values[keep], weights[keep]
-    if len(values) == 0:
-        return [float("nan")] * len(qs)
-    order = np.argsort(values, kind="stable")
-    v, cw = values[order], np.cumsum(weights[order])
-    total = cw[-1]
-    out = []
-    for q in qs:
-        # smallest value whose cumulative weight reaches q% of the total
-        need = q / 100.0 * total
-        i = int(np.searchsorted(cw, need - 1e-9 * total, side="left"))
-        out.append(float(v[min(i, len(v) - 1)]))
-    return out
-
-
-def distribution_ms(values, weights=None) -> dict:
-    """{count, mean, p50, p90, p95, p99, max} in milliseconds (NaN-free: empty gives None)."""
-    values = np.asarray(values, dtype=np.float64)
-    w = None if weights is None else np.asarray(weights, dtype=np.int64)
-    count = int(len(values) if w is None else w.sum())
-    if count == 0:
-        return {"count": 0, "mean": None, **{f"p{q}": None for q in PCTS}, "max": None}
-    mean = float(values.mean() if w is None else (values * w).sum() / count)
-    qs = weighted_quantiles(values, w, PCTS)
-    vmax = float(values.max() if w is None else values[w > 0].max())
-    return {"count": count, "mean": mean * 1e3,
-            **{f"p{q}": x * 1e3 for q, x in zip(PCTS, qs)}, "max": vmax * 1e3}
-
+from sim.stats.quantiles import pooled_distribution_ms, weighted_quantiles
 
 def summarize(engine) -> dict:
     """The run's summary, shaped as `servesim sim --json` documents it. For a deployment of
-    several instances (`sim.cluster.Cluster`) the figures pool every instance's, and
+    several instances (`sim.deploy.cluster.Cluster`) the figures pool every instance's, and
     `replicas` holds each instance's own summary."""
     parts = getattr(engine, "instances", None)
     if parts is None:

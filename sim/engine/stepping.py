@@ -8,8 +8,8 @@ the fields it reads are declared on `EngineState` (a compiled base of `Engine`: 
 as the requests' are). Every scheduling rule is the policy's: the decision asks the policy
 (`schedule`, `has_work`, `add`, `finished`, `decodes_alone`, `skip_ahead_safe`,
 `next_change_time`) and never decides in its place. What a step scheduled is told to the
-engine's observers (`sim.engine.StepObserver`); the step times come from the engine's
-service-time model (`sim.costmodel.ServiceTime`).
+engine's observers (`sim.engine.engine.StepObserver`); the step times come from the engine's
+service-time model (`sim.model.costmodel.ServiceTime`).
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ from mypy_extensions import mypyc_attr
 
 import numpy as np
 
-from sim import _compiled, events as ev
-from sim.costmodel import CostModel
+from sim import _compiled
+
+from sim.engine import events as ev
+from sim.model.costmodel import CostModel
 from sim.errors import EngineError
-from sim.kv import KVCacheManager, blocks_for
+from sim.engine.kv import KVCacheManager, blocks_for
 from sim.policies.batch import PolicyState
 from sim.limits import MAX_TIME_S
-from sim.request import Request, RequestState
-from sim.quantiles import Samples
-from sim.timeline import Timeline
+from sim.engine.request import Request, RequestState
+from sim.stats.quantiles import Samples
+from sim.engine.timeline import Timeline
 
 RS = RequestState
 INF = math.inf
@@ -79,7 +81,7 @@ class EngineState:
     kv: KVCacheManager
     timeline: Timeline
     policy: Any
-    cost: Any  # a ServiceTime (sim.fit's recorder, or the CostModel)
+    cost: Any  # a ServiceTime (sim.model.fit's recorder, or the CostModel)
     executor: Any
     duration_override: Any
     scenario: Any
@@ -194,7 +196,7 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
         if s._window:
             max_steps = min(max_steps, s._window)
     # (Swap copies still to make are charged to the next single step: a request can join a
-    # running batch from outside, sim.cluster's hand-off, right after a preemption by swap.)
+    # running batch from outside, sim.deploy.cluster's hand-off, right after a preemption by swap.)
     # (A measured clock records each step's duration, which a run of steps does not: with no
     # executor it times nothing and keeps the modeled durations, but one per step.)
     if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
@@ -299,7 +301,6 @@ def releasing_request(e: Any, rid: int) -> Request | None:
 def on_arrival(e: Any, req: Request) -> None:
     """`req` arrives: recorded, rejected if it could never fit, else queued."""
     s: EngineState = e
-    ps: PolicyState = s.policy
     kv: KVCacheManager = s.kv
     req._timeline = s.timeline
     s.requests[req.req_id] = req
@@ -505,7 +506,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     dur: float
     energy: float
     cost: Any = s.cost
-    if type(cost) is CostModel:  # (a native call; sim.fit's recorder is called as itself)
+    if type(cost) is CostModel:  # (a native call; sim.model.fit's recorder is called as itself)
         cm: CostModel = cost
         dur, energy = cm.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
                               sampling)
@@ -676,7 +677,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     tl: Timeline = s.timeline
     cost: Any = s.cost
     # The scalar part of the run straight into the timeline's staging columns (sim/_rows.c),
-    # unless the cost model is wrapped (sim.fit's recorder times every step it is asked).
+    # unless the cost model is wrapped (sim.model.fit's recorder times every step it is asked).
     at = -1
     k = 0
     end = first_end = 0.0  # (the run's last and first step's end times)

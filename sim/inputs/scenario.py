@@ -16,16 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim import presets
 from sim.errors import ScenarioError
 from sim.fileio import read_input_text, reason
+from sim.inputs.workload import min_length
+from sim.model import presets
+from sim.model.costmodel import CostModel
+from sim.policies import POLICIES
 from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_deployment
 
-BUNDLED_DIR = Path(__file__).resolve().parent.parent / "scenarios"
+BUNDLED_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 DEFAULT_SCENARIO = "chat"
 MAX_SCENARIO_BYTES = 16 << 20  # a scenario is a page of TOML; traces are separate files
 # `scheduler.policy` values that name a deployment of several instances rather than one policy
-# (sim.cluster builds them).
+# (sim.deploy.cluster builds them).
 DEPLOYMENT_POLICIES = ("disaggregated",)
 
 
@@ -96,7 +99,7 @@ _ENGINE = presets.ENGINES[presets.DEFAULT_ENGINE]
 
 @dataclass
 class EngineConfig:
-    """The serving engine's fitted coefficients (sim.costmodel defines each term). A key left
+    """The serving engine's fitted coefficients (sim.model.costmodel defines each term). A key left
     out takes the preset's value."""
     preset: str = _f(presets.DEFAULT_ENGINE, kind="engine",
                      doc="an engine profile (" + ", ".join(f"`{n}`" for n in presets.ENGINE_PRESETS)
@@ -516,8 +519,6 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     shown = value  # messages show the value as the user wrote it
     value = _check_type(where, value, t)
     if m.get("kind") == "policy":
-        from sim.policies import POLICIES
-
         known = [*POLICIES, *DEPLOYMENT_POLICIES]
         if value not in known:
             raise ScenarioError(
@@ -688,9 +689,7 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")
     _check_cluster(sc)
-    from sim.costmodel import CostModel  # the model derives the pool size
-
-    try:
+    try:  # (the service-time model derives the pool size)
         cm = CostModel(sc)
         num_blocks = cm.num_blocks()
     except (ArithmeticError, ValueError) as e:  # sizes whose products leave float range
@@ -708,8 +707,6 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     sc.kv.num_blocks = num_blocks
     if not check_workload:
         return
-    from sim.workload import min_length  # smallest request the workload can produce
-
     smallest = min_length(sc, "prompt_tokens") + max(1, min_length(sc, "output_tokens")) - 1
     smallest += w.shared_prefix_tokens  # every prompt starts with the shared system prompt
     if m.max_model_len and smallest + 1 > m.max_model_len:

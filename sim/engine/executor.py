@@ -67,7 +67,7 @@ class Executor(Protocol):
 
 class HandoffExecutor(Executor, Protocol):
     """An executor that can send a request's K/V to another executor's pool: each instance of a
-    disaggregated pair (`sim.cluster`) has its own executor, and when a request is handed from
+    disaggregated pair (`sim.deploy.cluster`) has its own executor, and when a request is handed from
     the prefill instance to the decode instance, the decode side's `import_kv` stores into its
     own blocks what the prefill side's `export_kv` read from its blocks (an opaque object)."""
 

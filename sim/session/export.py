@@ -18,7 +18,7 @@ import json
 
 import numpy as np
 
-from sim.log import SessionLog, decode
+from sim.session.log import SessionLog, decode
 
 CSV_COLUMNS = [
     "req_id", "state", "priority", "injected", "prompt_tokens", "max_output_tokens",

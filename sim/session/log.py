@@ -8,7 +8,7 @@ Layout (each item one msgpack object, in this order):
    "cancel_at": f64 bytes, "hash_ids": [[...], ...] or None, "hash_block_size"}}`. The workload is
    embedded, so a log replays without the trace files it was drawn from.
 2. events, in simulated-time order, each an array `[kind, t, field, ...]` with the fields of
-   `sim.events` in declaration order (arrays as little-endian bytes). The engine records a run
+   `sim.engine.events` in declaration order (arrays as little-endian bytes). The engine records a run
    of identical decode steps as one `steps` event however the session sliced its time, so a
    replay regenerates the same records.
 3. every 4,096 events, a checkpoint map `{"crc": crc32, "n": events so far}` over the bytes
@@ -20,7 +20,7 @@ Layout (each item one msgpack object, in this order):
    summary metrics;
 5. an end mark `{"crc", "n", "end": true}`, the last checkpoint, covering the footer.
 
-Since format 2, for a deployment of several instances (`sim.cluster`: replicas, or a disaggregated
+Since format 2, for a deployment of several instances (`sim.deploy.cluster`: replicas, or a disaggregated
 prefill/decode pair): the header adds `"cluster": {"mode", "router", "instances": [{"role",
 "policy"}, ...]}`; the events are one stream per source, each opened by a `stream` event naming
 it: first the deployment's own (-1: routing, user actions, cancellations between instances),
@@ -47,11 +47,18 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from sim import events as ev
+from sim.engine import events as ev
 from sim.errors import LogError, ServesimError, shown
 from sim.fileio import atomic_open, open_input
 from sim.gcpause import paused_gc
 from sim.limits import INT64_MAX, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
+from sim import __version__
+from sim.inputs.scenario import ComputeConfig, DEPLOYMENT_POLICIES, Scenario, SECTIONS
+from sim.policies import POLICIES
+from sim.deploy.cluster import deployment_header, ROLES
+from sim.deploy.routers import ROUTERS
+from sim.stats.metrics import summarize
+from sim.inputs.workload import Workload
 
 MAGIC = "servesim-log"
 FORMAT = 2
@@ -227,8 +234,6 @@ def _i64(a) -> bytes:
 
 
 def header_for(engine) -> dict:
-    from sim import __version__
-
     sc = engine.scenario
     header = {
         "magic": MAGIC, "format": FORMAT, "servesim": __version__,
@@ -250,7 +255,6 @@ def write_log(path, engine, summary: dict | None = None, exclusive: bool = False
     """
     path = Path(path)
     if summary is None:
-        from sim.metrics import summarize
 
         summary = summarize(engine)
     packer = msgpack.Packer(use_bin_type=True)
@@ -302,8 +306,6 @@ class SessionLog:
         return out
 
     def workload(self):
-        from sim.workload import Workload
-
         w = self.header["workload"]
         return Workload(
             arrival=np.frombuffer(w["arrival"], np.float64).copy(),
@@ -328,7 +330,6 @@ _MISSING = object()
 def _schema(section: str | None, name: str):
     """The scenario loader's own default and choices for a field (section None: top level)."""
     from dataclasses import MISSING
-    from sim.scenario import SECTIONS, Scenario
 
     f = next(f for f in fields(SECTIONS[section] if section else Scenario) if f.name == name)
     default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
@@ -366,8 +367,6 @@ def _check_header(path: str, header) -> None:
         if key not in _HEADER_KEYS and not (key == "cluster" and fmt >= 2):
             raise LogError(f"{path}: header: unknown field {shown(key, 60)}"
                            + (" (format 1 has no deployments)" if key == "cluster" else ""))
-    from sim.policies import POLICIES
-    from sim.scenario import DEPLOYMENT_POLICIES
 
     def bad(key, why, value=_MISSING):
         value = header.get(key) if value is _MISSING else value
@@ -397,7 +396,6 @@ def _check_header(path: str, header) -> None:
     _, backends = _schema("compute", "backend")
     if compute.get("backend") not in backends:
         bad("compute.backend", f"expected one of {', '.join(backends)}", compute.get("backend"))
-    from sim.scenario import ComputeConfig
 
     names = [f.name for f in fields(ComputeConfig)]
     for k, v in compute.items():
@@ -423,9 +421,6 @@ def _check_cluster(path: str, header: dict) -> None:
     roles and policies, and the deployment the header's policy and scenario make: a
     disaggregated pair (prefill, decode; both chunked; no router), or `cluster.replicas`
     replicas of the header's policy behind the scenario's router."""
-    from sim.cluster import ROLES, deployment_header
-    from sim.policies import POLICIES
-    from sim.routers import ROUTERS
 
     cluster = header["cluster"]
 
@@ -637,8 +632,6 @@ _ACTION_ARGS = {
 
 
 def _policies():
-    from sim.policies import POLICIES
-
     return POLICIES
 
 

@@ -1,0 +1,2 @@
+"""A run's figures: the summary and rolling metrics, and the quantile sketches they fold.
+"""
