@@ -153,7 +153,7 @@ class KVConfig:
     reserve_gb: float = _f(1.0, min=0, doc="activations and workspace kept out of the KV pool")
     swap_space_gb: float = _f(4.0, min=0, doc="host memory per GPU for swapped-out blocks")
     enable_prefix_caching: bool = _f(False, doc="share cached full blocks between requests")
-    # vLLM V1's block manager (README: "Fidelity to vLLM's scheduler"); false: the older way.
+    # vLLM V1's block manager (sim/README.md: "Fidelity to vLLM's scheduler"); false: the older way.
     register_at_allocation: bool = _f(True, doc="a full block enters the prefix cache when the "
                                       "step filling it is scheduled, so a request admitted "
                                       "later in that step shares it; false: after the step")
@@ -183,7 +183,7 @@ class SchedulerConfig:
                                         "(its maximum output if larger)")
     kv_link_gbps: float = _f(50.0, gt=0, doc="disaggregated: prefill-to-decode K/V link, GB/s "
                                              "per GPU")
-    # vLLM V1's scheduler (README: "Fidelity to vLLM's scheduler"); false: the older way.
+    # vLLM V1's scheduler (sim/README.md: "Fidelity to vLLM's scheduler"); false: the older way.
     reserve_full_sequence: bool = _f(True, doc="admit a waiting request only if blocks for all "
                                      "its tokens fit, not just its first chunk")
     async_scheduling: bool = _f(True, doc="schedule each step before the output of the one "
@@ -733,7 +733,7 @@ def _check_cluster(sc: Scenario) -> None:
 
 
 def schema_markdown() -> str:
-    """The scenario reference as Markdown tables, one per section (the README embeds it)."""
+    """The scenario reference as Markdown tables, one per section (scenarios/README.md embeds it)."""
     out = []
     for name, cls in SECTIONS.items():
         out += ["", f"`[{name}]`", "", "| field | default | meaning |", "|---|---|---|"]

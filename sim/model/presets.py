@@ -7,7 +7,7 @@ never fitted. `idle_w` is an assumed idle draw, not a data-sheet figure.
 Engine profiles hold what differs between serving engines and is fitted to measurements: how
 close their kernels come to the hardware's peaks, their fixed costs per layer and per step, their
 CPU time per step and whether it overlaps the GPU's, and whether their decode attention shares K/V
-across a GQA group. `sim.model.costmodel` documents each coefficient; the README says what each profile
+across a GQA group. `sim.model.costmodel` documents each coefficient; sim/README.md says what each profile
 was fitted on and its leave-one-out error.
 """
 
@@ -52,7 +52,7 @@ OPTIONAL_HARDWARE = ("fp8_tflops",)
 
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
-# what is fitted and how); the README reports their error and leave-one-out error.
+# what is fitted and how); sim/README.md reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
@@ -74,7 +74,7 @@ ENGINES: dict[str, dict] = {
     "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7136, kv_bandwidth_efficiency=0.6867,
                        allreduce_latency_us=26.76, cpu_base_us=2567.0, cpu_per_seq_us=40.73),
 }
-# Profiles without bundled points of their own, derived from a fitted one (README: why;
+# Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
 ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)

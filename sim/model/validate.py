@@ -128,7 +128,7 @@ def _version(text: str) -> tuple[int, ...] | None:
 
 def engine_preset_for(engine: str) -> str | None:
     """The engine profile for a publication's engine name and version, or None when it names
-    none servesim has. The mapping (the README's table):
+    none servesim has. The mapping (sim/README.md's table):
 
     TensorRT-LLM up to 0.6 -> tensorrt-llm-0.6 (its decode attention read K/V per query head);
     later -> tensorrt-llm. SGLang up to 0.3 -> sglang-0.3; later (its overlap scheduler) or of no
