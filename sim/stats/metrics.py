@@ -53,7 +53,7 @@ def _summary(whole, parts: list) -> dict:
     used_dur = sum(t.used_dur for t in tot)
     energy = sum(t.energy + e.cost.idle_energy(e.idle_time) for t, e in zip(tot, parts))
     out_tokens = c["output_tokens"]
-    itl = pooled_distribution_ms(  # (in the order the gaps were pooled before: by engine)
+    itl = pooled_distribution_ms(  # (pooled by engine, in step order: the sketch depends on it)
         [x for e in parts for x in (e.timeline.itl, e.timeline.tail_itl(), e.itl_extra)])
     per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
     nb = sum(e.kv.num_blocks for e in parts)
