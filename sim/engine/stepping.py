@@ -106,7 +106,7 @@ class EngineState:
     _freed: list[int]
     _prompt_ids: dict
     observers: list  # StepObserver: told what each step scheduled
-    # the class's SCALAR_STEPS and RUN_STEPS_MAX (copied by `Engine._check_hooks` when a run
+    # the class's SCALAR_STEPS and RUN_STEPS_MAX (copied by `Engine._load_constants` when a run
     # starts: a native field reads in a few instructions, a class attribute in hundreds)
     _scalar_steps: int
     _run_steps_max: int
@@ -677,7 +677,8 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     tl: Timeline = s.timeline
     cost: Any = s.cost
     # The scalar part of the run straight into the timeline's staging columns (sim/_rows.c),
-    # unless the cost model is wrapped (sim.model.fit's recorder times every step it is asked).
+    # unless the service-time model is another than the CostModel (sim.model.fit's recorder
+    # times every step it is asked).
     at = -1
     k = 0
     end = first_end = 0.0  # (the run's last and first step's end times)
