@@ -19,6 +19,7 @@ from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
 from sim.policies import POLICIES
 from sim.inputs.scenario import DEPLOYMENT_POLICIES, bundled_scenarios
+from tui.compute import make_executor
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,63 +54,6 @@ def _scenario(args) -> "object":
     if getattr(args, "compute", None):
         overrides.append(f"compute.backend={json.dumps(args.compute)}")
     return load_scenario(args.scenario, overrides)
-
-
-def make_executor(scenario):
-    """The executor the scenario's `[compute]` asks for, or None for the pure simulation.
-
-    Raises ScenarioError (one line) when the backend is unavailable or the sizes are wrong.
-    """
-    c = scenario.compute
-    if c.backend == "none":
-        return None
-    from gpu import BackendUnavailable
-    from gpu.executor import ModelExecutor
-    from sim.model.costmodel import CostModel
-
-    sizes = {k: getattr(c, k) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")
-             if getattr(c, k)}
-    if c.dtype != "auto":
-        sizes["dtype"] = c.dtype
-    host = (CostModel(scenario).num_host_blocks()
-            if scenario.scheduler.preemption == "swap" else 0)
-    _check_kv_memory(scenario, sizes, host)
-    try:
-        return ModelExecutor.with_defaults(
-            scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
-            vocab_size=c.vocab_size, mlp=c.mlp, seed=scenario.seed,
-            verify_every=c.verify_every, num_host_blocks=host, **sizes)
-    except BackendUnavailable as e:
-        raise ScenarioError(f"compute.backend = {c.backend!r}: {e}") from None
-    except ValueError as e:
-        raise ScenarioError(f"[compute]: {e}") from None
-    except MemoryError:
-        raise ScenarioError(
-            f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
-            "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
-
-
-def _check_kv_memory(scenario, sizes: dict, host_blocks: int) -> None:
-    """With NumPy, the tiny model's K/V pool (and its host swap slots) lives in this process's
-    memory, allocated lazily: check it fits before the run fills it, not when the OOM killer
-    comes. (A CUDA pool that does not fit fails at once, as a MemoryError.)"""
-    from gpu import BackendUnavailable, get_backend
-    from gpu.executor import CPU_MODEL, ModelExecutor
-    from sim.limits import check_memory
-
-    try:
-        name = get_backend(scenario.compute.backend).name
-    except (BackendUnavailable, ValueError):
-        return  # reported as one line when the executor is built
-    if name != "numpy":
-        return
-    dims = {**CPU_MODEL, **sizes}
-    per = ModelExecutor.block_bytes(scenario.kv.block_size, num_layers=dims["num_layers"],
-                                    num_kv_heads=dims["num_kv_heads"],
-                                    head_dim=dims["head_dim"], dtype=dims["dtype"])
-    n = scenario.kv.num_blocks
-    check_memory(f"compute.backend = \"numpy\" with kv.num_blocks = {n}", (n + host_blocks) * per,
-                 f" for the tiny model's K/V ({per:,} bytes a block)")
 
 
 def build_engine(scenario, policy: str | None = None, **kw):
