@@ -184,7 +184,7 @@ class Dashboard(App[int]):
     its instances get a row each, the queues and the event log say where each request is),
     live or through a replayer (`--replay`)."""
 
-    CSS_PATH = "dashboard.tcss"
+    CSS_PATH = str(Path(__file__).with_name("dashboard.tcss"))  # (whichever module subclasses it)
     TITLE = "servesim"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = keymap.APP_BINDINGS

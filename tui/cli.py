@@ -19,6 +19,7 @@ from sim import ServesimError, build, load_scenario, summarize
 from sim.errors import ScenarioError
 from sim.policies import POLICIES
 from sim.inputs.scenario import DEPLOYMENT_POLICIES, bundled_scenarios
+from tui import bench
 from tui.compute import make_executor
 
 
@@ -392,8 +393,6 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from tui import bench
-
     return bench.main(args)
 
 
@@ -661,8 +660,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")
-    from tui import bench
-
     bench.add_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p

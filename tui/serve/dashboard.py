@@ -9,9 +9,6 @@ injections with their times and replays exactly.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import tui.app
 from tui.app import MAX_SPEED, MIN_SPEED, Dashboard
 from tui.serve.app import banner
 from tui.serve.frontend import Frontend
@@ -75,8 +72,6 @@ class ServeDriver:
 
 class ServeDashboard(Dashboard):
     """The dashboard with the HTTP server running in its event loop."""
-
-    CSS_PATH = str(Path(tui.app.__file__).with_name(Dashboard.CSS_PATH))
 
     def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".") -> None:
         super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
