@@ -69,8 +69,8 @@ class _Stream(asyncio.BufferedProtocol):
     whether it opened its connection)`.
 
     Reads go into one buffer shared by every stream (`recv_into`; each read is handled before
-    the next): a plain Protocol's reads allocate asyncio's 256 KiB `recv` buffer each time, ~12
-    us of the client's ~23 us a read, and a client that reads late measures late."""
+    the next): a plain Protocol's reads allocate asyncio's 256 KiB `recv` buffer each time,
+    about half of the client's work a read, and a client that reads late measures late."""
 
     def __init__(self, request: bytes, stop_at: float, records: dict,
                  buffer: memoryview) -> None:
