@@ -7,7 +7,12 @@ kernels and one holding NumPy arrays gets the CPU ones, with the same signatures
 
 from __future__ import annotations
 
+import ctypes
+import glob
+import os
+import sys
 from dataclasses import dataclass
+from importlib import metadata
 from types import ModuleType
 
 import numpy as np
@@ -55,8 +60,6 @@ CUDA_LIBRARIES = ("nvrtc", "curand", "cublas")
 def cupy_cuda_major() -> int | None:
     """The CUDA major version the installed CuPy wheel is built for (cupy-cuda12x: 12), read
     from its package name without importing it; None when that says nothing."""
-    from importlib import metadata
-
     for dist in ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x"):
         try:
             metadata.version(dist)
@@ -71,11 +74,6 @@ def preload_wheel_libraries(major: int, roots=None) -> list[str]:
     find by name but a pip wheel holds (`nvidia/*/lib/lib<name>.so.<major>` under `roots`,
     default sys.path): CuPy then finds it already loaded by its soname. torch's CUDA wheels
     install these without putting them on the linker's path. Returns the paths loaded."""
-    import ctypes
-    import glob
-    import os
-    import sys
-
     loaded = []
     for name in CUDA_LIBRARIES:
         soname = f"lib{name}.so.{major}"
@@ -104,7 +102,7 @@ def _probe_cupy() -> Backend:
     if major is not None:
         preload_wheel_libraries(major)
     try:
-        import cupy
+        import cupy  # (lazy: optional; loads only when a CUDA backend is asked for)
     except Exception as exc:  # ImportError, or a broken CUDA install failing at import
         raise BackendUnavailable(f"cupy backend unavailable: cannot import cupy ({type(exc).__name__}: {exc})") from None
     try:
@@ -123,7 +121,7 @@ def _probe_cupy() -> Backend:
         raise BackendUnavailable(f"cupy backend unavailable: no usable CUDA device ({message})") from None
     name = props["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    from . import cupy_backend
+    from . import cupy_backend  # (lazy: the CUDA kernels, once CuPy has a device)
 
     _cupy_backend = Backend("cupy", f"{name} (cuda:{device_id})", cupy, cupy_backend)
     return _cupy_backend
@@ -158,7 +156,7 @@ def kernels_for(array) -> ModuleType:
     if isinstance(array, np.ndarray):
         return numpy_backend
     if type(array).__module__.split(".")[0] == "cupy":
-        from . import cupy_backend
+        from . import cupy_backend  # (lazy: the CUDA kernels, for CuPy arrays only)
 
         return cupy_backend
     raise TypeError(f"expected a numpy or cupy array, got {type(array).__name__}")

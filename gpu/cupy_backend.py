@@ -123,7 +123,7 @@ def module_keys(block_sizes=(16,)) -> list[tuple]:
 
 def _cupy():
     try:
-        import cupy
+        import cupy  # (lazy: optional; loads only when a CUDA kernel runs)
     except ImportError as exc:
         raise BackendUnavailable(f"cupy backend unavailable: cupy is not installed ({exc})") from None
     return cupy

@@ -51,7 +51,7 @@ def find_tool(name: str) -> str:
     if found:
         return found
     try:
-        import nvidia
+        import nvidia  # (lazy: optional, the CUDA tools' pip wheels)
 
         for root in nvidia.__path__:
             for candidate in sorted(Path(root).glob(f"*/bin/{name}")):
@@ -65,7 +65,7 @@ def load_backend_at(ref: str, repo: Path, workdir: Path):
     """Imports `gpu.cupy_backend` as it was at git `ref` (unpacked under `workdir`), or the
     working tree's when ref is "." . Returns the module."""
     if ref == ".":
-        from . import cupy_backend
+        from . import cupy_backend  # (lazy: the working tree's kernels, only when asked for)
 
         return cupy_backend
     found = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],

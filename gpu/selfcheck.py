@@ -128,7 +128,7 @@ class _Timer:
         if backend.name != "cupy":
             self.method = "perf_counter around each round (synchronous NumPy)"
             return
-        from . import cupy_backend
+        from . import cupy_backend  # (lazy: the CUDA kernels, on the cupy backend only)
 
         try:
             cupy_backend.spin(1e-5)
@@ -318,8 +318,8 @@ def _torch_sdpa(backend: Backend):
     if backend.name != "cupy":
         return None
     try:
-        import torch
-        import torch.nn.functional as F
+        import torch  # (lazy: optional, a reference on the same GPU)
+        import torch.nn.functional as F  # (lazy: as torch)
         if not torch.cuda.is_available():
             return None
     except Exception:
@@ -382,7 +382,7 @@ def _l2_bytes(backend: Backend) -> int:
     """The device's L2 cache size in bytes (0 on NumPy, or if the device does not say)."""
     if backend.name != "cupy":
         return 0
-    from . import cupy_backend
+    from . import cupy_backend  # (lazy: the CUDA kernels, on the cupy backend only)
 
     try:
         return int(cupy_backend.device_property("l2CacheSize", 0))
@@ -417,7 +417,7 @@ def _num_splits(backend: Backend, heads: int, kv_heads: int, context: int) -> in
     """The split-K partitions the CUDA decode uses for one sequence of `context` tokens."""
     if backend.name != "cupy":
         return 1
-    from . import cupy_backend
+    from . import cupy_backend  # (lazy: the CUDA kernels, on the cupy backend only)
 
     return cupy_backend.split_plan(context, kv_heads, cupy_backend.decode_tiles(heads, kv_heads)[1])[0]
 
@@ -558,7 +558,7 @@ def versions() -> dict:
     """What the run ran on: Python, NumPy, CuPy and the CUDA runtime, driver and NVRTC it found."""
     found: dict[str, Any] = {"python": sys.version.split()[0], "numpy": np.__version__}
     try:
-        import cupy
+        import cupy  # (lazy: optional; its versions where it is installed)
     except Exception as exc:
         found["cupy"] = f"unavailable: {describe(exc)}"
         return found
@@ -580,7 +580,7 @@ SECTIONS = ("correctness", "decode_timings", "token_identity")
 def _check_correctness(backend: Backend, plan: Plan) -> list[dict]:
     if backend.name != "cupy":
         return check_kernels(backend, plan)
-    from . import cupy_backend
+    from . import cupy_backend  # (lazy: the CUDA kernels, on the cupy backend only)
 
     cupy_backend.set_sync_check(True)  # pin any fault on the kernel that caused it
     try:

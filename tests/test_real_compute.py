@@ -8,7 +8,8 @@ from sim import Engine, summarize
 from sim.session.log import read_log, write_log
 from sim.session.replay import verify
 from tests.helpers import check_invariants, small_scenario, workload_of
-from tui.cli import main, make_executor
+from tui.cli import main
+from tui.compute import make_executor
 
 ROWS = [(0.0, 40, 24), (0.0, 75, 20), (0.01, 130, 18), (0.02, 33, 30), (0.03, 300, 12),
         (0.04, 17, 25), (0.05, 64, 22)]

@@ -1,12 +1,11 @@
-"""The live dashboard: composes the panels, drives the engine from a worker thread, and routes
-keys to the engine's public API and snapshots to the panels.
+"""The live dashboard: composes the panels, and routes keys to the engine's public API and
+snapshots to the panels, while a worker thread (`tui.driver.EngineDriver`) drives the engine.
 
-A worker thread advances the engine (or, with `--replay`, a `sim.session.replay.Replayer`) toward a
-target simulated time that moves `speed` simulated seconds per wall second, in slices of a few
-milliseconds, holding `EngineDriver.lock`. The UI takes a snapshot under the same lock on its
-refresh timers (skipping a tick while a slow real-compute step holds it) and every key action
-that touches the engine takes it too, so one thread at a time touches the engine, drawing never
-waits for the simulation, and a recorded action lands between two steps.
+The worker advances the engine in slices of a few milliseconds, holding `EngineDriver.lock`.
+The UI takes a snapshot under the same lock on its refresh timers (skipping a tick while a slow
+real-compute step holds it) and every key action that touches the engine takes it too, so one
+thread at a time touches the engine, drawing never waits for the simulation, and a recorded
+action lands between two steps.
 
 The session is never lost: an action that fails is shown and the app goes on; an unexpected
 error writes the session log to a recovery file before the app exits, and says where; SIGTERM
@@ -18,13 +17,10 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import functools
-import math
 import re
 import signal
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,26 +32,15 @@ from textual.widgets import Footer
 from sim import POLICIES, Engine, ServesimError, build, rolling
 from sim.fileio import check_writable
 from sim.inputs.workload import sample_lengths
+from sim.session.log import read_log, write_log
+from sim.session.replay import Replayer
 from tui import keymap
+from tui.driver import EngineDriver
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
                          InjectSpec, InstanceRows, RequestTable, StatusHeader)
 from tui.widgets.instances import instance_tags
 
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
-MIN_SPEED, MAX_SPEED = 1 / 64, 4096.0
-
-
-def check_speed(speed) -> float:
-    """`speed` as a float. Raises ServesimError unless it is a number from MIN_SPEED to
-    MAX_SPEED (0 would stop the clock for good, a negative or NaN one run it nowhere)."""
-    try:
-        v = float(speed)
-    except (TypeError, ValueError):
-        v = math.nan
-    if not MIN_SPEED <= v <= MAX_SPEED:  # (NaN fails)
-        raise ServesimError(f"--speed {speed}: must be a number from 1/64 to {MAX_SPEED:g} "
-                            "(simulated seconds per wall second)")
-    return v
 
 
 def guarded(action):
@@ -69,122 +54,12 @@ def guarded(action):
     return run
 
 
-class EngineDriver:
-    """Advances `source` (an Engine or a Replayer) toward a moving target simulated time."""
-
-    SLICE_S = 0.004     # wall time the worker aims to hold the lock per slice
-    BACKLOG_S = 2.0     # wall seconds of backlog kept when compute cannot keep up
-
-    def __init__(self, source, engine: Engine, speed: float = 1.0, paused: bool = False) -> None:
-        self.source = source
-        self.engine = engine
-        self.replay = source is not engine
-        self.lock = threading.RLock()
-        self.speed = check_speed(speed)
-        self.paused = paused
-        self.target = engine.now
-        self.error: str | None = None
-        self.steps = 0
-        self._max_steps = 1  # grows while slices stay short (a real-compute step can be slow)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    # --- state the screen shows (read under the lock) ------------------------------------------
-    @property
-    def finished(self) -> bool:
-        """A replay that has reached the end of its log."""
-        return self.replay and self.source.done
-
-    @property
-    def lag(self) -> float:
-        """Simulated seconds the engine's clock is behind the target."""
-        return 0.0 if self.paused else max(0.0, self.target - self.engine.now)
-
-    # --- control ---------------------------------------------------------------------------
-    # Pause and speed set fields the worker reads between slices, so they need not wait long for
-    # the lock (which a slow real-compute step can hold for seconds).
-    def set_paused(self, paused: bool) -> None:
-        self.paused = paused  # the worker starts no further slice
-        # Let a slice in progress end, so that a paused clock stays where it is shown.
-        if self.lock.acquire(timeout=0.1):
-            self.target = self.engine.now
-            self.lock.release()
-
-    def set_speed(self, speed: float) -> None:
-        self.speed = min(MAX_SPEED, max(MIN_SPEED, speed))
-
-    def step(self) -> int:
-        """One engine step (the clock then stays there: call while paused)."""
-        with self.lock:
-            n = self.source.step()
-            self.target = self.engine.now
-            return n
-
-    @property
-    def alive(self) -> bool:
-        """The worker thread is running."""
-        return self._thread is not None and self._thread.is_alive()
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="servesim-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, wait_s: float = 2.0) -> None:
-        """Stop the worker, waiting up to `wait_s` for a step in progress (the thread is a
-        daemon: a real-compute step still running at exit does not hold the process)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=wait_s)
-
-    # --- the worker ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        last = time.perf_counter()
-        while not self._stop.is_set():
-            now = time.perf_counter()
-            with self.lock:
-                behind = self.advance(now - last)
-            last = now
-            # Sleep a little even when behind: the UI thread needs the GIL to draw.
-            time.sleep(0.0005 if behind else 0.01)
-
-    def advance(self, wall_dt: float) -> bool:
-        """Move the target by `wall_dt` wall seconds times the speed (unless paused) and run one
-        slice of the engine toward it. Returns True while the engine is behind the target.
-        The worker calls it in a loop; call it under `lock`."""
-        e = self.engine
-        if self.paused or self.error:
-            return False
-        if self.finished:
-            self.target = e.now
-            return False
-        self.target += wall_dt * self.speed
-        if e.now >= self.target:
-            return False
-        t0 = time.perf_counter()
-        try:
-            n = self.source.run_until(self.target, max_steps=self._max_steps)
-        except Exception as err:  # noqa: BLE001 - shown on screen; the worker must not die silently
-            self.error = (str(err) if isinstance(err, ServesimError)
-                          else f"{type(err).__name__}: {err}")
-            self.paused = True
-            return False
-        spent = time.perf_counter() - t0
-        self.steps += n
-        if n >= self._max_steps and spent < self.SLICE_S / 2:
-            self._max_steps = min(1 << 16, self._max_steps * 2)
-        elif spent > self.SLICE_S * 2 and self._max_steps > 1:
-            self._max_steps //= 2
-        # Keep a bounded backlog: when compute is slower than `speed`, run late, not ever later.
-        self.target = min(self.target, e.now + self.BACKLOG_S * max(1.0, self.speed))
-        return e.now < self.target
-
-
 class Dashboard(App[int]):
     """The servesim dashboard over one engine or one deployment of several (`sim.Cluster`:
     its instances get a row each, the queues and the event log say where each request is),
     live or through a replayer (`--replay`)."""
 
-    CSS_PATH = "dashboard.tcss"
+    CSS_PATH = str(Path(__file__).with_name("dashboard.tcss"))  # (whichever module subclasses it)
     TITLE = "servesim"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = keymap.APP_BINDINGS
@@ -319,8 +194,6 @@ class Dashboard(App[int]):
     def _write_new_log(self, kind: str) -> Path:
         """Write the session log under a name no other file has (two exports within one
         second get -2, -3, ...). Returns its path."""
-        from sim.session.log import write_log
-
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         # the scenario's name is the user's text: in a file name only its plain characters
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", self.engine.scenario.name)[:48].strip(".") or "x"
@@ -345,8 +218,7 @@ class Dashboard(App[int]):
     # --- refresh -------------------------------------------------------------------------------
     # While the engine runs behind its clock (real compute on a busy CPU), the timer draws only
     # every LAGGING_FRAME_DIVISOR-th frame: drawing takes the CPU and the GIL that the engine
-    # needs to catch up (measured on `servesim run` with NumPy compute: Textual's rendering was
-    # ~40% of the process's samples, the model ~38%). Key actions still draw at once.
+    # needs to catch up. Key actions still draw at once.
     LAGGING_S = 0.25
     LAGGING_FRAME_DIVISOR = 3
 
@@ -584,9 +456,6 @@ def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
     """Open the dashboard on `scenario` (or play the session log `replay` back). Returns the
     exit code. Raises ServesimError (a log that does not load, a backend that is missing)."""
     if replay:
-        from sim.session.log import read_log
-        from sim.session.replay import Replayer
-
         app = Dashboard(replayer=Replayer(read_log(replay)), replay_name=Path(replay).name,
                         speed=speed)
     else:

@@ -8,17 +8,35 @@ Every error a user can cause ends as one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
+import numpy as np
+
 from sim import ServesimError, build, load_scenario, summarize
+from sim.deploy import sweep
 from sim.errors import ScenarioError
+from sim.fileio import check_writable, write_atomic
+from sim.inputs.scenario import BUNDLED_DIR, DEPLOYMENT_POLICIES, bundled_scenarios
+from sim.inputs.workload import build_workload
+from sim.model import profiles as P
+from sim.model import validate as V
+from sim.model.calibrate import calibrate, preset_toml, read_bench_json, validate_bench
+from sim.model.presets import ENGINES
 from sim.policies import POLICIES
-from sim.inputs.scenario import DEPLOYMENT_POLICIES, bundled_scenarios
+from sim.session import export
+from sim.session.log import read_log, write_log
+from sim.session.replay import Replayer, verify
+from tui import bench, plot
+from tui.compute import make_executor
+from tui.driver import check_speed
+from tui.progress import RunProgress
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,63 +71,6 @@ def _scenario(args) -> "object":
     if getattr(args, "compute", None):
         overrides.append(f"compute.backend={json.dumps(args.compute)}")
     return load_scenario(args.scenario, overrides)
-
-
-def make_executor(scenario):
-    """The executor the scenario's `[compute]` asks for, or None for the pure simulation.
-
-    Raises ScenarioError (one line) when the backend is unavailable or the sizes are wrong.
-    """
-    c = scenario.compute
-    if c.backend == "none":
-        return None
-    from gpu import BackendUnavailable
-    from gpu.executor import ModelExecutor
-    from sim.model.costmodel import CostModel
-
-    sizes = {k: getattr(c, k) for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim")
-             if getattr(c, k)}
-    if c.dtype != "auto":
-        sizes["dtype"] = c.dtype
-    host = (CostModel(scenario).num_host_blocks()
-            if scenario.scheduler.preemption == "swap" else 0)
-    _check_kv_memory(scenario, sizes, host)
-    try:
-        return ModelExecutor.with_defaults(
-            scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
-            vocab_size=c.vocab_size, mlp=c.mlp, seed=scenario.seed,
-            verify_every=c.verify_every, num_host_blocks=host, **sizes)
-    except BackendUnavailable as e:
-        raise ScenarioError(f"compute.backend = {c.backend!r}: {e}") from None
-    except ValueError as e:
-        raise ScenarioError(f"[compute]: {e}") from None
-    except MemoryError:
-        raise ScenarioError(
-            f"compute: a pool of kv.num_blocks = {scenario.kv.num_blocks} blocks does not fit in "
-            "memory at these compute sizes; lower kv.num_blocks or compute.head_dim") from None
-
-
-def _check_kv_memory(scenario, sizes: dict, host_blocks: int) -> None:
-    """With NumPy, the tiny model's K/V pool (and its host swap slots) lives in this process's
-    memory, allocated lazily: check it fits before the run fills it, not when the OOM killer
-    comes. (A CUDA pool that does not fit fails at once, as a MemoryError.)"""
-    from gpu import BackendUnavailable, get_backend
-    from gpu.executor import CPU_MODEL, ModelExecutor
-    from sim.limits import check_memory
-
-    try:
-        name = get_backend(scenario.compute.backend).name
-    except (BackendUnavailable, ValueError):
-        return  # reported as one line when the executor is built
-    if name != "numpy":
-        return
-    dims = {**CPU_MODEL, **sizes}
-    per = ModelExecutor.block_bytes(scenario.kv.block_size, num_layers=dims["num_layers"],
-                                    num_kv_heads=dims["num_kv_heads"],
-                                    head_dim=dims["head_dim"], dtype=dims["dtype"])
-    n = scenario.kv.num_blocks
-    check_memory(f"compute.backend = \"numpy\" with kv.num_blocks = {n}", (n + host_blocks) * per,
-                 f" for the tiny model's K/V ({per:,} bytes a block)")
 
 
 def build_engine(scenario, policy: str | None = None, **kw):
@@ -190,8 +151,6 @@ def _is_terminal(stream) -> bool:
 def _progress(args):
     """The progress line of a long headless run (tui.progress): on stderr when it is a
     terminal, unless --quiet, or --json goes to a pipe."""
-    from tui.progress import RunProgress
-
     quiet = args.quiet or (getattr(args, "json", False) and not _is_terminal(sys.stdout))
     return RunProgress(sys.stderr, enabled=not quiet and _is_terminal(sys.stderr))
 
@@ -199,8 +158,6 @@ def _progress(args):
 def _check_writable(path: str | None, what: str) -> None:
     """Fail before a long run, not after it, when its output cannot be written."""
     if path:
-        from sim.fileio import check_writable
-
         check_writable(path, what)
 
 
@@ -239,8 +196,6 @@ def cmd_sim(args) -> int:
         engine.run()
     summary = summarize(engine)
     if args.log:
-        from sim.session.log import write_log
-
         write_log(args.log, engine, summary)
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -262,8 +217,6 @@ def cmd_compare(args) -> int:
     for n in names:
         if n not in known:
             raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
-    from sim.inputs.workload import build_workload
-
     workload = build_workload(sc)  # one trace, every policy
     out = {}
     with _progress(args) as progress:
@@ -285,8 +238,6 @@ def cmd_compare(args) -> int:
 
 
 def _one_pair(sc):
-    import copy
-
     sc = copy.deepcopy(sc)
     sc.cluster.replicas = 1
     return sc
@@ -308,14 +259,14 @@ def cmd_run(args) -> int:
                             "`servesim sim` runs headless")
     sc = _scenario(args)
     try:
-        from tui.app import run_dashboard
+        from tui.app import run_dashboard  # (lazy: Textual loads only for the dashboard)
     except ImportError as e:  # pragma: no cover
         raise ScenarioError(f"the dashboard needs textual: {e}") from None
     return run_dashboard(sc, speed=args.speed, replay=args.replay, make_executor=make_executor)
 
 
 def cmd_serve(args) -> int:
-    from tui.serve.app import build_frontend, serve_dashboard, serve_headless
+    from tui.serve.app import build_frontend, serve_headless  # (lazy: aiohttp loads only to serve)
 
     if not 0 <= args.port <= 65535:
         raise ScenarioError(f"--port {args.port}: must be between 0 and 65535")
@@ -327,14 +278,13 @@ def cmd_serve(args) -> int:
                               max_waiting=args.max_waiting, record_timing=args.record_timing,
                               bounded=not args.tui, send_threads=args.send_threads)
     if args.tui:
+        from tui.serve.dashboard import serve_dashboard  # (lazy: Textual loads only for --tui)
+
         return serve_dashboard(frontend, args.host, args.port)
     return serve_headless(frontend, args.host, args.port)
 
 
 def cmd_replay(args) -> int:
-    from sim.session.log import read_log
-    from sim.session.replay import Replayer, verify
-
     log = read_log(args.log, check_events=not args.verify)  # (verify checks what differs)
     make = make_executor if log.header["compute"]["backend"] != "none" and args.verify else None
     with _progress(args) as progress:
@@ -368,11 +318,6 @@ def cmd_replay(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from sim.session import export
-    from sim.fileio import write_atomic
-    from sim.session.log import read_log
-    from sim.session.replay import Replayer
-
     _check_writable(args.output, "-o")
     _not_an_input(args.output, "-o", [args.log])
     log = read_log(args.log)
@@ -393,9 +338,6 @@ def cmd_export(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from sim.deploy import sweep
-    from sim.fileio import write_atomic
-
     if args.seeds is not None and args.seeds < 1:
         raise ScenarioError(f"--seeds {args.seeds}: must be at least 1")
     if args.seeds is not None and args.seed is not None:
@@ -405,8 +347,6 @@ def cmd_sweep(args) -> int:
         overrides += sweep.slo_overrides(args.slo)
     _check_writable(args.output, "-o")  # before the sweep, not after it
     if args.plot:
-        from tui import plot
-
         plot.check_output(args.plot)
         _check_writable(args.plot, "--plot")
     seeds = range(args.seeds) if args.seeds is not None else None  # (checked before listed)
@@ -434,8 +374,6 @@ def cmd_sweep(args) -> int:
     else:
         print(table.to_text(table.key_columns + sweep.TEXT_METRICS))
     if args.plot is not None:
-        from tui import plot
-
         cs, slos = plot.curves(table), plot.slo_bounds(plan)
         if args.plot:
             plot.write_plot(args.plot, cs, slos, title=f"{plan.points[0].scenario.name}: "
@@ -448,15 +386,11 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from tui import bench
-
     return bench.main(args)
 
 
 def _speed(text: str) -> float:
     """--speed: a number from 1/64 to 4096 (argparse shows the error as one line)."""
-    from tui.app import check_speed
-
     try:
         return check_speed(text)
     except ServesimError as e:
@@ -464,13 +398,8 @@ def _speed(text: str) -> float:
 
 
 def cmd_validate(args) -> int:
-    from sim.model import validate as V
-    from sim.inputs.scenario import BUNDLED_DIR
-
     spec = Path(args.points) if args.points else BUNDLED_DIR / "fidelity"
     if spec.suffix.lower() == ".json":
-        from sim.model.calibrate import read_bench_json, validate_bench
-
         results = validate_bench(read_bench_json(spec), _scenario(args))
     else:
         points = V.load_points(spec)
@@ -506,9 +435,6 @@ def _fit_profiles(points, args) -> int:
     """`validate --fit` / `--loo` / `--leave-out KEY`: fit the engine profiles on the `use =
     fit` points (how the built-in ones were made), and their leave-one-out error or their error
     on each value of KEY held out whole."""
-    from sim.model import profiles as P
-    from sim.model.validate import error_stats
-
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
@@ -516,31 +442,25 @@ def _fit_profiles(points, args) -> int:
     c = P.fit(rows, log=log)
     profiles = P.profiles(c)
     if not (args.loo or args.leave_out):  # (the derived profiles need the fitted ones)
-        from sim.model.presets import ENGINES
-
         profiles = P.fit_ratios({**ENGINES, **profiles}, log=log)
     out = {"coefficients": c, "profiles": profiles}
     if args.loo:
         loo = P.leave_one_out(rows, log=log)
         out["leave_one_out"] = {p.id: ratio for p, ratio in loo}
-        out["leave_one_out_error"] = error_stats([r for _, r in loo])
+        out["leave_one_out_error"] = V.error_stats([r for _, r in loo])
     if args.leave_out:
         folds = P.leave_group_out(rows, args.leave_out, log=log)
         out["leave_group_out"] = {
             "key": args.leave_out,
             "groups": {name: {"points": {p.id: ratio for p, ratio in pairs},
-                              "error": error_stats([r for _, r in pairs])}
+                              "error": V.error_stats([r for _, r in pairs])}
                        for name, pairs in folds},
-            "error": error_stats([r for _, pairs in folds for _, r in pairs])}
+            "error": V.error_stats([r for _, pairs in folds for _, r in pairs])}
     print(json.dumps(out, indent=2))
     return 0
 
 
 def cmd_calibrate(args) -> int:
-    import numpy as np
-
-    from sim.model.calibrate import calibrate, preset_toml
-
     path = Path(args.measurements)
     if not path.is_file():
         raise ScenarioError(f"{path}: no such measurement file")
@@ -563,8 +483,6 @@ def cmd_calibrate(args) -> int:
         print(f"residuals: median |fitted / measured - 1| = {np.median(err):.3f}, "
               f"worst {err.max():.3f} over {len(err)} measurements")
     if args.output:
-        from sim.fileio import write_atomic
-
         write_atomic(args.output, text)
         if not args.json:
             print(f"wrote {args.output}: use it with [engine] preset = \"{args.output}\"")
@@ -698,8 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fit", action="store_true",
                    help="fit the engine profiles on the use = fit points (prints JSON)")
     s.add_argument("--loo", action="store_true", help="with the fit, its leave-one-out error")
-    from sim.model.profiles import GROUPS
-    s.add_argument("--leave-out", choices=sorted(GROUPS),
+    s.add_argument("--leave-out", choices=sorted(P.GROUPS),
                    help="with the fit, its error on each model, GPU, data type, tensor-parallel "
                         "degree or engine held out whole")
     s.set_defaults(func=cmd_validate)
@@ -717,8 +634,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_calibrate)
 
     s = sub.add_parser("bench", help="benchmarks that print figures")
-    from tui import bench
-
     bench.add_arguments(s)
     s.set_defaults(func=cmd_bench)
     return p
@@ -779,8 +694,6 @@ def _drop_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    import threading
-
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGHUP):

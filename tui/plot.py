@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from sim.errors import ScenarioError
+from sim.fileio import save_figure
 
 X = "throughput_requests_per_s"
 PANELS = [("TTFT", "ttft", "ttft_ms"), ("TPOT", "tpot", "tpot_ms")]  # (title, metric, SLO field)
@@ -99,11 +100,11 @@ def check_output(path: str) -> None:
 # --- a file (matplotlib) -------------------------------------------------------------------------
 def write_plot(path: str, cs: list[Curve], slos: dict, title: str) -> None:
     """Draw the curves to `path` (.svg or .png)."""
-    import matplotlib
+    import matplotlib  # (lazy: the optional `plot` extra, only to draw a file)
 
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
+    matplotlib.use("Agg")  # no display needed (before pyplot loads)
+    import matplotlib.pyplot as plt  # (lazy: as matplotlib)
+    import matplotlib.ticker  # (lazy: as matplotlib)
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 4.8), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -135,8 +136,6 @@ def write_plot(path: str, cs: list[Curve], slos: dict, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[-1].legend(fontsize=7, loc="best")
     fig.suptitle(title)
-    from sim.fileio import save_figure
-
     try:
         save_figure(fig, path)
     finally:

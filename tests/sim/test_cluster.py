@@ -19,7 +19,8 @@ from sim.engine.request import RequestState as S
 from tests.fuzz import fuzz_settings
 from tests.helpers import (check_cluster_invariants, run_with_and_without_history,
                            small_scenario, workload_of)
-from tui.cli import main, make_executor
+from tui.cli import main
+from tui.compute import make_executor
 
 DISAGG = 'scheduler.policy="disaggregated"'
 

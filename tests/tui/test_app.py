@@ -13,7 +13,8 @@ from sim import POLICIES, Engine, load_scenario
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
 from tui import keymap
-from tui.app import Dashboard, EngineDriver
+from tui.app import Dashboard
+from tui.driver import EngineDriver
 from tui.widgets import HelpScreen, InjectDialog, RequestTable
 from tui.widgets.inject_dialog import BadValue, parse_inject
 

@@ -2,6 +2,7 @@
 
 `protocol` (request checks, response bodies, error bodies), `frontend` (the engine on the wall
 clock, token times from its events, sends), `metrics` (`/metrics` under vLLM's names), `http`
-(aiohttp routes and the server), `app` (headless serving), `dashboard` (`--tui`), `bench`
-(`servesim bench serve`). Imports `sim` only (and `tui` for the dashboard), never the reverse.
+(aiohttp routes and the server), `app` (headless serving), `dashboard` (`--tui`). Its benchmark,
+`servesim bench serve`, is `tui.bench.serve`. Imports `sim` only (and `tui` for the dashboard),
+never the reverse.
 """

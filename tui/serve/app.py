@@ -1,5 +1,5 @@
-"""`servesim serve`: build the engine and its front end, then serve headless (asyncio's loop) or
-under the dashboard (Textual's loop: one event loop either way).
+"""`servesim serve`: build the engine and its front end, then serve headless (asyncio's loop);
+`tui.serve.dashboard` serves under the dashboard (Textual's loop: one event loop either way).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
 from sim.inputs.workload import Workload
 from tui.serve.frontend import Frontend
+from tui.serve.http import Server
 
 
 # A server is meant to run for days: a speed at which the simulated clock would pass the
@@ -81,8 +82,6 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
     """Serve until SIGINT/SIGTERM. `ready(server)` is called once listening. Returns 0.
     Raises ScenarioError when the address cannot be bound."""
-    from tui.serve.http import Server
-
     async def main() -> None:
         server = Server(frontend, host, port)
         try:
@@ -111,14 +110,3 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
 
     asyncio.run(main())
     return 0
-
-
-def serve_dashboard(frontend: Frontend, host: str, port: int) -> int:
-    """Serve under the live dashboard; `q` quits. Returns the exit code."""
-    from tui.serve.dashboard import ServeDashboard
-
-    app = ServeDashboard(frontend, host, port)
-    app.run()
-    if app.listen_error:
-        raise ScenarioError(app.listen_error)
-    return app.return_code or 0

@@ -9,16 +9,16 @@ injections with their times and replays exactly.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import tui.app
-from tui.app import MAX_SPEED, MIN_SPEED, Dashboard
+from sim import ScenarioError
+from tui.app import Dashboard
+from tui.driver import MAX_SPEED, MIN_SPEED
 from tui.serve.app import banner
 from tui.serve.frontend import Frontend
+from tui.serve.http import Server
 
 
 class ServeDriver:
-    """The dashboard's driver (`tui.app.EngineDriver`'s methods) over the server's clock."""
+    """The dashboard's driver (`tui.driver.EngineDriver`'s methods) over the server's clock."""
 
     replay = False
     finished = False
@@ -76,12 +76,8 @@ class ServeDriver:
 class ServeDashboard(Dashboard):
     """The dashboard with the HTTP server running in its event loop."""
 
-    CSS_PATH = str(Path(tui.app.__file__).with_name(Dashboard.CSS_PATH))
-
     def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".") -> None:
         super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
-        from tui.serve.http import Server
-
         self.server = Server(frontend, host, port)
         self.listen_error: str | None = None
 
@@ -108,3 +104,12 @@ class ServeDashboard(Dashboard):
     async def action_quit(self) -> None:
         await self.server.stop()
         self.exit(0)
+
+
+def serve_dashboard(frontend: Frontend, host: str, port: int) -> int:
+    """Serve under the live dashboard; `q` quits. Returns the exit code."""
+    app = ServeDashboard(frontend, host, port)
+    app.run()
+    if app.listen_error:
+        raise ScenarioError(app.listen_error)
+    return app.return_code or 0

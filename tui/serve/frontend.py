@@ -59,9 +59,9 @@ MAX_SLEEP_S = 0.1
 # The pump asks to be woken this much before a step's tokens are due and sleeps the rest in the
 # kernel (the loop held for it). asyncio's epoll waits whole milliseconds, rounded up, and the
 # pump's task resumes only after the I/O callbacks ready in that loop iteration (requests
-# coming in): woken 1 ms early it resumed after the tokens' time in half the passes (up to 1.5
-# ms after at p99, `bench serve` at 500 streams); 2.5 ms early, 0.12-0.22 ms at p50 and
-# 0.5-1.25 ms at p99. A request arriving meanwhile waits for its handler at most that long.
+# coming in), so it needs more than 1 ms of margin to resume before the tokens' time (`bench
+# serve` shows how late it resumes). A request arriving meanwhile waits for its handler at most
+# that long.
 WAKE_EARLY_S = 0.0025
 
 
@@ -232,7 +232,7 @@ class _FdBudget:
 
     def __init__(self) -> None:
         try:
-            import resource
+            import resource  # (Unix only)
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         except (ImportError, OSError, ValueError):
             soft = 1024

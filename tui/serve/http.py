@@ -18,6 +18,7 @@ from http import HTTPStatus
 
 from aiohttp import http_exceptions, web
 
+from sim import __version__
 from tui.serve.frontend import Frontend
 from tui.serve.intake import ACCEPT_BATCH, Intake
 from tui.serve.metrics import CONTENT_TYPE
@@ -170,8 +171,6 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    from sim import __version__
-
     return web.json_response({"version": f"servesim {__version__}"})
 
 

@@ -111,8 +111,8 @@ class Intake:
         address family this machine cannot open a socket for). Raises OSError
         (socket.gaierror included)."""
         # (resolved off the loop, in a thread of its own that ends here: a thread left alive
-        # in the server's process, as asyncio's default executor's would be, made the pump's
-        # send passes up to 20 ms late during a burst of new connections, measured)
+        # in the server's process, as asyncio's default executor's would be, makes the pump's
+        # send passes late during a burst of new connections)
         with concurrent.futures.ThreadPoolExecutor(1) as resolver:
             infos = await asyncio.get_running_loop().run_in_executor(
                 resolver, functools.partial(socket.getaddrinfo, host or None, port,

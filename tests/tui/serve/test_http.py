@@ -411,7 +411,7 @@ def test_a_served_session_replays_exactly(server, tmp_path):
 def test_with_real_compute_the_text_is_the_tiny_models_bytes():
     import codecs
 
-    from tui.cli import make_executor
+    from tui.compute import make_executor
 
     with serving(["compute.backend=\"numpy\"", "kv.num_blocks=256"],
                  make_executor=make_executor) as s:

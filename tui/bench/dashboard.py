@@ -17,7 +17,7 @@ import numpy as np
 from sim import Engine, load_scenario
 from sim.inputs.workload import sample_lengths
 from tui.app import Dashboard
-from tui.bench_scale import run_in_child, status_bytes
+from tui.bench.common import machine
 
 NUM_BLOCKS = 4096
 WAITING = 500
@@ -99,7 +99,7 @@ def _ms(values: list[float], q: float | None = None) -> float:
     return float(a.mean() if q is None else np.percentile(a, q, method="inverted_cdf"))
 
 
-def bench_tui(args) -> dict:
+def run(args) -> dict:
     sim_seconds = float(args.sim_seconds)
     engine = _engine()
     speed = max(1.0, sim_seconds / WALL_S)
@@ -129,62 +129,8 @@ def bench_tui(args) -> dict:
     }
 
 
-# --- `servesim bench live-memory` ------------------------------------------------------------
-
-async def _sample_memory(app, sim_seconds: float, every: float) -> list[tuple[float, float]]:
-    rows = []
-    async with app.run_test(size=(200, 60)) as pilot:
-        next_at = 0.0
-        while app.engine.now < sim_seconds and not app.engine.done:
-            await pilot.pause(0.2)
-            if app.engine.now >= next_at:
-                rows.append((app.engine.now, status_bytes("VmRSS") / 2**20))
-                next_at = app.engine.now + every
-        rows.append((app.engine.now, status_bytes("VmRSS") / 2**20))
-        app.driver.set_paused(True)
-    return rows
-
-
-def bench_live_memory(args) -> dict:
-    """The dashboard as `servesim run chat` opens it (its own engine, the session log kept for
-    export), headless at 200x60, with real compute (`auto`: NumPy here) and without: resident
-    memory against simulated time, each in a fresh process (Linux: /proc/self/status)."""
-    runs = [run_in_child("tui.bench_tui", "live_memory_child", args.scenario, backend,
-                         args.speed, args.sim_seconds) for backend in ("auto", "none")]
-    return {"scenario": args.scenario, "speed": args.speed, "sim_seconds": args.sim_seconds,
-            "runs": runs}
-
-
-def live_memory_child(scenario: str, backend: str, speed: float, sim_seconds: float) -> dict:
-    import gc
-
-    from sim import build
-    from tui.cli import make_executor
-
-    sc = load_scenario(scenario, [f"compute.backend={backend!r}".replace("'", '"')])
-    engine = build(sc, make_executor=make_executor)
-    app = Dashboard(engine, speed=speed)
-    every = max(1.0, sim_seconds / 30)
-    frozen = gc.get_freeze_count()  # (what the process froze before: none in a fresh one)
-    rows = asyncio.run(_sample_memory(app, sim_seconds, every))
-    frozen = gc.get_freeze_count() - frozen
-    t = np.array([r[0] for r in rows])
-    mb = np.array([r[1] for r in rows])
-    late = t >= min(60.0, t[-1] / 2)  # (past start-up: imports, first pages of the pool)
-    slope = float(np.polyfit(t[late], mb[late], 1)[0]) if late.sum() >= 3 else float("nan")
-    return {"backend": engine.executor.name if engine.executor else "none",
-            "samples": [[round(a, 1), round(b, 1)] for a, b in rows],
-            "mb_per_sim_s": slope, "gc_frozen": frozen,
-            "events": len(engine.events), "steps": engine.step_count}
-
-
-def text_live_memory(r: dict) -> str:
-    lines = [f"dashboard memory: {r['scenario']} at x{r['speed']:g}, {r['sim_seconds']:g} "
-             "simulated seconds (RSS, MB)"]
-    for x in r["runs"]:
-        s = x["samples"]
-        lines.append(f"  compute {x['backend']:<6} {s[0][1]:7.1f} MB at {s[0][0]:5.1f} s -> "
-                     f"{s[-1][1]:7.1f} MB at {s[-1][0]:6.1f} s: {x['mb_per_sim_s']:.3f} MB per "
-                     f"simulated second after start-up; {x['steps']:,} steps, "
-                     f"{x['events']:,} events kept; {x['gc_frozen']} objects frozen")
+def text(r: dict) -> str:
+    lines = [f"bench tui: {machine()}"]
+    for k, v in r.items():
+        lines.append(f"  {k:<22} {v:,.2f}" if isinstance(v, float) else f"  {k:<22} {v}")
     return "\n".join(lines)

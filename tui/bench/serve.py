@@ -16,7 +16,6 @@ everything else compete for the same cores, and the figures say so.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,29 +25,6 @@ import sys
 import time
 
 import numpy as np
-
-
-def add_arguments(sub) -> None:
-    from tui.bench import _count, _seconds, _speed
-
-    s = sub.add_parser("serve", help="servesim serve: token send lateness with many streams")
-    s.add_argument("--scenario", default="chat")
-    s.add_argument("--streams", type=_count, default=500, help="concurrent streams (default 500)")
-    s.add_argument("--duration", type=_seconds, default=30.0,
-                   help="wall seconds of load (default 30)")
-    s.add_argument("--prompt-tokens", type=_count, default=256)
-    s.add_argument("--max-tokens", type=_count, default=128)
-    s.add_argument("--speed", type=_speed, default=1.0)
-    s.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE",
-                   help="scenario overrides (default: scheduler.max_num_seqs=512, so that "
-                        "every stream decodes in the batch)")
-    s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
-                   help="the server's --send-threads (default 1)")
-    s.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="give the server its own CPU and the client the others (default, where "
-                        "the process may use 2 or more; --no-pin lets the kernel place both)")
-    s.add_argument("--json", action="store_true")
 
 
 def _free_port() -> int:
@@ -93,8 +69,8 @@ class _Stream(asyncio.BufferedProtocol):
     whether it opened its connection)`.
 
     Reads go into one buffer shared by every stream (`recv_into`; each read is handled before
-    the next): a plain Protocol's reads allocate asyncio's 256 KiB `recv` buffer each time, ~12
-    us of the client's ~23 us a read, and a client that reads late measures late."""
+    the next): a plain Protocol's reads allocate asyncio's 256 KiB `recv` buffer each time,
+    about half of the client's work a read, and a client that reads late measures late."""
 
     def __init__(self, request: bytes, stop_at: float, records: dict,
                  buffer: memoryview) -> None:
@@ -215,7 +191,7 @@ async def _load(host: str, port: int, streams: int, duration: float, prompt: str
     return records, errors, timing
 
 
-def bench_serve(args) -> dict:
+def run(args) -> dict:
     port = _free_port()
     cmd = [sys.executable, "-m", "tui.cli", "serve", args.scenario, "--port", str(port),
            "--speed", str(args.speed), "--record-timing", "--send-threads",
@@ -312,7 +288,7 @@ def _fmt(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
-def text_serve(r: dict) -> str:
+def text(r: dict) -> str:
     late, t, i = (r["send_lateness_ms"], r["ttft_client_minus_engine_ms"],
                   r["itl_client_minus_engine_ms"])
     parts = r["ttft_gap_parts_ms"]

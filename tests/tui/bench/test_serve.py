@@ -8,12 +8,13 @@ import os
 
 import pytest
 
-from tui.serve import bench
+from tui import bench
+from tui.bench import serve
 
 
 def args(**kw) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    bench.add_arguments(ap.add_subparsers())
+    bench.add_arguments(ap)
     a = ap.parse_args(["serve", "--streams", "4", "--duration", "1.5", "--max-tokens", "12",
                        "--prompt-tokens", "16"])
     for k, v in kw.items():
@@ -22,8 +23,8 @@ def args(**kw) -> argparse.Namespace:
 
 
 def test_placement_splits_the_cpus_or_leaves_them_to_the_kernel():
-    assert bench._placement(False) is None
-    got = bench._placement(True)
+    assert serve._placement(False) is None
+    got = serve._placement(True)
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         assert got is None
     else:
@@ -36,13 +37,13 @@ def test_placement_splits_the_cpus_or_leaves_them_to_the_kernel():
 @pytest.mark.parametrize("pin", [True, False])
 def test_bench_serve_reports_every_stream_and_restores_its_cpus(pin):
     before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    r = bench.bench_serve(args(pin=pin))
+    r = serve.run(args(pin=pin))
     if before is not None:
         assert os.sched_getaffinity(0) == before  # the client's placement is undone
     assert r["errors"] == 0 and r["requests"] >= 4
     assert r["tokens"] == 12 * r["requests"]  # every token of every request seen by the client
     late = r["send_lateness_ms"]
     assert late["p50"] is not None and late["p50"] <= late["p99"] <= late["max"]
-    assert (r["pinned"] is not None) == (pin and bench._placement(True) is not None)
-    text = bench.text_serve(r)
+    assert (r["pinned"] is not None) == (pin and serve._placement(True) is not None)
+    text = serve.text(r)
     assert "send lateness" in text and ("client on" in text) == (r["pinned"] is not None)

@@ -1,0 +1,69 @@
+"""`servesim bench live-memory`: the dashboard's resident memory against simulated time, with
+real compute and without, each run in a fresh process."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import numpy as np
+
+from sim import build, load_scenario
+from tui.app import Dashboard
+from tui.bench.common import run_in_child
+from tui.bench.memory import status_bytes
+from tui.compute import make_executor
+
+
+async def _sample_memory(app, sim_seconds: float, every: float) -> list[tuple[float, float]]:
+    rows = []
+    async with app.run_test(size=(200, 60)) as pilot:
+        next_at = 0.0
+        while app.engine.now < sim_seconds and not app.engine.done:
+            await pilot.pause(0.2)
+            if app.engine.now >= next_at:
+                rows.append((app.engine.now, status_bytes("VmRSS") / 2**20))
+                next_at = app.engine.now + every
+        rows.append((app.engine.now, status_bytes("VmRSS") / 2**20))
+        app.driver.set_paused(True)
+    return rows
+
+
+def run(args) -> dict:
+    """The dashboard as `servesim run chat` opens it (its own engine, the session log kept for
+    export), headless at 200x60, with real compute (`auto`: NumPy here) and without: resident
+    memory against simulated time, each in a fresh process (Linux: /proc/self/status)."""
+    runs = [run_in_child("tui.bench.live_memory", "child", args.scenario, backend,
+                         args.speed, args.sim_seconds) for backend in ("auto", "none")]
+    return {"scenario": args.scenario, "speed": args.speed, "sim_seconds": args.sim_seconds,
+            "runs": runs}
+
+
+def child(scenario: str, backend: str, speed: float, sim_seconds: float) -> dict:
+    sc = load_scenario(scenario, [f"compute.backend={backend!r}".replace("'", '"')])
+    engine = build(sc, make_executor=make_executor)
+    app = Dashboard(engine, speed=speed)
+    every = max(1.0, sim_seconds / 30)
+    frozen = gc.get_freeze_count()  # (what the process froze before: none in a fresh one)
+    rows = asyncio.run(_sample_memory(app, sim_seconds, every))
+    frozen = gc.get_freeze_count() - frozen
+    t = np.array([r[0] for r in rows])
+    mb = np.array([r[1] for r in rows])
+    late = t >= min(60.0, t[-1] / 2)  # (past start-up: imports, first pages of the pool)
+    slope = float(np.polyfit(t[late], mb[late], 1)[0]) if late.sum() >= 3 else float("nan")
+    return {"backend": engine.executor.name if engine.executor else "none",
+            "samples": [[round(a, 1), round(b, 1)] for a, b in rows],
+            "mb_per_sim_s": slope, "gc_frozen": frozen,
+            "events": len(engine.events), "steps": engine.step_count}
+
+
+def text(r: dict) -> str:
+    lines = [f"dashboard memory: {r['scenario']} at x{r['speed']:g}, {r['sim_seconds']:g} "
+             "simulated seconds (RSS, MB)"]
+    for x in r["runs"]:
+        s = x["samples"]
+        lines.append(f"  compute {x['backend']:<6} {s[0][1]:7.1f} MB at {s[0][0]:5.1f} s -> "
+                     f"{s[-1][1]:7.1f} MB at {s[-1][0]:6.1f} s: {x['mb_per_sim_s']:.3f} MB per "
+                     f"simulated second after start-up; {x['steps']:,} steps, "
+                     f"{x['events']:,} events kept; {x['gc_frozen']} objects frozen")
+    return "\n".join(lines)
