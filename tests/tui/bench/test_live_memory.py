@@ -5,8 +5,8 @@ from tui.bench.common import run_in_child
 
 
 def test_the_dashboard_sampled_over_simulated_time_freezes_nothing():
-    # A frame's short engine turn must not gc.freeze() what it made (it did, until 60d7764:
-    # the live dashboard's garbage cycles were kept for good). In a fresh process, as the bench
+    # A frame's short engine turn must not gc.freeze() what it made (the live dashboard's
+    # garbage cycles would be kept for good). In a fresh process, as the bench
     # runs it: in the test's own, objects that earlier tests froze are freed meanwhile and the
     # freeze count goes down (-1, -18), hiding what this run froze.
     r = run_in_child("tui.bench.live_memory", "child", "chat", "none", 8.0, 6.0)
