@@ -68,7 +68,7 @@ static int get_double(PyObject *v, double *out) {
  * tokens, the first starting at t, up to the first that ends at or after t_ext: end times,
  * durations and energies written to rows at, at + 1, ... of the three float64 columns.
  * Returns how many, and the first and last end times (NaN without a row: saves reading them
- * back as NumPy scalars). `coefficients` is CostModel.kernel_coefficients(); step j is
+ * back as NumPy scalars). `coefficients` is CostModel.kernel_coefficients; step j is
  * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
  * along the run computed once (tests/sim/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

@@ -94,6 +94,7 @@ class CostModel:
     _cpu0: float
     _cpu1: float
     _overlap: bool
+    kernel_coefficients: tuple
 
     def __init__(self, scenario) -> None:
         m, h, kv, e = scenario.model, scenario.hardware, scenario.kv, scenario.engine
@@ -170,6 +171,11 @@ class CostModel:
         self._cpu0 = e.cpu_base_us * 1e-6
         self._cpu1 = e.cpu_per_seq_us * 1e-6
         self._overlap = e.cpu_overlap
+        # (in the order sim/_rows.c's `decode_rows` reads them: `step`'s decode step in C)
+        self.kernel_coefficients = (
+            self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
+            self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
+            self._overlap, self._idle, self._dyn)
 
     def weight_bytes_per_gpu(self) -> float:
         return self.weight_bytes / self.tp
@@ -259,13 +265,6 @@ class CostModel:
                 break
             kr += b
         return ends, durs, ens
-
-    def kernel_coefficients(self) -> tuple:
-        """The kernel model's coefficients in the order sim/_rows.c's `decode_rows` reads
-        them (a run of decode steps timed in C: `step`'s decode terms)."""
-        return (self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
-                self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
-                self._overlap, self._idle, self._dyn)
 
     def idle_energy(self, seconds: float) -> float:
         return self._idle * seconds

@@ -245,10 +245,28 @@ def test_presets_change_speed():
 
 
 # --- one definition ------------------------------------------------------------------------------
-KERNEL = ["_blk_c", "_blk_m", "_head_c", "_head_m", "_elem", "_attn_f", "_kv", "_kv_read",
-          "_fixed", "_ar_tok", "_cpu0", "_cpu1", "_idle", "_dyn"]
-ROOF = ["_lin", "_attn", "_inv_flops", "_inv_bw", "_comm", "overhead", "weight_bytes",
-        "_idle", "_dyn"]
+EFFICIENCIES = ["gemm_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficiency",
+                "attention_efficiency", "elementwise_efficiency", "allreduce_efficiency"]
+MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "cpu_base_us", "cpu_per_seq_us"]
+
+
+def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool) -> CostModel:
+    """A cost model whose parameters are random: every mantissa bit (so that a sum taken in
+    another order rounds differently somewhere along a run), some overheads zero."""
+    sets = [f'engine.preset="{preset}"', f"model.tensor_parallel={tp}", f'hardware.preset="{hw}"',
+            f"hardware.interconnect_gbps={rnd.uniform(50, 900)!r}"]
+    if preset == "roofline":
+        sets += [f"hardware.flops_efficiency={rnd.uniform(0.05, 1)!r}",
+                 f"hardware.bandwidth_efficiency={rnd.uniform(0.05, 1)!r}",
+                 f"hardware.step_overhead_ms={rnd.uniform(0, 3)!r}"]
+    else:
+        sets += [f"engine.{k}={rnd.uniform(0.05, 1)!r}" for k in EFFICIENCIES]
+        sets += [f"engine.{k}={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 300)!r}"
+                 for k in MICROSECONDS]
+        sets += [f"engine.cpu_overlap={str(overlap).lower()}",
+                 f"engine.gqa_shared_kv={str(rnd.random() < 0.5).lower()}",
+                 f"engine.gqa_reread={rnd.random()!r}"]
+    return model(*sets)
 
 
 @settings(max_examples=150, deadline=None)
@@ -260,22 +278,13 @@ ROOF = ["_lin", "_attn", "_inv_flops", "_inv_bw", "_comm", "overhead", "weight_b
        t0=st.floats(0, 1e6), cut=st.floats(0, 2.0) | st.just(math.inf))
 def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, rows, b, c0, n, t0,
                                              cut):
-    """`CostModel.step` is the one definition of a step's time; for any coefficients and counts
+    """`CostModel.step` is the one definition of a step's time; for any parameters and counts
     the other paths give its very bits: `steps` (its source over arrays), `decode_times` (runs
     of decode steps) and, in the compiled build, sim/_rows.c's `decode_rows`, which restates
     the decode step in C (a step ends at the clock plus its duration, added in order)."""
     from sim import stepping
 
-    m = model(f'engine.preset="{preset}"', f"model.tensor_parallel={tp}",
-              f'hardware.preset="{hw}"', "hardware.interconnect_gbps=450")
-    # Each coefficient scaled by a random factor (every mantissa bit random: a sum taken in
-    # another order rounds differently somewhere along a run), or zero (one GPU's all-reduce).
-    rnd = data.draw(st.randoms(use_true_random=False))
-    roofline = preset == "roofline"
-    for name in ROOF if roofline else KERNEL:
-        v = 0.0 if rnd.random() < 0.1 else (getattr(m, name) or 1e-5) * 2 ** rnd.uniform(-4, 4)
-        setattr(m, name, v)
-    m._overlap = overlap
+    m = random_model(data.draw(st.randoms(use_true_random=False)), preset, tp, hw, overlap)
     # any rows, as arrays (ints, as the engine's runs give them, or floats, as fits give them)
     cols = [np.array(c, dtype=data.draw(st.sampled_from([np.int64, np.float64])))
             for c in zip(*rows)]
@@ -293,11 +302,11 @@ def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, row
     assert list(zip(*m.decode_times(b, c0, n, t0, t_ext))) == want
     dv, ev = m.decode_steps(b, c0 + b * np.arange(len(want), dtype=np.int64))
     assert list(zip(dv.tolist(), ev.tolist())) == [w[1:] for w in want]
-    if stepping._ROWS is not None and not roofline:
+    if stepping._ROWS is not None and not m.roofline:
         at = data.draw(st.integers(0, 20))
         cols = [np.full(at + n + 3, -1.0) for _ in range(3)]
         k, first, last = stepping._ROWS.decode_rows(*cols, at, n, t0, t_ext, b, c0,
-                                                    m.kernel_coefficients())
+                                                    m.kernel_coefficients)
         assert (k, first, last) == (len(want), want[0][0], want[-1][0])
         assert list(zip(*(c[at:at + k].tolist() for c in cols))) == want  # (==: the same bits)
         assert all((c[:at] == -1).all() and (c[at + k:] == -1).all() for c in cols)

@@ -13,7 +13,7 @@ rows = stepping._ROWS
 pytestmark = pytest.mark.skipif(rows is None, reason="no compiled build (pure Python)")
 
 
-# CostModel.kernel_coefficients()'s 15, `overlap` (an int) 13th
+# CostModel.kernel_coefficients: 15, `overlap` (an int) 13th
 COEFFICIENTS = (1.0,) * 12 + (False, 1.0, 1.0)
 
 
