@@ -46,15 +46,12 @@ REJECTED: Final = RS.REJECTED
 UNBOUNDED: Final = 1 << 62  # a token budget that no step reaches
 
 
-# sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) and
-# sim/_blocks.c (its block crossings) with the compiled build, else None: the same in Python
+# sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) with
+# the compiled build, else None: the same in Python
 _ROWS: Any = _compiled.c_module("sim._rows")
-_BLOCKS: Any = _compiled.c_module("sim._blocks")
-# (their functions bound once: a call through the module looks the name up in it every time)
+# (its functions bound once: a call through the module looks the name up in it every time)
 _decode_rows: Any = None if _ROWS is None else _ROWS.decode_rows
 _used_rows: Any = None if _ROWS is None else _ROWS.used_rows
-_crossings: Any = None if _BLOCKS is None else _BLOCKS.crossings
-_deal: Any = None if _BLOCKS is None else _BLOCKS.deal
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -835,11 +832,6 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     s: EngineState = e
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
-    if _crossings is not None:  # (sim/_blocks.c: the same order, and the blocks dealt, in C)
-        steps, order = _crossings(first_cross, k, bs)
-        if order:
-            _deal(reqs, order, kv.pool.allocate(len(order)))
-        return steps
     steps, order = crossing_order(first_cross, k, bs)
     if order:
         blocks: Any = kv.pool.allocate(len(order))  # (Any: the same int objects move)
