@@ -72,7 +72,7 @@ class OptionalBuildExt(build_ext):
         if _declared is None:
             _declared = list(self.distribution.ext_modules or [])
             declared = {e.name: list(e.sources) for e in _declared}
-            wanted = {m: [path] for m, path in {**_c.C_MODULES, **_c.OTHER_C_MODULES}.items()}
+            wanted = {m: [path] for m, path in _c.C_MODULES.items()}
             if declared != wanted:  # (what sim/_compiled.py checks at run time)
                 raise SystemExit(f"servesim: pyproject.toml's ext-modules {declared} are not "
                                  f"sim/_compiled.py's C modules {wanted}")
@@ -104,8 +104,7 @@ class OptionalBuildExt(build_ext):
         # The digests of what was compiled, so that an edited checkout never runs a stale
         # build: in the checkout (an editable install reads it there) and in the wheel.
         record = json.dumps({m: _c.source_digest(ROOT / path) for m, path in
-                             {**_c.MODULES, **_c.C_MODULES, **_c.OTHER_C_MODULES}.items()},
-                            indent=1) + "\n"
+                             {**_c.MODULES, **_c.C_MODULES}.items()}, indent=1) + "\n"
         manifest.write_text(record)
         if built is not None:
             built.parent.mkdir(parents=True, exist_ok=True)

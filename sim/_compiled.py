@@ -25,16 +25,10 @@ MODULES = {
     "sim.policies.batch": "sim/policies/batch.py",
     "sim.stats.quantiles": "sim/stats/quantiles.py",
 }
-# C extension modules built beside them (the same arithmetic, or the same list moves, as the
-# Python they stand in for; used only when the compiled build is)
+# C extension modules built beside them (the same arithmetic as the Python they stand in for;
+# used only when the compiled build is)
 C_MODULES = {
     "sim._rows": "sim/_rows.c",
-    "sim._blocks": "sim/_blocks.c",
-}
-# C modules outside the engine built by the same install: each used only while its own source
-# is what was built (not part of the engine's all-or-none decision), else its Python stand-in
-OTHER_C_MODULES = {
-    "tui.serve._send": "tui/serve/_send.c",  # `servesim serve`'s send pass
 }
 MANIFEST = "sim/_compiled.json"  # digests of the sources the build compiled
 
@@ -71,15 +65,14 @@ def _built(root: Path) -> bool:
                for p in (root / rel).parent.glob(Path(rel).stem + ".*"))
 
 
-def _fresh(root: Path, modules: dict[str, str] | None = None) -> bool:
-    """Whether every one of `modules` (default: the engine's, compiled and C) was built from
-    its source as it is now."""
+def _fresh(root: Path) -> bool:
+    """Whether every one of the engine's modules, compiled and C, was built from its source as
+    it is now."""
     import json
-    if modules is None:
-        modules = {**MODULES, **C_MODULES}
     try:
         recorded = json.loads((root / MANIFEST).read_text())
-        return all(recorded.get(m) == source_digest(root / rel) for m, rel in modules.items())
+        return all(recorded.get(m) == source_digest(root / rel)
+                   for m, rel in {**MODULES, **C_MODULES}.items())
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -99,14 +92,8 @@ def activate() -> bool:
 
 def c_module(name: str):
     """The C module `name` (one of C_MODULES) where this process uses the compiled build, else
-    None: the compiled modules then do the same work in Python. One of OTHER_C_MODULES where
-    it was built from its source as it is now (and SERVESIM_PURE is not set), else None."""
-    if name in OTHER_C_MODULES:
-        root = Path(__file__).resolve().parent.parent
-        if (os.environ.get("SERVESIM_PURE") == "1"
-                or not _fresh(root, {name: OTHER_C_MODULES[name]})):
-            return None
-    elif not COMPILED or name not in C_MODULES:
+    None: the compiled modules then do the same work in Python."""
+    if not COMPILED or name not in C_MODULES:
         return None
     import importlib
     try:

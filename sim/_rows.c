@@ -1,14 +1,17 @@
 /* The per-step part of a run of decode-only steps, written straight into the timeline's
  * staging columns (sim/engine/timeline.py) instead of into Python lists of boxed floats and ints.
  *
- * An optimisation of the same arithmetic as sim/model/costmodel.py (`CostModel.decode_times`) and
- * sim/engine/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles and
- * 64-bit integers, so the results are equal bit for bit (built with -ffp-contract=off: no fused
- * multiply-adds). Used only with the compiled build (sim/_compiled.py), never under
- * SERVESIM_PURE=1; tests/test_compiled.py compares whole runs against pure Python.
+ * An optimisation of the same arithmetic as sim/model/costmodel.py (`CostModel.step`, a decode step)
+ * and sim/engine/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles
+ * and 64-bit integers, so the results are equal bit for bit (built with -ffp-contract=off: no
+ * fused multiply-adds). Used only with the compiled build (sim/_compiled.py), never under
+ * SERVESIM_PURE=1; tests/sim/test_costmodel.py holds `decode_rows` to `CostModel.step` over
+ * random coefficients, tests/test_compiled.py compares whole runs against pure Python.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <math.h>
 
 /* A writable, C-contiguous buffer of `n` items of `itemsize` bytes (a NumPy column). */
 static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t need) {
@@ -59,32 +62,37 @@ static int get_double(PyObject *v, double *out) {
     return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0,
- *             base, af, kv_read, kv_b, fixed, cpu, overlap, idle, dyn) -> (k, first, last)
+/* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0, coefficients) -> (k, first, last)
  *
  * The first (at most n) steps of a run of decode-only steps of b sequences holding c0 cached
  * tokens, the first starting at t, up to the first that ends at or after t_ext: end times,
  * durations and energies written to rows at, at + 1, ... of the three float64 columns.
  * Returns how many, and the first and last end times (NaN without a row: saves reading them
- * back as NumPy scalars). The formula is CostModel.decode_times' (its arguments from
- * CostModel._decode_shared). */
+ * back as NumPy scalars). `coefficients` is CostModel.kernel_coefficients; step j is
+ * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
+ * along the run computed once (tests/sim/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 18) {
-        PyErr_SetString(PyExc_TypeError, "_rows.decode_rows takes 18 arguments");
+    if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 15) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_rows.decode_rows takes 10 arguments, the last 15 coefficients");
         return NULL;
     }
     PyObject *oe = args[0], *od = args[1], *oen = args[2];
     Py_ssize_t at, n;
     long long b, c0, overlap;
-    double t, t_ext, base, af, kv_read, kv_b, fixed, cpu, idle, dyn;
+    double t, t_ext, k_[15];
     if (get_size(args[3], &at) < 0 || get_size(args[4], &n) < 0 || get_double(args[5], &t) < 0
             || get_double(args[6], &t_ext) < 0 || get_ll(args[7], &b) < 0
-            || get_ll(args[8], &c0) < 0 || get_double(args[9], &base) < 0
-            || get_double(args[10], &af) < 0 || get_double(args[11], &kv_read) < 0
-            || get_double(args[12], &kv_b) < 0 || get_double(args[13], &fixed) < 0
-            || get_double(args[14], &cpu) < 0 || get_ll(args[15], &overlap) < 0
-            || get_double(args[16], &idle) < 0 || get_double(args[17], &dyn) < 0)
+            || get_ll(args[8], &c0) < 0)
         return NULL;
+    for (int i = 0; i < 15; i++) {
+        PyObject *v = PyTuple_GET_ITEM(args[9], i);
+        if (i == 12 ? get_ll(v, &overlap) < 0 : get_double(v, &k_[i]) < 0)
+            return NULL;
+    }
+    const double blk_c = k_[0], blk_m = k_[1], head_c = k_[2], head_m = k_[3], elem = k_[4],
+        attn_f = k_[5], kv = k_[6], kv_read = k_[7], fixed = k_[8], ar_tok = k_[9],
+        cpu0 = k_[10], cpu1 = k_[11], idle = k_[13], dyn = k_[14];
     if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at) {
         PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: a row out of range");
         return NULL;
@@ -103,14 +111,28 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     }
     double *ends = (double *)ve.buf + at, *durs = (double *)vd.buf + at;
     double *ens = (double *)ven.buf + at;
+    /* CostModel.step with p_tokens = p_attended = p_cached = 0, d_seqs = num_seqs = sampled = D:
+     * the terms without Kd, once. */
+    const double D = (double)b, T = 0.0 + D;
+    double c = blk_c * T;
+    const double t_blocks = sqrt(c * c + blk_m * blk_m);
+    c = head_c * D;
+    const double m = head_m * (D > 0 ? 1.0 : 0.0);
+    const double t_head = sqrt(c * c + m * m);
+    const double t_elem = elem * T;
+    const double x0 = attn_f * 0.0, y0 = kv * (0.0 + 0.0);
+    const double t_pa = x0 >= y0 ? x0 : y0;
+    const double before_da = t_blocks + t_head + t_elem + t_pa;
+    const double t_fixed = fixed + ar_tok * T;
+    const double t_cpu = cpu0 + cpu1 * D;
     long long kr = c0;
     Py_ssize_t k = 0;
     while (k < n) {
-        double x = af * (double)(kr + b);
-        double y = kv_read * (double)kr + kv_b;
-        double busy = base + (x >= y ? x : y);
-        double gpu = busy + fixed;
-        double d = overlap ? (gpu >= cpu ? gpu : cpu) : gpu + cpu;
+        const double Kd = (double)kr;
+        const double x = attn_f * (Kd + D), y = kv_read * Kd + kv * D;
+        const double busy = before_da + (x >= y ? x : y);  /* + t_da */
+        const double t_gpu = busy + t_fixed;
+        const double d = overlap ? (t_gpu >= t_cpu ? t_gpu : t_cpu) : t_gpu + t_cpu;
         t = t + d;
         ends[k] = t;
         durs[k] = d;

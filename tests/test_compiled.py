@@ -115,4 +115,4 @@ def test_the_c_modules_pyproject_declares_are_those_checked_at_run_time():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert declared["cmdclass"]["build_ext"] == "sim._build.OptionalBuildExt"
     assert {e["name"]: e["sources"] for e in declared["ext-modules"]} == {
-        m: [path] for m, path in {**_compiled.C_MODULES, **_compiled.OTHER_C_MODULES}.items()}
+        m: [path] for m, path in _compiled.C_MODULES.items()}

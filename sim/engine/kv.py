@@ -12,19 +12,12 @@ new request leaves it in O(1).
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Iterable
+from typing import Hashable, Iterable
 
 import numpy as np
 
-from sim import _compiled
 from sim.errors import ScenarioError
 from sim.engine.request import Request
-
-# sim/_blocks.c (the pool's bulk moves of whole tables) with the compiled build, else None
-_BLOCKS: Any = _compiled.c_module("sim._blocks")
-# (its functions bound once: a call through the module looks the name up in it every time)
-_take: Any = None if _BLOCKS is None else _BLOCKS.take
-_release_c: Any = None if _BLOCKS is None else _BLOCKS.release
 
 
 class OutOfBlocks(Exception):
@@ -94,20 +87,17 @@ class BlockPool:
         h = self._head
         if not self._stale:
             k = min(n, len(f))  # from the front stack, the rest from the queue
-            if _take is not None:  # (sim/_blocks.c: the same moves and counts)
-                out = _take(f, q, h, n, ref)
+            if k:
+                out = f[-1:-k - 1:-1]
+                del f[-k:]
+                if k < n:
+                    out += q[h:h + n - k]
             else:
-                if k:
-                    out = f[-1:-k - 1:-1]
-                    del f[-k:]
-                    if k < n:
-                        out += q[h:h + n - k]
-                else:
-                    out = q[h:h + n]
-                # (a plain loop: map(ref.__setitem__, ...) calls a slot wrapper per block, 5x
-                # slower)
-                for b in out:
-                    ref[b] = 1
+                out = q[h:h + n]
+            # (a plain loop: map(ref.__setitem__, ...) calls a slot wrapper per block, 5x
+            # slower)
+            for b in out:
+                ref[b] = 1
             h += n - k
         else:
             out = []
@@ -187,10 +177,7 @@ class BlockPool:
 
     def _free_unshared(self, table: list[int]) -> None:
         """Free `table`'s blocks, each held once (no sharing), tail first."""
-        if _release_c is not None:
-            _release_c(self.ref_cnt, table)
-        else:
-            self._release(table)
+        self._release(table)
         if self.uncached_first:  # without sharing no block holds a cached prefix
             self._front.extend(table)
         else:

@@ -47,15 +47,12 @@ FINISHED: Final = RS.FINISHED
 REJECTED: Final = RS.REJECTED
 
 
-# sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) and
-# sim/_blocks.c (its block crossings) with the compiled build, else None: the same in Python
+# sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) with
+# the compiled build, else None: the same in Python
 _ROWS: Any = _compiled.c_module("sim._rows")
-_BLOCKS: Any = _compiled.c_module("sim._blocks")
-# (their functions bound once: a call through the module looks the name up in it every time)
+# (its functions bound once: a call through the module looks the name up in it every time)
 _decode_rows: Any = None if _ROWS is None else _ROWS.decode_rows
 _used_rows: Any = None if _ROWS is None else _ROWS.used_rows
-_crossings: Any = None if _BLOCKS is None else _BLOCKS.crossings
-_deal: Any = None if _BLOCKS is None else _BLOCKS.deal
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -690,10 +687,8 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
         cm: CostModel = cost
         n = kmax if kmax < s._scalar_steps else s._scalar_steps
         at = tl.reserve(n)
-        base, af, kv_read, kv_b, fixed, cpu = cm._decode_shared(b)
-        k, first_end, end = _decode_rows(
-            tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now, t_ext, b, c0, base, af, kv_read,
-            kv_b, fixed, cpu, cm._overlap, cm._idle, cm._dyn)
+        k, first_end, end = _decode_rows(tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now,
+                                         t_ext, b, c0, cm.kernel_coefficients)
         if k == n < kmax and end < t_ext:
             at = -1  # (a run longer than the scalar part: timed as a whole below)
     if at < 0:
@@ -772,11 +767,6 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     s: EngineState = e
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
-    if _crossings is not None:  # (sim/_blocks.c: the same order, and the blocks dealt, in C)
-        steps, order = _crossings(first_cross, k, bs)
-        if order:
-            _deal(reqs, order, kv.pool.allocate(len(order)))
-        return steps
     steps, order = crossing_order(first_cross, k, bs)
     if order:
         blocks: Any = kv.pool.allocate(len(order))  # (Any: the same int objects move)

@@ -16,21 +16,28 @@ Model sizes: L layers, h hidden, nh / nkv query / KV heads of hd, V vocab, P par
 P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through; P - V h with
 tied embeddings), the MLP width I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP).
 Bytes per element: wb weights (`model.dtype_bytes`), kvb KV cache (`model.kv_dtype_bytes`), ab
-activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte weights when
-the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), B = mem_bandwidth_gbps * 1e9,
-N = interconnect_gbps * 1e9. Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n all-reduce
-efficiencies.
+activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
+weights when the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), F16 =
+peak_tflops * 1e12 (attention), B = mem_bandwidth_gbps * 1e9, N = interconnect_gbps * 1e9.
+Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n
+all-reduce efficiencies.
 
     linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = wb P_blocks / (tp B e_b)
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
     elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp) / (B e_e)
     prefill   t_pa     = max(4 L nh hd Ap / (tp F16 e_a),  kv (Kp + Tp) / (B e_k))
     decode    t_da     = max(4 L nh hd (Kd + D) / (tp F16 e_a),  kv (g Kd + D) / (B e_k))
-    all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
+    kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da
     fixed     t_layer  = L layer_overhead
-    GPU       t_gpu    = t_blocks + t_head + t_elem + t_pa + t_da + t_ar + t_layer
+    all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
+    GPU       t_gpu    = busy + (t_layer + t_ar)
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
+    energy    = tp (idle_w step + (tdp_w - idle_w) busy)                       (all GPUs, J)
+
+with T = Tp + D (Tp prefill tokens). `CostModel.step` is these lines, in this order (each sum
+added left to right; the constant factors folded once per model: `_blk_c` is 2 P_blocks /
+(tp F e_g), `_fixed` is t_layer plus t_ar's latency, `_ar_tok` t_ar's bytes per token).
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -41,9 +48,6 @@ smooth knee between their two rooflines: a GEMM of a few hundred tokens is neith
 compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline where the two meet),
 so their efficiency grows with T. Only the embedding rows a step uses are read (the `wb h / tp` per
 token in t_elem). A mixed step pays prefill and decode attention both, as the separate kernels do.
-
-Energy per step (all GPUs): `tp * (idle_w * step + (tdp_w - idle_w) * busy)` where busy is the
-kernels' time (t_blocks + t_head + t_elem + t_pa + t_da).
 
 `engine.preset = "roofline"` keeps the single roofline servesim started with, for teaching:
 
@@ -66,8 +70,8 @@ import numpy as np
 class CostModel:
     """Step time, energy and KV capacity for one scenario's model, hardware and engine."""
 
-    # (Declared so that compiled code does the decode-run loop in machine floats; the values
-    # are the same either way: each is only ever multiplied or added to floats.)
+    # (Declared so that compiled code runs `step` in machine floats; the values are the same
+    # either way: each is only ever multiplied or added to floats.)
     _idle: float
     _dyn: float
     _lin: float
@@ -90,6 +94,7 @@ class CostModel:
     _cpu0: float
     _cpu1: float
     _overlap: bool
+    kernel_coefficients: tuple
 
     def __init__(self, scenario) -> None:
         m, h, kv, e = scenario.model, scenario.hardware, scenario.kv, scenario.engine
@@ -166,6 +171,11 @@ class CostModel:
         self._cpu0 = e.cpu_base_us * 1e-6
         self._cpu1 = e.cpu_per_seq_us * 1e-6
         self._overlap = e.cpu_overlap
+        # (in the order sim/_rows.c's `decode_rows` reads them: `step`'s decode step in C)
+        self.kernel_coefficients = (
+            self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
+            self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
+            self._overlap, self._idle, self._dyn)
 
     def weight_bytes_per_gpu(self) -> float:
         return self.weight_bytes / self.tp
@@ -189,101 +199,47 @@ class CostModel:
     def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
              d_cached: float, num_seqs: float, sampled: float) -> tuple[float, float]:
         """Duration (s) and energy (J) of a step: `p_tokens` prefill tokens attending to
-        `p_attended` positions in chunks whose sequences had `p_cached` tokens cached, `d_seqs`
-        decoding sequences holding `d_cached` cached tokens, `num_seqs` sequences in all, of
-        which `sampled` sample a token (the module docstring has the formulas).
+        `p_attended` positions (Ap) in chunks whose sequences had `p_cached` tokens cached
+        (Kp), `d_seqs` decoding sequences (D) holding `d_cached` cached tokens (Kd), `num_seqs`
+        sequences in all (n), of which `sampled` (S) sample a token.
 
-        `steps` is the same over NumPy arrays: the same operations in the same order, so a run
-        of steps computed at once matches the same steps computed one by one, bit for bit
-        (tests/sim/test_costmodel.py). Typed, this one runs in machine floats when compiled
-        (counts are integers far below 2**53: as floats, their sums are exact).
-        (`x if x >= y else y` is `max(x, y)`.)
+        The module docstring's formulas, term by term and summed in its order: the one
+        definition of a step's time. `steps` runs this very source over NumPy arrays, the
+        engine's runs of decode steps call it step by step (`decode_times`), and sim/_rows.c's
+        decode loop is held to it bit for bit by tests/sim/test_costmodel.py. Typed, it runs
+        in machine floats when compiled (counts are integers far below 2**53: as floats, their
+        sums are exact). Only `_max`, `_sqrt` and `_positive` differ between floats and arrays.
         """
-        tokens = p_tokens + d_seqs
-        idle, dyn = self._idle, self._dyn
+        T = p_tokens + d_seqs
         if self.roofline:
-            attended = p_attended + d_cached + d_seqs
-            kv_read = p_cached + d_cached
-            t_compute = (self._lin * tokens + self._attn * attended) * self._inv_flops
-            t_memory = ((self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens))
-                        * self._inv_bw)
-            busy = t_compute if t_compute >= t_memory else t_memory
-            dur = busy + self._comm * tokens + self.overhead
-            return dur, idle * dur + dyn * busy
-        # (The order of operations is part of the contract: `steps`, `_decode_shared` and
-        # `decode_times` restate it and must add the terms exactly as here.)
-        c = self._blk_c * tokens
-        busy = math.sqrt(c * c + self._blk_m * self._blk_m)
-        c = self._head_c * sampled
-        m = self._head_m * (1.0 if sampled > 0 else 0.0)
-        busy = busy + math.sqrt(c * c + m * m) + self._elem * tokens
-        x = self._attn_f * p_attended
-        y = self._kv * (p_cached + p_tokens)
-        busy = busy + (x if x >= y else y)
-        x = self._attn_f * (d_cached + d_seqs)
-        y = self._kv_read * d_cached + self._kv * d_seqs
-        busy = busy + (x if x >= y else y)
-        gpu = busy + (self._fixed + self._ar_tok * tokens)
-        cpu = self._cpu0 + self._cpu1 * num_seqs
-        dur = (gpu if gpu >= cpu else cpu) if self._overlap else gpu + cpu
-        return dur, idle * dur + dyn * busy
-
-    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
-        """`step` over NumPy arrays (any argument may be a scalar), elementwise: `step`'s
-        operations in `step`'s order."""
-        tokens = p_tokens + d_seqs
-        if self.roofline:
-            attended = p_attended + d_cached + d_seqs
-            kv_read = p_cached + d_cached
-            t_compute = (self._lin * tokens + self._attn * attended) * self._inv_flops
-            t_memory = ((self.weight_bytes + self.kv_bytes_per_token * (kv_read + tokens))
-                        * self._inv_bw)
-            busy = np.maximum(t_compute, t_memory)
-            dur = busy + self._comm * tokens + self.overhead
+            A = p_attended + d_cached + d_seqs
+            Kr = p_cached + d_cached
+            t_compute = (self._lin * T + self._attn * A) * self._inv_flops
+            t_memory = (self.weight_bytes + self.kv_bytes_per_token * (Kr + T)) * self._inv_bw
+            busy = _max(t_compute, t_memory)
+            dur = busy + self._comm * T + self.overhead
             return dur, self._idle * dur + self._dyn * busy
-        c = self._blk_c * tokens
-        busy = np.sqrt(c * c + self._blk_m * self._blk_m)
+        c = self._blk_c * T
+        t_blocks = _sqrt(c * c + self._blk_m * self._blk_m)
         c = self._head_c * sampled
-        m = self._head_m * (sampled > 0)
-        busy = busy + np.sqrt(c * c + m * m) + self._elem * tokens
-        busy = busy + np.maximum(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
-        busy = busy + np.maximum(self._attn_f * (d_cached + d_seqs),
-                                 self._kv_read * d_cached + self._kv * d_seqs)
-        gpu = busy + (self._fixed + self._ar_tok * tokens)
-        cpu = self._cpu0 + self._cpu1 * num_seqs
-        dur = np.maximum(gpu, cpu) if self._overlap else gpu + cpu
+        m = self._head_m * _positive(sampled)
+        t_head = _sqrt(c * c + m * m)
+        t_elem = self._elem * T
+        t_pa = _max(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
+        t_da = _max(self._attn_f * (d_cached + d_seqs),
+                    self._kv_read * d_cached + self._kv * d_seqs)
+        busy = t_blocks + t_head + t_elem + t_pa + t_da
+        t_gpu = busy + (self._fixed + self._ar_tok * T)  # + (t_layer + t_ar)
+        t_cpu = self._cpu0 + self._cpu1 * num_seqs
+        dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu
         return dur, self._idle * dur + self._dyn * busy
 
-    def decode_step_fn(self, b: int):
-        """`f(d_cached) -> (duration, energy)` of a decode-only step of `b` sequences, equal
-        bit for bit to `step(0, 0, 0, b, d_cached, b, b)` with what the steps of a run share
-        computed once (the engine times runs of identical decode steps with it)."""
-        if self.roofline:
-            step = self.step
-            return lambda d_cached: step(0, 0, 0, b, d_cached, b, b)
-        base, af, kv_read, kv_b, fixed, cpu = self._decode_shared(b)
-        overlap, idle, dyn = self._overlap, self._idle, self._dyn
-
-        def f(d_cached):
-            busy = base + max(af * (d_cached + b), kv_read * d_cached + kv_b)
-            gpu = busy + fixed
-            dur = max(gpu, cpu) if overlap else gpu + cpu
-            return dur, idle * dur + dyn * busy
-
-        return f
-
-    def _decode_shared(self, b: int) -> tuple[float, float, float, float, float, float]:
-        """What every decode-only step of `b` sequences shares, in `step`'s order of
-        operations: the kernels' time without decode attention, its two rooflines' factors,
-        the fixed GPU time and the CPU time."""
-        c = self._blk_c * b
-        base = math.sqrt(c * c + self._blk_m * self._blk_m)
-        c = self._head_c * b
-        m = self._head_m * (b > 0)
-        base = base + math.sqrt(c * c + m * m) + self._elem * b
-        base = base + max(self._attn_f * 0, self._kv * (0 + 0))
-        return (base, self._attn_f, self._kv_read, self._kv * b, self._fixed + self._ar_tok * b,
-                self._cpu0 + self._cpu1 * b)
+    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
+        """`step` over NumPy arrays (any argument may be a scalar), elementwise: `step`'s own
+        source run with NumPy's elementwise maximum, square root and `> 0` (`_elementwise`),
+        so the same operations in the same order give the same bits."""
+        return _elementwise()(self, p_tokens, p_attended, p_cached, d_seqs, d_cached,
+                              num_seqs, sampled)
 
     def decode_steps(self, b, d_cached):
         """`steps` of decode-only steps of `b` sequences holding `d_cached` cached tokens
@@ -293,44 +249,18 @@ class CostModel:
     def decode_times(self, b: int, c0: int, n: int, t: float, t_ext: float):
         """The first (at most `n`) steps of a run of decode-only steps of `b` sequences holding
         `c0` cached tokens, the first starting at `t`: their end times, durations and energies
-        (lists), up to the first that ends at or after `t_ext`. Equal bit for bit to
-        `decode_step_fn(b)` one step at a time (the same operations in the same order, the
-        clock advanced by sequential addition), without a call per step: the engine's
-        hottest loop. (`x if x >= y else y` is `max(x, y)` without the call.)"""
+        (lists), up to the first that ends at or after `t_ext`. Step j is `step(0, 0, 0, b,
+        c0 + b j, b, b)`; the clock advances by sequential addition."""
         ends: list[float] = []
         durs: list[float] = []
         ens: list[float] = []
-        idle, dyn = self._idle, self._dyn
         kr = c0
-        if self.roofline:
-            lin_b, attn, inv_flops = self._lin * b, self._attn, self._inv_flops
-            wb, kvt, inv_bw = self.weight_bytes, self.kv_bytes_per_token, self._inv_bw
-            comm_b, overhead = self._comm * b, self.overhead
-            for _ in range(n):
-                t_compute = (lin_b + attn * (kr + b)) * inv_flops
-                t_memory = (wb + kvt * (kr + b)) * inv_bw
-                busy = t_compute if t_compute >= t_memory else t_memory
-                d = busy + comm_b + overhead
-                t = t + d
-                ends.append(t)
-                durs.append(d)
-                ens.append(idle * d + dyn * busy)
-                if t >= t_ext:
-                    break
-                kr += b
-            return ends, durs, ens
-        base, af, kv_read, kv_b, fixed, cpu = self._decode_shared(b)
-        overlap = self._overlap
         for _ in range(n):
-            x = af * (kr + b)
-            y = kv_read * kr + kv_b
-            busy = base + (x if x >= y else y)
-            gpu = busy + fixed
-            d = (gpu if gpu >= cpu else cpu) if overlap else gpu + cpu
+            d, en = self.step(0.0, 0.0, 0.0, b, kr, b, b)
             t = t + d
             ends.append(t)
             durs.append(d)
-            ens.append(idle * d + dyn * busy)
+            ens.append(en)
             if t >= t_ext:
                 break
             kr += b
@@ -344,6 +274,44 @@ class CostModel:
         if self.pcie_bytes_per_s <= 0:
             return 0.0
         return num_blocks * self.kv_bytes_per_block_gpu() / self.pcie_bytes_per_s
+
+
+def _max(x: float, y: float) -> float:
+    return x if x >= y else y
+
+
+def _sqrt(x: float) -> float:
+    return math.sqrt(x)
+
+
+def _positive(x: float) -> float:
+    """1 where x > 0, else 0 (the LM head's weights are read only when a row samples)."""
+    return 1.0 if x > 0 else 0.0
+
+
+_ELEMENTWISE: Any = None  # (`_elementwise`'s function, made once)
+
+
+def _elementwise() -> Any:
+    """`CostModel.step` made from its source again, with NumPy's elementwise `maximum`,
+    `sqrt` and `greater(x, 0)` for `_max`, `_sqrt` and `_positive`: the one definition run
+    over arrays. (From the source file, not the function object: the compiled build's `step`
+    has no code object, and takes floats only.)"""
+    global _ELEMENTWISE
+    if _ELEMENTWISE is None:
+        import ast
+        from importlib.resources import files
+
+        # (found through the package: a compiled module's __file__ does not name its source)
+        path = files("sim.model").joinpath("costmodel.py")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CostModel"]
+        [fn] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
+        space: dict[str, Any] = {"_max": np.maximum, "_sqrt": np.sqrt,
+                                 "_positive": lambda x: np.greater(x, 0)}
+        exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), space)
+        _ELEMENTWISE = space["step"]
+    return _ELEMENTWISE
 
 
 class ServiceTime(Protocol):

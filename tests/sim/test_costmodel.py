@@ -236,28 +236,6 @@ def test_engines_differ_in_cpu_and_multi_step():
     assert ENGINES["sglang"]["cpu_overlap"]
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.sampled_from(["vllm-v1", "roofline", "sglang"]),
-       st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 10**7), st.integers(0, 10**6),
-                          st.integers(1, 512), st.integers(0, 10**7), st.integers(0, 64)),
-                min_size=1, max_size=20))
-def test_scalar_and_array_paths_are_bit_identical(preset, rows):
-    m = model(f'engine.preset="{preset}"', "model.preset=\"llama-3.1-70b\"",
-              "model.tensor_parallel=4")
-    cols = [np.array([r[i] for r in rows], dtype=np.int64) for i in range(6)]
-    pt, pa, pc, ds, dc, extra = cols
-    dv, ev = m.steps(pt, pa, pc, ds, dc, ds + extra, ds + extra)
-    for i, r in enumerate(rows):
-        d, e = m.step(r[0], r[1], r[2], r[3], r[4], r[3] + r[5], r[3] + r[5])
-        assert d == dv[i] and e == ev[i]
-    # and the decode-run helper with a scalar batch
-    b = int(ds[0])
-    dr, er = m.decode_steps(b, dc)
-    f = m.decode_step_fn(b)
-    for i, kv in enumerate(dc.tolist()):
-        assert m.step(0, 0, 0, b, kv, b, b) == (dr[i], er[i]) == f(kv)
-
-
 def test_presets_change_speed():
     h100 = decode(model("hardware.preset=\"h100-sxm\""), 32, 1000)
     a100 = decode(model("hardware.preset=\"a100-80gb\""), 32, 1000)
@@ -266,18 +244,54 @@ def test_presets_change_speed():
     assert math.isfinite(h100)
 
 
-@settings(max_examples=60, deadline=None)
-@given(preset=st.sampled_from(["vllm-v1", "roofline", "sglang", "tensorrt-llm-0.6"]),
-       b=st.integers(1, 300), c0=st.integers(0, 500_000), n=st.integers(1, 30),
-       t0=st.floats(0, 1e5), cut=st.floats(0, 0.5), tp=st.sampled_from([1, 2, 8]),
-       hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]))
-def test_decode_times_equal_steps_one_at_a_time(preset, b, c0, n, t0, cut, tp, hw):
-    # The engine times the scalar part of decode runs with decode_times: one call, no call a
-    # step; it must give the very floats step() gives, and stop at the step ending at t_ext.
-    m = model(f'engine.preset="{preset}"', f"model.tensor_parallel={tp}",
-              f'hardware.preset="{hw}"', "hardware.interconnect_gbps=450")
+# --- one definition ------------------------------------------------------------------------------
+EFFICIENCIES = ["gemm_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficiency",
+                "attention_efficiency", "elementwise_efficiency", "allreduce_efficiency"]
+MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "cpu_base_us", "cpu_per_seq_us"]
+
+
+def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool) -> CostModel:
+    """A cost model whose parameters are random: every mantissa bit (so that a sum taken in
+    another order rounds differently somewhere along a run), some overheads zero."""
+    sets = [f'engine.preset="{preset}"', f"model.tensor_parallel={tp}", f'hardware.preset="{hw}"',
+            f"hardware.interconnect_gbps={rnd.uniform(50, 900)!r}"]
+    if preset == "roofline":
+        sets += [f"hardware.flops_efficiency={rnd.uniform(0.05, 1)!r}",
+                 f"hardware.bandwidth_efficiency={rnd.uniform(0.05, 1)!r}",
+                 f"hardware.step_overhead_ms={rnd.uniform(0, 3)!r}"]
+    else:
+        sets += [f"engine.{k}={rnd.uniform(0.05, 1)!r}" for k in EFFICIENCIES]
+        sets += [f"engine.{k}={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 300)!r}"
+                 for k in MICROSECONDS]
+        sets += [f"engine.cpu_overlap={str(overlap).lower()}",
+                 f"engine.gqa_shared_kv={str(rnd.random() < 0.5).lower()}",
+                 f"engine.gqa_reread={rnd.random()!r}"]
+    return model(*sets)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), preset=st.sampled_from(["vllm-v1", "sglang", "tensorrt-llm-0.6", "roofline"]),
+       tp=st.sampled_from([1, 2, 8]), hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]),
+       overlap=st.booleans(),
+       rows=st.lists(st.tuples(*[st.integers(0, 10**7)] * 7), min_size=1, max_size=12),
+       b=st.integers(1, 512), c0=st.integers(0, 10**7), n=st.integers(1, 300),
+       t0=st.floats(0, 1e6), cut=st.floats(0, 2.0) | st.just(math.inf))
+def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, rows, b, c0, n, t0,
+                                             cut):
+    """`CostModel.step` is the one definition of a step's time; for any parameters and counts
+    the other paths give its very bits: `steps` (its source over arrays), `decode_times` (runs
+    of decode steps) and, in the compiled build, sim/_rows.c's `decode_rows`, which restates
+    the decode step in C (a step ends at the clock plus its duration, added in order)."""
+    from sim.engine import stepping
+
+    m = random_model(data.draw(st.randoms(use_true_random=False)), preset, tp, hw, overlap)
+    # any rows, as arrays (ints, as the engine's runs give them, or floats, as fits give them)
+    cols = [np.array(c, dtype=data.draw(st.sampled_from([np.int64, np.float64])))
+            for c in zip(*rows)]
+    dv, ev = m.steps(*cols)
+    assert [(float(d), float(e)) for d, e in zip(dv, ev)] == [m.step(*r) for r in rows]
+    # a run of decode steps, one at a time, the clock added step by step
     t_ext = t0 + cut
-    ends, durs, ens = m.decode_times(b, c0, n, t0, t_ext)
     t, want = t0, []
     for j in range(n):
         d, en = m.step(0, 0, 0, b, c0 + b * j, b, b)
@@ -285,4 +299,14 @@ def test_decode_times_equal_steps_one_at_a_time(preset, b, c0, n, t0, cut, tp, h
         want.append((t, d, en))
         if t >= t_ext:
             break
-    assert list(zip(ends, durs, ens)) == want
+    assert list(zip(*m.decode_times(b, c0, n, t0, t_ext))) == want
+    dv, ev = m.decode_steps(b, c0 + b * np.arange(len(want), dtype=np.int64))
+    assert list(zip(dv.tolist(), ev.tolist())) == [w[1:] for w in want]
+    if stepping._ROWS is not None and not m.roofline:
+        at = data.draw(st.integers(0, 20))
+        cols = [np.full(at + n + 3, -1.0) for _ in range(3)]
+        k, first, last = stepping._ROWS.decode_rows(*cols, at, n, t0, t_ext, b, c0,
+                                                    m.kernel_coefficients)
+        assert (k, first, last) == (len(want), want[0][0], want[-1][0])
+        assert list(zip(*(c[at:at + k].tolist() for c in cols))) == want  # (==: the same bits)
+        assert all((c[:at] == -1).all() and (c[at + k:] == -1).all() for c in cols)

@@ -1,6 +1,7 @@
 """sim/_rows.c, the compiled build's writer of a decode run's per-step rows, against the Python
-it stands in for (CostModel.decode_times, stepping._used_by_step): the same numbers, bit for
-bit. (tests/test_compiled.py compares whole runs, compiled and pure.)"""
+it stands in for (stepping._used_by_step, the timeline's flush): the same numbers, bit for bit.
+(Its decode step times: tests/sim/test_costmodel.py, against CostModel.step; whole runs,
+compiled and pure: tests/test_compiled.py.)"""
 
 import numpy as np
 import pytest
@@ -9,35 +10,16 @@ from hypothesis import given, settings, strategies as st
 from sim import _compiled
 
 from sim.engine import stepping
-from sim.model.costmodel import CostModel
-from sim.inputs.scenario import load_scenario
-
 rows = stepping._ROWS
 pytestmark = pytest.mark.skipif(rows is None, reason="no compiled build (pure Python)")
 
 
+# CostModel.kernel_coefficients: 15, `overlap` (an int) 13th
+COEFFICIENTS = (1.0,) * 12 + (False, 1.0, 1.0)
+
+
 def test_the_compiled_build_uses_it():
     assert _compiled.COMPILED and rows is not None
-
-
-@settings(max_examples=80, deadline=None)
-@given(preset=st.sampled_from(["vllm-v1", "vllm-0.6-multistep", "sglang-0.3", "tensorrt-llm-0.6"]),
-       b=st.integers(1, 300), c0=st.integers(0, 2_000_000), n=st.integers(1, 300),
-       t0=st.floats(0, 1e6), cut=st.floats(0, 1.0), tp=st.sampled_from([1, 2, 8]),
-       hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]), at=st.integers(0, 50))
-def test_decode_rows_equal_decode_times(preset, b, c0, n, t0, cut, tp, hw, at):
-    cm = CostModel(load_scenario("chat", [f'engine.preset="{preset}"', f"model.tensor_parallel={tp}",
-                                          f'hardware.preset="{hw}"']))
-    t_ext = t0 + cut
-    want = cm.decode_times(b, c0, n, t0, t_ext)
-    cols = [np.full(at + n + 3, -1.0) for _ in range(3)]
-    k, first, last = rows.decode_rows(*cols, at, n, t0, t_ext, b, c0, *cm._decode_shared(b),
-                                      cm._overlap, cm._idle, cm._dyn)
-    assert k == len(want[0])
-    assert (first, last) == (want[0][0], want[0][-1])
-    for col, w in zip(cols, want):
-        assert col[at:at + k].tolist() == w  # (== on floats: the same bits)
-        assert (col[:at] == -1).all() and (col[at + k:] == -1).all()  # nothing else written
 
 
 @settings(max_examples=80, deadline=None)
@@ -56,8 +38,9 @@ def test_used_rows_equal_used_by_step(k, bs, used, data, at):
 def test_bad_arguments_raise_not_crash():
     col = np.zeros(4)
     with pytest.raises(ValueError):  # too short for the rows asked
-        rows.decode_rows(col, col, col, 2, 5, 0.0, 1.0, 1, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0,
-                         False, 1.0, 1.0)
+        rows.decode_rows(col, col, col, 2, 5, 0.0, 1.0, 1, 0, COEFFICIENTS)
+    with pytest.raises(TypeError):  # coefficients one short
+        rows.decode_rows(col, col, col, 0, 1, 0.0, 1.0, 1, 0, COEFFICIENTS[:-1])
     with pytest.raises(ValueError):  # the wrong item size
         rows.used_rows(np.zeros(8, dtype=np.int32), 0, [0], 4, 16, 0, 0)
     with pytest.raises(ValueError):  # a crossing outside the run
@@ -119,16 +102,16 @@ def test_hostile_arguments_raise_not_crash():
         rows.used_rows(col, 2**62, [], 2**62, 1, 0, 0)
     cols = [np.zeros(4) for _ in range(3)]
     with pytest.raises(ValueError):
-        rows.decode_rows(*cols, 2**62, 2**62, 0.0, 1.0, 1, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0,
-                         False, 1.0, 1.0)
+        rows.decode_rows(*cols, 2**62, 2**62, 0.0, 1.0, 1, 0, COEFFICIENTS)
 
     class Bool:
         def __bool__(self):
             raise RuntimeError("ran")
 
     with pytest.raises(TypeError):  # a string time, then an object: TypeError, nothing run
-        rows.decode_rows(*cols, 0, 1, "x", 1.0, 1, 0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, Bool(),
-                         1.0, 1.0)
+        rows.decode_rows(*cols, 0, 1, "x", 1.0, 1, 0, COEFFICIENTS)
+    with pytest.raises(TypeError):
+        rows.decode_rows(*cols, 0, 1, 0.0, 1.0, 1, 0, (*COEFFICIENTS[:12], Bool(), 1.0, 1.0))
     out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
     with pytest.raises(TypeError):
         rows.expand([[1], [1.5]] + [[0]] * 8, np.zeros(1, dtype=np.int64), 1, out)

@@ -9,8 +9,7 @@ queue at that step's end, as in a real engine), runs the engine up to the presen
 it starts ends in the future: its tokens' times are then known), reads the new events, builds
 their frames (so that when their time comes only the writes remain), and sleeps until the next
 token is due or the next step is to be decided. A pass's writes go out in one call
-(`tui/serve/sender.py`: a C loop where the compiled build is used), or with `send_threads=2`
-shared with a second thread.
+(`tui/serve/sender.py`), or with `send_threads=2` shared with a second thread.
 
 The engine's public API only: `inject` (with `arrival_time` and `tag`), `cancel`, `run_until`,
 `next_event`, `events`; finished requests are learned from events, never looked up.

@@ -21,10 +21,6 @@ import os
 import threading
 import time
 
-from sim import _compiled
-
-_SEND = _compiled.c_module("tui.serve._send")
-
 
 def write_one(fd: int, data: bytes) -> int:
     """One non-blocking write of `data` to socket `fd`: the bytes it took, 0 when its buffer
@@ -37,10 +33,10 @@ def write_one(fd: int, data: bytes) -> int:
         return -1
 
 
-def write_many_py(fds: list[int], datas: list[bytes],
-                  want_times: bool) -> tuple[list[int], list[float] | None]:
-    """`_send.write_many` in Python: `write_one` per socket, in order; with `want_times`, when
-    each write returned (time.monotonic)."""
+def write_many(fds: list[int], datas: list[bytes],
+               want_times: bool) -> tuple[list[int], list[float] | None]:
+    """`write_one` per socket, in order; with `want_times`, when each write returned
+    (time.monotonic)."""
     clock = time.monotonic
     sent = [0] * len(fds)
     times: list[float] | None = [0.0] * len(fds) if want_times else None
@@ -50,10 +46,6 @@ def write_many_py(fds: list[int], datas: list[bytes],
             times[i] = clock()
     return sent, times
 
-
-# The C loop where it was built from its source as it is (sim._compiled.OTHER_C_MODULES; the
-# same calls without the interpreter between them, the GIL released), else the Python above.
-write_many = _SEND.write_many if _SEND is not None else write_many_py
 
 
 class RawWriter:

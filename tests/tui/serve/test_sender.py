@@ -1,5 +1,5 @@
-"""A pass's socket writes (`RawWriter`: one call, C or Python; `PairWriter`: two threads):
-what each socket took, in order."""
+"""A pass's socket writes (`RawWriter`: one call; `PairWriter`: two threads): what each socket
+took, in order."""
 
 from __future__ import annotations
 
@@ -7,28 +7,12 @@ import socket
 
 import pytest
 
-from sim import _compiled
-from tui.serve import sender
 from tui.serve.sender import PairWriter, RawWriter
 
-C_SEND = _compiled.c_module("tui.serve._send")
 
-
-class PyRawWriter(RawWriter):
-    """RawWriter through the Python stand-in of the C loop."""
-
-    def write_all(self, fds, datas, times=None):
-        sent, stamps = sender.write_many_py(fds, datas, times is not None)
-        if times is not None:
-            times[:] = stamps
-        return sent
-
-
-@pytest.fixture(params=["pair", "raw", "raw-python"])
+@pytest.fixture(params=["pair", "raw"])
 def writer(request):
-    if request.param == "raw" and sender.write_many is sender.write_many_py:
-        pytest.skip("the C send loop is not built (pure Python install)")
-    w = {"pair": PairWriter, "raw": RawWriter, "raw-python": PyRawWriter}[request.param]()
+    w = {"pair": PairWriter, "raw": RawWriter}[request.param]()
     yield w
     w.close()
 
@@ -87,26 +71,3 @@ def test_a_full_socket_takes_part_and_a_closed_one_reports_an_error(writer):
         a.close()
         if b is not gone[1]:
             b.close()
-
-
-@pytest.mark.skipif(C_SEND is None, reason="the C send loop is not built")
-@pytest.mark.parametrize("args", [
-    (), ([1], [b"x"]), ((1,), [b"x"], False), ([1], [b"x", b"y"], False), (["1"], [b"x"], False),
-    ([1], ["x"], False), ([-1], [b"x"], False), ([1 << 40], [b"x"], False), ([1.0], [b"x"], False),
-    ([True], [b"x"], False), ([1], [bytearray(b"x")], False), ([1], [b"x"], False, None),
-])
-def test_the_c_loop_rejects_bad_arguments_with_an_exception(args):
-    with pytest.raises((TypeError, ValueError, OverflowError)):
-        C_SEND.write_many(*args)
-
-
-@pytest.mark.skipif(C_SEND is None, reason="the C send loop is not built")
-def test_an_edited_c_source_is_not_used(monkeypatch):
-    """The send loop is used only while its source is what was built (and not under
-    SERVESIM_PURE=1): an edit, until the next install, runs the Python stand-in."""
-    assert _compiled.c_module("tui.serve._send") is C_SEND
-    monkeypatch.setattr(_compiled, "source_digest", lambda path: "edited")
-    assert _compiled.c_module("tui.serve._send") is None
-    monkeypatch.undo()
-    monkeypatch.setenv("SERVESIM_PURE", "1")
-    assert _compiled.c_module("tui.serve._send") is None
