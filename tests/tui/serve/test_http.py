@@ -479,8 +479,10 @@ def test_a_bounded_server_holds_only_what_is_in_flight():
     # Headless `serve` drops read events and ended requests: after hundreds of background
     # requests, the engine holds a handful of events and only the live requests, and the HTTP
     # answers and the /metrics counters are the same as ever.
-    with serving(["workload.rate=400", "workload.duration_s=30"], background=True,
-                 bounded=True, speed=4.0) as s:
+    # (A load the engine serves: at rate 400, requests queued for good, and on a loaded machine
+    # the first one below waited past the client's 30 s; speed 16 keeps the run short.)
+    with serving(["workload.rate=10", "workload.duration_s=120"], background=True,
+                 bounded=True, speed=16.0) as s:
         r = client(s).completions.create(model=MODEL, prompt="a", max_tokens=20)
         assert r.choices[0].text == filler(20)
         deadline = time.monotonic() + 20
