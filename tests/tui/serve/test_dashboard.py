@@ -14,7 +14,8 @@ from tui.serve.dashboard import ServeDashboard
 from tests.tui.test_app import pilot_test
 
 
-async def until(pilot, cond, timeout: float = 5.0) -> None:
+async def until(pilot, cond, timeout: float = 30.0) -> None:
+    # (the bound only guards against a hang: 5 s could run out on a loaded machine)
     for _ in range(int(timeout / 0.02)):
         if cond():
             return
