@@ -11,16 +11,7 @@ from sim.session.log import read_log
 from sim.session.replay import verify
 from tui.serve.app import build_frontend
 from tui.serve.dashboard import ServeDashboard
-from tests.tui.test_app import pilot_test
-
-
-async def until(pilot, cond, timeout: float = 30.0) -> None:
-    # (the bound only guards against a hang: 5 s could run out on a loaded machine)
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError("condition not reached")
+from tests.tui.test_app import pilot_test, until
 
 
 @pilot_test
