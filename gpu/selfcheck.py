@@ -1,4 +1,4 @@
-"""GPU self-check: `python -m gpu.selfcheck [--json-out PATH] [--quick | --tiny]`.
+"""GPU self-check: `python -m gpu.selfcheck [--json-out PATH] [--quick | --tiny] [--time-budget S]`.
 
 Needs only NumPy, CuPy (cupy-cuda12x or cupy-cuda13x: `pip install -e ".[gpu-cuda13]"` or a
 plain `pip install cupy-cuda13x numpy`) and this repository: `gpu` imports nothing else, and the
@@ -27,7 +27,8 @@ tokens equal to alone), 1 when one fails or a section raised, 2 (one line on std
 traceback; the JSON says why) when no CUDA device is usable or --json-out cannot be written.
 After a section that leaves the CUDA context broken (a kernel fault is sticky), the later
 sections are skipped and the report says why. Each timing section stops starting new shapes
-once the time budget is spent, so the whole run stays within a few minutes on one H200;
+once the time budget is spent (--time-budget overrides it; `inf` times every shape), so the
+whole run stays within a few minutes on one H200;
 `--quick` runs a smaller set, `--tiny` the smallest shapes (for checking the self-check itself,
 e.g. under the tests' CPU emulator of CuPy).
 
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -86,7 +87,10 @@ class Plan:
     timing_dtype: str = "float16"
     batches: tuple[int, ...] = (1, 32, 128, 256)
     contexts: tuple[int, ...] = (512, 2048, 8192)
-    timing_budget_s: float = 150.0  # shared by the timing models
+    # Seconds shared by the timing models: once spent, the remaining shapes are skipped (their
+    # rows say "time budget spent"). math.inf: no budget, every shape is timed (the tests set it,
+    # so that what a run checks does not depend on how fast the machine is); 0: none is.
+    timing_budget_s: float = 150.0
     copy_bytes: int = 1 << 30
     rounds: int = 5  # timed rounds per figure (the median is reported)
     round_s: float = 0.05  # a round's target length on the device
@@ -442,7 +446,7 @@ def _time_model(backend: Backend, plan: Plan, timer: _Timer, filler: _Filler, h:
         for batch in plan.batches:
             row: dict[str, Any] = {"batch": batch, "context": context}
             rows.append(row)
-            if time.monotonic() > deadline:
+            if time.monotonic() >= deadline:  # (never with an infinite budget, always with 0)
                 row["skipped"] = "time budget spent"
                 continue
             try:
@@ -768,12 +772,26 @@ class ReportFile:
             raise
 
 
+def _seconds(text: str) -> float:
+    """--time-budget: a number of seconds, 0 or more ('inf': no budget)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a number of seconds (0 or more, or 'inf')")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gpu.selfcheck", description=__doc__.split("\n")[0])
     parser.add_argument("--json-out", help="write the full report here as JSON (after each section)")
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer cases and shapes")
     size.add_argument("--tiny", action="store_true", help="the smallest shapes: checks the self-check itself")
+    parser.add_argument("--time-budget", type=_seconds, metavar="SECONDS",
+                        help="seconds for the decode timings, after which the remaining shapes are skipped "
+                             "(default: the plan's; 'inf': time every shape)")
     args = parser.parse_args(argv)
     out = None
     if args.json_out:
@@ -799,7 +817,10 @@ def main(argv=None) -> int:
             except OSError as exc:  # (a full disk): the run goes on, and says so at the end
                 write_error.append(f"{type(exc).__name__}: {exc.strerror or exc}")
 
-    report = run(backend, TINY if args.tiny else QUICK if args.quick else FULL, on_section=write)
+    plan = TINY if args.tiny else QUICK if args.quick else FULL
+    if args.time_budget is not None:
+        plan = replace(plan, timing_budget_s=args.time_budget)
+    report = run(backend, plan, on_section=write)
     try:
         print(format_report(report))
     finally:  # a report the table cannot show is still written

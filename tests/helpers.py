@@ -1,7 +1,9 @@
-"""Shared test helpers: small scenarios and the engine invariants checked after every step."""
+"""Shared test helpers: small scenarios, the engine invariants checked after every step, and
+waiting for a child process to get somewhere (Linux /proc) instead of sleeping a guessed time."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import numpy as np
@@ -151,3 +153,40 @@ def run_with_and_without_history(monkeypatch, sc, chunk: int, itl_rows: int, exa
         s.pop("wall_s")
     return full, bounded, a, b
 
+
+
+def wait_for_process(pid: int, ready, what: str, guard_s: float = 120.0) -> None:
+    """Polls until `ready()` (e.g. `catches(pid, SIGTERM)`) while process `pid` lives. The bound
+    only guards against a hang: a machine however loaded gets there, or the test says why."""
+    import time
+
+    stop = time.monotonic() + guard_s
+    while not ready():
+        assert os.path.exists(f"/proc/{pid}") and time.monotonic() < stop, f"never {what}"
+        time.sleep(0.01)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (Linux's /proc SigCgt): a
+    signal sent once it has is handled, not the default death of a process still starting."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(mask >> (signum - 1) & 1)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (Linux /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids

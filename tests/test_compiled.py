@@ -52,7 +52,7 @@ def test_an_edited_source_loads_every_listed_module_from_source(tmp_path):
     shutil.copytree(ROOT / "sim", tmp_path / "sim",
                     ignore=shutil.ignore_patterns("__pycache__"))
     assert _python(PROBE, path=tmp_path) == "True False False True"
-    kv = tmp_path / "sim" / "kv.py"
+    kv = tmp_path / "sim" / "engine" / "kv.py"
     kv.write_text(kv.read_text() + "\n# edited\n")
     assert _python(PROBE, path=tmp_path) == "False True True True"
     (tmp_path / _compiled.MANIFEST).unlink()  # (no record of what was built: not trusted)

@@ -1,10 +1,12 @@
 """The CUDA kernels, run on the CPU in the emulator of tests/gpu/cuda_emu (no GPU needed).
 
-Every run: the `ci` suite (every instantiation family, batch invariance, a too-small
-max_seq_len, misaligned write_kv sources) under two thread/block orders, and the head_dim
-static_asserts. On demand, SERVESIM_EMU_FULL=1: the full matrix (sweep, special, write_kv,
-chain, misuse; several minutes) and the mutation check (planted bugs must be caught).
-Skipped where the emulator cannot be built (not x86-64 Linux, no g++ >= 12, no nm).
+Every run of the slow set (`pytest -q -m slow`, which `.ci/run` runs after the plain
+`pytest -q`; what compiles or runs kernels here is marked `slow`): the `ci` suite (every
+instantiation family, batch invariance, a too-small max_seq_len, misaligned write_kv sources)
+under two thread/block orders, the head_dim static_asserts and the self-check on the emulated
+CuPy. On demand, SERVESIM_EMU_FULL=1: the full matrix (sweep, special, write_kv, chain,
+misuse; several minutes) and the mutation check (planted bugs must be caught). Skipped where
+the emulator cannot be built (not x86-64 Linux, no g++ >= 12, no nm).
 """
 
 import json
@@ -32,6 +34,7 @@ def run_suite(*args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_ci_suite_passes_under_two_schedules():
     r = run_suite("--suite", "ci", "--schedules", "0,2")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
@@ -48,6 +51,7 @@ def compile_module(names: list[str], tmp_path: Path) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, message", [
     ("paged_decode_kernel<F16, 80, 1, 16>", "power of two"),
     ("paged_decode_kernel<F32, 512, 1, 16>", "head_dim in [32, 256]"),
@@ -60,11 +64,13 @@ def test_unsupported_shapes_fail_to_compile(tmp_path, name, message):
     assert r.returncode != 0 and "static assertion failed" in r.stderr and message in r.stderr, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_supported_shapes_compile(tmp_path):
     r = compile_module(["paged_decode_kernel<F16, 128, 8, 64>", "paged_prefill_kernel<BF16, 256>"], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="full emulator matrix: set SERVESIM_EMU_FULL=1")
 def test_full_matrix():
     r = run_suite("--suite", "full", "--schedules", "0,2", timeout=3600)
@@ -80,6 +86,7 @@ def test_every_planted_bug_has_one_place_to_go():
         assert (mutate.KERNELS / file).read_text().count(old) == 1, name
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="mutation check: set SERVESIM_EMU_FULL=1")
 def test_planted_bugs_are_caught():
     r = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "mutate.py")], cwd=ROOT, capture_output=True,
@@ -87,12 +94,15 @@ def test_planted_bugs_are_caught():
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_selfcheck_runs_with_only_numpy_and_cupy(tmp_path):
     # The real `python -m gpu.selfcheck` over the fake CuPy, with textual, msgpack, sim, tui...
     # made unimportable: correctness, timings and tokens all go through the emulated kernels.
+    # No time budget: every shape is timed however loaded the machine (with --tiny's 30 s, a
+    # busy machine skipped shapes, whose rows have no figures).
     out = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "selfcheck_main.py"), "--tiny", "--json-out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    r = subprocess.run([sys.executable, str(HERE / "cuda_emu" / "selfcheck_main.py"), "--tiny", "--time-budget", "inf",
+                        "--json-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     report = json.loads(out.read_text())
     assert report["backend"] == "cupy" and "CPU emulator" in report["device"]
@@ -101,6 +111,7 @@ def test_selfcheck_runs_with_only_numpy_and_cupy(tmp_path):
             ("write_kv", None, None), ("write_kv", None, 1)} <= kernels
     models = report["decode_timings"]["models"]
     assert [m["model"] for m in models] == ["tiny-gqa4", "tiny-gqa8"]
+    assert not [r for m in models for r in m["rows"] if "skipped" in r], models
     assert all(r["paged_gbps"] > 0 and r["max_rel_error_vs_dense"] < 1e-2 for m in models for r in m["rows"])
     # Rounds queued behind the spin kernel (kernels/timing.cu), and small shapes timed over
     # several K/V sets (the fake device's L2 is 64 KiB): both went through the emulated device.

@@ -13,7 +13,9 @@ import pytest
 
 from cuda_emu import emulator
 
-pytestmark = pytest.mark.skipif(emulator.unavailable() is not None, reason=emulator.unavailable() or "")
+# slow: the kernel emulator's suites compile with g++ (left out of the plain `pytest -q`).
+pytestmark = [pytest.mark.skipif(emulator.unavailable() is not None, reason=emulator.unavailable() or ""),
+              pytest.mark.slow]
 
 PROBE = r"""
 template <typename T>

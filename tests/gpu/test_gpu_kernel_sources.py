@@ -28,6 +28,7 @@ def test_kernel_source_is_self_contained():
     assert "#include <" not in source  # NVRTC has no host headers
 
 
+@pytest.mark.slow  # (10-20 s each: nvcc compiles every instantiation)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_kernels_compile_with_nvcc(tmp_path: Path, arch: str):
@@ -45,6 +46,7 @@ def test_kernels_compile_with_nvcc(tmp_path: Path, arch: str):
     assert entries == len(names)
 
 
+@pytest.mark.slow  # (nvcc)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 def test_spin_kernel_compiles_with_nvcc(tmp_path: Path):
     # The self-check's timing queues it ahead of each round (kernels/timing.cu, its own module).
@@ -70,6 +72,7 @@ def find_libnvrtc() -> str | None:
     return next((c for c in candidates if c), None)
 
 
+@pytest.mark.slow  # (NVRTC compiles every instantiation, as nvcc does)
 @pytest.mark.skipif(find_libnvrtc() is None, reason="libnvrtc not found (set SERVESIM_NVRTC to its path)")
 @pytest.mark.parametrize("storage_name", STORAGE_NAMES)
 def test_kernels_compile_with_nvrtc_name_expressions(storage_name):

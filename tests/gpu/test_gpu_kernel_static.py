@@ -63,6 +63,7 @@ def test_missing_tools_give_one_line_and_exit_2(tmp_path):
     assert "not found" in r.stderr
 
 
+@pytest.mark.slow  # (nvcc, cuobjdump and nvdisasm over every decode instantiation)
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("storage_name, head_dim", [("float16", 128), ("float32", 64), ("float32", 256)])
 def test_every_decode_instantiation_is_analysed(tmp_path, storage_name, head_dim):

@@ -56,7 +56,7 @@ TINY = selfcheck.Plan(
     storages=("float32", "float16"),
     kernel_cases=[(4, 2, 32, 8, [1, 8, 45]), (2, 1, 64, 16, [70, 3])],
     timing_models=(("tiny", 4, 2, 32),), block_size=8, timing_dtype="float32",
-    batches=(1, 3), contexts=(64, 128), timing_budget_s=20.0,
+    batches=(1, 3), contexts=(64, 128), timing_budget_s=math.inf,  # every shape, however slow the machine
     token_dtypes=("float32",), token_model=dict(CPU_MODEL), token_prompts=(5, 9), new_tokens=4,
 )
 
@@ -74,6 +74,33 @@ def test_report_plumbing_runs_on_numpy(tmp_path):
     text = selfcheck.format_report(report)
     assert "kernel correctness:" in text and "device-to-device copy" in text and "agree with NumPy" in text
     json.dumps(report, default=str)  # the --json-out payload serialises
+
+
+def test_a_spent_time_budget_skips_the_shapes_and_the_report_stays_whole(tmp_path, monkeypatch, capsys):
+    # Budget 0: every shape is skipped, as the later ones are when a slow machine spends the
+    # budget; the rows say so, and the table, the verdicts and the JSON still come out.
+    report = selfcheck.run(gpu.get_backend("numpy"), replace(TINY, timing_budget_s=0.0))
+    rows = report["decode_timings"]["models"][0]["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 64), (3, 64), (1, 128), (3, 128)]
+    assert all(r["skipped"] == "time budget spent" and "paged_gbps" not in r for r in rows)
+    assert report["correctness_passed"] and report["timing_outputs_passed"] and report["passed"]
+    text = selfcheck.format_report(report)
+    assert text.count("time budget spent") == 4 and "PASSED" in text
+    strict_json(json.dumps(selfcheck._json_safe(report), allow_nan=False))
+
+    # --time-budget on the command line: 0 skips every shape, inf none; a bad value is exit 2.
+    monkeypatch.setattr(selfcheck, "get_backend", lambda kind: gpu.get_backend("numpy"))
+    monkeypatch.setattr(selfcheck, "TINY", TINY)
+    path = tmp_path / "r.json"
+    for budget, skipped in (("0", 4), ("inf", 0)):
+        assert selfcheck.main(["--tiny", "--time-budget", budget, "--json-out", str(path)]) == 0
+        rows = strict_json(path.read_text())["decode_timings"]["models"][0]["rows"]
+        assert sum("skipped" in r for r in rows) == skipped
+    capsys.readouterr()
+    for bad in ("-1", "soon", "nan"):
+        with pytest.raises(SystemExit) as exited:
+            selfcheck.main(["--tiny", "--time-budget", bad])
+        assert exited.value.code == 2 and "--time-budget" in capsys.readouterr().err
 
 
 def test_a_failing_kernel_is_reported_not_raised():

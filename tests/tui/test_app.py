@@ -29,6 +29,16 @@ def pilot_test(fn):
     return run
 
 
+async def until(pilot, cond, timeout: float = 30.0) -> None:
+    """Lets the app run until `cond()` holds. The bound only guards against a hang: a fixed
+    pause (0.3 s) or a short bound (5 s) could run out on a loaded machine."""
+    for _ in range(int(timeout / 0.02)):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError("condition not reached")
+
+
 def make_engine(until: float = 20.0) -> Engine:
     # (the snapshots show figures of the single roofline's clock)
     sc = load_scenario("chat", ["kv.num_blocks=1500", "workload.duration_s=60",
@@ -107,8 +117,7 @@ async def test_pause_stops_the_clock_and_n_runs_exactly_one_step():
     app = make_app(paused=False, speed=4.0)
     async with app.run_test(size=SIZE) as pilot:
         t0 = app.engine.now
-        await pilot.pause(0.3)
-        assert app.engine.now > t0  # running
+        await until(pilot, lambda: app.engine.now > t0)  # running
         await pilot.press("space")
         assert app.driver.paused
         now, step = app.engine.now, app.engine.step_count
@@ -236,8 +245,7 @@ async def test_replay_plays_back_and_refuses_changes(tmp_path):
         await pilot.press("n")
         assert app.engine.step_count == 1
         await pilot.press("space")
-        await pilot.pause(0.3)
-        assert app.engine.now > 0
+        await until(pilot, lambda: app.engine.now > 0)
         assert app.engine.now <= engine.now
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from sim import build, load_scenario
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
-from tests.tui.test_app import SIZE, pilot_test
+from tests.tui.test_app import SIZE, pilot_test, until
 from tui.app import Dashboard
 
 
@@ -92,9 +92,5 @@ async def test_a_deployment_log_plays_back(tmp_path):
         assert app.instance_rows.display and len(app.snap.instances) == 2
         app.driver.set_paused(False)
         app.driver.set_speed(64)
-        for _ in range(50):
-            await pilot.pause(0.05)
-            if replayer.done:
-                break
-        assert replayer.done
+        await until(pilot, lambda: replayer.done)
         assert replayer.engine.position() == c.position()

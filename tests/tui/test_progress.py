@@ -26,7 +26,10 @@ def test_the_line_names_simulated_time_requests_and_rate():
         while not e.done:
             e.run_until(e.now + 1.0)
             time.sleep(0.002)
-        time.sleep(0.05)
+        # (the thread draws every 0.01 s; a loaded machine may have starved it all run long)
+        stop = time.monotonic() + 60  # a guard against a hang only
+        while "sim chat: t=" not in stream.getvalue() and time.monotonic() < stop:
+            time.sleep(0.01)
         line = p.line()
     total = e.counts["arrived"]
     assert line.startswith(f"sim chat: t={e.now:,.1f} s simulated  {total:,}/{total:,} requests")
@@ -48,9 +51,10 @@ def test_nothing_is_drawn_before_the_delay_or_when_disabled():
 
 @pytest.fixture
 def run_waits_for_a_draw(monkeypatch):
-    """Hold a run, once it is watched, until the progress thread has drawn it (at most 2 s): a
-    run faster than the thread's first turn (a compiled build, a loaded machine) would
-    otherwise end before anything could be drawn, and these tests would say nothing."""
+    """Hold a run, once it is watched, until the progress thread (where one runs) has drawn it:
+    a run faster than the thread's first turn (a compiled build, a loaded machine) would
+    otherwise end before anything could be drawn, and these tests would say nothing. (The
+    60 s only guard against a hang: 2 s were too few on a loaded machine.)"""
     drawn = threading.Event()
     draw, watch = RunProgress.draw, RunProgress.watch
 
@@ -62,7 +66,8 @@ def run_waits_for_a_draw(monkeypatch):
     def watching(self, engine, label):
         drawn.clear()
         watch(self, engine, label)
-        drawn.wait(timeout=2.0)
+        if self._thread is not None:  # (none when disabled: nothing will be drawn)
+            drawn.wait(timeout=60)
 
     monkeypatch.setattr(RunProgress, "draw", drawing)
     monkeypatch.setattr(RunProgress, "watch", watching)

@@ -11,15 +11,7 @@ from sim.session.log import read_log
 from sim.session.replay import verify
 from tui.serve.app import build_frontend
 from tui.serve.dashboard import ServeDashboard
-from tests.tui.test_app import pilot_test
-
-
-async def until(pilot, cond, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await pilot.pause(0.02)
-    raise AssertionError("condition not reached")
+from tests.tui.test_app import pilot_test, until
 
 
 @pilot_test

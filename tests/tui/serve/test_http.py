@@ -126,7 +126,7 @@ def test_closing_the_stream_cancels_the_request_and_frees_its_blocks(server):
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a guard against a hang only)
     while True:
         with fe.lock:
             cancels = [e for e in fe.engine.events if e.kind == "cancel"]
@@ -161,7 +161,7 @@ def test_each_streams_duplicated_fd_is_let_go_when_its_handler_ends(server):
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (a guard against a hang only)
     while fe_mod._fds.left != left and time.monotonic() < deadline:
         time.sleep(0.02)
     assert fe_mod._fds.left == left
@@ -302,10 +302,18 @@ def test_clients_that_break_http_or_vanish_leave_at_most_a_line_each_no_tracebac
 
 
 def test_a_fan_out_over_the_limit_is_refused_at_once(server):
-    t0 = time.monotonic()
+    # Refused before any of its 256,000 sequences reached the engine (they stalled every stream
+    # for 12.8 s): a count of what was injected, not a stopwatch.
+    def injected():
+        with server.frontend.lock:
+            return server.frontend.engine.counts["injected"]
+    before = injected()
     code, err = post(server, "/v1/completions", {"prompt": ["a"] * 1000, "n": 256,
                                                  "max_tokens": 1})
-    assert code == 400 and err["error"]["param"] == "n" and time.monotonic() - t0 < 2
+    assert code == 400 and err["error"]["param"] == "n"
+    assert injected() == before
+    assert post(server, "/v1/completions", {"prompt": "a", "max_tokens": 1})[0] == 200
+    assert injected() == before + 1  # (the count does see what the server lets through)
 
 
 def test_full_queue_answers_503_then_serves_again():
@@ -317,7 +325,7 @@ def test_full_queue_answers_503_then_serves_again():
         second = threading.Thread(target=lambda: out.setdefault(
             "r", c.completions.create(model=MODEL, prompt="b", max_tokens=2)))
         second.start()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30  # (a guard against a hang only)
         while time.monotonic() < deadline:
             with s.frontend.lock:
                 if len(s.frontend.engine.policy.waiting) == 1:
@@ -471,8 +479,10 @@ def test_a_bounded_server_holds_only_what_is_in_flight():
     # Headless `serve` drops read events and ended requests: after hundreds of background
     # requests, the engine holds a handful of events and only the live requests, and the HTTP
     # answers and the /metrics counters are the same as ever.
-    with serving(["workload.rate=400", "workload.duration_s=30"], background=True,
-                 bounded=True, speed=4.0) as s:
+    # (A load the engine serves: at rate 400, requests queued for good, and on a loaded machine
+    # the first one below waited past the client's 30 s; speed 16 keeps the run short.)
+    with serving(["workload.rate=10", "workload.duration_s=120"], background=True,
+                 bounded=True, speed=16.0) as s:
         r = client(s).completions.create(model=MODEL, prompt="a", max_tokens=20)
         assert r.choices[0].text == filler(20)
         deadline = time.monotonic() + 20

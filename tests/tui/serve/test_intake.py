@@ -4,10 +4,12 @@ it; and a burst of new connections is taken at once, not refused by a short acce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import select
 import socket
+import threading
 import time
 
 import pytest
@@ -47,10 +49,39 @@ def _response_id(sock: socket.socket) -> str:
     return json.loads(body)["id"]
 
 
-def _busy(s, seconds: float) -> None:
-    """Keeps the server's event loop busy for `seconds` from now (a burst it is working on)."""
-    s.loop.call_soon_threadsafe(time.sleep, seconds)
-    time.sleep(0.05)  # (the sleep has begun)
+@contextlib.contextmanager
+def _busy(s):
+    """The server's event loop kept busy (a burst it is working on) from before the block
+    starts until it ends, however slowly either thread runs on a loaded machine."""
+    began, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        began.set()
+        done.wait(60)  # (a guard against a hang only)
+
+    s.loop.call_soon_threadsafe(hold)
+    assert began.wait(60)
+    try:
+        yield
+    finally:
+        done.set()
+
+
+# A kernel receive time, turned into time.monotonic's clock and through the simulated clock and
+# back, lies between a clock read before the send and one after it, give or take this much
+# (clock conversions; the ±0.05 s these tests had before failed on a loaded machine).
+SLACK_S = 1e-3
+
+
+def _sent(sock: socket.socket, data: bytes) -> tuple[float, float]:
+    """Sends `data`; returns (a clock read before, one after)."""
+    before = time.monotonic()
+    sock.sendall(data)
+    return before, time.monotonic()
+
+
+def _arrived_while_sent(s, rid: str, sent: tuple[float, float]) -> bool:
+    return sent[0] - SLACK_S <= _arrival_wall(s, rid) <= sent[1] + SLACK_S
 
 
 def _arrival_wall(s, rid: str) -> float:
@@ -63,13 +94,13 @@ def test_a_request_the_server_reads_late_arrived_when_its_bytes_did():
     with serving(record_timing=True) as s:
         port = s.server.port
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            _busy(s, 0.4)
-            sent = time.monotonic()
-            _post(sock, port)
+            with _busy(s):
+                sent = _sent(sock, b"".join(_request(port)))
+                time.sleep(0.3)
             rid = _response_id(sock)
-            assert time.monotonic() - sent > 0.3  # it was handled late
-            # ... yet arrived when sent (the handler's start would be ~0.35 s later)
-            assert abs(_arrival_wall(s, rid) - sent) < 0.05
+            assert time.monotonic() - sent[1] >= 0.3  # it was handled late
+            # ... yet arrived when sent (the handler's start was 0.3 s or more later)
+            assert _arrived_while_sent(s, rid, sent), (_arrival_wall(s, rid), sent)
 
 
 @needs_stamps
@@ -77,20 +108,33 @@ def test_each_request_on_a_kept_alive_connection_arrives_at_its_own_time():
     with serving(record_timing=True) as s:
         port = s.server.port
         with socket.create_connection(("127.0.0.1", port)) as sock:
-            _post(sock, port)
+            first_sent = _sent(sock, b"".join(_request(port)))
             first = _response_id(sock)
             time.sleep(0.3)
-            _busy(s, 0.3)
-            sent = time.monotonic()
-            _post(sock, port)
+            with _busy(s):
+                sent = _sent(sock, b"".join(_request(port)))
+                time.sleep(0.3)
             second = _response_id(sock)
-            assert abs(_arrival_wall(s, second) - sent) < 0.05  # not the first's time
+            assert _arrived_while_sent(s, first, first_sent)
+            assert _arrived_while_sent(s, second, sent)  # not the first's time
             assert _arrival_wall(s, second) - _arrival_wall(s, first) > 0.25
+
+
+def _listen_drops() -> int:
+    """The kernel's count of handshakes a listening socket dropped (TcpExt ListenDrops: a full
+    accept queue among them), or skips the test where /proc/net/netstat does not say."""
+    try:
+        with open("/proc/net/netstat") as f:
+            names, values = (line.split() for line in f if line.startswith("TcpExt:"))
+        return int(values[names.index("ListenDrops")])
+    except (OSError, ValueError):
+        pytest.skip("no TcpExt ListenDrops in /proc/net/netstat")
 
 
 def test_a_burst_of_new_connections_is_accepted_at_once():
     """asyncio's default accept queue (aiohttp: 128) would refuse the rest of a 300-connection
-    burst while the loop is busy: those clients retry their handshake after 1 s."""
+    burst while the loop is busy: the kernel drops their handshakes (the clients retry after
+    1 s). Counted, not timed: no handshake is dropped while the loop is held."""
     try:
         with open("/proc/sys/net/core/somaxconn") as f:
             if int(f.read()) < 300:
@@ -99,21 +143,23 @@ def test_a_burst_of_new_connections_is_accepted_at_once():
         pytest.skip("no /proc/sys/net/core/somaxconn")
     with serving() as s:
         port = s.server.port
-        _busy(s, 2.0)
         socks = []
         try:
-            start = time.monotonic()
-            for _ in range(300):
-                sock = socket.socket()
-                sock.setblocking(False)
-                sock.connect_ex(("127.0.0.1", port))
-                socks.append(sock)
-            pending = list(socks)
-            while pending and time.monotonic() - start < 1.5:
-                _, ready, _ = select.select([], pending, [], 0.1)
-                pending = [p for p in pending if p not in ready]
-            assert not pending, f"{len(pending)} of 300 connections not accepted after 1.5 s"
-            assert all(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for sock in socks)
+            with _busy(s):
+                drops = _listen_drops()
+                for _ in range(300):
+                    sock = socket.socket()
+                    sock.setblocking(False)
+                    sock.connect_ex(("127.0.0.1", port))
+                    socks.append(sock)
+                pending = list(socks)
+                stop = time.monotonic() + 60  # (a guard against a hang only)
+                while pending and _listen_drops() == drops and time.monotonic() < stop:
+                    _, ready, _ = select.select([], pending, [], 0.1)
+                    pending = [p for p in pending if p not in ready]
+                assert _listen_drops() == drops, "handshakes dropped: the accept queue is too short"
+                assert not pending, f"{len(pending)} of 300 connections never accepted"
+                assert all(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for sock in socks)
         finally:
             for sock in socks:
                 sock.close()
@@ -166,10 +212,10 @@ def test_a_taken_port_is_an_os_error_and_leaves_nothing_open():
 
 def test_a_wall_time_maps_to_a_simulated_time_never_earlier_than_the_true_one():
     clock = SimClock(start=5.0, speed=2.0)
-    now = time.monotonic()
-    assert clock.at_wall(now - 1.0) == 5.0  # before the clock started: its start
+    started = clock._wall0  # (not a clock read of its own: a loaded machine may run late)
+    assert clock.at_wall(started - 1.0) == 5.0  # before the clock started: its start
     time.sleep(0.1)
-    assert clock.at_wall(now + 0.05) == pytest.approx(5.1, abs=0.02)
+    assert clock.at_wall(started + 0.05) == pytest.approx(5.1, abs=1e-9)
     assert clock.at_wall(time.monotonic() + 10.0) <= clock.now()
     # re-anchored (a speed change) after the bytes came: mapped to the anchor, not through
     # the new speed back into the past
@@ -189,10 +235,9 @@ def test_a_body_sent_after_its_headers_arrives_with_its_body():
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(head)
             time.sleep(0.3)
-            sent = time.monotonic()
-            sock.sendall(body)
+            sent = _sent(sock, body)
             rid = _response_id(sock)
-            assert abs(_arrival_wall(s, rid) - sent) < 0.05  # not the headers' time
+            assert _arrived_while_sent(s, rid, sent), (_arrival_wall(s, rid), sent)  # not the headers'
 
 
 def test_clients_that_send_a_request_and_close_at_once_leave_the_engine_serving():
