@@ -20,9 +20,10 @@ from sim import _compiled
 ROOT = Path(__file__).resolve().parent.parent
 built = pytest.mark.skipif(not _compiled._built(ROOT), reason="no compiled build (pure install)")
 
-# whether the build is used; whether sim.engine.stepping, sim.engine.request and sim.engine.engine (never compiled)
-# came from source
-PROBE = ("import sim, sim._compiled as c, sim.engine.stepping as s, sim.engine.request as r, sim.engine.engine as e; "
+# whether the build is used; whether sim.engine.stepping, sim.engine.request and
+# sim.engine.engine (never compiled) came from source
+PROBE = ("import sim, sim._compiled as c, sim.engine.stepping as s, sim.engine.request as r, "
+         "sim.engine.engine as e; "
          "print(c.COMPILED, *[m.__file__.endswith('.py') for m in (s, r, e)])")
 
 
@@ -62,12 +63,12 @@ def test_an_edited_source_loads_every_listed_module_from_source(tmp_path):
 
 @built
 def test_a_leftover_build_of_a_module_no_longer_compiled_never_loads(tmp_path):
-    """A build from an older list of compiled modules (here: a stand-in for sim.engine.engine's, which
-    is not compiled) must not shadow the module's source."""
+    """A build from an older list of compiled modules (here: a stand-in for sim.engine.engine's,
+    which is not compiled) must not shadow the module's source."""
     shutil.copytree(ROOT / "sim", tmp_path / "sim",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    [so] = (tmp_path / "sim").glob("kv.*.so")
-    shutil.copy(so, tmp_path / "sim" / so.name.replace("kv.", "engine.", 1))
+    [so] = (tmp_path / "sim" / "engine").glob("kv.*.so")
+    shutil.copy(so, so.parent / so.name.replace("kv.", "engine.", 1))
     assert _python(PROBE, path=tmp_path) == "True False False True"
     assert _python(PROBE, path=tmp_path, pure=True) == "False True True True"
 
