@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -109,12 +110,19 @@ def check_writable(path, what: str = "") -> None:
     parent = Path(os.path.realpath(path)).parent
     if not parent.is_dir():
         raise ServesimError(f"{where}: directory {parent} does not exist")
-    try:  # a real probe: access() says yes to root on a read-only file system's files
+    # A real probe (access() says yes to root on a read-only file system's files), with SIGINT
+    # and SIGTERM held meanwhile: one arriving between the probe's creation and its removal
+    # would leave it behind.
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
         fd, probe = tempfile.mkstemp(prefix=".servesim-probe-", dir=parent)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
         raise ServesimError(f"{where}: cannot write in {parent}: {reason(e)}") from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextmanager
