@@ -2,9 +2,9 @@
 the engine, deployments of several engines, metrics and session logs. Nothing here imports
 Textual or CuPy."""
 
-from sim import _compiled
+from sim.native import compiled
 
-_compiled.activate()  # (before anything imports a module the install may have compiled)
+compiled.activate()  # (before anything imports a module the install may have compiled)
 
 from sim.deploy.cluster import Cluster, ClusterSnapshot, build
 from sim.engine.engine import Engine, EngineSnapshot, RequestView

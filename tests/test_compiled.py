@@ -1,7 +1,7 @@
 """The compiled hot path (mypyc, built by `pip install`): the same results as pure Python, and
 never a stale build.
 
-`sim/_compiled.py` uses the compiled modules only while their sources are those the build
+`sim/native/compiled.py` uses the compiled modules only while their sources are those the build
 compiled; `SERVESIM_PURE=1` forces the pure-Python modules. Where the install built nothing
 (no compiler), the tests that need a build skip.
 """
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from sim import _compiled
+from sim.native import compiled
 
 ROOT = Path(__file__).resolve().parent.parent
-built = pytest.mark.skipif(not _compiled._built(ROOT), reason="no compiled build (pure install)")
+built = pytest.mark.skipif(not compiled._built(ROOT), reason="no compiled build (pure install)")
 
 # whether the build is used; whether sim.engine.stepping, sim.engine.request and
 # sim.engine.engine (never compiled) came from source
-PROBE = ("import sim, sim._compiled as c, sim.engine.stepping as s, sim.engine.request as r, "
+PROBE = ("import sim, sim.native.compiled as c, sim.engine.stepping as s, sim.engine.request as r, "
          "sim.engine.engine as e; "
          "print(c.COMPILED, *[m.__file__.endswith('.py') for m in (s, r, e)])")
 
@@ -47,6 +47,15 @@ def test_this_checkout_runs_its_compiled_build_unless_told_not_to():
 
 
 @built
+def test_a_used_build_loads_every_c_module_it_lists():
+    """A compiled build that is used has its C modules too (one that fails to load would leave
+    the engine on its slower Python stand-in without a word)."""
+    code = ("import sim, sim.native.compiled as c; "
+            "print(c.COMPILED, *[c.c_module(m) is not None for m in c.C_MODULES])")
+    assert _python(code) == " ".join(["True"] * (1 + len(compiled.C_MODULES)))
+
+
+@built
 def test_an_edited_source_loads_every_listed_module_from_source(tmp_path):
     """A checkout edited after its build must run the edited code: all listed modules from
     source (compiled modules call each other directly, so it is all or none)."""
@@ -56,7 +65,7 @@ def test_an_edited_source_loads_every_listed_module_from_source(tmp_path):
     kv = tmp_path / "sim" / "engine" / "kv.py"
     kv.write_text(kv.read_text() + "\n# edited\n")
     assert _python(PROBE, path=tmp_path) == "False True True True"
-    (tmp_path / _compiled.MANIFEST).unlink()  # (no record of what was built: not trusted)
+    (tmp_path / compiled.MANIFEST).unlink()  # (no record of what was built: not trusted)
     kv.write_text(kv.read_text().removesuffix("\n# edited\n"))
     assert _python(PROBE, path=tmp_path) == "False True True True"
 
@@ -75,12 +84,13 @@ def test_a_leftover_build_of_a_module_no_longer_compiled_never_loads(tmp_path):
 
 RUN = """
 import json
-from sim import _compiled, load_scenario, summarize
+from sim.native import compiled
+from sim import load_scenario, summarize
 from sim.session.log import encode
 from tui.cli import build_engine
 e = build_engine(load_scenario(NAME, SETS), keep_history=False)
 e.run()
-print(json.dumps({"compiled": _compiled.COMPILED,
+print(json.dumps({"compiled": compiled.COMPILED,
                   "summary": {k: v for k, v in summarize(e).items() if "wall" not in k},
                   "events": [encode(x) for x in e.events]}, default=repr))
 """
@@ -110,10 +120,10 @@ def test_compiled_and_pure_runs_are_identical(case):
 
 
 def test_the_c_modules_pyproject_declares_are_those_checked_at_run_time():
-    """The install builds pyproject.toml's ext-modules; `sim/_compiled.py` decides at run time
+    """The install builds pyproject.toml's ext-modules; `sim/native/compiled.py` decides at run time
     whether each is used by its source's digest: the two lists must be the same modules."""
     import tomllib
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert declared["cmdclass"]["build_ext"] == "sim._build.OptionalBuildExt"
+    assert declared["cmdclass"]["build_ext"] == "sim.native.build.OptionalBuildExt"
     assert {e["name"]: e["sources"] for e in declared["ext-modules"]} == {
-        m: [path] for m, path in _compiled.C_MODULES.items()}
+        m: [path] for m, path in compiled.C_MODULES.items()}

@@ -167,7 +167,7 @@ def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
         return  # the name of a command in a sentence ("`servesim compare` shows both")
     if argv[0] in ("run", "bench", "serve", "calibrate") or "--fit" in argv or "--loo" in argv:
         # (interactive, minutes of measuring, serving until a signal, the user's own
-        # measurement file, or minutes of fitting: tests/sim/test_validate.py fits a few points)
+        # measurement file, or minutes of fitting: tests/sim/model/test_validate.py fits a few points)
         build_parser().parse_args(argv)
         return
     outside = [w for w in argv if w.startswith("../") and not os.path.exists(w)]
@@ -205,7 +205,7 @@ def test_no_merge_conflict_markers_are_left_in_the_sources():
 
 def test_the_top_level_is_the_shape_the_user_fixed():
     """pyproject.toml, README.md, tui/, sim/, gpu/, scenarios/, tests/, plus .ci/ and dotfiles:
-    nothing else is tracked at the top (the build hook lives in sim/_build.py)."""
+    nothing else is tracked at the top (the build hook lives in sim/native/build.py)."""
     import subprocess
     try:
         files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from sim import _compiled
+from sim.native import compiled
 from sim.engine import events as ev
 from sim.engine import stepping
 from sim.model.costmodel import CostModel
@@ -756,7 +756,7 @@ class Engine(EngineState):
     # runs end within a few steps (at the next arrival), where NumPy's per-call cost would
     # dominate; compiled, a step costs a few hundred instructions, so NumPy pays only for long
     # runs. (Either way the same bits: tests/test_compiled.py.)
-    SCALAR_STEPS = 256 if _compiled.COMPILED else 24
+    SCALAR_STEPS = 256 if compiled.COMPILED else 24
     # Steps of one decode run at most (its NumPy columns stay a few MB); a longer stretch is
     # several runs, whose events and timeline rows are the same as one run's.
     RUN_STEPS_MAX = 1 << 20

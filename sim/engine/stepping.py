@@ -3,7 +3,7 @@ identical decode steps, their block allocation, timeline rows and step times, ar
 finishes.
 
 These are `Engine` methods moved out of the class so that the install can compile them with
-mypyc (`sim/_compiled.py`), while `Engine` stays a Python class. Each takes the engine as `e`;
+mypyc (`sim/native/compiled.py`), while `Engine` stays a Python class. Each takes the engine as `e`;
 the fields it reads are declared on `EngineState` (a compiled base of `Engine`: native fields,
 as the requests' are). Every scheduling rule is the policy's: the decision asks the policy
 (`schedule`, `has_work`, `add`, `finished`, `decodes_alone`, `skip_ahead_safe`,
@@ -25,7 +25,7 @@ from mypy_extensions import mypyc_attr
 
 import numpy as np
 
-from sim import _compiled
+from sim.native import compiled
 
 from sim.engine import events as ev
 from sim.model.costmodel import CostModel
@@ -47,9 +47,9 @@ FINISHED: Final = RS.FINISHED
 REJECTED: Final = RS.REJECTED
 
 
-# sim/_rows.c (a decode run's per-step rows written into the timeline's staging columns) with
+# sim/native/_rows.c (a decode run's per-step rows written into the timeline's staging columns) with
 # the compiled build, else None: the same in Python
-_ROWS: Any = _compiled.c_module("sim._rows")
+_ROWS: Any = compiled.c_module("sim.native._rows")
 # (its functions bound once: a call through the module looks the name up in it every time)
 _decode_rows: Any = None if _ROWS is None else _ROWS.decode_rows
 _used_rows: Any = None if _ROWS is None else _ROWS.used_rows
@@ -673,7 +673,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
                 policy.next_change_time())
     tl: Timeline = s.timeline
     cost: Any = s.cost
-    # The scalar part of the run straight into the timeline's staging columns (sim/_rows.c),
+    # The scalar part of the run straight into the timeline's staging columns (sim/native/_rows.c),
     # unless the service-time model is another than the CostModel (sim.model.fit's recorder
     # times every step it is asked).
     at = -1

@@ -7,7 +7,7 @@ trace to a few hundred thousand rows and lets pooled ITL percentiles be computed
 Rows are staged and written to the columns in bulk, since a NumPy write per row would cost
 more than the step it records: what differs from step to step (end, duration, blocks used,
 energy) in staging columns that a run of decode steps writes in one call (`reserve`,
-`commit_decodes`: sim/_rows.c with the compiled build), the rest once per run of steps in
+`commit_decodes`: sim/native/_rows.c with the compiled build), the rest once per run of steps in
 Python lists.
 
 When a chunk fills it is sealed: its sums (energy, KV use and empty slots over time, batch sizes)
@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from sim import _compiled
+from sim.native import compiled
 from sim.errors import EngineError
 from sim.stats.quantiles import Samples
 
@@ -50,8 +50,8 @@ CHUNK = 1 << 16  # rows per chunk (a power of two: chunk sums are of fixed row r
 # besides ~0.1 us a row, so 16k rows a flush halve the timeline's cost of 2k (the engine also
 # flushes at the end of each run_until)
 _STAGE = 1 << 14
-# sim/_rows.c with the compiled build (the flush's per-row columns in one pass), else None
-_ROWS: Any = _compiled.c_module("sim._rows")
+# sim/native/_rows.c with the compiled build (the flush's per-row columns in one pass), else None
+_ROWS: Any = compiled.c_module("sim.native._rows")
 ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.stats.quantiles' sketch)
 
 
@@ -254,7 +254,7 @@ class Timeline:
             # (no nested functions here: compiled, their shared environment is a reference
             # cycle, which the paused collector leaves, arrays and all, until the run ends)
             used = self._s_used[:k]
-            if _ROWS is not None:  # (sim/_rows.c: the same columns in one pass in C)
+            if _ROWS is not None:  # (sim/native/_rows.c: the same columns in one pass in C)
                 out = [np.empty(k, dtype=np.int64) for _ in range(7)]
                 _ROWS.expand([self._s_rows, self._s_tokens, self._s_prefill, self._s_batch,
                               self._s_sampled, self._s_waiting, self._s_itl, self._s_e_base,

@@ -171,7 +171,7 @@ class CostModel:
         self._cpu0 = e.cpu_base_us * 1e-6
         self._cpu1 = e.cpu_per_seq_us * 1e-6
         self._overlap = e.cpu_overlap
-        # (in the order sim/_rows.c's `decode_rows` reads them: `step`'s decode step in C)
+        # (in the order sim/native/_rows.c's `decode_rows` reads them: `step`'s decode step in C)
         self.kernel_coefficients = (
             self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
@@ -205,8 +205,8 @@ class CostModel:
 
         The module docstring's formulas, term by term and summed in its order: the one
         definition of a step's time. `steps` runs this very source over NumPy arrays, the
-        engine's runs of decode steps call it step by step (`decode_times`), and sim/_rows.c's
-        decode loop is held to it bit for bit by tests/sim/test_costmodel.py. Typed, it runs
+        engine's runs of decode steps call it step by step (`decode_times`), and sim/native/_rows.c's
+        decode loop is held to it bit for bit by tests/sim/model/test_costmodel.py. Typed, it runs
         in machine floats when compiled (counts are integers far below 2**53: as floats, their
         sums are exact). Only `_max`, `_sqrt` and `_positive` differ between floats and arrays.
         """

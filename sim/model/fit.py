@@ -81,7 +81,7 @@ class RecordingCost(StepObserver):
         self.records.append((i, start, args))
 
     # --- ServiceTime: every method the engine times steps with records what it is asked (a
-    # step missed here would replay as an empty step: tests/sim/test_calibrate.py replays
+    # step missed here would replay as an empty step: tests/sim/model/test_calibrate.py replays
     # runs under their own cost model)
     def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
         args = (p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled)

@@ -4,8 +4,8 @@
  * An optimisation of the same arithmetic as sim/model/costmodel.py (`CostModel.step`, a decode step)
  * and sim/engine/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles
  * and 64-bit integers, so the results are equal bit for bit (built with -ffp-contract=off: no
- * fused multiply-adds). Used only with the compiled build (sim/_compiled.py), never under
- * SERVESIM_PURE=1; tests/sim/test_costmodel.py holds `decode_rows` to `CostModel.step` over
+ * fused multiply-adds). Used only with the compiled build (sim/native/compiled.py), never under
+ * SERVESIM_PURE=1; tests/sim/model/test_costmodel.py holds `decode_rows` to `CostModel.step` over
  * random coefficients, tests/test_compiled.py compares whole runs against pure Python.
  */
 #define PY_SSIZE_T_CLEAN
@@ -70,7 +70,7 @@ static int get_double(PyObject *v, double *out) {
  * Returns how many, and the first and last end times (NaN without a row: saves reading them
  * back as NumPy scalars). `coefficients` is CostModel.kernel_coefficients; step j is
  * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
- * along the run computed once (tests/sim/test_costmodel.py holds the two equal bit for bit). */
+ * along the run computed once (tests/sim/model/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 15) {
         PyErr_SetString(PyExc_TypeError,

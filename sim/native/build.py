@@ -2,15 +2,15 @@
 else install pure Python.
 
 pyproject.toml names this class as setuptools' `build_ext` and declares the C modules; this
-adds the mypyc modules that `sim/_compiled.py` lists. The compiled modules are the same source
+adds the mypyc modules that `sim/native/compiled.py` lists. The compiled modules are the same source
 files; `sim/__init__.py` uses the compiled build only while those sources are unchanged since it
 was made (else the pure-Python modules load), and `SERVESIM_PURE=1` forces pure Python. A
 machine without mypyc or a C compiler, or a failed build, installs the pure-Python package with
 a one-line note: the build is all or none, and only a whole build gets a record
-(`sim/_compiled.json`), so nothing partial, old or new is ever trusted.
+(`sim/native/compiled.json`), so nothing partial, old or new is ever trusted.
 
 setuptools loads this file by its path, before the package exists: it imports nothing from
-`sim` (`_compiled` is read the same way).
+`sim` (`compiled` is read the same way).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pathlib import Path
 
 from setuptools.command.build_ext import build_ext
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_compiled():
     spec = importlib.util.spec_from_file_location("_servesim_compiled",
-                                                  ROOT / "sim" / "_compiled.py")
+                                                  ROOT / "sim" / "native" / "compiled.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -73,9 +73,9 @@ class OptionalBuildExt(build_ext):
             _declared = list(self.distribution.ext_modules or [])
             declared = {e.name: list(e.sources) for e in _declared}
             wanted = {m: [path] for m, path in _c.C_MODULES.items()}
-            if declared != wanted:  # (what sim/_compiled.py checks at run time)
+            if declared != wanted:  # (what sim/native/compiled.py checks at run time)
                 raise SystemExit(f"servesim: pyproject.toml's ext-modules {declared} are not "
-                                 f"sim/_compiled.py's C modules {wanted}")
+                                 f"sim/native/compiled.py's C modules {wanted}")
         self._pure = os.environ.get("SERVESIM_PURE") == "1"
         modules = list(_declared)
         if not self._pure:

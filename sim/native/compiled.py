@@ -1,10 +1,10 @@
 """Which modules the install compiles with mypyc, and whether this process uses them.
 
-The compiled build is an optimisation of the same sources (see sim/_build.py): results are
+The compiled build is an optimisation of the same sources (see sim/native/build.py): results are
 bit-identical either way (tests/test_compiled.py compares whole runs). A compiled module is
 used only while every compiled source still has the digest recorded when the build was made,
 so an edited checkout runs the edited code, never a stale build; `SERVESIM_PURE=1` forces pure
-Python. This module imports nothing from `sim`: the install (sim/_build.py) reads it before
+Python. This module imports nothing from `sim`: the install (sim/native/build.py) reads it before
 the package exists.
 """
 
@@ -28,9 +28,9 @@ MODULES = {
 # C extension modules built beside them (the same arithmetic as the Python they stand in for;
 # used only when the compiled build is)
 C_MODULES = {
-    "sim._rows": "sim/_rows.c",
+    "sim.native._rows": "sim/native/_rows.c",
 }
-MANIFEST = "sim/_compiled.json"  # digests of the sources the build compiled
+MANIFEST = "sim/native/compiled.json"  # digests of the sources the build compiled
 
 
 def source_digest(path) -> str:
@@ -83,7 +83,7 @@ def activate() -> bool:
     ones: compiled modules call each other directly). Returns the decision (also in
     COMPILED)."""
     global COMPILED
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     COMPILED = _built(root) and os.environ.get("SERVESIM_PURE") != "1" and _fresh(root)
     if not any(isinstance(f, _SourceFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _SourceFinder(root, COMPILED))

@@ -1,5 +1,5 @@
 """The pass over the running batch that every policy's `schedule()` starts with, and the
-policy fields it reads. Compiled with the engine's hot path (sim/_compiled.py): it runs at every
+policy fields it reads. Compiled with the engine's hot path (sim/native/compiled.py): it runs at every
 scheduling decision. The rules it applies that a policy may change are the policy's methods,
 called here: `pick_victim` (who is preempted when blocks run short) and `preempt_one`.
 """

@@ -11,7 +11,7 @@ import platform
 import subprocess
 import sys
 
-from sim import _compiled
+from sim.native import compiled
 from sim.errors import ServesimError
 from sim.policies import POLICIES
 
@@ -63,7 +63,7 @@ def comma_list(kind):
 def machine() -> str:
     """The machine and build the figures come from, in one line."""
     return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-            f", hot path {'compiled (mypyc)' if _compiled.COMPILED else 'pure Python'}")
+            f", hot path {'compiled (mypyc)' if compiled.COMPILED else 'pure Python'}")
 
 
 def run_in_child(module: str, function: str, *args, env: dict | None = None) -> dict:

@@ -9,7 +9,8 @@ import os
 import pstats
 import time
 
-from sim import _compiled, build, load_scenario
+from sim.native import compiled
+from sim import build, load_scenario
 from tui.bench.common import machine, run_in_child
 
 
@@ -18,7 +19,7 @@ def run(args) -> dict:
     scheduling decision (`sim.engine.stepping.advance`). Compiled functions are invisible to
     cProfile, so where this process runs the compiled hot path the profile is of the
     pure-Python modules, in a child process."""
-    if _compiled.COMPILED:
+    if compiled.COMPILED:
         return run_in_child("tui.bench.hotpath", "profile_hotpath", args.scenario, args.policy,
                             args.top, env={"SERVESIM_PURE": "1"})
     return profile_hotpath(args.scenario, args.policy, args.top)

@@ -280,7 +280,7 @@ def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, row
                                              cut):
     """`CostModel.step` is the one definition of a step's time; for any parameters and counts
     the other paths give its very bits: `steps` (its source over arrays), `decode_times` (runs
-    of decode steps) and, in the compiled build, sim/_rows.c's `decode_rows`, which restates
+    of decode steps) and, in the compiled build, sim/native/_rows.c's `decode_rows`, which restates
     the decode step in C (a step ends at the clock plus its duration, added in order)."""
     from sim.engine import stepping
 

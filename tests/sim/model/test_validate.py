@@ -120,7 +120,7 @@ def test_bad_points_files_are_one_line_and_exit_2(tmp_path, capsys, csv_text, me
 
 
 def test_validate_a_bench_result_json(tmp_path, capsys):
-    from tests.sim.test_calibrate import bench_result
+    from tests.sim.model.test_calibrate import bench_result
 
     path, _ = bench_result(tmp_path, {"cpu_base_us": 2500.0}, n=40)
     assert main(["validate", str(path), "--scenario", "chat", "--set", "engine.cpu_base_us=2500",

@@ -1,13 +1,13 @@
-"""sim/_rows.c, the compiled build's writer of a decode run's per-step rows, against the Python
+"""sim/native/_rows.c, the compiled build's writer of a decode run's per-step rows, against the Python
 it stands in for (stepping._used_by_step, the timeline's flush): the same numbers, bit for bit.
-(Its decode step times: tests/sim/test_costmodel.py, against CostModel.step; whole runs,
+(Its decode step times: tests/sim/model/test_costmodel.py, against CostModel.step; whole runs,
 compiled and pure: tests/test_compiled.py.)"""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim import _compiled
+from sim.native import compiled
 
 from sim.engine import stepping
 rows = stepping._ROWS
@@ -19,7 +19,7 @@ COEFFICIENTS = (1.0,) * 12 + (False, 1.0, 1.0)
 
 
 def test_the_compiled_build_uses_it():
-    assert _compiled.COMPILED and rows is not None
+    assert compiled.COMPILED and rows is not None
 
 
 @settings(max_examples=80, deadline=None)
@@ -53,7 +53,7 @@ def test_bad_arguments_raise_not_crash():
 @given(data=st.data())
 def test_expand_equals_the_numpy_flush(data):
     # The timeline's flush: staged runs (single steps and decode runs) onto their rows, by
-    # sim/_rows.c and by NumPy, give the same columns.
+    # sim/native/_rows.c and by NumPy, give the same columns.
     from sim.engine import timeline as tlmod
     from sim.engine.timeline import COLUMNS, Timeline
 

@@ -505,7 +505,7 @@ def test_an_edit_of_a_rule_in_the_policies_source_takes_effect(rule, policies, t
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     for name in ("sim", "tests", "scenarios"):
         shutil.copytree(root / name, tmp_path / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.msgpack"))
