@@ -9,6 +9,8 @@ records the transition. Adding a policy is one new module with a `Policy` subcla
 
 from __future__ import annotations
 
+import math
+
 import weakref
 from collections import deque
 
@@ -107,7 +109,7 @@ class Policy(PolicyState):
     def next_change_time(self) -> float:
         """The next simulated time at which the policy's queue order changes by itself (aging);
         a run of identical decode steps must not cross it."""
-        return float("inf")
+        return math.inf
 
     # --- helpers for subclasses -----------------------------------------------------------------
     def plan_waiting(self, req: Request, budget: float) -> tuple[int, list[int]]:

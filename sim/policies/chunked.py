@@ -47,8 +47,8 @@ class ChunkedPolicy(Policy):
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
             n, hits = self.plan_waiting(req, budget)
-            if not kv.allocate_slots(req, n, reserve=watermark if self.running else 0,
-                                     prefix=hits, full_sequence=full):
+            # (positionally: reserve, prefix, full_sequence)
+            if not kv.allocate_slots(req, n, watermark if self.running else 0, hits, full):
                 given_back = self.make_room(out, req)
                 if given_back is None:
                     break

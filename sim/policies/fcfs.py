@@ -9,6 +9,8 @@ admitted alone.
 
 from __future__ import annotations
 
+import math
+
 from sim.policies.base import Policy, SchedulerOutput
 
 
@@ -22,7 +24,7 @@ class FCFSPolicy(Policy):
             self.admit_prompts(out)
             if out.scheduled:
                 return out
-        self.schedule_running(out, float("inf"))
+        self.schedule_running(out, math.inf)
         return out
 
     def decodes_alone(self) -> bool:
@@ -33,7 +35,7 @@ class FCFSPolicy(Policy):
         reserve = self.watermark_blocks() if self.running else 0
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            n, hits = self.plan_waiting(req, float("inf"))
+            n, hits = self.plan_waiting(req, math.inf)
             if n > budget and out.scheduled:
                 break
             if not self.kv.allocate_slots(req, n, reserve=reserve, prefix=hits):

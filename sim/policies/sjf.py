@@ -16,6 +16,8 @@ else the top of the size heap, and the next aging time is the top of the young h
 
 from __future__ import annotations
 
+import math
+
 import heapq
 from itertools import count
 
@@ -108,4 +110,4 @@ class SJFPolicy(ChunkedPolicy):
     def next_change_time(self) -> float:
         self._promote()
         e = self._top(self._young)
-        return float("inf") if e is None else e[0] + self.cfg.sjf_aging_s
+        return math.inf if e is None else e[0] + self.cfg.sjf_aging_s

@@ -7,6 +7,8 @@ more. Finished requests leave the batch, but their seats stay empty until the wh
 
 from __future__ import annotations
 
+import math
+
 from sim.policies.fcfs import FCFSPolicy
 from sim.policies.base import SchedulerOutput
 
@@ -21,13 +23,13 @@ class StaticPolicy(FCFSPolicy):
             self.admit_batch(out)
             if out.scheduled:
                 return out
-        self.schedule_running(out, float("inf"))
+        self.schedule_running(out, math.inf)
         return out
 
     def admit_batch(self, out: SchedulerOutput) -> None:
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            n, hits = self.plan_waiting(req, float("inf"))
+            n, hits = self.plan_waiting(req, math.inf)
             if not self.kv.allocate_slots(req, n, prefix=hits):
                 break
             self.schedule_admitted(out, req, n)
