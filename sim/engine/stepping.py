@@ -124,7 +124,7 @@ def done(e: Any) -> bool:
     """`Engine.done`: no request is queued, running or still to arrive."""
     s: EngineState = e
     policy: Any = s.policy
-    return not policy.has_work() and s._w_next >= len(s._w_arrival)
+    return s._w_next >= len(s._w_arrival) and not policy.has_work()  # (the cheap test first)
 
 
 def schedule_decodes(e: Any) -> list[Request] | None:

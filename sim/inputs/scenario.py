@@ -384,9 +384,24 @@ def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
     return parts, parsed
 
 
+def _command_line_path(parts: list[str], value: Any) -> Any:
+    """A relative path typed with `--set` names a file from the current directory (a scenario
+    file's own paths name files from its folder): made absolute here. Path-valued keys: a
+    `.toml` `engine.preset`, `workload.trace` and an empirical distribution's `file`."""
+    if not isinstance(value, str) or not value:
+        return value
+    if not (parts == ["engine", "preset"] and value.endswith(".toml")
+            or parts == ["workload", "trace"]
+            or (parts[0] == "workload" and parts[-1] == "file")):
+        return value
+    path = Path(value).expanduser()
+    return value if path.is_absolute() else str(Path.cwd() / path)
+
+
 def apply_override(raw: dict, text: str, source: str = "--set") -> None:
     """Apply one `--set` override to the raw scenario dict in place."""
     parts, value = parse_override(text, "--set")
+    value = _command_line_path(parts, value)
     d = raw
     for p in parts[:-1]:
         nxt = d.get(p)

@@ -300,3 +300,23 @@ def test_custom_hardware_needs_a_gpu_link_only_when_the_model_is_sharded():
                                             "interconnect_gbps"):
         load_scenario("chat", [*gpu, *small, "model.tensor_parallel=2"])
     load_scenario("chat", [*gpu, *small, "model.tensor_parallel=2", "hardware.interconnect_gbps=64"])
+
+
+def test_paths_given_with_set_are_read_from_the_current_directory(tmp_path, monkeypatch):
+    """`--set engine.preset=mine.toml` (a file `servesim calibrate` just wrote here) and
+    `--set workload.trace=t.csv` name files in the current directory, whatever folder the
+    scenario lives in (a bundled one included); a scenario file's own paths stay its folder's."""
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "vllm-v1"\ncpu_base_us = 7500.0\n')
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens\n0.0,10,5\n0.5,20,6\n")
+    monkeypatch.chdir(tmp_path)
+    sc = load_scenario("chat", ["engine.preset=mine.toml", 'workload.arrival="trace"',
+                                "workload.trace=t.csv"])
+    assert sc.engine.cpu_base_us == 7500.0
+    assert sc.resolve_path(sc.workload.trace) == tmp_path / "t.csv"
+    # a scenario file elsewhere that names its own files keeps reading them from its folder
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "mine.toml").write_text('[engine]\npreset = "vllm-v1"\ncpu_base_us = 9500.0\n')
+    (other / "s.toml").write_text('name = "s"\n[workload]\nnum_requests = 2\n'
+                                   '[engine]\npreset = "mine.toml"\n')
+    assert load_scenario(str(other / "s.toml")).engine.cpu_base_us == 9500.0
