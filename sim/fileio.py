@@ -15,11 +15,14 @@ whatever stdout is) is written through in place, never replaced by a file.
 from __future__ import annotations
 
 import errno
+import json
 import os
+import re
 import signal
 import stat
 import sys
 import tempfile
+import tomllib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -202,3 +205,44 @@ def save_figure(fig, path, **savefig_kw) -> None:
     fmt = Path(path).suffix.lstrip(".").lower() or "png"
     with atomic_open(path, "wb") as fh:
         fig.savefig(fh, format=fmt, **savefig_kw)
+
+
+# --- parsing text that anyone may have written ------------------------------------------------
+# Python converts at most this many digits of an integer literal (sys.get_int_max_str_digits):
+# a longer one makes json and tomllib raise a bare ValueError.
+_LONG_INT = re.compile(r"[0-9_]{%d,}" % (sys.get_int_max_str_digits() + 1))
+
+
+def _long_int_at(text: str) -> int:
+    m = _LONG_INT.search(text)
+    return m.start() if m else 0
+
+
+def json_loads(text: str):
+    """json.loads, with what it raises beyond invalid JSON (a value nested too deeply, an
+    integer of more digits than Python converts) raised as a JSONDecodeError like it."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("a value nested too deeply", text, 0) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        raise json.JSONDecodeError(f"an integer of more than {sys.get_int_max_str_digits()} "
+                                   "digits", text, _long_int_at(text)) from None
+
+
+def toml_loads(text: str) -> dict:
+    """tomllib.loads, with what it raises beyond invalid TOML (a value nested too deeply for
+    its recursive parser, an integer of more digits than Python converts) raised as a
+    TOMLDecodeError like it."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise tomllib.TOMLDecodeError("a value nested too deeply") from None
+    except tomllib.TOMLDecodeError:
+        raise
+    except ValueError:
+        line = text.count("\n", 0, _long_int_at(text)) + 1
+        raise tomllib.TOMLDecodeError(f"an integer of more than {sys.get_int_max_str_digits()} "
+                                      f"digits (at line {line})") from None

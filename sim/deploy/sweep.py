@@ -167,7 +167,8 @@ def plan(spec: str | None, axes: list[Axis], *, seeds: list[int] | None = None,
         try:
             sc = load_scenario(spec, [*overrides, *sets])
         except ScenarioError as e:
-            where = f"grid point {', '.join(sets)}: " if sets else ""
+            cut = [t if len(t) <= 80 else t[:77] + "..." for t in sets]  # (one short line)
+            where = f"grid point {', '.join(cut)}: " if sets else ""
             raise ScenarioError(f"{where}{e}") from None
         points.append(Point(values, sc))
     return Plan(axes, points, seeds)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim.errors import ScenarioError
-from sim.fileio import read_input_text, reason
+from sim.errors import ScenarioError, shown
+from sim.fileio import read_input_text, reason, toml_loads
 from sim.inputs.workload import min_length
 from sim.model import presets
 from sim.model.costmodel import CostModel
@@ -308,15 +308,6 @@ class Scenario:
 
 
 # --- loading -------------------------------------------------------------------------------------
-def toml_loads(text: str) -> dict:
-    """tomllib.loads, with a value nested too deeply for its recursive parser (thousands of
-    brackets) reported as a TOMLDecodeError like any other invalid TOML, not a RecursionError."""
-    try:
-        return tomllib.loads(text)
-    except RecursionError:
-        raise tomllib.TOMLDecodeError("a value nested too deeply") from None
-
-
 def bundled_scenarios() -> list[tuple[str, str]]:
     """(name, description) of every scenario bundled in `scenarios/`."""
     out = []
@@ -446,7 +437,7 @@ def _check_type(where: str, value, t) -> Any:
     elif t is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
         if ok and not -INT64_MAX - 1 <= value <= INT64_MAX:  # past int64: no array holds it
-            raise ScenarioError(f"{where} = {value!r}: must fit in 64 bits "
+            raise ScenarioError(f"{where} = {shown(value, 80)}: must fit in 64 bits "
                                 f"(at most {INT64_MAX})")
     elif t is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -457,7 +448,7 @@ def _check_type(where: str, value, t) -> Any:
     else:
         ok = isinstance(value, t)
     if not ok:
-        raise ScenarioError(f"{where} = {value!r}: expected {_type_name(t)}")
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected {_type_name(t)}")
     return value
 
 
@@ -478,12 +469,12 @@ def _check_dist(where: str, value, top: float) -> Any:
         return v
 
     if isinstance(value, bool):
-        raise ScenarioError(f"{where} = {value!r}: expected a number or a {{dist = ...}} table")
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a number or a {{dist = ...}} table")
     if isinstance(value, (int, float)):
         number(where, value)
         return value
     if not isinstance(value, dict):
-        raise ScenarioError(f"{where} = {value!r}: expected a number or a {{dist = ...}} table")
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a number or a {{dist = ...}} table")
     dist = value.get("dist")
     if not isinstance(dist, str) or dist not in DIST_KEYS:
         raise ScenarioError(

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ScenarioError, TraceError
-from sim.fileio import open_input
+from sim.fileio import json_loads, open_input
 from sim.limits import (BYTES_PER_REQUEST, BYTES_PER_STEP, INT64_MAX, MAX_TIME_S, MAX_TOKENS,
                         check_memory)
 
@@ -215,9 +215,9 @@ def _read_mooncake(path: Path) -> Trace:
         if not text.strip():
             continue
         try:
-            rec = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e:
-            raise TraceError(f"{path}:{line}: not JSON: {getattr(e, 'msg', e)}") from None
+            rec = json_loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{line}: not JSON: {e.msg}") from None
         if not isinstance(rec, dict):
             raise TraceError(f"{path}:{line}: expected a JSON object, got {text.strip()[:40]!r}")
         for name in ("timestamp", "input_length", "output_length"):

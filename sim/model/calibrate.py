@@ -40,7 +40,7 @@ import numpy as np
 
 from sim.model import presets
 from sim.errors import ServesimError, shown
-from sim.fileio import read_input_text, reason
+from sim.fileio import json_loads, read_input_text, reason
 from sim.model.fit import least_squares, nelder_mead
 from sim.limits import MAX_TIME_S, MAX_TOKENS
 from sim.model.profiles import FIT, POINT_SPREAD
@@ -320,11 +320,9 @@ class BenchRun:
 def read_bench_json(path: Path) -> BenchRun:
     """The successful requests of a `vllm bench serve` result file. Raises MeasurementError."""
     try:
-        data = json.loads(read_input_text(path))
+        data = json_loads(read_input_text(path))
     except (OSError, UnicodeDecodeError) as e:
         raise MeasurementError(f"{path}: cannot read: {reason(e)}") from None
-    except RecursionError:
-        raise MeasurementError(f"{path}: not valid JSON: nested too deeply") from None
     except json.JSONDecodeError as e:
         raise MeasurementError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
     if not isinstance(data, dict):

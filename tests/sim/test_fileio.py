@@ -176,3 +176,32 @@ def test_a_pipe_is_read_however_slow_its_writer(tmp_path, monkeypatch):
     os.mkfifo(fifo)
     with pytest.raises(OSError, match="a FIFO that nothing wrote to for 0.2 s"):
         fileio.open_input(fifo)
+
+
+# --- integers longer than Python converts (sys.get_int_max_str_digits) ----------------------------
+BIG = "9" * (sys.get_int_max_str_digits() + 700)
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "chat", "--set", f"workload.num_requests={BIG}"],
+    ["sim", "SCENARIO"],
+    ["sweep", "chat", "--grid", f"workload.rate=1,{BIG}"],
+    ["compare", "chat", "--policies", "fcfs,chunked", "--set", f"workload.rate={BIG}"],
+    ["sim", "mooncake", "--set", "workload.trace=TRACE"],
+    ["calibrate", "BENCH"],
+    ["validate", "BENCH"],
+])
+def test_an_integer_longer_than_python_converts_is_one_line_and_exit_2(argv, tmp_path):
+    """json and tomllib raise a bare ValueError on such a literal: each input says so in one
+    short line naming the file (or the field), exit 2, no traceback."""
+    (tmp_path / "big.toml").write_text(f'name = "big"\n[workload]\nnum_requests = {BIG}\n')
+    (tmp_path / "big.jsonl").write_text(
+        f'{{"timestamp": 0, "input_length": {BIG}, "output_length": 5, "hash_ids": [1]}}\n')
+    (tmp_path / "big.json").write_text(f'{{"date": "x", "num_prompts": {BIG}}}')
+    subst = {"SCENARIO": str(tmp_path / "big.toml"), "workload.trace=TRACE":
+             f"workload.trace={tmp_path / 'big.jsonl'}", "BENCH": str(tmp_path / "big.json")}
+    out = subprocess.run([sys.executable, "-m", "tui.cli", *[subst.get(a, a) for a in argv]],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr[-500:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr and len(lines[0]) < 400, lines

@@ -227,7 +227,7 @@ def test_bad_bench_files_are_one_line_and_exit_2(tmp_path, capsys):
     assert "not valid JSON" in capsys.readouterr().err
     p.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")  # (json recursed: RecursionError)
     assert main(["calibrate", str(p)]) == 2
-    assert "not valid JSON: nested too deeply" in capsys.readouterr().err
+    assert "not valid JSON: a value nested too deeply" in capsys.readouterr().err
 
 
 def test_calibrate_never_writes_over_what_it_reads(tmp_path, capsys):
