@@ -508,8 +508,12 @@ class Cluster:
         for i, s in enumerate(snaps):
             for v in (*s.waiting, *s.running, *s.recent):
                 v.replica = i
+                v.clock = s.now
         running = [v for s in snaps for v in s.running]
+        listed = {v.req_id for v in running}
         for h in self._handoffs.values():
+            if h.req.req_id in listed:  # (the decode instance has it in its batch already)
+                continue
             v = _view(h.req, with_tokens)
             v.replica = 1 if h.start is not None else 0
             v.num_blocks = len(h.src) + len(h.dst)

@@ -83,6 +83,9 @@ class RequestView:
     tokens: tuple[int, ...] = ()
     replica: int = 0  # the instance it is on, in a deployment of several (sim.deploy.cluster)
     tag: str | None = None  # who sent it (servesim serve: the client's address)
+    # that instance's clock where it is not the snapshot's (each instance of a deployment runs
+    # on its own clock: a queue wait is measured on the one the request waits on)
+    clock: float | None = None
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
 from tests.tui.test_app import SIZE, pilot_test, until
 from tui.app import Dashboard
+from tui.widgets.queues import COLUMNS
 
 
 def deployment(*overrides, until: float = 15.0):
@@ -94,3 +95,23 @@ async def test_a_deployment_log_plays_back(tmp_path):
         app.driver.set_speed(64)
         await until(pilot, lambda: replayer.done)
         assert replayer.engine.position() == c.position()
+
+
+def test_a_disaggregated_snapshot_lists_each_request_once_and_waits_on_its_own_clock():
+    """During a hand-off a request is listed once (not also as its hand-off), and a queued
+    request's wait is measured on the clock of the instance it waits on (the deployment's
+    clock is the furthest-behind instance's, which can be before its arrival there)."""
+    c = build(load_scenario("disaggregated", []))
+    wait = next(col for col in COLUMNS["waiting"] if col.title == "wait")
+    handoffs = waits = 0
+    for _ in range(3000):
+        c.step()
+        s = c.snapshot()
+        ids = [v.req_id for v in s.running]
+        assert len(ids) == len(set(ids))
+        handoffs += s.transferring
+        for v in s.waiting:
+            assert v.clock is not None and v.clock >= v.arrival_time
+            assert not wait.cell(v, s.now).startswith("-")
+            waits += 1
+    assert handoffs > 100 and waits > 100

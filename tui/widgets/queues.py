@@ -55,7 +55,8 @@ COLUMNS = {
     "waiting": (
         _ID,
         Column("prompt", 7, lambda r, now: f"{r.prompt_len:,}"),
-        Column("wait", 8, lambda r, now: fmt.dur(now - r.arrival_time)),
+        Column("wait", 8, lambda r, now: fmt.dur((now if r.clock is None else r.clock)
+                                                 - r.arrival_time)),
         Column("prio", 5, lambda r, now: str(r.priority)),
     ),
     "running": (
