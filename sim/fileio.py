@@ -97,6 +97,14 @@ def _std_stream(st: os.stat_result):
     return None
 
 
+def _not_a_folder(path, where: str) -> None:
+    """A path typed with a trailing separator names a folder: never write a file in its place
+    (`out.csv/` is not `out.csv`)."""
+    text = os.fspath(path)
+    if isinstance(text, str) and text.endswith((os.sep, os.altsep or os.sep)):
+        raise ServesimError(f"{where}: ends with {text[-1]!r}, a directory, not a file")
+
+
 def check_writable(path, what: str = "") -> None:
     """Raise ServesimError now when `path` could not be written later (before a long run):
     a directory, a missing or unwritable directory, a read-only file. A FIFO or a device is
@@ -110,6 +118,7 @@ def check_writable(path, what: str = "") -> None:
             raise ServesimError(f"{where}: cannot write: permission denied")
         if not stat.S_ISREG(st.st_mode):
             return
+    _not_a_folder(path, where)
     parent = Path(os.path.realpath(path)).parent
     if not parent.is_dir():
         raise ServesimError(f"{where}: directory {parent} does not exist")
@@ -139,6 +148,7 @@ def atomic_open(path, mode: str = "wb", exclusive: bool = False):
     st = _stat(path)
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise ServesimError(f"{path}: cannot write: is a directory")
+    _not_a_folder(path, f"{path}: cannot write")
     if exclusive and (st is not None or os.path.islink(path)):
         raise FileExistsError(path)
     stream = _std_stream(st) if st is not None else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,6 +273,9 @@ SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
 }
 TOP_LEVEL = {"name": str, "description": str, "seed": int}
+# Characters a name or description may not hold: controls (escape sequences would reach the
+# terminal), a description's line breaks and tabs aside.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass
@@ -574,6 +578,9 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
             value = resolve_engine(value, source, base)
         if key in TOP_LEVEL:
             kwargs[key] = _check_type(f"{source}: {key}", value, TOP_LEVEL[key])
+            if isinstance(value, str) and _CONTROL.search(value):
+                raise ScenarioError(f"{source}: {key} = {shown(value, 80)}: holds a control "
+                                    "character (text for a terminal)")
             if key == "seed" and value < 0:  # seeds NumPy's generators, which take none below 0
                 raise ScenarioError(f"{source}: seed = {value!r}: must be at least 0")
         elif key in SECTIONS:
@@ -694,6 +701,9 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     if w.arrival != "trace" and not w.num_requests and not w.duration_s:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")
+    if w.arrival in ("poisson", "gamma", "constant") and math.isinf(1.0 / w.rate):
+        raise ScenarioError(f"{src}: workload.rate = {w.rate:g}: the mean gap between "
+                            "requests (1 / rate) is past the largest float")
     _check_cluster(sc)
     try:  # (the service-time model derives the pool size)
         cm = CostModel(sc)

@@ -205,3 +205,16 @@ def test_an_integer_longer_than_python_converts_is_one_line_and_exit_2(argv, tmp
     assert out.returncode == 2, out.stderr[-500:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr and len(lines[0]) < 400, lines
+
+
+def test_a_path_with_a_trailing_separator_is_refused_not_written_without_it(tmp_path):
+    """`-o out.csv/` names a folder: nothing is written as `out.csv`, one line says why."""
+    target = tmp_path / "out.csv"
+    with pytest.raises(ServesimError, match=r"out.csv/: ends with '/', a directory"):
+        check_writable(str(target) + "/", "-o")
+    with pytest.raises(ServesimError, match=r"ends with '/', a directory"):
+        with atomic_open(str(target) + "/") as fh:
+            fh.write(b"x")
+    assert not target.exists()
+    write_atomic(target, "ok")  # (the same name without the separator is a file)
+    assert target.read_text() == "ok"

@@ -320,3 +320,19 @@ def test_paths_given_with_set_are_read_from_the_current_directory(tmp_path, monk
     (other / "s.toml").write_text('name = "s"\n[workload]\nnum_requests = 2\n'
                                    '[engine]\npreset = "mine.toml"\n')
     assert load_scenario(str(other / "s.toml")).engine.cpu_base_us == 9500.0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("workload.rate=1e-320", r"workload.rate = .*: the mean gap between requests \(1 / rate\) "
+                             r"is past the largest float"),
+    ('name="bad\\u001b[31mred"', r"name = 'bad\\x1b\[31mred': holds a control character"),
+    ('description="ring\\u0007"', r"description = .*: holds a control character"),
+])
+def test_absurd_rates_and_control_characters_are_one_line(override, message):
+    with pytest.raises(ScenarioError, match=message):
+        load_scenario("chat", [override])
+
+
+def test_a_description_may_hold_line_breaks_and_tabs():
+    assert load_scenario("chat", ['description="two\\nlines\\tand a tab"']).description == \
+        "two\nlines\tand a tab"
