@@ -270,6 +270,12 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise ScenarioError(f"--port {args.port}: must be between 0 and 65535")
+    if not args.host.strip():
+        raise ScenarioError("--host '': name the address to listen on (0.0.0.0 or :: for every "
+                            "address)")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("SERVESIM_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ScenarioError("--api-key: empty (leave it out to serve without one)")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ScenarioError(f"--max-waiting {args.max_waiting}: must be at least 0")
     sc = _scenario(args)
@@ -280,8 +286,8 @@ def cmd_serve(args) -> int:
     if args.tui:
         from tui.serve.dashboard import serve_dashboard  # (lazy: Textual loads only for --tui)
 
-        return serve_dashboard(frontend, args.host, args.port)
-    return serve_headless(frontend, args.host, args.port)
+        return serve_dashboard(frontend, args.host, args.port, api_key=api_key)
+    return serve_headless(frontend, args.host, args.port, api_key=api_key)
 
 
 def cmd_replay(args) -> int:
@@ -518,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_scenario_args(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    s.add_argument("--api-key", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes, as vLLM's --api-key "
+                        "(default: $SERVESIM_API_KEY, else none)")
     s.add_argument("--policy", choices=list(POLICIES), help="override scheduler.policy")
     s.add_argument("--speed", type=float, default=1.0,
                    help="simulated seconds per wall second (default 1: real time)")

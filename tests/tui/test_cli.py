@@ -75,6 +75,9 @@ def test_scenarios_lists_bundled(capsys):
     # tomllib's parser recurses: thousands of brackets were a RecursionError (a value that
     # does not parse as TOML is taken as a string)
     (["sim", "chat", "--set", "workload.rate=" + "[" * 3000 + "]" * 3000], "expected a number"),
+    # an empty --host bound every address without a word
+    (["serve", "--host", "", "--port", "0"], "--host '': name the address to listen on"),
+    (["serve", "--api-key", " ", "--port", "0"], "--api-key: empty"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)

@@ -79,11 +79,12 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
             f"compute {compute}")
 
 
-def serve_headless(frontend: Frontend, host: str, port: int, ready=None) -> int:
+def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
+                   api_key: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM. `ready(server)` is called once listening. Returns 0.
     Raises ScenarioError when the address cannot be bound."""
     async def main() -> None:
-        server = Server(frontend, host, port)
+        server = Server(frontend, host, port, api_key)
         try:
             await server.start()
         except OSError as e:

@@ -76,9 +76,10 @@ class ServeDriver:
 class ServeDashboard(Dashboard):
     """The dashboard with the HTTP server running in its event loop."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".") -> None:
+    def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".",
+                 api_key: str | None = None) -> None:
         super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
-        self.server = Server(frontend, host, port)
+        self.server = Server(frontend, host, port, api_key)
         self.listen_error: str | None = None
 
     async def on_mount(self) -> None:
@@ -106,9 +107,10 @@ class ServeDashboard(Dashboard):
         self.exit(0)
 
 
-def serve_dashboard(frontend: Frontend, host: str, port: int) -> int:
+def serve_dashboard(frontend: Frontend, host: str, port: int,
+                    api_key: str | None = None) -> int:
     """Serve under the live dashboard; `q` quits. Returns the exit code."""
-    app = ServeDashboard(frontend, host, port)
+    app = ServeDashboard(frontend, host, port, api_key=api_key)
     app.run()
     if app.listen_error:
         raise ScenarioError(app.listen_error)

@@ -395,6 +395,12 @@ class Frontend:
                     f"This model's maximum context length is {limit} tokens and your request "
                     f"has {p.num_tokens} input tokens ({spec.max_tokens} > {limit} - "
                     f"{p.num_tokens}).", param="max_tokens")
+            if limit and spec.max_tokens is None and spec.min_tokens > limit - p.num_tokens:
+                # (vLLM's default max_tokens is what the context leaves: min_tokens above it
+                # is refused, not cut)
+                raise APIError(f"min_tokens must be less than or equal to max_tokens="
+                               f"{limit - p.num_tokens}, got {spec.min_tokens}.",
+                               param="min_tokens")
             if self.real_compute and p.text is None:
                 raise APIError(f"Token ids must be below the vocabulary size "
                                f"({self.vocab_size}) of the tiny model", param="prompt")

@@ -10,6 +10,7 @@ client that disconnects cancels its requests (aiohttp cancels the handler: `hand
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import socket
@@ -181,9 +182,25 @@ async def timing(request: web.Request) -> web.Response:
     return web.Response(text=json.dumps(fe.timing_summary()), content_type="application/json")
 
 
-def make_app(frontend: Frontend) -> web.Application:
+def _authorized(api_key: str):
+    """vLLM's --api-key: every /v1 route wants `Authorization: Bearer KEY` (401 otherwise);
+    /health, /metrics and /version stay open."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1") and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
+def make_app(frontend: Frontend, api_key: str | None = None) -> web.Application:
     _quiet_client_errors()
-    app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY)
+    middlewares = [_errors] if not api_key else [_authorized(api_key), _errors]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app[FRONTEND] = frontend
     app[INTAKE] = Intake()
     app.router.add_post("/v1/completions", completions)
@@ -200,15 +217,17 @@ class Server:
     """The HTTP server and the pump, started in the running event loop (asyncio's own, or
     Textual's) and stopped together."""
 
-    def __init__(self, frontend: Frontend, host: str, port: int) -> None:
+    def __init__(self, frontend: Frontend, host: str, port: int,
+                 api_key: str | None = None) -> None:
         self.frontend = frontend
         self.host, self.port = host, port
+        self.api_key = api_key
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         """Listen, and start the pump. Raises OSError when the address is taken."""
-        self._runner = web.AppRunner(make_app(self.frontend), handler_cancellation=True,
-                                     access_log=None)
+        self._runner = web.AppRunner(make_app(self.frontend, self.api_key),
+                                     handler_cancellation=True, access_log=None)
         await self._runner.setup()
         socks: list[socket.socket] = []
         try:  # its own listening sockets: a deep backlog, receive times (tui/serve/intake.py)

@@ -307,6 +307,26 @@ def render_chat(messages) -> bytes:
     return "".join(parts).encode("utf-8", "surrogatepass")
 
 
+def _tools(body: dict) -> None:
+    """A chat's `tools` as a vLLM server without tool parsing takes them: with `tool_choice`
+    "none" they are ignored; "auto" (the default when tools are given) is refused as vLLM
+    refuses it without --enable-auto-tool-choice; "required" or a named function would need
+    tool calls servesim does not generate. Raises APIError (400)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools", tools, "must be a list")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return
+    if choice == "auto":
+        raise APIError('"auto" tool choice requires --enable-auto-tool-choice and '
+                       "--tool-call-parser to be set (servesim generates no tool calls)",
+                       param="tool_choice")
+    raise APIError(f"'tool_choice' = {shown(choice)} is not supported by servesim: it "
+                   "generates no tool calls", param="tool_choice")
+
+
 def parse_generate(body: dict, chat: bool) -> GenerateSpec:
     """Check a /v1/completions (`chat` False) or /v1/chat/completions body.
 
@@ -329,6 +349,8 @@ def parse_generate(body: dict, chat: bool) -> GenerateSpec:
         # flag)
         if v is not None and v is not False and (v != 0 or name == "logprobs" and not chat):
             raise APIError(f"'{name}' is not supported by servesim", param=name)
+    if chat:
+        _tools(body)
     best_of = _int(body, "best_of", None)
     if best_of not in (None, 1):
         raise APIError("'best_of' is not supported by servesim", param="best_of")

@@ -29,7 +29,7 @@ class Running:
 
 
 @contextlib.contextmanager
-def serving(overrides=(), scenario: str = "chat", **kw):
+def serving(overrides=(), scenario: str = "chat", api_key: str | None = None, **kw):
     sc = load_scenario(scenario, list(overrides))
     box: dict = {}
     ready = threading.Event()
@@ -38,7 +38,7 @@ def serving(overrides=(), scenario: str = "chat", **kw):
         async def run() -> None:
             try:
                 fe = build_frontend(sc, **kw)
-                server = Server(fe, "127.0.0.1", 0)
+                server = Server(fe, "127.0.0.1", 0, api_key)
                 await server.start()
             except BaseException as e:  # noqa: BLE001 - reported to the test thread
                 box["error"] = e

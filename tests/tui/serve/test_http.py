@@ -631,3 +631,56 @@ def test_many_streams_written_in_one_pass_each_get_their_whole_stream(threads):
         assert frames[-2:] == [b"data: [DONE]", b""]
         texts = [json.loads(f[len(b"data: "):])["choices"][0]["text"] for f in frames[:-2]]
         assert "".join(texts) == filler(k)
+
+
+def test_min_tokens_above_what_the_context_leaves_is_refused_as_vllm_does():
+    """Without max_tokens vLLM's limit is what the context leaves (max_model_len - prompt):
+    a min_tokens above it is a 400, not an output silently cut to the limit."""
+    with serving(["model.max_model_len=100"]) as s:
+        c = client(s)
+        with pytest.raises(openai.BadRequestError,
+                           match=r"min_tokens must be less than or equal to max_tokens=40, "
+                                 r"got 41") as e:
+            c.completions.create(model=MODEL, prompt="z" * 60, extra_body={"min_tokens": 41})
+        assert e.value.param == "min_tokens"
+        r = c.completions.create(model=MODEL, prompt="z" * 60, extra_body={"min_tokens": 40})
+        assert r.usage.completion_tokens == 40
+
+
+def test_tools_are_taken_as_vllm_takes_them_without_tool_parsing(server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    for choice in (None, "auto"):
+        body = {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 2}
+        if choice:
+            body["tool_choice"] = choice
+        code, err = post(server, "/v1/chat/completions", body)
+        assert code == 400 and '"auto" tool choice requires' in err["error"]["message"]
+    code, err = post(server, "/v1/chat/completions",
+                     {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 2,
+                      "tool_choice": "required"})
+    assert code == 400 and err["error"]["param"] == "tool_choice"
+    code, ok = post(server, "/v1/chat/completions",
+                    {"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 2,
+                     "tool_choice": "none"})
+    assert code == 200 and ok["usage"]["completion_tokens"] == 2
+
+
+def test_an_api_key_guards_the_v1_routes_only():
+    with serving(api_key="s3cret") as s:
+        def get(path, key=None):
+            req = urllib.request.Request(s.url + path, headers=(
+                {"Authorization": f"Bearer {key}"} if key else {}))
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status, r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read()
+        assert get("/v1/models") == (401, b'{"error": "Unauthorized"}')
+        assert get("/v1/models", "wrong")[0] == 401
+        assert get("/v1/models", "s3cret")[0] == 200
+        assert get("/health")[0] == 200 and get("/metrics")[0] == 200
+        with pytest.raises(openai.AuthenticationError):
+            client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
+        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=1).usage
