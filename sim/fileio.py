@@ -65,11 +65,28 @@ def reason(e: Exception) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
 
+READ_CHUNK = 1 << 20
+
+
+def read_bounded(fh, limit: int) -> bytes:
+    """What is left of `fh`, at most `limit` + 1 bytes (one more than `limit` says there is
+    more), read a chunk at a time: memory follows what the file holds, not the limit (a
+    read(limit) reserves all of it up front, which a small address-space limit refuses)."""
+    chunks, total = [], 0
+    while total <= limit:
+        chunk = fh.read(min(READ_CHUNK, limit + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
+
+
 def read_input_text(path, encoding: str = "utf-8", limit: int = 1 << 30) -> str:
     """The whole text of an input file, opened with `open_input`; an OSError (EFBIG) past
     `limit` bytes (a device such as /dev/zero never ends)."""
     with open_input(path) as fh:
-        data = fh.read(limit + 1)
+        data = read_bounded(fh, limit)
     if len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {limit >> 20} MiB")
     return data.decode(encoding)

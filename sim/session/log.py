@@ -49,7 +49,7 @@ import numpy as np
 
 from sim.engine import events as ev
 from sim.errors import LogError, ServesimError, shown
-from sim.fileio import atomic_open, open_input
+from sim.fileio import atomic_open, open_input, read_bounded
 from sim.gcpause import paused_gc
 from sim.limits import INT64_MAX, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE
 from sim import __version__
@@ -681,8 +681,8 @@ def _read_bytes(path: str) -> bytes:
                 raise LogError(f"{path}: empty file, not a servesim session log")
             if MAGIC.encode() not in head:
                 raise LogError(f"{path}: not a servesim session log (no header at byte 0)")
-            rest = fh.read(MAX_LOG_BYTES)
-            if fh.read(1):
+            rest = read_bounded(fh, MAX_LOG_BYTES - len(head))
+            if len(rest) > MAX_LOG_BYTES - len(head):
                 raise LogError(f"{path}: larger than {MAX_LOG_BYTES >> 30} GiB, not a session "
                                "log servesim wrote")
     except OSError as e:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, strategies as st
 
-from sim import Engine, build, summarize
+from sim import Engine, build, load_scenario, summarize
 from sim.errors import LogError
 from sim.session.export import to_chrome, to_csv
 from sim.session.log import FORMAT, KIND_CODE, encode, read_log, write_log
@@ -685,3 +685,36 @@ def test_an_actions_settled_flag_of_the_wrong_shape_is_one_line(tmp_path, capsys
     p = tmp_path / "c.msgpack"
     p.write_bytes(pack_log(objs))
     _refused_by_every_reader(p, "settled", capsys)
+
+
+def test_reading_a_small_log_needs_memory_for_the_file_not_for_the_size_limit(tmp_path):
+    """Under an address-space limit of 4 GB a 16 KB log replays and exports (reading it
+    reserved MAX_LOG_BYTES, 4 GiB, up front: MemoryError), and a scenario file reads (1 GiB
+    reserved)."""
+    import resource
+    import subprocess
+    import sys
+
+    from sim.fileio import read_bounded
+
+    log = tmp_path / "small.msgpack"
+    e = Engine(load_scenario("chat", ["workload.duration_s=3"]))
+    e.run()
+    write_log(log, e, summarize(e))
+    code = ("import sys; from sim.session.log import read_log; "
+            "from sim.session.replay import verify; "
+            "from sim.fileio import read_input_text; "
+            f"read_input_text({str(log)!r}, encoding='latin-1'); "
+            f"print(verify(read_log({str(log)!r}))[1])")
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (4_000_000_000, 4_000_000_000))
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         preexec_fn=limited, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "None", out.stderr[-300:]
+    # one byte past the limit says there is more, in chunks
+    with open(log, "rb") as fh:
+        assert len(read_bounded(fh, 100)) == 101
+    with open(log, "rb") as fh:
+        assert read_bounded(fh, 1 << 30) == log.read_bytes()
