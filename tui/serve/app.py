@@ -81,7 +81,9 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
                    api_key: str | None = None) -> int:
-    """Serve until SIGINT/SIGTERM. `ready(server)` is called once listening. Returns 0.
+    """Serve until SIGINT/SIGTERM, then end every open call (a stream with an `abort` frame
+    and `[DONE]`) and return 128 + the signal's number. `ready(server)` is called once
+    listening.
     Raises ScenarioError when the address cannot be bound."""
     async def main() -> None:
         server = Server(frontend, host, port, api_key)
@@ -99,9 +101,14 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
             ready(server)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def stopped_by(sig: int) -> None:
+            signals.append(sig)
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, stopped_by, sig)
             except (NotImplementedError, RuntimeError):  # not the main thread
                 pass
         try:
@@ -109,5 +116,6 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
         finally:
             await server.stop()
 
+    signals: list[int] = []
     asyncio.run(main())
-    return 0
+    return 128 + signals[0] if signals else 0  # (as the shell reports a signal's end)

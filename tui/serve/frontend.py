@@ -643,6 +643,19 @@ class Frontend:
         if self.error is None:
             self.error = f"{type(err).__name__}: {err}"
             print(f"servesim serve: the engine stopped: {self.error}", file=sys.stderr)
+        self._end_all()
+
+    def shutdown(self) -> None:
+        """The server is stopping (SIGINT, SIGTERM, `q`): every open call ends now, a stream
+        with an `abort` frame and `[DONE]` as vLLM's do on shutdown, and new ones are refused;
+        nothing waits for tokens that will not come."""
+        if self.error is None:
+            self.error = "the server is shutting down"
+        self._end_all()
+
+    def _end_all(self) -> None:
+        """End every open call now (a stream gets an `abort` frame where it can) and refuse
+        the calls still waiting to go in."""
         calls = {tr.choice.call for tr in self._tracks.values() if tr.choice is not None}
         unsent = set()  # choices whose end frame was built, not sent
         for due in self._due.values():

@@ -31,6 +31,7 @@ INTAKE = web.AppKey("intake", Intake)
 # ~30 ms a MiB for a list of token ids (json.loads and the checks), so 64 MiB held every stream
 # for ~2.8 s. 16 MiB still holds a 131k-token prompt many times over, or thousands of prompts.
 MAX_BODY = 16 * 1024 * 1024
+SHUTDOWN_S = 2.0  # the most a stop waits for a request handler still running
 
 
 def _error(err: APIError) -> web.Response:
@@ -226,8 +227,11 @@ class Server:
 
     async def start(self) -> None:
         """Listen, and start the pump. Raises OSError when the address is taken."""
+        # (open calls are ended at stop, so handlers return at once: the shutdown timeout
+        # only bounds one that does not)
         self._runner = web.AppRunner(make_app(self.frontend, self.api_key),
-                                     handler_cancellation=True, access_log=None)
+                                     handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_S)
         await self._runner.setup()
         socks: list[socket.socket] = []
         try:  # its own listening sockets: a deep backlog, receive times (tui/serve/intake.py)
@@ -244,6 +248,9 @@ class Server:
         self.frontend.start()
 
     async def stop(self) -> None:
+        """End every open call (an `abort` frame and `[DONE]` for a stream), stop the pump,
+        and close the server."""
+        self.frontend.shutdown()
         await self.frontend.stop()
         if self._runner is not None:
             await self._runner.cleanup()
