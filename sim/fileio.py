@@ -22,6 +22,7 @@ import signal
 import stat
 import sys
 import tempfile
+import time
 import tomllib
 from contextlib import contextmanager
 from pathlib import Path
@@ -205,12 +206,34 @@ def _written_through(path, mode: str, stream):
         if stream is not None:
             stream.flush()
             fh = os.fdopen(os.dup(stream.fileno()), mode)  # its offset: an append stays one
+        elif stat.S_ISFIFO(os.stat(path).st_mode):
+            fh = os.fdopen(_fifo_writer(path), mode)
         else:
             fh = open(path, mode)
         with fh:
             yield fh
     except OSError as e:
         raise ServesimError(f"{path}: cannot write: {reason(e)}") from None
+
+
+def _fifo_writer(path, wait_s: float | None = None) -> int:
+    """A named FIFO opened for writing once a process reads it, waiting at most `wait_s`
+    (FIFO_WAIT_S) for one: open() would block for ever on a FIFO nobody reads. Raises
+    OSError (ETIMEDOUT) past that."""
+    deadline = time.monotonic() + (FIFO_WAIT_S if wait_s is None else wait_s)
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ENXIO:  # (ENXIO: no reader yet)
+                raise
+            if time.monotonic() >= deadline:
+                raise OSError(errno.ETIMEDOUT, "a FIFO that nothing read for "
+                              f"{FIFO_WAIT_S if wait_s is None else wait_s:g} s") from None
+            time.sleep(0.05)
+            continue
+        os.set_blocking(fd, True)
+        return fd
 
 
 def _discard(tmp: Path) -> None:

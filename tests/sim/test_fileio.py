@@ -218,3 +218,24 @@ def test_a_path_with_a_trailing_separator_is_refused_not_written_without_it(tmp_
     assert not target.exists()
     write_atomic(target, "ok")  # (the same name without the separator is a file)
     assert target.read_text() == "ok"
+
+
+def test_writing_to_a_fifo_nobody_reads_is_refused_after_the_wait(tmp_path, monkeypatch):
+    """open() of a FIFO for writing blocks until a reader comes: without one, the output is
+    refused in one line after FIFO_WAIT_S; with one, it is written through."""
+    import sim.fileio
+
+    monkeypatch.setattr(sim.fileio, "FIFO_WAIT_S", 0.3)
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    with pytest.raises(ServesimError, match=r"out: cannot write: a FIFO that nothing read for "
+                                            r"0.3 s"):
+        with atomic_open(fifo) as fh:
+            fh.write(b"never")
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    with atomic_open(fifo) as fh:
+        fh.write(b"read")
+    reader.join(30)
+    assert got == [b"read"]
