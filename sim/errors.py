@@ -7,10 +7,14 @@ on stderr and exit with code 2.
 from __future__ import annotations
 
 
+def cut(text: str, n: int) -> str:
+    """`text` cut to `n` characters, "..." marking the cut."""
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
 def shown(v, n: int = 40) -> str:
     """A value as a message shows it: its repr (one line whatever it holds), cut to n."""
-    r = repr(v)
-    return r if len(r) <= n else r[:n - 3] + "..."
+    return cut(repr(v), n)
 
 
 class ServesimError(Exception):

@@ -261,6 +261,7 @@ def save_figure(fig, path, **savefig_kw) -> None:
 # Python converts at most this many digits of an integer literal (sys.get_int_max_str_digits):
 # a longer one makes json and tomllib raise a bare ValueError.
 _LONG_INT = re.compile(r"[0-9_]{%d,}" % (sys.get_int_max_str_digits() + 1))
+_LONG_INT_MESSAGE = f"an integer literal of more than {sys.get_int_max_str_digits()} digits"
 
 
 def _long_int_at(text: str) -> int:
@@ -268,18 +269,23 @@ def _long_int_at(text: str) -> int:
     return m.start() if m else 0
 
 
-def json_loads(text: str):
+def json_loads(text: str | bytes):
     """json.loads, with what it raises beyond invalid JSON (a value nested too deeply, an
     integer of more digits than Python converts) raised as a JSONDecodeError like it."""
     try:
         return json.loads(text)
     except RecursionError:
-        raise json.JSONDecodeError("a value nested too deeply", text, 0) from None
+        raise json.JSONDecodeError("a value nested too deeply", _doc(text), 0) from None
     except json.JSONDecodeError:
         raise
     except ValueError:
-        raise json.JSONDecodeError(f"an integer of more than {sys.get_int_max_str_digits()} "
-                                   "digits", text, _long_int_at(text)) from None
+        doc = _doc(text)
+        raise json.JSONDecodeError(_LONG_INT_MESSAGE, doc, _long_int_at(doc)) from None
+
+
+def _doc(text: str | bytes) -> str:
+    """The text a JSONDecodeError counts its line and column in."""
+    return text.decode("utf-8", "replace") if isinstance(text, bytes) else text
 
 
 def toml_loads(text: str) -> dict:
@@ -294,5 +300,4 @@ def toml_loads(text: str) -> dict:
         raise
     except ValueError:
         line = text.count("\n", 0, _long_int_at(text)) + 1
-        raise tomllib.TOMLDecodeError(f"an integer of more than {sys.get_int_max_str_digits()} "
-                                      f"digits (at line {line})") from None
+        raise tomllib.TOMLDecodeError(f"{_LONG_INT_MESSAGE} (at line {line})") from None

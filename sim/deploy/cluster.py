@@ -47,7 +47,8 @@ import numpy as np
 from sim.engine import events as ev
 from sim.engine import stepping
 from sim.model.costmodel import CostModel
-from sim.engine.engine import Engine, EngineSnapshot, StepObserver, _view, cancellable, checked_injection
+from sim.engine.engine import (Engine, EngineSnapshot, StepObserver, _view, cancellable,
+                               checked_injection)
 from sim.errors import EngineError, ScenarioError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.stats.metrics import KVPeak
@@ -87,8 +88,8 @@ def build(scenario, *, policy: str | None = None, make_executor=None,
 
 # ================================================================================ disaggregation
 class _FirstTokens(StepObserver):
-    """On the prefill instance of a disaggregated pair: a request that samples its first token
-    leaves the batch at once for the decode instance (`on_first_token`)."""
+    """The prefill instance's observer in a disaggregated pair: a request that samples its
+    first token leaves the batch at once for the decode instance (`on_first_token`)."""
 
     def __init__(self, on_first_token) -> None:
         self.on_first_token = on_first_token
@@ -98,13 +99,6 @@ class _FirstTokens(StepObserver):
             # Nothing decodes here, so one output token means it was sampled in this step.
             if req.num_output_tokens == 1 and req.state is RS.RUNNING:
                 self.on_first_token(req)
-
-
-class PrefillEngine(Engine):
-    """The prefill instance of a disaggregated pair (see `_FirstTokens`)."""
-
-    def __init__(self, scenario, *, on_first_token, **kw) -> None:
-        super().__init__(scenario, observers=[_FirstTokens(on_first_token)], **kw)
 
 
 @dataclass(slots=True, eq=False)
@@ -208,9 +202,8 @@ class Cluster:
                       record_events=record_events, skip_ahead=skip_ahead, clock=clock,
                       keep_history=keep_history)
             if self.disaggregated and i == 0:
-                e = PrefillEngine(scenario, on_first_token=me._on_first_token, **kw)
-            else:
-                e = Engine(scenario, **kw)
+                kw["observers"] = [_FirstTokens(me._on_first_token)]
+            e = Engine(scenario, **kw)
             e.records_settled = False  # (this deployment's actions say it for each instance)
             self.instances.append(e)
         # One table of prefix chain ids for every instance, so that a request's block keys mean

@@ -36,7 +36,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sim.errors import ScenarioError, ServesimError
+from sim.errors import ScenarioError, ServesimError, cut
 from sim.limits import check_memory
 from sim.inputs.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
 from sim.deploy.cluster import build
@@ -167,8 +167,7 @@ def plan(spec: str | None, axes: list[Axis], *, seeds: list[int] | None = None,
         try:
             sc = load_scenario(spec, [*overrides, *sets])
         except ScenarioError as e:
-            cut = [t if len(t) <= 80 else t[:77] + "..." for t in sets]  # (one short line)
-            where = f"grid point {', '.join(cut)}: " if sets else ""
+            where = f"grid point {', '.join(cut(t, 80) for t in sets)}: " if sets else ""
             raise ScenarioError(f"{where}{e}") from None
         points.append(Point(values, sc))
     return Plan(axes, points, seeds)
@@ -296,7 +295,8 @@ class Runner:
             # never from this one's threads (a Ray driver), and start faster than spawned ones.
             if "forkserver" in multiprocessing.get_all_start_methods():
                 ctx = multiprocessing.get_context("forkserver")
-                ctx.set_forkserver_preload(["sim.engine.engine", "sim.stats.metrics", "sim.deploy.sweep"])
+                ctx.set_forkserver_preload(["sim.engine.engine", "sim.stats.metrics",
+                                            "sim.deploy.sweep"])
             else:
                 ctx = multiprocessing.get_context("spawn")
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,

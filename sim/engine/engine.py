@@ -269,8 +269,8 @@ class Engine(EngineState):
         self.counts = dict(arrived=0, finished=0, cancelled=0, rejected=0, preemptions=0,
                            swaps=0, output_tokens=0, injected=0, finished_samples=0,
                            cancelled_samples=0, fragmentation_stalls=0)
-        # Per-request figures, folded as they happen (sim.stats.metrics reads them; sim.stats.quantiles
-        # says when their percentiles stop being exact).
+        # Per-request figures, folded as they happen (sim.stats.metrics reads them;
+        # sim.stats.quantiles says when their percentiles stop being exact).
         self.queue_wait = Samples()
         self.ttft = Samples()  # of every request's first token (not further samples')
         self.tpot = Samples()  # of finished requests with at least two tokens
@@ -705,8 +705,8 @@ class Engine(EngineState):
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:
         """One scheduling decision: a step, a run of identical decode steps, or an idle advance;
         with `fuse`, followed by the runs of decode steps that need no decision (see
-        `sim.engine.stepping.decodes_follow`). Returns the number of engine steps taken. (`sim.engine.stepping.advance`,
-        compiled where the install could.)"""
+        `sim.engine.stepping.decodes_follow`). Returns the number of engine steps taken.
+        (`sim.engine.stepping.advance`, compiled where the install could.)"""
         return stepping.advance(self, until, max_steps, fuse)
 
     def _fork(self, parent: Request, t: float, g: int, seats: int) -> list[Request]:

@@ -60,8 +60,7 @@ class EngineState:
     """The engine's fields that the hot path reads and writes, declared with their types:
     `Engine` subclasses this, and compiled code reads them as native fields (a field of a
     plain Python object costs an attribute lookup in its dict, ~10x as much). Everything else
-    (the hooks a subclass overrides or a caller patches, the class constants) stays on
-    `Engine` and is reached through it."""
+    (the class constants, what only the public API uses) stays on `Engine`."""
 
     now: float
     step_count: int

@@ -473,12 +473,14 @@ def _check_dist(where: str, value, top: float) -> Any:
         return v
 
     if isinstance(value, bool):
-        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a number or a {{dist = ...}} table")
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a number or a "
+                            "{dist = ...} table")
     if isinstance(value, (int, float)):
         number(where, value)
         return value
     if not isinstance(value, dict):
-        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a number or a {{dist = ...}} table")
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a number or a "
+                            "{dist = ...} table")
     dist = value.get("dist")
     if not isinstance(dist, str) or dist not in DIST_KEYS:
         raise ScenarioError(

@@ -42,7 +42,6 @@ class RecordingCost(StepObserver):
 
     def __init__(self, model: CostModel) -> None:
         self.model = model
-        self.roofline = model.roofline
         self._engine: Any = None
         self._count = -1
         self._offset = 0

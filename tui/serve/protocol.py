@@ -15,11 +15,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
+from sim.fileio import json_loads
 from sim.limits import PRIORITY_RANGE
 
 # Output text when no real compute runs: one word per token, the same for every request.
@@ -210,14 +210,9 @@ UNSUPPORTED = ("logprobs", "top_logprobs", "prompt_logprobs", "echo", "use_beam_
 def parse_body(raw: bytes) -> dict:
     """The JSON object of a request body. Raises APIError (400) when it is not one."""
     try:
-        body = json.loads(raw)
+        body = json_loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(f"Invalid JSON in the request body: {e}") from None
-    except RecursionError:
-        raise APIError("Invalid JSON in the request body: nested too deeply") from None
-    except ValueError:  # an integer literal past Python's int-from-string limit
-        raise APIError(f"Invalid JSON in the request body: an integer literal of more than "
-                       f"{sys.get_int_max_str_digits()} digits") from None
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object")
     return body
