@@ -199,7 +199,8 @@ class _StageTime(_TimedBy):
                                       num_seqs, sampled)
         start = self.engine.now
         end = self.stages.pass_through(start, dur, p_tokens + d_seqs)
-        return end - start, energy + self.model.idle_energy(end - start - dur)
+        # (the energy of its work, once: the stages' GPUs are shared by the virtual engines)
+        return end - start, energy
 
 
 class PipelineParallel(Cluster):

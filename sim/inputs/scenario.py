@@ -83,7 +83,7 @@ class ModelConfig:
                                     "and their KV on tensor_parallel GPUs")
     virtual_engines: int = _f(0, min=0, max=64,
                               doc="pipeline_parallel > 1: micro-batches in flight, each its own "
-                                  "scheduler and share of the pool (vLLM's virtual engines; 0 = "
+                                  "scheduler and share of the pool (vLLM virtual engines; 0 = "
                                   "pipeline_parallel)")
     pipeline_send_gbps: float = _f(0.0, min=0,
                                    doc="link between pipeline stages, GB/s (0 = "
@@ -260,7 +260,7 @@ class ClusterConfig:
                         choices=["round-robin", "least-outstanding", "least-kv",
                                  "prefix-affinity", "queue-length"],
                         doc="model.data_parallel > 1: which rank an arriving request goes to "
-                            "(queue-length: vLLM's DP load balancing, 4 x waiting + running)")
+                            "(queue-length: the DP load balancing of vLLM, 4 x waiting + running)")
     affinity_max_imbalance: int = _f(16, min=0,
                                      doc="prefix-affinity: route by load instead when the "
                                          "preferred replica has this many more outstanding "
@@ -279,6 +279,11 @@ class ComputeConfig:
     head_dim: int = _f(0, min=0, pow2=True, doc="0 = the backend's default")
     vocab_size: int = _f(256, min=2, doc="256 = byte-level: typed prompts are their bytes")
     mlp: bool = _f(True)
+    num_experts: int = _f(0, min=0, max=64,
+                          doc="tiny model: > 0 makes the MLP of each layer a mixture of this many "
+                              "experts with top-k routing (0 = dense)")
+    experts_per_token: int = _f(2, min=1, max=64,
+                                doc="tiny model with experts: the top k each token is routed to")
     dtype: str = _f("auto", choices=["auto", "float32", "float16", "bfloat16"],
                     doc="KV storage (auto = the backend's default)")
     verify_every: int = _f(0, min=0, doc="recompute one request densely every N steps")
@@ -715,6 +720,10 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(f"{src}: kv.reserve_gb = {sc.kv.reserve_gb:g}: must be less than "
                             f"hardware.memory_gb = {sc.hardware.memory_gb:g}")
     c = sc.compute
+    if c.num_experts and not (c.mlp and c.experts_per_token <= c.num_experts):
+        raise ScenarioError(f"{src}: compute.num_experts = {c.num_experts}: the experts replace "
+                            "the MLP (compute.mlp = true) and take compute.experts_per_token = "
+                            f"{c.experts_per_token} of them, so it must be at least that")
     if c.num_heads and c.num_kv_heads and c.num_heads % c.num_kv_heads:
         raise ScenarioError(f"{src}: compute.num_kv_heads = {c.num_kv_heads}: must divide "
                             f"compute.num_heads = {c.num_heads}")

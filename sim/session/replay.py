@@ -17,7 +17,7 @@ from sim.errors import LogError, ServesimError
 from sim.gcpause import paused_gc
 from sim.session.log import KIND_CODE, SessionLog, check_record, decode, encode, is_flags
 from sim.inputs.scenario import scenario_from_dict
-from sim.deploy.cluster import deployment
+from sim.deploy.build import deployment
 
 _ACTION = KIND_CODE["action"]
 _STEPS = KIND_CODE["steps"]
