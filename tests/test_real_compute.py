@@ -142,10 +142,11 @@ def test_cli_compute_errors_are_one_line(capsys):
     assert code == 2 and err.count("\n") == 1 and "compute.backend = 'cupy'" in err
 
 
-def test_moe_tokens_are_the_same_preempted_and_on_data_parallel_ranks(tmp_path):
-    """The tiny MoE model: each request's tokens are the same after preemption and on either
-    of two data-parallel ranks (each its own executor and pool) as in one batch; its experts
-    change the tokens (they are not the dense model's)."""
+def test_moe_tokens_are_the_same_preempted_and_on_ranks_or_virtual_engines(tmp_path):
+    """The tiny MoE model: each request's tokens are the same after preemption, on either of
+    two data-parallel ranks and on either of two pipeline virtual engines (each its own
+    executor and pool) as in one batch; its experts change the tokens (they are not the dense
+    model's)."""
     batched = run(*MOE)
     dense = run()
     assert any(tokens(batched, rid) != tokens(dense, rid) for rid in range(len(ROWS)))
@@ -154,13 +155,13 @@ def test_moe_tokens_are_the_same_preempted_and_on_data_parallel_ranks(tmp_path):
     assert squeezed.counts["preemptions"] > 0
     for rid in range(len(ROWS)):
         assert tokens(batched, rid) == tokens(squeezed, rid), rid
-    sc = small_scenario("compute.backend=\"numpy\"", "kv.block_size=16", *MOE,
-                        "model.data_parallel=2")
-    c = build(sc, workload=workload_of(ROWS), make_executor=make_executor)
-    c.run()
-    assert all(e.executor is not None and e.step_count for e in c.instances)
-    for rid in range(len(ROWS)):
-        assert c.get(rid).output_token_ids == tokens(batched, rid), rid
-    log = read_log(write_log(tmp_path / "dp.msgpack", c))
-    _, div = verify(log, make_executor)
-    assert div is None
+    for layout in ("model.data_parallel=2", "model.pipeline_parallel=2"):
+        sc = small_scenario("compute.backend=\"numpy\"", "kv.block_size=16", *MOE, layout)
+        c = build(sc, workload=workload_of(ROWS), make_executor=make_executor)
+        c.run()
+        assert all(e.executor is not None and e.step_count for e in c.instances), layout
+        for rid in range(len(ROWS)):
+            assert c.get(rid).output_token_ids == tokens(batched, rid), (layout, rid)
+        log = read_log(write_log(tmp_path / "c.msgpack", c))
+        _, div = verify(log, make_executor)
+        assert div is None, layout

@@ -15,7 +15,9 @@ from sim.errors import ScenarioError
 from sim.session.log import read_log, write_log
 from sim.session.replay import verify
 from tests.helpers import check_cluster_invariants, small_scenario, workload_of
+from tests.tui.test_app import SIZE, pilot_test
 from tests.sim.deploy.test_cluster import interactive_session, same_events_however_sliced
+from tui.app import Dashboard
 from tui.cli import main
 
 DP2 = ("model.data_parallel=2",)
@@ -99,13 +101,19 @@ def test_every_rank_accounts_for_each_of_its_blocks_through_preemptions_and_canc
         assert e.kv.num_used_blocks == 0
 
 
-def test_the_dashboard_cycles_through_the_ranks():
+@pilot_test
+async def test_the_dashboard_shows_each_rank_and_r_cycles_their_blocks():
     c = build(small_scenario(*DP2), workload=workload_of([(0.0, 300, 20), (0.0, 600, 20)]))
     c.step()
     snap = c.snapshot()
     assert [v.role for v in snap.instances] == ["rank", "rank"]
     assert snap.used_blocks == c.instances[0].kv.num_used_blocks
-    c.focus = 1
+    app = Dashboard(c, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        rows = app.instance_rows._text.plain.splitlines()
+        assert len(rows) == 2 and "rank" in rows[0] and "run   1" in rows[1]
+        await pilot.press("r")
+        assert c.focus == 1
     assert c.snapshot().used_blocks == c.instances[1].kv.num_used_blocks != snap.used_blocks
 
 
@@ -211,3 +219,10 @@ def test_impossible_parallel_layouts_exit_2_with_one_line(capsys, sets, words):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err and "chat.toml" in err, err
+
+
+@pytest.mark.parametrize("name, column", [("data-parallel", "rank 1"), ("pipeline", "ve 3")])
+def test_the_bundled_scenarios_run_with_a_column_per_instance(capsys, name, column):
+    assert main(["sim", name, "-q", "--set", "workload.duration_s=3"]) == 0
+    out = capsys.readouterr().out
+    assert column in out and name in out.splitlines()[0]
