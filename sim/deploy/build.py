@@ -6,6 +6,7 @@ from __future__ import annotations
 from sim.deploy.cluster import Cluster
 from sim.deploy.parallel import DataParallel, PipelineParallel
 from sim.engine.engine import Engine
+from sim.errors import ScenarioError
 from sim.inputs.workload import Workload
 
 
@@ -20,7 +21,13 @@ def is_deployment(scenario, policy: str | None = None) -> bool:
 def deployment(scenario, **kw) -> "Cluster":
     """The deployment of several instances the scenario makes (`Cluster`'s arguments): data-
     parallel ranks, pipeline virtual engines (sim.deploy.parallel), or else replicas or a
-    disaggregated pair."""
+    disaggregated pair. Raises ScenarioError for a disaggregated pair of ranks or stages."""
+    m = scenario.model
+    if (kw.get("policy") or scenario.scheduler.policy) == "disaggregated" and (
+            m.data_parallel > 1 or m.pipeline_parallel > 1):
+        raise ScenarioError(f"{scenario.source}: model.data_parallel = {m.data_parallel}, "
+                            f"pipeline_parallel = {m.pipeline_parallel}: a disaggregated pair "
+                            "of ranks or stages is not modeled")
     if scenario.model.data_parallel > 1:
         return DataParallel(scenario, **kw)
     if scenario.model.pipeline_parallel > 1:

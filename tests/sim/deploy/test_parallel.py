@@ -221,6 +221,13 @@ def test_impossible_parallel_layouts_exit_2_with_one_line(capsys, sets, words):
     assert len(err.splitlines()) == 1 and words in err and "chat.toml" in err, err
 
 
+def test_compare_refuses_a_disaggregated_pair_of_ranks_in_one_line(capsys):
+    assert main(["compare", "data-parallel", "--policies", "chunked,disaggregated", "--set",
+                 "workload.duration_s=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "disaggregated pair of ranks" in err, err
+
+
 @pytest.mark.parametrize("name, column", [("data-parallel", "rank 1"), ("pipeline", "ve 3")])
 def test_the_bundled_scenarios_run_with_a_column_per_instance(capsys, name, column):
     assert main(["sim", name, "-q", "--set", "workload.duration_s=3"]) == 0
