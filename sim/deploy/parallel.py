@@ -82,7 +82,7 @@ class DataParallel(Cluster):
         self.dummy_steps = 0  # rank-steps run with an empty batch while another rank worked
         super().__init__(scenario, **kw)
         # vLLM's dummy batch: one token, no context, nothing sampled
-        self._dummy = CostModel(scenario).step(0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0)[0]
+        self._dummy = self.instances[0].cost.model.step(0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0)[0]
 
     def _size(self, scenario) -> int:
         return scenario.model.data_parallel
