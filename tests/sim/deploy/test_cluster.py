@@ -528,7 +528,8 @@ SHORT_CANCELLED = ("kv.block_size=8", "kv.num_blocks=112", "kv.enable_prefix_cac
                    'workload.output_tokens={dist="lognormal", mean=17, cv=1.0, min=1, max=40}',
                    "workload.cancel_fraction=0.3", "workload.cancel_after_s=0.05",
                    "workload.shared_prefix_tokens=25")
-KINDS = {"single": (), "replicas": ("cluster.replicas=2",), "disaggregated": (DISAGG,)}
+KINDS = {"single": (), "replicas": ("cluster.replicas=2",), "disaggregated": (DISAGG,),
+         "data-parallel": ("model.data_parallel=2",), "pipeline": ("model.pipeline_parallel=4",)}
 
 
 @pytest.mark.parametrize("kind", KINDS)
