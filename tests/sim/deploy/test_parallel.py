@@ -19,6 +19,7 @@ from tests.tui.test_app import SIZE, pilot_test
 from tests.sim.deploy.test_cluster import interactive_session, same_events_however_sliced
 from tui.app import Dashboard
 from tui.cli import main
+from tui.serve.app import build_frontend
 
 DP2 = ("model.data_parallel=2",)
 PP4 = ("model.pipeline_parallel=4",)
@@ -233,3 +234,9 @@ def test_the_bundled_scenarios_run_with_a_column_per_instance(capsys, name, colu
     assert main(["sim", name, "-q", "--set", "workload.duration_s=3"]) == 0
     out = capsys.readouterr().out
     assert column in out and name in out.splitlines()[0]
+
+
+@pytest.mark.parametrize("layout", ["model.data_parallel=2", "model.pipeline_parallel=2"])
+def test_serve_refuses_ranks_and_stages(layout):
+    with pytest.raises(ScenarioError, match="serve runs one engine instance"):
+        build_frontend(small_scenario(layout))
