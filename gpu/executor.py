@@ -45,6 +45,12 @@ CUPY_VERIFY_ATOL = 0.125
 CUPY_VERIFY_RTOL = 0.05
 
 
+def _mlp_text(c: ModelConfig) -> str:
+    if c.mlp and c.num_experts:
+        return f"{c.num_experts} experts (top {c.experts_per_token})"
+    return "mlp" if c.mlp else "no mlp"
+
+
 @dataclass
 class _History:
     """The tokens whose K/V a request has in the cache, in position order.
@@ -86,7 +92,8 @@ class ModelExecutor:
 
     def __init__(self, num_blocks: int, block_size: int, *, num_layers: int = 2, num_heads: int = 4,
                  num_kv_heads: int = 2, head_dim: int = 32, vocab_size: int = 256, mlp: bool = True,
-                 dtype: str = "float32", backend: str | Backend = "auto", seed: int = 0,
+                 num_experts: int = 0, experts_per_token: int = 2, dtype: str = "float32",
+                 backend: str | Backend = "auto", seed: int = 0,
                  num_host_blocks: int = 0, verify_every: int = 0) -> None:
         if num_blocks < 1 or block_size < 1 or num_host_blocks < 0 or verify_every < 0:
             raise ValueError(f"executor: num_blocks {num_blocks}, block_size {block_size}, num_host_blocks "
@@ -99,7 +106,8 @@ class ModelExecutor:
             raise ValueError(f"executor: block_size {block_size}: the CUDA kernels take a power of two up to "
                              f"{self.backend.kernels.BLOCK_SIZES[-1]}")
         self.config = ModelConfig(num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                  head_dim=head_dim, vocab_size=vocab_size, mlp=mlp, seed=seed)
+                                  head_dim=head_dim, vocab_size=vocab_size, mlp=mlp, seed=seed,
+                                  num_experts=num_experts, experts_per_token=experts_per_token)
         self.model = TinyModel(self.config, self.backend.xp)
         self.cache = PagedKVCache(self.backend, self.storage, num_layers=num_layers, num_blocks=num_blocks,
                                   block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -142,7 +150,7 @@ class ModelExecutor:
         """One line: model sizes, storage, pool size and backend."""
         c = self.config
         return (f"tiny model: {c.num_layers} layer{'s' if c.num_layers != 1 else ''}, {c.num_heads} heads ({c.num_kv_heads} kv), head_dim "
-                f"{c.head_dim}, d_model {c.d_model}, vocab {c.vocab_size}, {'mlp' if c.mlp else 'no mlp'}, "
+                f"{c.head_dim}, d_model {c.d_model}, vocab {c.vocab_size}, {_mlp_text(c)}, "
                 f"seed {c.seed}; {self.storage.name} KV, {self.num_blocks} blocks x {self.block_size} tokens, "
                 f"{_format_bytes(self.bytes_per_block)}/block, "
                 f"{_format_bytes(self.bytes_per_block * self.num_blocks)} pool, "

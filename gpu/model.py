@@ -7,6 +7,15 @@ LM head tied to the embedding (reading the stream minus the input token's own em
 next token is the argmax, lowest index on ties. Weights are
 drawn from `seed`; nothing is downloaded. Prompt token ids come from the caller.
 
+The MoE variant (`num_experts` > 0) replaces each layer's MLP by `num_experts` ReLU MLPs of the
+same width and a router: each token's router scores (a projection of its normed stream) pick
+its `experts_per_token` best experts (highest score, lowest index on ties), whose outputs are
+summed weighted by gates computed from its scores alone (each chosen score less its lowest
+score, plus 2**-8, over their sum, rounded to 2**-8: one correctly rounded division per gate). Each
+expert runs once over the group of tokens routed to it. A token's routing, gates and expert
+outputs are functions of its own row, and every product and sum is exact (point 1 below), so
+its result does not depend on which other tokens share the batch or an expert's group.
+
 Why the tokens are batch-invariant
 ----------------------------------
 Float code normally is not: BLAS picks a different kernel (and summation order) for a different
@@ -72,6 +81,8 @@ class ModelConfig:
     vocab_size: int = 256
     mlp: bool = True
     seed: int = 0
+    num_experts: int = 0  # > 0: each layer's MLP is a mixture of this many experts
+    experts_per_token: int = 2
 
     @property
     def d_model(self) -> int:
@@ -85,6 +96,11 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model config: num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not (self.mlp and 1 <= self.experts_per_token
+                                     <= self.num_experts <= 64):
+            raise ValueError(f"model config: num_experts {self.num_experts}, experts_per_token "
+                             f"{self.experts_per_token}: experts replace the MLP (mlp on), "
+                             "1 <= experts_per_token <= num_experts <= 64")
         if self.d_model > 8192:
             # Beyond this the exact-arithmetic bound of the module docstring is no longer certain.
             raise ValueError(f"model config: d_model {self.d_model} > 8192")
@@ -131,7 +147,12 @@ class TinyModel:
                 "wv": _weights(rng, (d, kv), 1 / math.sqrt(d)),
                 "wo": _weights(rng, (qkv, d), OUT_GAIN / math.sqrt(qkv)),
             }
-            if c.mlp:
+            if c.mlp and c.num_experts:
+                layer["router"] = _weights(rng, (d, c.num_experts), 1 / math.sqrt(d))
+                layer["w1"] = _weights(rng, (c.num_experts, d, 2 * d), 1 / math.sqrt(d))
+                layer["w2"] = _weights(rng, (c.num_experts, 2 * d, d),
+                                       OUT_GAIN / math.sqrt(2 * d))
+            elif c.mlp:
                 layer["w1"] = _weights(rng, (d, 2 * d), 1 / math.sqrt(d))
                 layer["w2"] = _weights(rng, (2 * d, d), OUT_GAIN / math.sqrt(2 * d))
             self.layers.append({name: xp.asarray(w) for name, w in layer.items()})
@@ -164,10 +185,42 @@ class TinyModel:
             q = quantize(xp, h @ w["wq"]).reshape(h.shape[0], c.num_heads, c.head_dim)
             a = quantize(xp, attend(index, q, k, v, q_rows)).reshape(h.shape[0], c.num_heads * c.head_dim)
             x = x + quantize(xp, a @ w["wo"])
-            if c.mlp:
+            if c.mlp and c.num_experts:
+                x = x + self._experts(_rms_norm(xp, x), w)
+            elif c.mlp:
                 u = quantize(xp, xp.maximum(_rms_norm(xp, x) @ w["w1"], 0.0))
                 x = x + quantize(xp, u @ w["w2"])
         return x
+
+    def route(self, h, router):
+        """Each row's experts [R, k] (best first: highest score, lowest index on ties) and
+        gates [R, k] (on the 2**-8 grid), from its router scores alone."""
+        xp, k = self.xp, self.config.experts_per_token
+        scores = h @ router  # exact: grid products
+        chosen = xp.zeros((h.shape[0], k), dtype=np.int64)
+        picked = xp.zeros((h.shape[0], k))
+        left = scores.copy()
+        for slot in range(k):
+            best = left.argmax(axis=-1)  # (the first maximum on NumPy and CuPy)
+            chosen[:, slot] = best
+            picked[:, slot] = scores[xp.arange(h.shape[0]), best]
+            left[xp.arange(h.shape[0]), best] = -xp.inf
+        lifted = picked - scores.min(axis=-1, keepdims=True) + 2.0**-ACT_BITS  # exact, > 0
+        return chosen, quantize(xp, lifted / lifted.sum(axis=-1, keepdims=True))
+
+    def _experts(self, h, w):
+        """The mixture's output for normed rows `h`: each expert over its group of rows."""
+        xp = self.xp
+        chosen, gates = self.route(h, w["router"])
+        out = xp.zeros_like(h)
+        for e in range(self.config.num_experts):
+            rows, slots = xp.nonzero(chosen == e)
+            if rows.shape[0] == 0:
+                continue
+            u = quantize(xp, xp.maximum(h[rows] @ w["w1"][e], 0.0))
+            y = quantize(xp, u @ w["w2"][e])
+            out[rows] += gates[rows, slots][:, None] * y  # exact: grid products, one per row
+        return quantize(xp, out)
 
     def logits(self, hidden, token_ids):
         """LM-head logits [N, vocab_size] for residual rows `hidden` [N, d_model] whose input

@@ -6,7 +6,8 @@ from sim.native import compiled
 
 compiled.activate()  # (before anything imports a module the install may have compiled)
 
-from sim.deploy.cluster import Cluster, ClusterSnapshot, build
+from sim.deploy.build import build
+from sim.deploy.cluster import Cluster, ClusterSnapshot
 from sim.engine.engine import Engine, EngineSnapshot, RequestView
 from sim.errors import (EngineError, LogError, ScenarioError, ServesimError, TraceError,
                         UnknownRequestError)

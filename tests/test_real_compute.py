@@ -4,7 +4,7 @@ the tokens a request produces."""
 import numpy as np
 import pytest
 
-from sim import Engine, summarize
+from sim import Engine, build, summarize
 from sim.session.log import read_log, write_log
 from sim.session.replay import verify
 from tests.helpers import check_invariants, small_scenario, workload_of
@@ -46,16 +46,21 @@ TEXTS = [b"The KV cache is paged.", b"Continuous batching admits requests every 
          b"short", b"x" * 70]
 
 
-def test_same_tokens_alone_as_batched():
-    """A typed prompt's tokens are its bytes, whatever its request id."""
+MOE = ("compute.num_experts=4", "compute.experts_per_token=2")
+
+
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
+def test_same_tokens_alone_as_batched(model):
+    """A typed prompt's tokens are its bytes, whatever its request id; the tiny MoE model's
+    too, whichever tokens share its experts."""
     alone = []
     for text in TEXTS:
-        e = run(rows=[(0.0, 8, 1)])
+        e = run(*model, rows=[(0.0, 8, 1)])
         e.run()
         [rid] = e.inject(prompt_text=text, max_output_tokens=20)
         e.run()
         alone.append(tokens(e, rid))
-    busy = run(rows=ROWS + [(0.5 + 0.01 * i, 50, 40) for i in range(8)])
+    busy = run(*model, rows=ROWS + [(0.5 + 0.01 * i, 50, 40) for i in range(8)])
     # the same prompts injected into a busy engine, each mid-batch
     sc_engine = Engine(busy.scenario, workload=busy.workload, executor=make_executor(busy.scenario))
     sc_engine.run_until(0.2)
@@ -135,3 +140,28 @@ def test_cli_compute_errors_are_one_line(capsys):
     except ImportError:
         pass
     assert code == 2 and err.count("\n") == 1 and "compute.backend = 'cupy'" in err
+
+
+def test_moe_tokens_are_the_same_preempted_and_on_ranks_or_virtual_engines(tmp_path):
+    """The tiny MoE model: each request's tokens are the same after preemption, on either of
+    two data-parallel ranks and on either of two pipeline virtual engines (each its own
+    executor and pool) as in one batch; its experts change the tokens (they are not the dense
+    model's)."""
+    batched = run(*MOE)
+    dense = run()
+    assert any(tokens(batched, rid) != tokens(dense, rid) for rid in range(len(ROWS)))
+    assert "4 experts (top 2)" in batched.executor.describe()
+    squeezed = run(*MOE, "kv.num_blocks=30")
+    assert squeezed.counts["preemptions"] > 0
+    for rid in range(len(ROWS)):
+        assert tokens(batched, rid) == tokens(squeezed, rid), rid
+    for layout in ("model.data_parallel=2", "model.pipeline_parallel=2"):
+        sc = small_scenario("compute.backend=\"numpy\"", "kv.block_size=16", *MOE, layout)
+        c = build(sc, workload=workload_of(ROWS), make_executor=make_executor)
+        c.run()
+        assert all(e.executor is not None and e.step_count for e in c.instances), layout
+        for rid in range(len(ROWS)):
+            assert c.get(rid).output_token_ids == tokens(batched, rid), (layout, rid)
+        log = read_log(write_log(tmp_path / "c.msgpack", c))
+        _, div = verify(log, make_executor)
+        assert div is None, layout

@@ -83,7 +83,9 @@ def summary_columns(summary: dict, name: str) -> dict[str, dict]:
     """Table columns for one run: the run itself, and each instance of a deployment."""
     out = {name: summary}
     for r in summary.get("replicas", ()):
-        label = f"r{r['instance']}" if r["role"] == "replica" else r["role"]
+        # (a disaggregated pair's instances by role; others by index)
+        prefix = {"replica": "r", "rank": "rank ", "virtual-engine": "ve "}.get(r["role"])
+        label = r["role"] if prefix is None else f"{prefix}{r['instance']}"
         out[label] = r
     return out
 

@@ -33,7 +33,8 @@ def make_executor(scenario):
     try:
         return ModelExecutor.with_defaults(
             scenario.kv.num_blocks, scenario.kv.block_size, backend=c.backend,
-            vocab_size=c.vocab_size, mlp=c.mlp, seed=scenario.seed,
+            vocab_size=c.vocab_size, mlp=c.mlp, num_experts=c.num_experts,
+            experts_per_token=c.experts_per_token, seed=scenario.seed,
             verify_every=c.verify_every, num_host_blocks=host, **sizes)
     except BackendUnavailable as e:
         raise ScenarioError(f"compute.backend = {c.backend!r}: {e}") from None

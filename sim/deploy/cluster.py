@@ -62,30 +62,6 @@ RS = RequestState
 INF = math.inf
 
 
-def is_deployment(scenario, policy: str | None = None) -> bool:
-    """Whether the scenario (under `policy`, default its own) deploys several instances."""
-    name = policy or scenario.scheduler.policy
-    return name == "disaggregated" or scenario.cluster.replicas > 1
-
-
-def build(scenario, *, policy: str | None = None, make_executor=None,
-          workload: Workload | None = None, record_events: bool = True,
-          skip_ahead: bool = True, clock: str | None = None, keep_history: bool = True):
-    """What the scenario deploys: a plain `Engine` for one instance, else a `Cluster`.
-
-    `make_executor(scenario)`, when given, builds the real-compute executor of each instance.
-    Raises ScenarioError on a deployment that is not modeled.
-    """
-    if is_deployment(scenario, policy):
-        return Cluster(scenario, policy=policy, make_executor=make_executor, workload=workload,
-                       record_events=record_events, skip_ahead=skip_ahead, clock=clock,
-                       keep_history=keep_history)
-    return Engine(scenario, policy=policy, workload=workload,
-                  executor=make_executor(scenario) if make_executor else None,
-                  record_events=record_events, skip_ahead=skip_ahead, clock=clock,
-                  keep_history=keep_history)
-
-
 # ================================================================================ disaggregation
 class _FirstTokens(StepObserver):
     """The prefill instance's observer in a disaggregated pair: a request that samples its
@@ -133,18 +109,23 @@ class InstanceView:
     routed: int              # requests routed to it (or handed to it)
 
 
-ROLES = ("replica", "prefill", "decode")
+ROLES = ("replica", "prefill", "decode", "rank", "virtual-engine")
+# A deployment's mode and the role of each of its instances (but a disaggregated pair's).
+MODES = {"replicas": "replica", "disaggregated": None, "data-parallel": "rank",
+         "pipeline": "virtual-engine"}
 
 
-def deployment_header(policy: str, router: str | None, replicas: int) -> dict:
+def deployment_header(policy: str, router: str | None, replicas: int,
+                      mode: str = "replicas") -> dict:
     """A deployment as its session log's header describes it (`cluster`): the disaggregated
     pair (prefill, decode, both chunked, no router) for policy "disaggregated", else `replicas`
-    replicas of `policy` behind `router`. The log reader checks a header against this."""
+    instances of `policy` in `mode` (replicas, data-parallel ranks, pipeline virtual engines)
+    behind `router`. The log reader checks a header against this."""
     if policy == "disaggregated":
         return {"mode": "disaggregated", "router": None,
-                "instances": [{"role": r, "policy": "chunked"} for r in ROLES[1:]]}
-    return {"mode": "replicas", "router": router,
-            "instances": [{"role": ROLES[0], "policy": policy} for _ in range(replicas)]}
+                "instances": [{"role": r, "policy": "chunked"} for r in ROLES[1:3]]}
+    return {"mode": mode, "router": router,
+            "instances": [{"role": MODES[mode], "policy": policy} for _ in range(replicas)]}
 
 
 @dataclass(slots=True)
@@ -175,7 +156,7 @@ class Cluster:
         """`keep_history=False` bounds memory by what is in flight, as for an Engine."""
         name = policy or scenario.scheduler.policy
         self.disaggregated = name == "disaggregated"
-        n = 2 if self.disaggregated else scenario.cluster.replicas
+        n = 2 if self.disaggregated else self._size(scenario)
         if self.disaggregated and scenario.cluster.replicas > 1:
             raise ScenarioError(
                 f"{scenario.source}: cluster.replicas = {scenario.cluster.replicas}: "
@@ -185,7 +166,8 @@ class Cluster:
             raise ScenarioError("workload.num_samples > 1: parallel sampling is not modeled "
                                 "across several instances")
         self.scenario = scenario
-        self.mode = "disaggregated" if self.disaggregated else "replicas"
+        if self.disaggregated:
+            self.mode = "disaggregated"
         self.initial_policy = name
         self.workload = workload if workload is not None else build_workload(scenario)
         self.record_events = record_events
@@ -203,15 +185,15 @@ class Cluster:
                       keep_history=keep_history)
             if self.disaggregated and i == 0:
                 kw["observers"] = [_FirstTokens(me._on_first_token)]
-            e = Engine(scenario, **kw)
+            e = self._instance(i, scenario, kw)
             e.records_settled = False  # (this deployment's actions say it for each instance)
             self.instances.append(e)
         # One table of prefix chain ids for every instance, so that a request's block keys mean
         # the same on each (the router compares them, a hand-off carries them).
         for e in self.instances[1:]:
             e.kv._chains = self.instances[0].kv._chains
-        self.roles = list(ROLES[1:]) if self.disaggregated else [ROLES[0]] * n
-        self.router = None if self.disaggregated else ROUTERS[scenario.cluster.router](
+        self.roles = list(ROLES[1:3]) if self.disaggregated else [MODES[self.mode]] * n
+        self.router = None if self.disaggregated else ROUTERS[self._router_name(scenario)](
             scenario.cluster)
         self.clock = self.instances[0].clock
         self.executor = self.instances[0].executor
@@ -260,6 +242,29 @@ class Cluster:
                                  / (scenario.scheduler.kv_link_gbps * 1e9))
             watermark = scenario.scheduler.watermark
             self._reserve = int(watermark * scenario.kv.num_blocks)
+
+    # ================================== what a kind of deployment (sim.deploy.parallel) overrides
+    mode = "replicas"
+
+    def _size(self, scenario) -> int:
+        """How many instances (a disaggregated pair aside)."""
+        return scenario.cluster.replicas
+
+    def _router_name(self, scenario) -> str:
+        return scenario.cluster.router
+
+    def _instance(self, i: int, scenario, kw: dict) -> Engine:
+        """Instance `i`: an Engine with the Cluster's arguments `kw`."""
+        return Engine(scenario, **kw)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the deployment uses."""
+        return len(self.instances) * self.scenario.model.tensor_parallel
+
+    def deployment_figures(self) -> dict:
+        """What the summary's `deployment` adds for this kind of deployment."""
+        return {}
 
     # ============================================================================ public API
     @property
@@ -549,7 +554,7 @@ class Cluster:
 
     def log_header(self) -> dict:
         router = self.router.name if self.router is not None else None
-        return deployment_header(self.initial_policy, router, len(self.instances))
+        return deployment_header(self.initial_policy, router, len(self.instances), self.mode)
 
     # ============================================================================== lockstep
     def _action(self, action: str, **args) -> None:

@@ -124,5 +124,20 @@ class PrefixAffinity(Router):
         return best, why
 
 
+class QueueLength(Router):
+    """vLLM's data-parallel load balancing: the rank with the lowest `4 x waiting + running`
+    (ties: lowest index), as `DPLBAsyncMPClient.get_core_engine_for_request` scores the engine
+    cores (vllm/v1/engine/core_client.py). vLLM reads counts the coordinator publishes every
+    100 ms, plus its own routings since; here they are exact at the arrival."""
+
+    name = "queue-length"
+
+    def choose(self, req, engines):
+        scores = [4 * len(e.policy.waiting) + len(e.policy.running) for e in engines]
+        i = scores.index(min(scores))
+        return i, f"queue length (score {scores[i]})"
+
+
 ROUTERS: dict[str, type[Router]] = {
-    cls.name: cls for cls in (RoundRobin, LeastOutstanding, LeastKV, PrefixAffinity)}
+    cls.name: cls for cls in (RoundRobin, LeastOutstanding, LeastKV, PrefixAffinity,
+                              QueueLength)}

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from sim.errors import ScenarioError, ServesimError, cut
 from sim.limits import check_memory
 from sim.inputs.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
-from sim.deploy.cluster import build
+from sim.deploy.build import build
 from sim.stats.metrics import summarize
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)

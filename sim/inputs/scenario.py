@@ -74,6 +74,23 @@ class ModelConfig:
                                                           "(0 = dtype_bytes)")
     act_dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per activation element")
     tensor_parallel: int = _f(1, min=1, max=64, doc="GPUs the model is sharded over")
+    data_parallel: int = _f(1, min=1, max=64,
+                            doc="data-parallel ranks, each with its own scheduler, batch and KV "
+                                "pool on tensor_parallel GPUs, stepping in lockstep (vLLM DP, "
+                                "SGLang DP attention)")
+    pipeline_parallel: int = _f(1, min=1, max=64,
+                                doc="pipeline stages, each num_layers / pipeline_parallel layers "
+                                    "and their KV on tensor_parallel GPUs")
+    virtual_engines: int = _f(0, min=0, max=64,
+                              doc="pipeline_parallel > 1: micro-batches in flight, each its own "
+                                  "scheduler and share of the pool (vLLM virtual engines; 0 = "
+                                  "pipeline_parallel)")
+    pipeline_send_gbps: float = _f(0.0, min=0,
+                                   doc="link between pipeline stages, GB/s (0 = "
+                                       "hardware.interconnect_gbps)")
+    num_gpus: int = _f(0, min=0, max=4096,
+                       doc="GPUs of one deployment; when given, must equal data_parallel x "
+                           "tensor_parallel x pipeline_parallel (0 = that product)")
 
 
 @dataclass
@@ -236,8 +253,14 @@ class ClusterConfig:
     replicas: int = _f(1, min=1, max=64,
                        doc="engine instances, each with its own GPU(s), block pool and policy")
     router: str = _f("round-robin",
-                     choices=["round-robin", "least-outstanding", "least-kv", "prefix-affinity"],
+                     choices=["round-robin", "least-outstanding", "least-kv", "prefix-affinity",
+                              "queue-length"],
                      doc="which replica an arriving request goes to")
+    dp_router: str = _f("queue-length",
+                        choices=["round-robin", "least-outstanding", "least-kv",
+                                 "prefix-affinity", "queue-length"],
+                        doc="model.data_parallel > 1: which rank an arriving request goes to "
+                            "(queue-length: the DP load balancing of vLLM, 4 x waiting + running)")
     affinity_max_imbalance: int = _f(16, min=0,
                                      doc="prefix-affinity: route by load instead when the "
                                          "preferred replica has this many more outstanding "
@@ -256,6 +279,11 @@ class ComputeConfig:
     head_dim: int = _f(0, min=0, pow2=True, doc="0 = the backend's default")
     vocab_size: int = _f(256, min=2, doc="256 = byte-level: typed prompts are their bytes")
     mlp: bool = _f(True)
+    num_experts: int = _f(0, min=0, max=64,
+                          doc="tiny model: > 0 makes the MLP of each layer a mixture of this many "
+                              "experts with top-k routing (0 = dense)")
+    experts_per_token: int = _f(2, min=1, max=64,
+                                doc="tiny model with experts: the top k each token is routed to")
     dtype: str = _f("auto", choices=["auto", "float32", "float16", "bfloat16"],
                     doc="KV storage (auto = the backend's default)")
     verify_every: int = _f(0, min=0, doc="recompute one request densely every N steps")
@@ -692,6 +720,10 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(f"{src}: kv.reserve_gb = {sc.kv.reserve_gb:g}: must be less than "
                             f"hardware.memory_gb = {sc.hardware.memory_gb:g}")
     c = sc.compute
+    if c.num_experts and not (c.mlp and c.experts_per_token <= c.num_experts):
+        raise ScenarioError(f"{src}: compute.num_experts = {c.num_experts}: the experts replace "
+                            "the MLP (compute.mlp = true) and take compute.experts_per_token = "
+                            f"{c.experts_per_token} of them, so it must be at least that")
     if c.num_heads and c.num_kv_heads and c.num_heads % c.num_kv_heads:
         raise ScenarioError(f"{src}: compute.num_kv_heads = {c.num_kv_heads}: must divide "
                             f"compute.num_heads = {c.num_heads}")
@@ -707,8 +739,9 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(f"{src}: workload.rate = {w.rate:g}: the mean gap between "
                             "requests (1 / rate) is past the largest float")
     _check_cluster(sc)
-    try:  # (the service-time model derives the pool size)
-        cm = CostModel(sc)
+    _check_parallel(sc)
+    try:  # (the service-time model derives the pool size: of one pipeline stage's GPUs)
+        cm = CostModel(pipeline_stage(sc))
         num_blocks = cm.num_blocks()
     except (ArithmeticError, ValueError) as e:  # sizes whose products leave float range
         raise ScenarioError(f"{src}: [model] / [hardware] / [kv]: the sizes given overflow the "
@@ -748,6 +781,56 @@ def _check_cluster(sc: Scenario) -> None:
         raise ScenarioError(
             f"{src}: workload.num_samples = {sc.workload.num_samples}: parallel sampling is not "
             "modeled across several instances (cluster.replicas > 1 or disaggregated)")
+
+
+def pipeline_stage(sc: Scenario) -> Scenario:
+    """The scenario as one pipeline stage sees it: `num_layers / pipeline_parallel` layers and
+    that share of the parameters (the embedding and the LM head counted as spread evenly), so
+    that its CostModel sizes the stage's pool from the stage's weights and the stage's KV per
+    token. The scenario itself when pipeline_parallel is 1."""
+    pp = sc.model.pipeline_parallel
+    if pp == 1:
+        return sc
+    model = dataclasses.replace(sc.model, num_layers=sc.model.num_layers // pp,
+                                num_params=sc.model.num_params / pp)
+    return dataclasses.replace(sc, model=model)
+
+
+def _check_parallel(sc: Scenario) -> None:
+    """Data and pipeline parallelism: the GPUs they multiply to, whole layers per stage, and
+    the combinations not modeled."""
+    src, m = sc.source, sc.model
+    dp, tp, pp = m.data_parallel, m.tensor_parallel, m.pipeline_parallel
+    if m.num_gpus and m.num_gpus != dp * tp * pp:
+        raise ScenarioError(
+            f"{src}: model.num_gpus = {m.num_gpus}: data_parallel {dp} x tensor_parallel {tp} x "
+            f"pipeline_parallel {pp} = {dp * tp * pp} GPUs")
+    if m.num_layers % pp:
+        raise ScenarioError(f"{src}: model.pipeline_parallel = {pp}: must divide "
+                            f"model.num_layers = {m.num_layers} (each stage holds whole layers)")
+    if m.virtual_engines and pp == 1:
+        raise ScenarioError(f"{src}: model.virtual_engines = {m.virtual_engines}: needs "
+                            "model.pipeline_parallel > 1")
+    if dp == 1 and pp == 1:
+        return
+    which = (f"model.data_parallel = {dp}" if dp > 1
+             else f"model.pipeline_parallel = {pp}")
+    if dp > 1 and pp > 1:
+        raise ScenarioError(f"{src}: {which} with model.pipeline_parallel = {pp}: data and "
+                            "pipeline parallelism together are not modeled")
+    if sc.cluster.replicas > 1 or sc.scheduler.policy == "disaggregated":
+        raise ScenarioError(f"{src}: {which}: not modeled with cluster.replicas > 1 or a "
+                            "disaggregated pair")
+    if sc.workload.num_samples > 1:
+        raise ScenarioError(f"{src}: {which}: parallel sampling (workload.num_samples = "
+                            f"{sc.workload.num_samples}) is not modeled across ranks or stages")
+    if sc.compute.clock == "measured":
+        raise ScenarioError(f"{src}: {which}: compute.clock = \"measured\" times one engine; "
+                            "ranks and stages need the modeled clock")
+    if pp > 1 and not (m.pipeline_send_gbps or sc.hardware.interconnect_gbps):
+        raise ScenarioError(f"{src}: model.pipeline_parallel = {pp}: needs "
+                            "model.pipeline_send_gbps or hardware.interconnect_gbps (the link "
+                            "between stages)")
 
 
 def schema_markdown() -> str:

@@ -46,7 +46,7 @@ from sim.limits import MAX_TIME_S, MAX_TOKENS
 from sim.model.profiles import FIT, POINT_SPREAD
 from sim.model.costmodel import CostModel
 from sim.inputs.workload import Workload
-from sim.deploy.cluster import build
+from sim.deploy.build import build
 from sim.stats.metrics import summarize
 
 UNITS = {"time_s": 1.0, "time_ms": 1e-3, "time_us": 1e-6}

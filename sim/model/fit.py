@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sim.deploy.cluster import is_deployment
+from sim.deploy.build import is_deployment
 from sim.model.costmodel import CostModel
 from sim.engine.engine import Engine, StepObserver
 from sim.errors import ScenarioError

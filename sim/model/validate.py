@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ServesimError
-from sim.deploy.cluster import build
+from sim.deploy.build import build
 from sim.fileio import read_input_text, reason, save_figure, toml_loads
 from sim.inputs.scenario import load_scenario
 from sim.stats.metrics import summarize

@@ -55,7 +55,7 @@ from sim.limits import INT64_MAX, MAX_INJECT_COUNT, MAX_TIME_S, MAX_TOKENS, PRIO
 from sim import __version__
 from sim.inputs.scenario import ComputeConfig, DEPLOYMENT_POLICIES, Scenario, SECTIONS
 from sim.policies import POLICIES
-from sim.deploy.cluster import deployment_header, ROLES
+from sim.deploy.cluster import deployment_header, MODES, ROLES
 from sim.deploy.routers import ROUTERS
 from sim.stats.metrics import summarize
 from sim.inputs.workload import Workload
@@ -416,6 +416,16 @@ def _check_header(path: str, header) -> None:
         bad("policy", "a deployment of several instances, but the header lacks 'cluster'")
 
 
+def _made(scenario: dict) -> tuple[str, str, str, str]:
+    """The kind of deployment the header's scenario makes (a disaggregated pair aside): its
+    mode, what its instances are, and the field that counts them."""
+    if _scenario_value(scenario, "model", "data_parallel") not in (1, _MISSING):
+        return "data-parallel", "data-parallel ranks", "model", "data_parallel"
+    if _scenario_value(scenario, "model", "pipeline_parallel") not in (1, _MISSING):
+        return "pipeline", "virtual engines", "model", "virtual_engines"
+    return "replicas", "replicas", "cluster", "replicas"
+
+
 def _check_cluster(path: str, header: dict) -> None:
     """The header's description of a deployment (`Cluster.log_header`): known modes, router,
     roles and policies, and the deployment the header's policy and scenario make: a
@@ -437,8 +447,8 @@ def _check_cluster(path: str, header: dict) -> None:
         if key not in ("mode", "router", "instances"):
             bad(key, "unknown field", v)
     mode, router, instances = cluster["mode"], cluster["router"], cluster["instances"]
-    if type(mode) is not str or mode not in ("replicas", "disaggregated"):
-        bad("mode", "expected 'replicas' or 'disaggregated'", mode)
+    if type(mode) is not str or mode not in MODES:
+        bad("mode", f"expected one of {', '.join(map(repr, MODES))}", mode)
     if router is not None and (type(router) is not str or router not in ROUTERS):
         bad("router", f"not a router (one of {', '.join(ROUTERS)})", router)
     if type(instances) is not list or not instances:
@@ -457,13 +467,18 @@ def _check_cluster(path: str, header: dict) -> None:
         count, what, scenario_router = 2, "a disaggregated pair (prefill, decode)", None
         counted = f"{what} has 2"
     else:
-        scenario_router = _scenario_value(scenario, "cluster", "router")
-        count = _scenario_value(scenario, "cluster", "replicas")
-        what = "replicas"
-        counted = ("the scenario's cluster is not a table" if count is _MISSING
-                   else f"the scenario's cluster.replicas = {shown(count)}")
+        made, what, section, field = _made(scenario)
+        scenario_router = (_scenario_value(scenario, "cluster", "dp_router")
+                           if made == "data-parallel" else "least-outstanding"
+                           if made == "pipeline" else
+                           _scenario_value(scenario, "cluster", "router"))
+        count = _scenario_value(scenario, section, field)
+        if made == "pipeline" and count == 0:
+            count = _scenario_value(scenario, "model", "pipeline_parallel")
+        counted = (f"the scenario's {section} is not a table" if count is _MISSING
+                   else f"the scenario's {section}.{field} = {shown(count)}")
     want = deployment_header(policy, None if scenario_router is _MISSING else scenario_router,
-                             len(instances))
+                             len(instances), made if policy != "disaggregated" else "replicas")
     if mode != want["mode"]:
         bad("mode", f"expected {want['mode']!r} for policy = {policy!r}", mode)
     if scenario_router is not _MISSING and router != want["router"]:

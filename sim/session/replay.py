@@ -17,7 +17,7 @@ from sim.errors import LogError, ServesimError
 from sim.gcpause import paused_gc
 from sim.session.log import KIND_CODE, SessionLog, check_record, decode, encode, is_flags
 from sim.inputs.scenario import scenario_from_dict
-from sim.deploy.cluster import Cluster
+from sim.deploy.build import deployment
 
 _ACTION = KIND_CODE["action"]
 _STEPS = KIND_CODE["steps"]
@@ -63,7 +63,7 @@ class Replayer:
     def _init_cluster(self, sc, make_executor) -> None:
         log = self.log
         try:
-            self.engine = Cluster(sc, policy=log.header["policy"], workload=log.workload(),
+            self.engine = deployment(sc, policy=log.header["policy"], workload=log.workload(),
                                   make_executor=make_executor, clock=log.header["clock"])
         except ServesimError as e:
             raise LogError(f"{log.path}: the header's deployment does not load: {e}") from None

@@ -27,8 +27,9 @@ def summarize(engine) -> dict:
     out["policy"] = engine.policy_label
     out["deployment"] = {
         "mode": engine.mode, "instances": len(parts),
-        "gpus": len(parts) * engine.scenario.model.tensor_parallel,
-        "router": engine.router.name if engine.router is not None else None}
+        "gpus": engine.gpus,
+        "router": engine.router.name if engine.router is not None else None,
+        **engine.deployment_figures()}
     # (wall time is the deployment's: its instances run interleaved)
     out["replicas"] = [{"instance": i, "role": role, "routed": n, **summarize(e), "wall_s": None}
                        for i, (e, role, n) in enumerate(zip(parts, engine.roles, engine.routed))]

@@ -1,6 +1,7 @@
 """The arithmetic that makes the tiny model batch-invariant (see gpu/model.py's docstring)."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +73,51 @@ def test_logits_are_exact_and_ties_go_to_the_lowest_token():
     logits = model.logits(hidden, tokens)
     assert np.all(logits[:, 4] == logits.max(axis=1)) and np.all(logits[:, 9] == logits[:, 4])
     assert model.next_tokens(hidden, tokens).tolist() == [4, 4, 4]
+
+
+def moe_model(seed: int = 0, experts: int = 4, k: int = 2) -> TinyModel:
+    return TinyModel(ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                                 num_experts=experts, experts_per_token=k, seed=seed))
+
+
+def test_experts_replace_the_mlp_and_every_expert_is_used():
+    model = moe_model()
+    w = model.layers[0]
+    assert w["w1"].shape == (4, 64, 128) and w["router"].shape == (64, 4)
+    h = quantize(np, np.random.default_rng(1).standard_normal((200, 64)))
+    chosen, gates = model.route(h, w["router"])
+    assert sorted(set(chosen.ravel().tolist())) == [0, 1, 2, 3]
+    assert np.all(chosen[:, 0] != chosen[:, 1])
+    assert np.array_equal(gates * 2**ACT_BITS, np.rint(gates * 2**ACT_BITS))
+    # the best expert gets at least the other's gate, and the other counts too
+    assert np.all(gates[:, 0] >= gates[:, 1]) and gates[:, 1].mean() > 0.2
+    for bad in (dict(num_experts=2, experts_per_token=3), dict(num_experts=2, mlp=False)):
+        with pytest.raises(ValueError, match="num_experts"):
+            TinyModel(ModelConfig(**bad))
+
+
+def test_routing_ties_go_to_the_lowest_expert():
+    model = moe_model(experts=4, k=2)
+    router = np.zeros((64, 4))
+    router[:, 1] = router[:, 3] = 2.0**-10  # experts 1 and 3 tie for first, 0 and 2 for third
+    h = np.full((3, 64), 2.0**-8)
+    chosen, gates = model.route(h, router)
+    assert chosen.tolist() == [[1, 3]] * 3
+    assert np.array_equal(gates[:, 0], gates[:, 1])
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 40), pick=st.data())
+def test_a_tokens_experts_and_output_do_not_depend_on_its_batch(seed, rows, pick):
+    # The mixture over a whole batch, over any subset of its rows and over each row alone:
+    # the same routing and the same bits, whichever tokens share an expert's group.
+    rng = np.random.default_rng(seed)
+    model = moe_model(seed=seed % 5, experts=int(rng.integers(2, 7)), k=int(rng.integers(1, 3)))
+    w = model.layers[1]
+    h = quantize(np, rng.standard_normal((rows, 64)) * 2)
+    whole = model._experts(h, w)
+    subset = sorted(pick.draw(st.sets(st.integers(0, rows - 1), min_size=1)))
+    assert np.array_equal(model._experts(h[subset], w), whole[subset])
+    for r in range(rows):
+        assert np.array_equal(model._experts(h[r:r + 1], w), whole[r:r + 1])
+    assert np.array_equal(whole * 2**ACT_BITS, np.rint(whole * 2**ACT_BITS))

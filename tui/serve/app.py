@@ -13,6 +13,7 @@ import sys
 import numpy as np
 
 from sim import Engine, ScenarioError
+from sim.deploy.build import is_deployment
 from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
 from sim.inputs.workload import Workload
@@ -48,9 +49,10 @@ def build_frontend(scenario, *, background: bool = False, make_executor=None,
 
     Raises ScenarioError for what `serve` cannot run: a deployment of several instances, or
     parallel sampling set in the scenario (a request's `n` does that)."""
-    if scenario.cluster.replicas > 1 or scenario.scheduler.policy == "disaggregated":
+    if is_deployment(scenario):
         raise ScenarioError(f"{scenario.source}: serve runs one engine instance; "
-                            "cluster.replicas and the disaggregated policy are not supported")
+                            "cluster.replicas, model.data_parallel, model.pipeline_parallel "
+                            "and the disaggregated policy are not supported")
     if scenario.workload.num_samples > 1:
         scenario = copy.deepcopy(scenario)
         if background:

@@ -357,15 +357,9 @@ def test_metrics_per_replica_and_for_the_whole_deployment():
 
 
 # ============================================================== both: slicing, logs and replay
-@pytest.mark.parametrize("overrides", [
-    ("cluster.replicas=3", 'cluster.router="least-kv"', "workload.cancel_fraction=0.2",
-     "kv.num_blocks=500"),
-    (DISAGG, "kv.num_blocks=500", "workload.cancel_fraction=0.2",
-     'workload.cancel_after_s={dist="uniform", min=0, max=3}', 'scheduler.preemption="swap"',
-     "kv.swap_space_gb=0.2"),
-])
-def test_sliced_and_unsliced_runs_give_identical_events(overrides):
-    sc = small_scenario(*overrides, "workload.duration_s=10")
+def same_events_however_sliced(sc) -> tuple:
+    """Run `sc` whole, in small slices and step by step; check the three event streams are
+    identical and return the whole and the stepped runs."""
     whole = build(sc)
     whole.run()
     sliced = build(sc)
@@ -377,6 +371,19 @@ def test_sliced_and_unsliced_runs_give_identical_events(overrides):
     while not stepped.done:
         stepped.step()
     assert streams(whole) == streams(sliced) == streams(stepped)
+    return whole, stepped
+
+
+@pytest.mark.parametrize("overrides", [
+    ("cluster.replicas=3", 'cluster.router="least-kv"', "workload.cancel_fraction=0.2",
+     "kv.num_blocks=500"),
+    (DISAGG, "kv.num_blocks=500", "workload.cancel_fraction=0.2",
+     'workload.cancel_after_s={dist="uniform", min=0, max=3}', 'scheduler.preemption="swap"',
+     "kv.swap_space_gb=0.2"),
+])
+def test_sliced_and_unsliced_runs_give_identical_events(overrides):
+    whole, stepped = same_events_however_sliced(small_scenario(*overrides,
+                                                               "workload.duration_s=10"))
     assert sum(len(ev) for _, ev in streams(whole)) > 300
     counts = whole.counts
     assert counts["cancelled"] > 0 and counts["preemptions"] > 0, counts
@@ -521,7 +528,8 @@ SHORT_CANCELLED = ("kv.block_size=8", "kv.num_blocks=112", "kv.enable_prefix_cac
                    'workload.output_tokens={dist="lognormal", mean=17, cv=1.0, min=1, max=40}',
                    "workload.cancel_fraction=0.3", "workload.cancel_after_s=0.05",
                    "workload.shared_prefix_tokens=25")
-KINDS = {"single": (), "replicas": ("cluster.replicas=2",), "disaggregated": (DISAGG,)}
+KINDS = {"single": (), "replicas": ("cluster.replicas=2",), "disaggregated": (DISAGG,),
+         "data-parallel": ("model.data_parallel=2",), "pipeline": ("model.pipeline_parallel=4",)}
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -246,19 +246,25 @@ class Lockstep(RuleBasedStateMachine):
 
 
 class DeploymentLockstep(Lockstep):
-    """The same, for deployments of several engines: replicas behind a router, or a
-    disaggregated prefill/decode pair."""
+    """The same, for deployments of several engines: replicas behind a router, a
+    disaggregated prefill/decode pair, data-parallel ranks in lockstep, or pipeline stages
+    with virtual engines."""
 
-    @initialize(kind=st.sampled_from(["replicas", "disaggregated"]),
+    @initialize(kind=st.sampled_from(["replicas", "disaggregated", "data-parallel",
+                                      "pipeline"]),
                 policy=st.sampled_from([p for p in POLICY_NAMES if p != "contiguous"]),
                 replicas=st.integers(2, 3), router=st.sampled_from(
                     ["round-robin", "least-outstanding", "least-kv", "prefix-affinity"]),
                 blocks=st.integers(40, 240), preemption=st.sampled_from(["recompute", "swap"]),
                 caching=st.booleans(), seed=st.integers(0, 2**16))
     def setup(self, kind, policy, replicas, router, blocks, preemption, caching, seed):
+        layout = {"data-parallel": [f"model.data_parallel={replicas}",
+                                    f'cluster.dp_router="{router}"'],
+                  "pipeline": ["model.pipeline_parallel=4", f"model.virtual_engines={replicas}"]}
         sc = small_scenario(
-            f'scheduler.policy="{policy if kind == "replicas" else "disaggregated"}"',
+            f'scheduler.policy="{"disaggregated" if kind == "disaggregated" else policy}"',
             f"cluster.replicas={replicas if kind == 'replicas' else 1}",
+            *layout.get(kind, ()),
             f'cluster.router="{router}"', f"kv.num_blocks={blocks}",
             f'scheduler.preemption="{preemption}"', "kv.swap_space_gb=0.05",
             f"kv.enable_prefix_caching={str(caching).lower()}", f"seed={seed}",

@@ -34,6 +34,10 @@ def base_log(kind: str) -> bytes:
         over += ["cluster.replicas=2"]
     elif kind == "disaggregated":
         over += ['scheduler.policy="disaggregated"']
+    elif kind == "data-parallel":
+        over += ["model.data_parallel=2"]
+    elif kind == "pipeline":
+        over += ["model.pipeline_parallel=2"]
     e = build(small_scenario(*over)) if kind != "engine" else Engine(small_scenario(*over))
     e.run_until(0.5)
     e.inject(120, 9, count=2, priority=1)
@@ -96,7 +100,8 @@ def put(root, path, value, delete=False):
 
 @st.composite
 def mutated_logs(draw):
-    kind = draw(st.sampled_from(["engine", "engine", "cluster", "disaggregated"]), label="log")
+    kind = draw(st.sampled_from(["engine", "engine", "cluster", "disaggregated", "data-parallel",
+                                 "pipeline"]), label="log")
     objs = unpack_log(base_log(kind))
     for _ in range(draw(st.integers(1, 3), label="mutations")):
         how = draw(st.sampled_from(["value", "value", "value", "delete", "array", "structure",
