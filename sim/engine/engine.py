@@ -36,30 +36,15 @@ from sim.policies import POLICIES
 from sim.stats.quantiles import Samples
 from sim.engine.request import Request, RequestState
 from sim.engine.stepping import EngineState
+from sim.engine.observer import StepObserver
 from sim.engine.timeline import Timeline
+from sim.engine.users import ClosedLoop
+from sim.engine.admission import Admission
 from sim.engine.tokens import prompt_token_ids
 from sim.inputs.workload import Workload, build_workload
 
 RS = RequestState
 INF = math.inf
-
-
-class StepObserver:
-    """Watches what the engine schedules, without changing it: pass instances as
-    `Engine(..., observers=[...])` (or append to `engine.observers`). Each method is called
-    once per event, in simulated order; the base methods do nothing."""
-
-    def admitted(self, engine: "Engine", req: Request) -> None:
-        """`req` joined the running batch (first admission or after a preemption), at
-        `engine.now`, before the step that computes it (step `engine.step_count`)."""
-
-    def stepped(self, engine: "Engine", sched: list[tuple[Request, int]]) -> None:
-        """A single step has run: `sched` is its (request, tokens computed) in batch order;
-        the clock, step count, tokens and finishes are updated."""
-
-    def decoded(self, engine: "Engine", reqs: list[Request], steps: int) -> None:
-        """`steps` identical decode-only steps of `reqs` have run at once (the engine's
-        skip-ahead); the clock, step count, tokens and finishes are updated."""
 
 
 @dataclass(slots=True)
@@ -243,12 +228,18 @@ class Engine(EngineState):
         # holds workload rows from _w_base on. (The other columns are read once per arrival,
         # through memoryviews of the arrays: a scalar read from an array costs ~15 times more.)
         self._w_base = 0
-        self._w_arrival = w.arrival[:self.ARRIVAL_WINDOW].tolist()
         self._w_next = 0
+        # Closed loop: the users' arrival list, which they extend as requests end.
+        self._feed = ClosedLoop(self) if scenario.workload.concurrency else None
+        self._w_arrival = (self._feed.arrivals if self._feed is not None
+                           else w.arrival[:self.ARRIVAL_WINDOW].tolist())
         self._w_cols = tuple(memoryview(np.ascontiguousarray(col, dtype=t)) for col, t in (
             (w.prompt, np.int64), (w.output, np.int64), (w.priority, np.int64),
             (w.cancel_at, np.float64)))
         self._next_id = len(w)
+        if self._feed is not None:
+            self.observers.append(self._feed)
+        self._admission = Admission.of(scenario.admission)
         self._cancels: list[tuple[float, int]] = []
         self.max_model_len = scenario.model.max_model_len
         self.requests: dict[int, Request] = {}
@@ -665,6 +656,8 @@ class Engine(EngineState):
         self._drop(req)
         if self.record_events:
             self.events.append(ev.Cancel(self.now, req.req_id, old.value, by))
+        for o in self.observers:
+            o.ended(self, req)
 
     def _first_token_row(self) -> float:
         """The first timeline row a live request's token times point into (math.inf: none)."""

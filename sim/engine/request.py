@@ -66,7 +66,7 @@ class Request:
         "run_start", "run_len",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
-        "cached_upto", "block_keys", "parent_id", "tag",
+        "cached_upto", "block_keys", "parent_id", "tag", "session",
     )
 
     def __init__(
@@ -104,6 +104,9 @@ class Request:
         self.cached_upto = 0  # full blocks of block_table registered in the prefix cache
         self.block_keys: list | None = None  # prefix-cache keys of the full prompt blocks
         self.parent_id: int | None = None  # parallel sampling: the request this sample forks
+        # A turn of a multi-turn conversation: its id (-1: none). Every token of the session's
+        # requests is at its place in one stream, the conversation so far.
+        self.session = -1
         self.admitted_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

@@ -91,6 +91,8 @@ class EngineState:
     _w_next: int
     _w_arrival: list[float]
     _w_cols: tuple
+    _feed: Any  # closed loop (sim.engine.users.ClosedLoop), or None: arrivals from the workload
+    _admission: Any  # admission control (sim.engine.admission.Admission), or None
     _cancels: list[tuple[float, int]]
     # the step being scheduled and the ones before it
     _window: int
@@ -256,10 +258,14 @@ def arrive(e: Any, now: float) -> None:
     arr = s._w_arrival
     w = s.workload
     prompt, output, priority, cancel_at = s._w_cols
+    feed: Any = s._feed
     while s._w_next < len(arr) and arr[s._w_next] <= now:
         i = s._w_base + s._w_next  # the request's row in the workload
         t = arr[s._w_next]
         s._w_next += 1
+        if feed is not None:  # closed loop: the users make the request (and extend `arr`)
+            on_arrival(e, feed.request(e, t))
+            continue
         if s._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
             s._w_base = i + 1
             s._w_arrival = arr = w.arrival[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
@@ -311,6 +317,9 @@ def on_arrival(e: Any, req: Request) -> None:
                   f"the pool has {kv.num_blocks}")
     elif s.max_model_len and req.prompt_len + req.max_output_tokens > s.max_model_len:
         reason = f"longer than max_model_len = {s.max_model_len}"
+    elif s._admission is not None:
+        ps: PolicyState = s.policy
+        reason = s._admission.refuse(req.arrival_time, len(ps.waiting))
     if reason:
         req.transition(REJECTED)
         req.reject_reason = reason
@@ -321,6 +330,8 @@ def on_arrival(e: Any, req: Request) -> None:
             del s.requests[req.req_id]
         if s.record_events:
             s.events.append(ev.Reject(s.now, req.req_id, reason))
+        for o in s.observers:
+            o.ended(e, req)
         return
     if req.cancel_at is not None:
         heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
@@ -354,6 +365,8 @@ def finish(e: Any, req: Request, t: float) -> None:
     fold_finished(e, req, t)
     if s.record_events:
         s.events.append(ev.Finish(t, req.req_id))
+    for o in s.observers:
+        o.ended(e, req)
 
 
 def drop(e: Any, req: Request) -> None:

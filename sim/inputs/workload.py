@@ -1,5 +1,6 @@
 """Workloads: the requests of a run, materialized before it starts so that every policy sees the
-same trace.
+same trace (in a closed loop, `workload.concurrency`, the rows only: the users time them as
+requests end, sim.engine.users).
 
 Arrivals come from a process (Poisson, gamma, constant, or a batch at t = 0) or from a trace's
 timestamps; prompt and output lengths from a fixed number, a distribution, or an empirical length
@@ -293,6 +294,10 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
         col = _empirical_column(scenario, spec, field)
         idx = index if index is not None else rng.integers(0, len(col), size=n)
         x = col[idx].astype(float)
+    elif d == "random":  # vllm bench serve's random dataset (its --random-range-ratio)
+        lo, hi = random_bounds(spec)
+        x = (rng.integers(lo, hi + 1, size=n).astype(float) if integer
+             else rng.uniform(lo, hi, size=n))
     elif d == "choice":
         vals = np.asarray(spec["values"], dtype=float)
         w = np.asarray(spec.get("weights", [1.0] * len(vals)), dtype=float)
@@ -312,6 +317,13 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
     if integer:
         x = np.rint(x).astype(np.int64)
     return x
+
+
+def random_bounds(spec: dict) -> tuple[int, int]:
+    """The lengths a `{dist = "random"}` table draws from, both included: as `vllm bench serve
+    --dataset-name random`, floor(value (1 - range_ratio)) to ceil(value (1 + range_ratio))."""
+    v, r = float(spec["value"]), float(spec.get("range_ratio", 0.0))
+    return math.floor(v * (1 - r)), math.ceil(v * (1 + r))
 
 
 @functools.cache
@@ -361,6 +373,8 @@ def min_length(scenario, field: str) -> int:
         return max(1, int(round(spec["value"])))
     if d == "uniform":
         return max(1, int(spec["min"]))
+    if d == "random":
+        return max(1, random_bounds(spec)[0])
     if d == "empirical":
         col = _empirical_column(scenario, spec, field)
         return max(1, int(col.min()))
@@ -465,11 +479,17 @@ def build_workload(scenario) -> Workload:
         arrival, prompt, output = arrival[keep], prompt[keep], output[keep]
         if hashes is not None:
             hashes = [h for h, k in zip(hashes, keep) if k]
+    elif w.concurrency:  # closed loop: rows only; the users time them (sim.engine.users)
+        check_memory(f"{scenario.source}: workload.num_requests = {w.num_requests}",
+                     w.num_requests * BYTES_PER_REQUEST, f" for {w.num_requests:,} requests "
+                     "drawn up front")
+        arrival = np.zeros(w.num_requests)
     else:
         n = _num_draws(scenario)
         arrival = _arrivals(w, _rng(seed, _ARRIVAL), n)
         if w.duration_s:
             arrival = arrival[arrival < w.duration_s]
+    if w.arrival != "trace":
         n = len(arrival)
         rows = _paired_rows(scenario)
         index = None if rows is None else _rng(seed, _PAIRS).integers(0, rows, size=n)
