@@ -40,8 +40,9 @@ from sim.engine.observer import StepObserver
 from sim.engine.timeline import Timeline
 from sim.engine.users import ClosedLoop
 from sim.engine.admission import Admission
+from sim.engine.clients import ClientFigures
 from sim.engine.tokens import prompt_token_ids
-from sim.inputs.workload import Workload, build_workload
+from sim.inputs.workload import Workload, build_workload, load_label
 
 RS = RequestState
 INF = math.inf
@@ -94,6 +95,7 @@ class EngineSnapshot:
     counters: dict = field(default_factory=dict)
     block_cached: np.ndarray | None = None  # bool per block: free but holding a cached prefix
     num_waiting: int = 0         # the whole queue, however much of it `waiting` holds
+    load: str = ""               # what drives the arrivals: "concurrency 8", "4 req/s"
 
 
 def _view(r: Request, with_tokens: bool = False) -> RequestView:
@@ -240,6 +242,17 @@ class Engine(EngineState):
         if self._feed is not None:
             self.observers.append(self._feed)
         self._admission = Admission.of(scenario.admission)
+        slo = scenario.slo
+        self._slo = (slo.ttft_ms, slo.tpot_ms, slo.e2e_ms)
+        self._w_tags, self._slo_of, self.clients = None, None, None
+        if w.client is not None:  # a client mix: requests tagged, each held to its SLO class
+            mix = scenario.workload.clients
+            names = [c["name"] for c in mix]
+            self._w_tags = [names[k] for k in w.client.tolist()]
+            self._slo_of = {c["name"]: tuple(c.get(k, d) for k, d in zip(
+                ("ttft_ms", "tpot_ms", "e2e_ms"), self._slo)) for c in mix}
+            self.clients = ClientFigures(names)
+            self.observers.append(self.clients)
         self._cancels: list[tuple[float, int]] = []
         self.max_model_len = scenario.model.max_model_len
         self.requests: dict[int, Request] = {}
@@ -489,7 +502,7 @@ class Engine(EngineState):
             num_blocks=nb, block_size=self.block_size, used_blocks=pool.num_used,
             block_owner=owner, block_refs=refs, free_cached_blocks=int(cached.sum()),
             block_cached=cached, token_slots_used=slots, counters=dict(self.counts),
-            num_waiting=len(waiting),
+            num_waiting=len(waiting), load=load_label(self.scenario.workload),
         )
 
     def get(self, req_id: int) -> Request:

@@ -2,8 +2,8 @@
 
 A request moves through separate, timestamped states: it arrives (WAITING), is admitted into the
 running batch (RUNNING: prefilling, then decoding), may be PREEMPTED back to the queue, and ends
-FINISHED, CANCELLED or REJECTED (it could never fit in KV memory). The allowed transitions are
-written once in `TRANSITIONS` and checked on every change.
+FINISHED, CANCELLED or REJECTED (it could never fit in KV memory, or admission control refused
+it). The allowed transitions are written once in `TRANSITIONS` and checked on every change.
 
 Progress is one counter, as in vLLM V1: `num_computed_tokens` tokens have K/V in the cache, out of
 `num_tokens = prompt_len + num_output_tokens`. A step schedules `num_tokens - num_computed_tokens`

@@ -91,6 +91,9 @@ class EngineState:
     _w_next: int
     _w_arrival: list[float]
     _w_cols: tuple
+    _w_tags: Any  # a client mix: each workload row's client name (Request.tag), else None
+    _slo_of: Any  # a client mix: its SLO classes, {client name: (ttft_ms, tpot_ms, e2e_ms)}
+    _slo: tuple  # [slo]'s (ttft_ms, tpot_ms, e2e_ms)
     _feed: Any  # closed loop (sim.engine.users.ClosedLoop), or None: arrivals from the workload
     _admission: Any  # admission control (sim.engine.admission.Admission), or None
     _cancels: list[tuple[float, int]]
@@ -259,6 +262,7 @@ def arrive(e: Any, now: float) -> None:
     w = s.workload
     prompt, output, priority, cancel_at = s._w_cols
     feed: Any = s._feed
+    tags: Any = s._w_tags
     while s._w_next < len(arr) and arr[s._w_next] <= now:
         i = s._w_base + s._w_next  # the request's row in the workload
         t = arr[s._w_next]
@@ -276,6 +280,8 @@ def arrive(e: Any, now: float) -> None:
                       cancel_at=None if c != c else c)
         if w.prefix_group is not None:
             req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
+        if tags is not None:
+            req.tag = tags[i]
         on_arrival(e, req)
     while s._cancels and s._cancels[0][0] <= now:
         _, rid = heapq.heappop(s._cancels)
@@ -413,11 +419,25 @@ def fold_finished(e: Any, req: Request, t: float) -> None:
     if tpot is not None:
         s.tpot.add(tpot)
     s.finished_output_tokens += req.num_output_tokens
-    slo = s.scenario.slo
-    if ((not slo.ttft_ms or ttft * 1e3 <= slo.ttft_ms)
-            and (not slo.tpot_ms or tpot is None or tpot * 1e3 <= slo.tpot_ms)
-            and (not slo.e2e_ms or e2e * 1e3 <= slo.e2e_ms)):
+    if meets_slo(slo_bounds(e, req), ttft, tpot, e2e):
         s.slo_met += 1
+
+
+def slo_bounds(e: Any, req: Request) -> tuple:
+    """The (ttft_ms, tpot_ms, e2e_ms) bounds `req` is held to: its client's SLO class in a
+    client mix, else `[slo]`'s."""
+    s: EngineState = e
+    if s._slo_of is not None and req.tag in s._slo_of:
+        return s._slo_of[req.tag]
+    return s._slo
+
+
+def meets_slo(bounds: tuple, ttft: float, tpot: float | None, e2e: float) -> bool:
+    """Whether a finished request's latencies (s) meet every bound (ms) given (0: none)."""
+    ttft_ms, tpot_ms, e2e_ms = bounds
+    return bool((not ttft_ms or ttft * 1e3 <= ttft_ms)
+                and (not tpot_ms or tpot is None or tpot * 1e3 <= tpot_ms)
+                and (not e2e_ms or e2e * 1e3 <= e2e_ms))
 
 
 def gap(e: Any, t: float, gap_s: float) -> None:

@@ -81,6 +81,8 @@ class ClosedLoop(StepObserver):
                       cancel_at=None if c != c else t + c)
         if w.prefix_group is not None:
             req.shared_prefix = ((group if user.turn == 0 else user.group), w.prefix_tokens)
+        if e._w_tags is not None:
+            req.tag = e._w_tags[i]
         if self.turns > 1:
             req.session = user.session
             user.turn += 1

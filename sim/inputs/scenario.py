@@ -205,6 +205,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class ClientConfig:
+    """One client of a mix (`[[workload.clients]]`): a key left out takes the workload's (or
+    `[slo]`'s) value."""
+    name: str = _f("", doc="its name (required, unique): the summary's `clients` and the "
+                           "dashboard's request tags")
+    share: float = _f(1.0, gt=0, max=1,
+                      doc="its share of the requests (the shares sum to 1); open loop: its "
+                          "requests arrive at share x workload.rate")
+    prompt_tokens: Any = _f(None, kind="dist", max=MAX_TOKENS)
+    output_tokens: Any = _f(None, kind="dist", max=MAX_TOKENS)
+    priority: Any = _f(None, kind="dist", max=PRIORITY_RANGE[1])
+    ttft_ms: float = _f(None, min=0, doc="its SLO class: a bound given here replaces [slo]'s "
+                                         "for its requests (0 = no bound)")
+    tpot_ms: float = _f(None, min=0)
+    e2e_ms: float = _f(None, min=0)
+
+
+@dataclass
 class WorkloadConfig:
     arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace", "batch"],
                       doc="batch: all num_requests at t = 0 (a fixed batch, offline runs)")
@@ -229,6 +247,8 @@ class WorkloadConfig:
                                    doc="synthetic: length of a shared system prompt")
     shared_prefix_groups: int = _f(1, min=1, doc="synthetic: how many distinct system prompts")
     num_samples: int = _f(1, min=1, max=64, doc="parallel samples per request (n)")
+    clients: Any = _f([], kind="clients",
+                      doc="a mix of clients, each an `[[workload.clients]]` table (below)")
     # Closed loop (`vllm bench serve --max-concurrency`): left out (0), arrivals are open loop.
     concurrency: int = _f(0, gt=0, max=1_000_000, unset=True,
                           doc="closed loop: this many users, each sending its next request "
@@ -307,6 +327,7 @@ SECTIONS: dict[str, type] = {
     "compute": ComputeConfig,
     "cluster": ClusterConfig,
 }
+_CLIENT_FIELDS = {f.name: f for f in dataclasses.fields(ClientConfig)}
 # Each section's fields by name.
 _FIELDS = {sec: {f.name: f for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
 TOP_LEVEL = {"name": str, "description": str, "seed": int}
@@ -567,6 +588,8 @@ def _check_dist(where: str, value, top: float) -> Any:
 
 def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     m = f.metadata
+    if m.get("kind") == "clients":
+        return _check_clients(where, value)
     if m.get("kind") == "dist":
         return _check_dist(where, value, m.get("max") or INT64_MAX)
     t = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, None)
@@ -594,6 +617,34 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     if m.get("pow2") and value and (value < 0 or value & (value - 1)):
         raise ScenarioError(f"{where} = {shown!r}: must be a power of two")
     return value
+
+
+def _check_clients(where: str, value) -> list[dict]:
+    """A client mix: an array of tables, each checked against `ClientConfig` and kept as given
+    (a key left out stays out: it takes the workload's value), named uniquely, shares summing
+    to 1."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected an array of tables "
+                            "([[workload.clients]])")
+    fields, out, names = _CLIENT_FIELDS, [], set()
+    for k, table in enumerate(value):
+        at = f"{where}[{k}]"
+        for key in table:
+            if key not in fields:
+                raise ScenarioError(f"{at}.{_key(key)}: unknown key{_suggest(str(key), fields)}")
+        checked = {key: _check_field(f"{at}.{key}", fields[key], v) for key, v in table.items()}
+        name = checked.get("name", "")
+        if not name.strip() or _CONTROL.search(name):
+            raise ScenarioError(f"{at}.name = {shown(name, 80)}: every client needs a name of "
+                                "printable text")
+        if name in names:
+            raise ScenarioError(f"{at}.name = {name!r}: two clients of that name")
+        names.add(name)
+        out.append(checked)
+    total = math.fsum(t.get("share", 1.0) for t in out)
+    if out and abs(total - 1.0) > 1e-9:
+        raise ScenarioError(f"{where}: the shares sum to {total:g}; they must sum to 1")
+    return out
 
 
 def _section(source: str, name: str, cls: type, raw: Any):
@@ -745,6 +796,9 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(f"{src}: workload.repeat = {w.repeat}: repeats a trace; it needs "
                             f"arrival = \"trace\" (not {w.arrival!r})")
     _check_closed_loop(sc)
+    if w.clients and w.arrival == "trace":
+        raise ScenarioError(f"{src}: workload.clients: a client mix draws its own lengths; "
+                            "arrival = \"trace\" cannot go with it")
     if w.arrival != "trace" and not w.num_requests and not w.duration_s:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")
@@ -814,6 +868,9 @@ def _check_cluster(sc: Scenario) -> None:
     policies on that many replicas and the pair on its two instances.)"""
     src, cl = sc.source, sc.cluster
     disagg = sc.scheduler.policy == "disaggregated"
+    if (disagg or cl.replicas > 1) and sc.workload.clients:
+        raise ScenarioError(f"{src}: workload.clients: a client mix is not modeled across "
+                            "several instances (cluster.replicas > 1 or disaggregated)")
     if (disagg or cl.replicas > 1) and sc.workload.num_samples > 1:
         raise ScenarioError(
             f"{src}: workload.num_samples = {sc.workload.num_samples}: parallel sampling is not "
@@ -821,9 +878,10 @@ def _check_cluster(sc: Scenario) -> None:
 
 
 def schema_markdown() -> str:
-    """The scenario reference as Markdown tables, one per section (scenarios/README.md embeds it)."""
+    """The scenario reference as Markdown tables, one per section (scenarios/README.md embeds
+    it), and the client table of `[[workload.clients]]`."""
     out = []
-    for name, cls in SECTIONS.items():
+    for name, cls in [*SECTIONS.items(), ("[workload.clients]", ClientConfig)]:
         out += ["", f"`[{name}]`", "", "| field | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             m = f.metadata
@@ -846,6 +904,8 @@ def schema_markdown() -> str:
             shown = {True: "true", False: "false"}.get(d, d) if isinstance(d, bool) else repr(d)
             if m.get("unset"):
                 shown = "(none)"
+            elif d is None:  # (a client's key left out)
+                shown = "(the workload's)" if m.get("kind") == "dist" else "([slo]'s)"
             text = "; ".join(x for x in notes if x).replace("'", '"')
             out.append(f"| `{f.name}` | `{str(shown).replace(chr(39), chr(34))}` | {text} |")
     return "\n".join(out) + "\n"

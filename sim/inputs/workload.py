@@ -30,7 +30,7 @@ from sim.limits import (BYTES_PER_REQUEST, BYTES_PER_STEP, INT64_MAX, MAX_TIME_S
                         check_memory)
 
 # Seed-stream ids: one per kind of draw.
-_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX = range(8)
+_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX, _CLIENT = range(9)
 
 
 @dataclass
@@ -60,6 +60,8 @@ class Workload:
     # system prompt `prefix_group[i]` (-1: none).
     prefix_group: np.ndarray | None = None
     prefix_tokens: int = 0
+    # A client mix (`workload.clients`): each request's client, an index into that list.
+    client: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -247,8 +249,8 @@ def _read_mooncake(path: Path) -> Trace:
 
 
 # --- distributions -------------------------------------------------------------------------------
-def _rng(seed: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed, stream])
+def _rng(seed: int, stream: int, *more: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream, *more])
 
 
 def _empirical_column(scenario, spec: dict, field: str) -> np.ndarray:
@@ -266,13 +268,14 @@ def _empirical_column(scenario, spec: dict, field: str) -> np.ndarray:
 
 
 def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
-           integer: bool = True, index: np.ndarray | None = None) -> np.ndarray:
-    """Draw `n` values of the distribution in `workload.<field>`.
+           integer: bool = True, index: np.ndarray | None = None, spec=None) -> np.ndarray:
+    """Draw `n` values of the distribution in `workload.<field>` (or `spec`, a client's).
 
     `index` picks rows of an empirical file instead of drawing them, so that prompt and output
     lengths read from the same file stay paired.
     """
-    spec = getattr(scenario.workload, field)
+    if spec is None:
+        spec = getattr(scenario.workload, field)
     if not isinstance(spec, dict):
         spec = {"dist": "fixed", "value": spec}
     d = spec["dist"]
@@ -334,9 +337,11 @@ def _field_max(config: type, field: str) -> float:
     return float(f.metadata.get("max") or INT64_MAX)
 
 
-def _paired_rows(scenario) -> int | None:
-    """Rows of the one empirical file both lengths come from (so they stay paired), or None."""
-    p_spec, o_spec = scenario.workload.prompt_tokens, scenario.workload.output_tokens
+def _paired_rows(scenario, p_spec=None, o_spec=None) -> int | None:
+    """Rows of the one empirical file both lengths come from (so they stay paired), or None.
+    (`p_spec`, `o_spec`: a client's own distributions, else the workload's.)"""
+    if p_spec is None:
+        p_spec, o_spec = scenario.workload.prompt_tokens, scenario.workload.output_tokens
     if (isinstance(p_spec, dict) and isinstance(o_spec, dict)
             and p_spec.get("dist") == o_spec.get("dist") == "empirical"
             and p_spec.get("file") == o_spec.get("file")):
@@ -361,11 +366,21 @@ def sample_lengths(scenario, n: int, rng: np.random.Generator) -> tuple[np.ndarr
 
 
 def min_length(scenario, field: str) -> int:
-    """The smallest length `workload.<field>` can produce (at least 1)."""
-    spec = getattr(scenario.workload, field)
+    """The smallest length `workload.<field>` (or a client's, in a mix) can produce (at least
+    1)."""
     w = scenario.workload
     if w.arrival == "trace":
         return 1
+    return min(_min_of(scenario, spec, field) for spec in _specs(w, field))
+
+
+def _specs(w, field: str) -> list:
+    """The distributions `workload.<field>` is drawn from: the workload's, or each client's."""
+    own = getattr(w, field)
+    return [c.get(field, own) for c in w.clients] if w.clients else [own]
+
+
+def _min_of(scenario, spec, field: str) -> int:
     if not isinstance(spec, dict):
         return max(1, int(round(spec)))
     d = spec["dist"]
@@ -384,6 +399,18 @@ def min_length(scenario, field: str) -> int:
 
 
 # --- arrivals ------------------------------------------------------------------------------------
+def load_label(w) -> str:
+    """What drives the arrivals of `[workload]` `w`, in a few words (a screen's header):
+    `concurrency 8`, `4 req/s`, `trace`, `batch`."""
+    if w.concurrency:
+        return f"concurrency {w.concurrency:,}"
+    if w.arrival == "trace":
+        return "trace" if w.time_scale == 1 else f"trace x{w.time_scale:g}"
+    if w.arrival == "batch":
+        return "batch"
+    return f"{w.rate:g} req/s"
+
+
 def _num_draws(scenario) -> int:
     """How many arrivals a synthetic workload draws: `num_requests`, or enough to cover
     `duration_s` with a wide margin. Raises ScenarioError when those would not fit in memory
@@ -413,6 +440,31 @@ def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
         k = 1.0 / (w.cv * w.cv)
         gaps = rng.gamma(k, mean_gap / k, size=n_max)
     return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+
+
+def _clients(scenario, n: int, prompt: np.ndarray, output: np.ndarray) -> np.ndarray | None:
+    """A client mix: each request's client, drawn by share, and the lengths of the clients that
+    give their own drawn into `prompt` and `output` in place (each client its own streams, so
+    one client's change reshuffles no other's). None without a mix."""
+    w, seed = scenario.workload, scenario.seed
+    if not w.clients:
+        return None
+    shares = np.asarray([c.get("share", 1.0) for c in w.clients])
+    client = _rng(seed, _CLIENT).choice(len(shares), size=n, p=shares / shares.sum())
+    for k, c in enumerate(w.clients):
+        rows = np.flatnonzero(client == k)
+        p_spec, o_spec = c.get("prompt_tokens"), c.get("output_tokens")
+        index = None
+        if p_spec is not None and o_spec is not None:
+            paired = _paired_rows(scenario, p_spec, o_spec)
+            if paired is not None:
+                index = _rng(seed, _PAIRS, k).integers(0, paired, size=len(rows))
+        for col, spec, field, stream in ((prompt, p_spec, "prompt_tokens", _PROMPT),
+                                         (output, o_spec, "output_tokens", _OUTPUT)):
+            if spec is not None and len(rows):
+                col[rows] = sample(scenario, field, len(rows), _rng(seed, stream, k),
+                                   index=index, spec=spec)
+    return client.astype(np.int64)
 
 
 def repeat_trace(arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray,
@@ -495,6 +547,7 @@ def build_workload(scenario) -> Workload:
         index = None if rows is None else _rng(seed, _PAIRS).integers(0, rows, size=n)
         prompt = sample(scenario, "prompt_tokens", n, _rng(seed, _PROMPT), index=index)
         output = sample(scenario, "output_tokens", n, _rng(seed, _OUTPUT), index=index)
+    client = _clients(scenario, len(arrival), prompt, output)
     n = len(arrival)
     # (arrivals are sorted; NaN fails too. Half the clock's range is left to serve them in.)
     if n and not arrival[-1] <= MAX_TIME_S / 2:
@@ -512,6 +565,11 @@ def build_workload(scenario) -> Workload:
     prompt = np.maximum(prompt, 1)
     output = np.maximum(output, 1)
     priority = sample(scenario, "priority", n, _rng(seed, _PRIORITY))
+    for k, c in enumerate(w.clients if client is not None else ()):
+        rows = np.flatnonzero(client == k)
+        if "priority" in c and len(rows):
+            priority[rows] = sample(scenario, "priority", len(rows), _rng(seed, _PRIORITY, k),
+                                    spec=c["priority"])
     cancel_at = np.full(n, np.nan)
     if w.cancel_fraction > 0 and n:
         chosen = _rng(seed, _CANCEL).random(n) < w.cancel_fraction
@@ -526,4 +584,4 @@ def build_workload(scenario) -> Workload:
     return Workload(arrival=arrival.astype(np.float64), prompt=prompt.astype(np.int64),
                     output=output.astype(np.int64), priority=priority.astype(np.int64),
                     cancel_at=cancel_at, hash_ids=hashes, hash_block_size=hash_block,
-                    prefix_group=group, prefix_tokens=shared)
+                    prefix_group=group, prefix_tokens=shared, client=client)

@@ -106,3 +106,8 @@ def test_a_turn_that_cannot_fit_ends_the_conversation():
 def test_an_open_loop_workload_has_no_users():
     e = Engine(load_scenario("chat", ["workload.duration_s=2"]))
     assert e._feed is None and e.observers == []
+
+
+def test_the_snapshot_says_what_drives_the_arrivals():
+    assert Engine(closed()).snapshot().load == "concurrency 6"
+    assert Engine(load_scenario("chat", ["workload.duration_s=2"])).snapshot().load == "4 req/s"
