@@ -246,6 +246,10 @@ class WorkloadConfig:
     shared_prefix_tokens: int = _f(0, min=0, max=MAX_TOKENS,
                                    doc="synthetic: length of a shared system prompt")
     shared_prefix_groups: int = _f(1, min=1, doc="synthetic: how many distinct system prompts")
+    shared_prefix_balanced: bool = _f(False, doc="synthetic: each system prompt goes to an equal "
+                                      "share of the requests, in shuffled order (vllm bench "
+                                      "serve's prefix_repetition dataset); false: each "
+                                      "request draws one")
     num_samples: int = _f(1, min=1, max=64, doc="parallel samples per request (n)")
     clients: Any = _f([], kind="clients",
                       doc="a mix of clients, each an `[[workload.clients]]` table (below)")

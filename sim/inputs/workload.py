@@ -578,7 +578,10 @@ def build_workload(scenario) -> Workload:
     group, shared = None, 0
     if w.shared_prefix_tokens and n:
         shared = w.shared_prefix_tokens
-        group = _rng(seed, _PREFIX).integers(0, w.shared_prefix_groups, size=n)
+        rng = _rng(seed, _PREFIX)
+        group = (rng.permutation(np.arange(n) % w.shared_prefix_groups)
+                 if w.shared_prefix_balanced
+                 else rng.integers(0, w.shared_prefix_groups, size=n))
         # the system prompt comes before the request's own tokens
         prompt = prompt + shared
     return Workload(arrival=arrival.astype(np.float64), prompt=prompt.astype(np.int64),

@@ -261,3 +261,14 @@ def test_a_malformed_length_file_of_a_closed_loop_names_file_and_line(tmp_path):
 def test_the_load_label_names_what_drives_the_arrivals():
     assert load_label(sc().workload) == "4 req/s"
     assert load_label(sc("workload.concurrency=8").workload) == "concurrency 8"
+
+
+def test_balanced_system_prompts_go_to_equal_shares_in_shuffled_order():
+    # vllm bench serve's prefix_repetition dataset: num_prompts // num_prefixes each, shuffled
+    w = build_workload(sc("workload.shared_prefix_tokens=256", "workload.shared_prefix_groups=10",
+                          "workload.shared_prefix_balanced=true", "workload.num_requests=1000"))
+    assert (np.bincount(w.prefix_group) == 100).all()
+    assert not (np.diff(w.prefix_group) >= 0).all()  # (not one prefix after another)
+    drawn = build_workload(sc("workload.shared_prefix_tokens=256",
+                              "workload.shared_prefix_groups=10", "workload.num_requests=1000"))
+    assert not (np.bincount(drawn.prefix_group) == 100).all()
