@@ -52,7 +52,8 @@ DIST_KEYS = {
     "lognormal": {"mean", "cv", "min", "max"},
     "normal": {"mean", "std", "min", "max"},
     "exponential": {"mean", "min", "max"},
-    "empirical": {"file", "column"},
+    # (row filters: `vllm bench serve`'s ShareGPT filter, sim.inputs.workload.ROW_FILTERS)
+    "empirical": {"file", "column", "min_len", "max_prompt_len", "max_total_len"},
     "choice": {"values", "weights"},
     # `vllm bench serve --dataset-name random`: uniform integers in
     # [floor(value (1 - range_ratio)), ceil(value (1 + range_ratio))]

@@ -256,15 +256,45 @@ def _rng(seed: int, stream: int, *more: int) -> np.random.Generator:
 def _empirical_column(scenario, spec: dict, field: str) -> np.ndarray:
     trace = read_trace(scenario.resolve_path(spec["file"]))
     col = spec.get("column")
-    if col is None:
-        return trace.prompt if field == "prompt_tokens" else trace.output
     names = {"num_prefill_tokens": trace.prompt, "ContextTokens": trace.prompt,
              "input_length": trace.prompt, "num_decode_tokens": trace.output,
              "GeneratedTokens": trace.output, "output_length": trace.output}
-    if col not in names:
+    if col is None:
+        column = trace.prompt if field == "prompt_tokens" else trace.output
+    elif col not in names:
         raise ScenarioError(f"{scenario.source}: workload.{field}.column = {col!r}: expected one "
                             f"of {', '.join(names)}")
-    return names[col]
+    else:
+        column = names[col]
+    keep = _kept_rows(scenario, spec, field, trace)
+    return column if keep is None else column[keep]
+
+
+# An empirical table's row filters, as `vllm bench serve` filters ShareGPT's conversations
+# (`is_valid_sequence` in vllm/benchmarks/datasets.py: min_len 4, max_prompt_len 1,024,
+# max_total_len 2,048).
+ROW_FILTERS = ("min_len", "max_prompt_len", "max_total_len")
+
+
+def _kept_rows(scenario, spec: dict, field: str, trace: Trace) -> np.ndarray | None:
+    """The rows of a length file an empirical table keeps: prompt and output at least
+    `min_len`, the prompt at most `max_prompt_len`, both together at most `max_total_len`;
+    None without filters. Raises ScenarioError when they keep none."""
+    if not any(k in spec for k in ROW_FILTERS):
+        return None
+    p, o = trace.prompt, trace.output
+    keep = np.ones(len(p), dtype=bool)
+    if "min_len" in spec:
+        keep &= (p >= spec["min_len"]) & (o >= spec["min_len"])
+    if "max_prompt_len" in spec:
+        keep &= p <= spec["max_prompt_len"]
+    if "max_total_len" in spec:
+        keep &= p + o <= spec["max_total_len"]
+    if not keep.any():
+        given = ", ".join(k for k in ROW_FILTERS if k in spec)
+        raise ScenarioError(f"{scenario.source}: workload.{field}: {given} keep none of the "
+                            f"{len(p):,} rows of {spec['file']}")
+    return keep
 
 
 def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
@@ -344,7 +374,8 @@ def _paired_rows(scenario, p_spec=None, o_spec=None) -> int | None:
         p_spec, o_spec = scenario.workload.prompt_tokens, scenario.workload.output_tokens
     if (isinstance(p_spec, dict) and isinstance(o_spec, dict)
             and p_spec.get("dist") == o_spec.get("dist") == "empirical"
-            and p_spec.get("file") == o_spec.get("file")):
+            and p_spec.get("file") == o_spec.get("file")
+            and all(p_spec.get(k) == o_spec.get(k) for k in ROW_FILTERS)):
         return len(_empirical_column(scenario, p_spec, "prompt_tokens"))
     return None
 

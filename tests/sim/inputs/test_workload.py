@@ -272,3 +272,17 @@ def test_balanced_system_prompts_go_to_equal_shares_in_shuffled_order():
     drawn = build_workload(sc("workload.shared_prefix_tokens=256",
                               "workload.shared_prefix_groups=10", "workload.num_requests=1000"))
     assert not (np.bincount(drawn.prefix_group) == 100).all()
+
+
+def test_sharegpt_rows_filtered_as_vllm_bench_serve_filters_them():
+    f = ('file="traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", min_len=4, '
+         'max_prompt_len=1024, max_total_len=2048')
+    w = build_workload(sc(f'workload.prompt_tokens={{dist="empirical", {f}}}',
+                          f'workload.output_tokens={{dist="empirical", {f}}}'))
+    assert (w.prompt >= 4).all() and (w.output >= 4).all() and (w.prompt <= 1024).all()
+    assert (w.prompt + w.output <= 2048).all()
+    rows = read_trace(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+    pairs = set(zip(rows.prompt.tolist(), rows.output.tolist()))
+    assert set(zip(w.prompt.tolist(), w.output.tolist())) <= pairs  # (still paired)
+    unfiltered = build_workload(sc())
+    assert (unfiltered.prompt + unfiltered.output > 2048).any()
