@@ -104,6 +104,7 @@ class ClosedLoop(StepObserver):
         if u is None:  # an injected request, or a further sample
             return
         user = self.users[u]
+        engine._prompt_ids.pop(req.req_id, None)  # (a rejected request was never dropped)
         if self.turns > 1:
             if req.state is RequestState.FINISHED and user.turn < self.turns:
                 user.history = req.prompt_len + req.num_output_tokens
