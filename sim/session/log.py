@@ -226,7 +226,8 @@ def _workload_header(w) -> dict:
         "hash_block_size": w.hash_block_size,
         "prefix_group": None if w.prefix_group is None else _i64(w.prefix_group),
         "prefix_tokens": w.prefix_tokens,
-        "client": None if w.client is None else _i64(w.client),
+        # (a client mix only: the logs of other workloads stay as they were)
+        **({} if w.client is None else {"client": _i64(w.client)}),
     }
 
 
