@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 from sim import Engine, load_scenario
 from sim.engine.request import RequestState
+from tests.fuzz import fuzz_settings
 from tests.helpers import check_invariants
 
 
@@ -50,7 +51,7 @@ def test_ramp_up_spreads_the_first_requests():
     e = Engine(closed("workload.ramp_up_s=3.0"))
     e.run_until(3.0)
     arrivals = [r.arrival_time for r in e.requests.values()]
-    assert {u * 3.0 / 6 for u in range(6)} <= set(arrivals)
+    assert {u * (3.0 / 6) for u in range(6)} <= set(arrivals)
     assert sum(t < 0.5 for t in arrivals) == 1  # (the first user's first request takes longer)
 
 
@@ -111,3 +112,30 @@ def test_an_open_loop_workload_has_no_users():
 def test_the_snapshot_says_what_drives_the_arrivals():
     assert Engine(closed()).snapshot().load == "concurrency 6"
     assert Engine(load_scenario("chat", ["workload.duration_s=2"])).snapshot().load == "4 req/s"
+
+
+@pytest.mark.fuzz
+@fuzz_settings(15)
+@given(users=st.integers(1, 12), think=st.sampled_from([0.0, 0.05, 1.5]),
+       ramp=st.sampled_from([0.0, 2.0]), turns=st.integers(1, 4),
+       cancel=st.sampled_from([0.0, 0.3]), rate=st.sampled_from([0.0, 3.0]),
+       blocks=st.sampled_from([40, 3000]), policy=st.sampled_from(["chunked", "fcfs", "sjf"]))
+def test_the_closed_loop_invariants_hold_for_any_users(users, think, ramp, turns, cancel, rate,
+                                                       blocks, policy):
+    e = Engine(closed(f"workload.concurrency={users}", f"workload.think_time_s={think}",
+                      f"workload.ramp_up_s={ramp}", f"workload.turns={turns}",
+                      f"workload.cancel_fraction={cancel}", "workload.num_requests=60",
+                      "workload.prompt_tokens={dist=\"uniform\", min=16, max=400}",
+                      "workload.output_tokens={dist=\"uniform\", min=1, max=60}",
+                      f"admission.rate={rate}", f"kv.num_blocks={blocks}",
+                      "kv.enable_prefix_caching=true", f'scheduler.policy="{policy}"'))
+    e.run()
+    reqs = ended(e)
+    assert len(reqs) == 60 and all(r.state.is_done for r in reqs)
+    assert in_flight_max(reqs) <= users
+    starts = [u * (ramp / users) for u in range(users)]
+    later = sorted(r.arrival_time for r in reqs)[users:] if not ramp else None
+    if later is not None:  # every arrival after the first users' is an end plus the think time
+        ends = sorted(r.finish_time for r in reqs)[:60 - users]
+        assert later == [t + think for t in ends]
+    assert set(starts) <= {r.arrival_time for r in reqs}
