@@ -165,3 +165,30 @@ def test_moe_tokens_are_the_same_preempted_and_on_ranks_or_virtual_engines(tmp_p
         log = read_log(write_log(tmp_path / "c.msgpack", c))
         _, div = verify(log, make_executor)
         assert div is None, layout
+
+
+def test_a_conversations_turns_carry_its_tokens_and_the_cache_holds_them():
+    # each turn's prompt is the turns before it, their sampled outputs included: with prefix
+    # caching those blocks are read from the cache, and the tokens are the same as without
+    base = ("workload.concurrency=3", "workload.num_requests=9", "workload.turns=3",
+            "workload.duration_s=0", "workload.prompt_tokens={dist=\"uniform\", min=20, max=60}",
+            "workload.output_tokens=20", "compute.backend=\"numpy\"", "compute.verify_every=1")
+    runs = {}
+    for caching in ("false", "true"):
+        sc = small_scenario(*base, f"kv.enable_prefix_caching={caching}")
+        e = Engine(sc, executor=make_executor(sc))
+        prompts = {}
+        while not e.done:
+            e.step()
+            check_invariants(e)
+            prompts.update({k: v.copy() for k, v in e._prompt_ids.items()})
+        runs[caching] = (e, prompts)
+    (plain, _), (cached, prompts) = runs["false"], runs["true"]
+    assert summarize(cached)["prefix_cache"]["hit_tokens"] >= 6 * 32
+    for rid in range(9):
+        assert tokens(cached, rid) == tokens(plain, rid), rid
+    for session in range(3):
+        turns = sorted(r.req_id for r in cached.requests.values() if r.session == session)
+        for before, rid in zip(turns, turns[1:]):
+            history = np.concatenate((prompts[before], tokens(cached, before)))
+            assert np.array_equal(prompts[rid][:len(history)], history)

@@ -36,30 +36,16 @@ from sim.policies import POLICIES
 from sim.stats.quantiles import Samples
 from sim.engine.request import Request, RequestState
 from sim.engine.stepping import EngineState
+from sim.engine.observer import StepObserver
 from sim.engine.timeline import Timeline
+from sim.engine.users import ClosedLoop
+from sim.engine.admission import Admission
+from sim.engine.clients import ClientFigures
 from sim.engine.tokens import prompt_token_ids
-from sim.inputs.workload import Workload, build_workload
+from sim.inputs.workload import Workload, build_workload, load_label
 
 RS = RequestState
 INF = math.inf
-
-
-class StepObserver:
-    """Watches what the engine schedules, without changing it: pass instances as
-    `Engine(..., observers=[...])` (or append to `engine.observers`). Each method is called
-    once per event, in simulated order; the base methods do nothing."""
-
-    def admitted(self, engine: "Engine", req: Request) -> None:
-        """`req` joined the running batch (first admission or after a preemption), at
-        `engine.now`, before the step that computes it (step `engine.step_count`)."""
-
-    def stepped(self, engine: "Engine", sched: list[tuple[Request, int]]) -> None:
-        """A single step has run: `sched` is its (request, tokens computed) in batch order;
-        the clock, step count, tokens and finishes are updated."""
-
-    def decoded(self, engine: "Engine", reqs: list[Request], steps: int) -> None:
-        """`steps` identical decode-only steps of `reqs` have run at once (the engine's
-        skip-ahead); the clock, step count, tokens and finishes are updated."""
 
 
 @dataclass(slots=True)
@@ -109,6 +95,7 @@ class EngineSnapshot:
     counters: dict = field(default_factory=dict)
     block_cached: np.ndarray | None = None  # bool per block: free but holding a cached prefix
     num_waiting: int = 0         # the whole queue, however much of it `waiting` holds
+    load: str = ""               # what drives the arrivals: "concurrency 8", "4 req/s"
 
 
 def _view(r: Request, with_tokens: bool = False) -> RequestView:
@@ -243,12 +230,29 @@ class Engine(EngineState):
         # holds workload rows from _w_base on. (The other columns are read once per arrival,
         # through memoryviews of the arrays: a scalar read from an array costs ~15 times more.)
         self._w_base = 0
-        self._w_arrival = w.arrival[:self.ARRIVAL_WINDOW].tolist()
         self._w_next = 0
+        # Closed loop: the users' arrival list, which they extend as requests end.
+        self._feed = ClosedLoop(self) if scenario.workload.concurrency else None
+        self._w_arrival = (self._feed.arrivals if self._feed is not None
+                           else w.arrival[:self.ARRIVAL_WINDOW].tolist())
         self._w_cols = tuple(memoryview(np.ascontiguousarray(col, dtype=t)) for col, t in (
             (w.prompt, np.int64), (w.output, np.int64), (w.priority, np.int64),
             (w.cancel_at, np.float64)))
         self._next_id = len(w)
+        if self._feed is not None:
+            self.observers.append(self._feed)
+        self._admission = Admission.of(scenario.admission)
+        slo = scenario.slo
+        self._slo = (slo.ttft_ms, slo.tpot_ms, slo.e2e_ms)
+        self._w_tags, self._slo_of, self.clients = None, None, None
+        if w.client is not None:  # a client mix: requests tagged, each held to its SLO class
+            mix = scenario.workload.clients
+            names = [c["name"] for c in mix]
+            self._w_tags = [names[k] for k in w.client.tolist()]
+            self._slo_of = {c["name"]: tuple(c.get(k, d) for k, d in zip(
+                ("ttft_ms", "tpot_ms", "e2e_ms"), self._slo)) for c in mix}
+            self.clients = ClientFigures(names)
+            self.observers.append(self.clients)
         self._cancels: list[tuple[float, int]] = []
         self.max_model_len = scenario.model.max_model_len
         self.requests: dict[int, Request] = {}
@@ -498,7 +502,7 @@ class Engine(EngineState):
             num_blocks=nb, block_size=self.block_size, used_blocks=pool.num_used,
             block_owner=owner, block_refs=refs, free_cached_blocks=int(cached.sum()),
             block_cached=cached, token_slots_used=slots, counters=dict(self.counts),
-            num_waiting=len(waiting),
+            num_waiting=len(waiting), load=load_label(self.scenario.workload),
         )
 
     def get(self, req_id: int) -> Request:
@@ -665,6 +669,8 @@ class Engine(EngineState):
         self._drop(req)
         if self.record_events:
             self.events.append(ev.Cancel(self.now, req.req_id, old.value, by))
+        for o in self.observers:
+            o.ended(self, req)
 
     def _first_token_row(self) -> float:
         """The first timeline row a live request's token times point into (math.inf: none)."""

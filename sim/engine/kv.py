@@ -384,6 +384,8 @@ class KVCacheManager:
                         if chains is None:
                             chains = self.hash_chains(h)
                         return ("h", chains[seg], j)
+        if req.session >= 0:  # a conversation's turns share its stream, outputs included
+            return ("c", req.session, j)
         if end <= req.prompt_len and req.parent_id is not None:
             return ("u", req.parent_id, j)  # a further sample shares its request's prompt
         return ("u", req.req_id, j)

@@ -2,8 +2,8 @@
 
 A request moves through separate, timestamped states: it arrives (WAITING), is admitted into the
 running batch (RUNNING: prefilling, then decoding), may be PREEMPTED back to the queue, and ends
-FINISHED, CANCELLED or REJECTED (it could never fit in KV memory). The allowed transitions are
-written once in `TRANSITIONS` and checked on every change.
+FINISHED, CANCELLED or REJECTED (it could never fit in KV memory, or admission control refused
+it). The allowed transitions are written once in `TRANSITIONS` and checked on every change.
 
 Progress is one counter, as in vLLM V1: `num_computed_tokens` tokens have K/V in the cache, out of
 `num_tokens = prompt_len + num_output_tokens`. A step schedules `num_tokens - num_computed_tokens`
@@ -66,7 +66,7 @@ class Request:
         "run_start", "run_len",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
-        "cached_upto", "block_keys", "parent_id", "tag",
+        "cached_upto", "block_keys", "parent_id", "tag", "session",
     )
 
     def __init__(
@@ -104,6 +104,9 @@ class Request:
         self.cached_upto = 0  # full blocks of block_table registered in the prefix cache
         self.block_keys: list | None = None  # prefix-cache keys of the full prompt blocks
         self.parent_id: int | None = None  # parallel sampling: the request this sample forks
+        # A turn of a multi-turn conversation: its id (-1: none). Every token of the session's
+        # requests is at its place in one stream, the conversation so far.
+        self.session = -1
         self.admitted_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None

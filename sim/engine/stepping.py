@@ -91,6 +91,11 @@ class EngineState:
     _w_next: int
     _w_arrival: list[float]
     _w_cols: tuple
+    _w_tags: Any  # a client mix: each workload row's client name (Request.tag), else None
+    _slo_of: Any  # a client mix: its SLO classes, {client name: (ttft_ms, tpot_ms, e2e_ms)}
+    _slo: tuple  # [slo]'s (ttft_ms, tpot_ms, e2e_ms)
+    _feed: Any  # closed loop (sim.engine.users.ClosedLoop), or None: arrivals from the workload
+    _admission: Any  # admission control (sim.engine.admission.Admission), or None
     _cancels: list[tuple[float, int]]
     # the step being scheduled and the ones before it
     _window: int
@@ -256,10 +261,15 @@ def arrive(e: Any, now: float) -> None:
     arr = s._w_arrival
     w = s.workload
     prompt, output, priority, cancel_at = s._w_cols
+    feed: Any = s._feed
+    tags: Any = s._w_tags
     while s._w_next < len(arr) and arr[s._w_next] <= now:
         i = s._w_base + s._w_next  # the request's row in the workload
         t = arr[s._w_next]
         s._w_next += 1
+        if feed is not None:  # closed loop: the users make the request (and extend `arr`)
+            on_arrival(e, feed.request(e, t))
+            continue
         if s._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
             s._w_base = i + 1
             s._w_arrival = arr = w.arrival[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
@@ -270,6 +280,8 @@ def arrive(e: Any, now: float) -> None:
                       cancel_at=None if c != c else c)
         if w.prefix_group is not None:
             req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
+        if tags is not None:
+            req.tag = tags[i]
         on_arrival(e, req)
     while s._cancels and s._cancels[0][0] <= now:
         _, rid = heapq.heappop(s._cancels)
@@ -311,6 +323,9 @@ def on_arrival(e: Any, req: Request) -> None:
                   f"the pool has {kv.num_blocks}")
     elif s.max_model_len and req.prompt_len + req.max_output_tokens > s.max_model_len:
         reason = f"longer than max_model_len = {s.max_model_len}"
+    elif s._admission is not None:
+        ps: PolicyState = s.policy
+        reason = s._admission.refuse(req.arrival_time, len(ps.waiting))
     if reason:
         req.transition(REJECTED)
         req.reject_reason = reason
@@ -321,6 +336,8 @@ def on_arrival(e: Any, req: Request) -> None:
             del s.requests[req.req_id]
         if s.record_events:
             s.events.append(ev.Reject(s.now, req.req_id, reason))
+        for o in s.observers:
+            o.ended(e, req)
         return
     if req.cancel_at is not None:
         heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
@@ -354,6 +371,8 @@ def finish(e: Any, req: Request, t: float) -> None:
     fold_finished(e, req, t)
     if s.record_events:
         s.events.append(ev.Finish(t, req.req_id))
+    for o in s.observers:
+        o.ended(e, req)
 
 
 def drop(e: Any, req: Request) -> None:
@@ -400,11 +419,25 @@ def fold_finished(e: Any, req: Request, t: float) -> None:
     if tpot is not None:
         s.tpot.add(tpot)
     s.finished_output_tokens += req.num_output_tokens
-    slo = s.scenario.slo
-    if ((not slo.ttft_ms or ttft * 1e3 <= slo.ttft_ms)
-            and (not slo.tpot_ms or tpot is None or tpot * 1e3 <= slo.tpot_ms)
-            and (not slo.e2e_ms or e2e * 1e3 <= slo.e2e_ms)):
+    if meets_slo(slo_bounds(e, req), ttft, tpot, e2e):
         s.slo_met += 1
+
+
+def slo_bounds(e: Any, req: Request) -> tuple:
+    """The (ttft_ms, tpot_ms, e2e_ms) bounds `req` is held to: its client's SLO class in a
+    client mix, else `[slo]`'s."""
+    s: EngineState = e
+    if s._slo_of is not None and req.tag in s._slo_of:
+        return s._slo_of[req.tag]
+    return s._slo
+
+
+def meets_slo(bounds: tuple, ttft: float, tpot: float | None, e2e: float) -> bool:
+    """Whether a finished request's latencies (s) meet every bound (ms) given (0: none)."""
+    ttft_ms, tpot_ms, e2e_ms = bounds
+    return bool((not ttft_ms or ttft * 1e3 <= ttft_ms)
+                and (not tpot_ms or tpot is None or tpot * 1e3 <= tpot_ms)
+                and (not e2e_ms or e2e * 1e3 <= e2e_ms))
 
 
 def gap(e: Any, t: float, gap_s: float) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 _PROMPT_STREAM, _HASH_STREAM, _SYSTEM_STREAM = 101, 102, 103
+SESSION_STREAM = 104  # a conversation's new tokens of each turn (sim.engine.users)
 
 
 def prompt_token_ids(seed: int, req, vocab_size: int, hash_block_size: int = 512) -> np.ndarray:

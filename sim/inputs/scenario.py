@@ -33,9 +33,13 @@ MAX_SCENARIO_BYTES = 16 << 20  # a scenario is a page of TOML; traces are separa
 DEPLOYMENT_POLICIES = ("disaggregated",)
 
 
-def _f(default, *, min=None, max=None, gt=None, choices=None, pow2=False, kind=None, doc=""):
-    """A schema field: default plus the checks made at load time."""
-    meta = dict(min=min, max=max, gt=gt, choices=choices, pow2=pow2, kind=kind, doc=doc)
+def _f(default, *, min=None, max=None, gt=None, choices=None, pow2=False, kind=None, doc="",
+       unset=False):
+    """A schema field: default plus the checks made at load time. `unset`: the default stands
+    for "not given" and lies outside the bounds (a file that gives it is refused); `to_dict`
+    leaves such a field out while it holds its default, so the dict loads back."""
+    meta = dict(min=min, max=max, gt=gt, choices=choices, pow2=pow2, kind=kind, doc=doc,
+                unset=unset)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: default.copy(), metadata=meta)
     return field(default=default, metadata=meta)
@@ -48,8 +52,12 @@ DIST_KEYS = {
     "lognormal": {"mean", "cv", "min", "max"},
     "normal": {"mean", "std", "min", "max"},
     "exponential": {"mean", "min", "max"},
-    "empirical": {"file", "column"},
+    # (row filters: `vllm bench serve`'s ShareGPT filter, sim.inputs.workload.ROW_FILTERS)
+    "empirical": {"file", "column", "min_len", "max_prompt_len", "max_total_len"},
     "choice": {"values", "weights"},
+    # `vllm bench serve --dataset-name random`: uniform integers in
+    # [floor(value (1 - range_ratio)), ceil(value (1 + range_ratio))]
+    "random": {"value", "range_ratio"},
 }
 
 
@@ -215,6 +223,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class ClientConfig:
+    """One client of a mix (`[[workload.clients]]`): a key left out takes the workload's (or
+    `[slo]`'s) value."""
+    name: str = _f("", doc="its name (required, unique): the summary's `clients` and the "
+                           "dashboard's request tags")
+    share: float = _f(1.0, gt=0, max=1,
+                      doc="its share of the requests (the shares sum to 1); open loop: its "
+                          "requests arrive at share x workload.rate")
+    prompt_tokens: Any = _f(None, kind="dist", max=MAX_TOKENS)
+    output_tokens: Any = _f(None, kind="dist", max=MAX_TOKENS)
+    priority: Any = _f(None, kind="dist", max=PRIORITY_RANGE[1])
+    ttft_ms: float = _f(None, min=0, doc="its SLO class: a bound given here replaces [slo]'s "
+                                         "for its requests (0 = no bound)")
+    tpot_ms: float = _f(None, min=0)
+    e2e_ms: float = _f(None, min=0)
+
+
+@dataclass
 class WorkloadConfig:
     arrival: str = _f("poisson", choices=["poisson", "gamma", "constant", "trace", "batch"],
                       doc="batch: all num_requests at t = 0 (a fixed batch, offline runs)")
@@ -238,7 +264,40 @@ class WorkloadConfig:
     shared_prefix_tokens: int = _f(0, min=0, max=MAX_TOKENS,
                                    doc="synthetic: length of a shared system prompt")
     shared_prefix_groups: int = _f(1, min=1, doc="synthetic: how many distinct system prompts")
+    shared_prefix_balanced: bool = _f(False, doc="synthetic: each system prompt goes to an equal "
+                                      "share of the requests, in shuffled order (vllm bench "
+                                      "serve's prefix_repetition dataset); false: each "
+                                      "request draws one")
     num_samples: int = _f(1, min=1, max=64, doc="parallel samples per request (n)")
+    clients: Any = _f([], kind="clients",
+                      doc="a mix of clients, each an `[[workload.clients]]` table (below)")
+    # Closed loop (`vllm bench serve --max-concurrency`): left out (0), arrivals are open loop.
+    concurrency: int = _f(0, gt=0, max=1_000_000, unset=True,
+                          doc="closed loop: this many users, each sending its next request "
+                              "when its last one ends (plus think_time_s); needs "
+                              "num_requests; arrival and rate are then unused (left out: "
+                              "open loop)")
+    think_time_s: float = _f(0.0, min=0, max=MAX_TIME_S,
+                             doc="closed loop: a user's pause between the end of one request "
+                                 "and the sending of its next")
+    ramp_up_s: float = _f(0.0, min=0, max=MAX_TIME_S,
+                          doc="closed loop: user u sends its first request at u x ramp_up_s "
+                              "/ concurrency")
+    turns: int = _f(1, min=1, max=100_000,
+                    doc="closed loop: turns per conversation; turn k's prompt is the turns "
+                        "before it (prompts and outputs) followed by prompt_tokens new tokens")
+
+
+@dataclass
+class AdmissionConfig:
+    """Admission control in front of the queue: an arriving request refused here ends
+    `rejected` (`servesim serve` answers 429)."""
+    max_waiting: int = _f(0, min=0, doc="refuse an arrival while this many requests wait "
+                                        "(0 = no bound)")
+    rate: float = _f(0.0, min=0, doc="token bucket: requests admitted per second on "
+                                     "average (0 = no limit)")
+    burst: int = _f(1, min=1, doc="token bucket: its size, the requests admitted at once "
+                                  "after a quiet spell")
 
 
 @dataclass
@@ -296,10 +355,14 @@ SECTIONS: dict[str, type] = {
     "kv": KVConfig,
     "scheduler": SchedulerConfig,
     "workload": WorkloadConfig,
+    "admission": AdmissionConfig,
     "slo": SLOConfig,
     "compute": ComputeConfig,
     "cluster": ClusterConfig,
 }
+_CLIENT_FIELDS = {f.name: f for f in dataclasses.fields(ClientConfig)}
+# Each section's fields by name.
+_FIELDS = {sec: {f.name: f for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
 TOP_LEVEL = {"name": str, "description": str, "seed": int}
 # Characters a name or description may not hold: controls (escape sequences would reach the
 # terminal), a description's line breaks and tabs aside.
@@ -317,6 +380,7 @@ class Scenario:
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -329,7 +393,10 @@ class Scenario:
         out: dict[str, Any] = {"name": self.name, "description": self.description,
                                "seed": self.seed}
         for sec in SECTIONS:
-            out[sec] = dataclasses.asdict(getattr(self, sec))
+            cfg = getattr(self, sec)
+            out[sec] = {k: v for k, v in dataclasses.asdict(cfg).items()
+                        if not (_FIELDS[sec][k].metadata["unset"]
+                                and v == _FIELDS[sec][k].default)}
         return out
 
     def resolve_path(self, p: str) -> Path:
@@ -537,13 +604,16 @@ def _check_dist(where: str, value, top: float) -> Any:
     need = {
         "fixed": {"value"}, "uniform": {"min", "max"}, "lognormal": {"mean"},
         "normal": {"mean", "std"}, "exponential": {"mean"}, "empirical": {"file"},
-        "choice": {"values"},
+        "choice": {"values"}, "random": {"value"},
     }[dist]
     missing = need - set(value)
     if missing:
         raise ScenarioError(f"{where}: dist = {dist!r} needs {', '.join(sorted(missing))}")
     if "min" in value and "max" in value and value["min"] > value["max"]:
         raise ScenarioError(f"{where}: min = {value['min']} is above max = {value['max']}")
+    if dist == "random" and not value.get("range_ratio", 0.0) < 1:
+        raise ScenarioError(f"{where}.range_ratio = {value['range_ratio']!r}: must be less "
+                            "than 1 (as vllm bench serve's --random-range-ratio)")
     if dist == "choice" and "weights" in value and len(value["weights"]) != len(value["values"]):
         raise ScenarioError(f"{where}: weights and values differ in length")
     return dict(value)
@@ -551,6 +621,8 @@ def _check_dist(where: str, value, top: float) -> Any:
 
 def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     m = f.metadata
+    if m.get("kind") == "clients":
+        return _check_clients(where, value)
     if m.get("kind") == "dist":
         return _check_dist(where, value, m.get("max") or INT64_MAX)
     t = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, None)
@@ -578,6 +650,34 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     if m.get("pow2") and value and (value < 0 or value & (value - 1)):
         raise ScenarioError(f"{where} = {shown!r}: must be a power of two")
     return value
+
+
+def _check_clients(where: str, value) -> list[dict]:
+    """A client mix: an array of tables, each checked against `ClientConfig` and kept as given
+    (a key left out stays out: it takes the workload's value), named uniquely, shares summing
+    to 1."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected an array of tables "
+                            "([[workload.clients]])")
+    fields, out, names = _CLIENT_FIELDS, [], set()
+    for k, table in enumerate(value):
+        at = f"{where}[{k}]"
+        for key in table:
+            if key not in fields:
+                raise ScenarioError(f"{at}.{_key(key)}: unknown key{_suggest(str(key), fields)}")
+        checked = {key: _check_field(f"{at}.{key}", fields[key], v) for key, v in table.items()}
+        name = checked.get("name", "")
+        if not name.strip() or _CONTROL.search(name):
+            raise ScenarioError(f"{at}.name = {shown(name, 80)}: every client needs a name of "
+                                "printable text")
+        if name in names:
+            raise ScenarioError(f"{at}.name = {name!r}: two clients of that name")
+        names.add(name)
+        out.append(checked)
+    total = math.fsum(t.get("share", 1.0) for t in out)
+    if out and abs(total - 1.0) > 1e-9:
+        raise ScenarioError(f"{where}: the shares sum to {total:g}; they must sum to 1")
+    return out
 
 
 def _section(source: str, name: str, cls: type, raw: Any):
@@ -732,6 +832,10 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     if w.repeat > 1 and w.arrival != "trace":
         raise ScenarioError(f"{src}: workload.repeat = {w.repeat}: repeats a trace; it needs "
                             f"arrival = \"trace\" (not {w.arrival!r})")
+    _check_closed_loop(sc)
+    if w.clients and w.arrival == "trace":
+        raise ScenarioError(f"{src}: workload.clients: a client mix draws its own lengths; "
+                            "arrival = \"trace\" cannot go with it")
     if w.arrival != "trace" and not w.num_requests and not w.duration_s:
         raise ScenarioError(f"{src}: workload: arrival = {w.arrival!r} needs num_requests "
                             "or duration_s to bound the run")
@@ -771,12 +875,40 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         )
 
 
+def _check_closed_loop(sc: Scenario) -> None:
+    """`workload.concurrency` and the keys that only a closed loop reads."""
+    src, w = sc.source, sc.workload
+    if not w.concurrency:
+        for key, unset in (("think_time_s", 0.0), ("ramp_up_s", 0.0), ("turns", 1)):
+            if getattr(w, key) != unset:
+                raise ScenarioError(f"{src}: workload.{key} = {getattr(w, key)!r}: applies to "
+                                    "a closed loop; it needs workload.concurrency")
+        return
+    if not w.num_requests:
+        raise ScenarioError(f"{src}: workload.concurrency = {w.concurrency}: a closed loop "
+                            "needs workload.num_requests (how many requests its users send)")
+    if w.arrival == "trace":
+        raise ScenarioError(f"{src}: workload.concurrency = {w.concurrency}: a closed loop "
+                            "times its own arrivals; arrival = \"trace\" cannot go with it "
+                            "(lengths from a file: {dist = \"empirical\", file = ...})")
+    if sc.cluster.replicas > 1 or sc.scheduler.policy in DEPLOYMENT_POLICIES:
+        raise ScenarioError(f"{src}: workload.concurrency = {w.concurrency}: a closed loop "
+                            "is not modeled across several instances (cluster.replicas > 1 "
+                            "or disaggregated)")
+    if w.num_samples > 1:
+        raise ScenarioError(f"{src}: workload.num_samples = {w.num_samples}: parallel "
+                            "sampling is not modeled in a closed loop (workload.concurrency)")
+
+
 def _check_cluster(sc: Scenario) -> None:
     """Deployments of several instances: the combinations not modeled. (A disaggregated pair
     with cluster.replicas > 1 is refused when it is built: `servesim compare` runs the other
     policies on that many replicas and the pair on its two instances.)"""
     src, cl = sc.source, sc.cluster
     disagg = sc.scheduler.policy == "disaggregated"
+    if (disagg or cl.replicas > 1) and sc.workload.clients:
+        raise ScenarioError(f"{src}: workload.clients: a client mix is not modeled across "
+                            "several instances (cluster.replicas > 1 or disaggregated)")
     if (disagg or cl.replicas > 1) and sc.workload.num_samples > 1:
         raise ScenarioError(
             f"{src}: workload.num_samples = {sc.workload.num_samples}: parallel sampling is not "
@@ -834,9 +966,10 @@ def _check_parallel(sc: Scenario) -> None:
 
 
 def schema_markdown() -> str:
-    """The scenario reference as Markdown tables, one per section (scenarios/README.md embeds it)."""
+    """The scenario reference as Markdown tables, one per section (scenarios/README.md embeds
+    it), and the client table of `[[workload.clients]]`."""
     out = []
-    for name, cls in SECTIONS.items():
+    for name, cls in [*SECTIONS.items(), ("[workload.clients]", ClientConfig)]:
         out += ["", f"`[{name}]`", "", "| field | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             m = f.metadata
@@ -857,6 +990,10 @@ def schema_markdown() -> str:
             if m.get("pow2"):
                 notes.append("a power of two")
             shown = {True: "true", False: "false"}.get(d, d) if isinstance(d, bool) else repr(d)
+            if m.get("unset"):
+                shown = "(none)"
+            elif d is None:  # (a client's key left out)
+                shown = "(the workload's)" if m.get("kind") == "dist" else "([slo]'s)"
             text = "; ".join(x for x in notes if x).replace("'", '"')
             out.append(f"| `{f.name}` | `{str(shown).replace(chr(39), chr(34))}` | {text} |")
     return "\n".join(out) + "\n"

@@ -1,5 +1,6 @@
 """Workloads: the requests of a run, materialized before it starts so that every policy sees the
-same trace.
+same trace (in a closed loop, `workload.concurrency`, the rows only: the users time them as
+requests end, sim.engine.users).
 
 Arrivals come from a process (Poisson, gamma, constant, or a batch at t = 0) or from a trace's
 timestamps; prompt and output lengths from a fixed number, a distribution, or an empirical length
@@ -29,7 +30,7 @@ from sim.limits import (BYTES_PER_REQUEST, BYTES_PER_STEP, INT64_MAX, MAX_TIME_S
                         check_memory)
 
 # Seed-stream ids: one per kind of draw.
-_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX = range(8)
+_ARRIVAL, _PROMPT, _OUTPUT, _CANCEL, _CANCEL_DELAY, _PRIORITY, _PAIRS, _PREFIX, _CLIENT = range(9)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Workload:
     # system prompt `prefix_group[i]` (-1: none).
     prefix_group: np.ndarray | None = None
     prefix_tokens: int = 0
+    # A client mix (`workload.clients`): each request's client, an index into that list.
+    client: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -246,32 +249,63 @@ def _read_mooncake(path: Path) -> Trace:
 
 
 # --- distributions -------------------------------------------------------------------------------
-def _rng(seed: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed, stream])
+def _rng(seed: int, stream: int, *more: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream, *more])
 
 
 def _empirical_column(scenario, spec: dict, field: str) -> np.ndarray:
     trace = read_trace(scenario.resolve_path(spec["file"]))
     col = spec.get("column")
-    if col is None:
-        return trace.prompt if field == "prompt_tokens" else trace.output
     names = {"num_prefill_tokens": trace.prompt, "ContextTokens": trace.prompt,
              "input_length": trace.prompt, "num_decode_tokens": trace.output,
              "GeneratedTokens": trace.output, "output_length": trace.output}
-    if col not in names:
+    if col is None:
+        column = trace.prompt if field == "prompt_tokens" else trace.output
+    elif col not in names:
         raise ScenarioError(f"{scenario.source}: workload.{field}.column = {col!r}: expected one "
                             f"of {', '.join(names)}")
-    return names[col]
+    else:
+        column = names[col]
+    keep = _kept_rows(scenario, spec, field, trace)
+    return column if keep is None else column[keep]
+
+
+# An empirical table's row filters, as `vllm bench serve` filters ShareGPT's conversations
+# (`is_valid_sequence` in vllm/benchmarks/datasets.py: min_len 4, max_prompt_len 1,024,
+# max_total_len 2,048).
+ROW_FILTERS = ("min_len", "max_prompt_len", "max_total_len")
+
+
+def _kept_rows(scenario, spec: dict, field: str, trace: Trace) -> np.ndarray | None:
+    """The rows of a length file an empirical table keeps: prompt and output at least
+    `min_len`, the prompt at most `max_prompt_len`, both together at most `max_total_len`;
+    None without filters. Raises ScenarioError when they keep none."""
+    if not any(k in spec for k in ROW_FILTERS):
+        return None
+    p, o = trace.prompt, trace.output
+    keep = np.ones(len(p), dtype=bool)
+    if "min_len" in spec:
+        keep &= (p >= spec["min_len"]) & (o >= spec["min_len"])
+    if "max_prompt_len" in spec:
+        keep &= p <= spec["max_prompt_len"]
+    if "max_total_len" in spec:
+        keep &= p + o <= spec["max_total_len"]
+    if not keep.any():
+        given = ", ".join(k for k in ROW_FILTERS if k in spec)
+        raise ScenarioError(f"{scenario.source}: workload.{field}: {given} keep none of the "
+                            f"{len(p):,} rows of {spec['file']}")
+    return keep
 
 
 def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
-           integer: bool = True, index: np.ndarray | None = None) -> np.ndarray:
-    """Draw `n` values of the distribution in `workload.<field>`.
+           integer: bool = True, index: np.ndarray | None = None, spec=None) -> np.ndarray:
+    """Draw `n` values of the distribution in `workload.<field>` (or `spec`, a client's).
 
     `index` picks rows of an empirical file instead of drawing them, so that prompt and output
     lengths read from the same file stay paired.
     """
-    spec = getattr(scenario.workload, field)
+    if spec is None:
+        spec = getattr(scenario.workload, field)
     if not isinstance(spec, dict):
         spec = {"dist": "fixed", "value": spec}
     d = spec["dist"]
@@ -293,6 +327,10 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
         col = _empirical_column(scenario, spec, field)
         idx = index if index is not None else rng.integers(0, len(col), size=n)
         x = col[idx].astype(float)
+    elif d == "random":  # vllm bench serve's random dataset (its --random-range-ratio)
+        lo, hi = random_bounds(spec)
+        x = (rng.integers(lo, hi + 1, size=n).astype(float) if integer
+             else rng.uniform(lo, hi, size=n))
     elif d == "choice":
         vals = np.asarray(spec["values"], dtype=float)
         w = np.asarray(spec.get("weights", [1.0] * len(vals)), dtype=float)
@@ -314,6 +352,13 @@ def sample(scenario, field: str, n: int, rng: np.random.Generator, *,
     return x
 
 
+def random_bounds(spec: dict) -> tuple[int, int]:
+    """The lengths a `{dist = "random"}` table draws from, both included: as `vllm bench serve
+    --dataset-name random`, floor(value (1 - range_ratio)) to ceil(value (1 + range_ratio))."""
+    v, r = float(spec["value"]), float(spec.get("range_ratio", 0.0))
+    return math.floor(v * (1 - r)), math.ceil(v * (1 + r))
+
+
 @functools.cache
 def _field_max(config: type, field: str) -> float:
     """The schema's upper bound of a distribution field of `[workload]` (`config`, the
@@ -322,12 +367,15 @@ def _field_max(config: type, field: str) -> float:
     return float(f.metadata.get("max") or INT64_MAX)
 
 
-def _paired_rows(scenario) -> int | None:
-    """Rows of the one empirical file both lengths come from (so they stay paired), or None."""
-    p_spec, o_spec = scenario.workload.prompt_tokens, scenario.workload.output_tokens
+def _paired_rows(scenario, p_spec=None, o_spec=None) -> int | None:
+    """Rows of the one empirical file both lengths come from (so they stay paired), or None.
+    (`p_spec`, `o_spec`: a client's own distributions, else the workload's.)"""
+    if p_spec is None:
+        p_spec, o_spec = scenario.workload.prompt_tokens, scenario.workload.output_tokens
     if (isinstance(p_spec, dict) and isinstance(o_spec, dict)
             and p_spec.get("dist") == o_spec.get("dist") == "empirical"
-            and p_spec.get("file") == o_spec.get("file")):
+            and p_spec.get("file") == o_spec.get("file")
+            and all(p_spec.get(k) == o_spec.get(k) for k in ROW_FILTERS)):
         return len(_empirical_column(scenario, p_spec, "prompt_tokens"))
     return None
 
@@ -349,11 +397,21 @@ def sample_lengths(scenario, n: int, rng: np.random.Generator) -> tuple[np.ndarr
 
 
 def min_length(scenario, field: str) -> int:
-    """The smallest length `workload.<field>` can produce (at least 1)."""
-    spec = getattr(scenario.workload, field)
+    """The smallest length `workload.<field>` (or a client's, in a mix) can produce (at least
+    1)."""
     w = scenario.workload
     if w.arrival == "trace":
         return 1
+    return min(_min_of(scenario, spec, field) for spec in _specs(w, field))
+
+
+def _specs(w, field: str) -> list:
+    """The distributions `workload.<field>` is drawn from: the workload's, or each client's."""
+    own = getattr(w, field)
+    return [c.get(field, own) for c in w.clients] if w.clients else [own]
+
+
+def _min_of(scenario, spec, field: str) -> int:
     if not isinstance(spec, dict):
         return max(1, int(round(spec)))
     d = spec["dist"]
@@ -361,6 +419,8 @@ def min_length(scenario, field: str) -> int:
         return max(1, int(round(spec["value"])))
     if d == "uniform":
         return max(1, int(spec["min"]))
+    if d == "random":
+        return max(1, random_bounds(spec)[0])
     if d == "empirical":
         col = _empirical_column(scenario, spec, field)
         return max(1, int(col.min()))
@@ -370,6 +430,18 @@ def min_length(scenario, field: str) -> int:
 
 
 # --- arrivals ------------------------------------------------------------------------------------
+def load_label(w) -> str:
+    """What drives the arrivals of `[workload]` `w`, in a few words (a screen's header):
+    `concurrency 8`, `4 req/s`, `trace`, `batch`."""
+    if w.concurrency:
+        return f"concurrency {w.concurrency:,}"
+    if w.arrival == "trace":
+        return "trace" if w.time_scale == 1 else f"trace x{w.time_scale:g}"
+    if w.arrival == "batch":
+        return "batch"
+    return f"{w.rate:g} req/s"
+
+
 def _num_draws(scenario) -> int:
     """How many arrivals a synthetic workload draws: `num_requests`, or enough to cover
     `duration_s` with a wide margin. Raises ScenarioError when those would not fit in memory
@@ -399,6 +471,31 @@ def _arrivals(w, rng: np.random.Generator, n_max: int) -> np.ndarray:
         k = 1.0 / (w.cv * w.cv)
         gaps = rng.gamma(k, mean_gap / k, size=n_max)
     return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+
+
+def _clients(scenario, n: int, prompt: np.ndarray, output: np.ndarray) -> np.ndarray | None:
+    """A client mix: each request's client, drawn by share, and the lengths of the clients that
+    give their own drawn into `prompt` and `output` in place (each client its own streams, so
+    one client's change reshuffles no other's). None without a mix."""
+    w, seed = scenario.workload, scenario.seed
+    if not w.clients:
+        return None
+    shares = np.asarray([c.get("share", 1.0) for c in w.clients])
+    client = _rng(seed, _CLIENT).choice(len(shares), size=n, p=shares / shares.sum())
+    for k, c in enumerate(w.clients):
+        rows = np.flatnonzero(client == k)
+        p_spec, o_spec = c.get("prompt_tokens"), c.get("output_tokens")
+        index = None
+        if p_spec is not None and o_spec is not None:
+            paired = _paired_rows(scenario, p_spec, o_spec)
+            if paired is not None:
+                index = _rng(seed, _PAIRS, k).integers(0, paired, size=len(rows))
+        for col, spec, field, stream in ((prompt, p_spec, "prompt_tokens", _PROMPT),
+                                         (output, o_spec, "output_tokens", _OUTPUT)):
+            if spec is not None and len(rows):
+                col[rows] = sample(scenario, field, len(rows), _rng(seed, stream, k),
+                                   index=index, spec=spec)
+    return client.astype(np.int64)
 
 
 def repeat_trace(arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray,
@@ -465,16 +562,23 @@ def build_workload(scenario) -> Workload:
         arrival, prompt, output = arrival[keep], prompt[keep], output[keep]
         if hashes is not None:
             hashes = [h for h, k in zip(hashes, keep) if k]
+    elif w.concurrency:  # closed loop: rows only; the users time them (sim.engine.users)
+        check_memory(f"{scenario.source}: workload.num_requests = {w.num_requests}",
+                     w.num_requests * BYTES_PER_REQUEST, f" for {w.num_requests:,} requests "
+                     "drawn up front")
+        arrival = np.zeros(w.num_requests)
     else:
         n = _num_draws(scenario)
         arrival = _arrivals(w, _rng(seed, _ARRIVAL), n)
         if w.duration_s:
             arrival = arrival[arrival < w.duration_s]
+    if w.arrival != "trace":
         n = len(arrival)
         rows = _paired_rows(scenario)
         index = None if rows is None else _rng(seed, _PAIRS).integers(0, rows, size=n)
         prompt = sample(scenario, "prompt_tokens", n, _rng(seed, _PROMPT), index=index)
         output = sample(scenario, "output_tokens", n, _rng(seed, _OUTPUT), index=index)
+    client = _clients(scenario, len(arrival), prompt, output)
     n = len(arrival)
     # (arrivals are sorted; NaN fails too. Half the clock's range is left to serve them in.)
     if n and not arrival[-1] <= MAX_TIME_S / 2:
@@ -492,6 +596,11 @@ def build_workload(scenario) -> Workload:
     prompt = np.maximum(prompt, 1)
     output = np.maximum(output, 1)
     priority = sample(scenario, "priority", n, _rng(seed, _PRIORITY))
+    for k, c in enumerate(w.clients if client is not None else ()):
+        rows = np.flatnonzero(client == k)
+        if "priority" in c and len(rows):
+            priority[rows] = sample(scenario, "priority", len(rows), _rng(seed, _PRIORITY, k),
+                                    spec=c["priority"])
     cancel_at = np.full(n, np.nan)
     if w.cancel_fraction > 0 and n:
         chosen = _rng(seed, _CANCEL).random(n) < w.cancel_fraction
@@ -500,10 +609,13 @@ def build_workload(scenario) -> Workload:
     group, shared = None, 0
     if w.shared_prefix_tokens and n:
         shared = w.shared_prefix_tokens
-        group = _rng(seed, _PREFIX).integers(0, w.shared_prefix_groups, size=n)
+        rng = _rng(seed, _PREFIX)
+        group = (rng.permutation(np.arange(n) % w.shared_prefix_groups)
+                 if w.shared_prefix_balanced
+                 else rng.integers(0, w.shared_prefix_groups, size=n))
         # the system prompt comes before the request's own tokens
         prompt = prompt + shared
     return Workload(arrival=arrival.astype(np.float64), prompt=prompt.astype(np.int64),
                     output=output.astype(np.int64), priority=priority.astype(np.int64),
                     cancel_at=cancel_at, hash_ids=hashes, hash_block_size=hash_block,
-                    prefix_group=group, prefix_tokens=shared)
+                    prefix_group=group, prefix_tokens=shared, client=client)

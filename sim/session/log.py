@@ -226,6 +226,8 @@ def _workload_header(w) -> dict:
         "hash_block_size": w.hash_block_size,
         "prefix_group": None if w.prefix_group is None else _i64(w.prefix_group),
         "prefix_tokens": w.prefix_tokens,
+        # (a client mix only: the logs of other workloads stay as they were)
+        **({} if w.client is None else {"client": _i64(w.client)}),
     }
 
 
@@ -318,6 +320,8 @@ class SessionLog:
             prefix_group=(None if w.get("prefix_group") is None
                           else np.frombuffer(w["prefix_group"], "<i8").astype(np.int64)),
             prefix_tokens=w.get("prefix_tokens", 0),
+            client=(None if w.get("client") is None
+                    else np.frombuffer(w["client"], "<i8").astype(np.int64)),
         )
 
 
@@ -409,7 +413,8 @@ def _check_header(path: str, header) -> None:
                 mine)
     if header["clock"] != compute.get("clock", _schema("compute", "clock")[0]):
         bad("clock", f"differs from compute.clock = {shown(compute.get('clock'))}")
-    _check_workload(path, header["workload"])
+    clients = _scenario_value(scenario, "workload", "clients")
+    _check_workload(path, header["workload"], len(clients) if type(clients) is list else 0)
     if "cluster" in header:
         _check_cluster(path, header)
     elif policy in DEPLOYMENT_POLICIES:
@@ -498,10 +503,11 @@ def _check_cluster(path: str, header: dict) -> None:
 
 _COLUMNS = {"arrival": "<f8", "prompt": "<i8", "output": "<i8", "priority": "<i8",
             "cancel_at": "<f8"}
-_WORKLOAD_KEYS = (*_COLUMNS, "hash_ids", "hash_block_size", "prefix_group", "prefix_tokens")
+_WORKLOAD_KEYS = (*_COLUMNS, "hash_ids", "hash_block_size", "prefix_group", "prefix_tokens",
+                  "client")
 
 
-def _check_workload(path: str, w) -> None:
+def _check_workload(path: str, w, num_clients: int) -> None:
     """The embedded workload: columns of one length and sane values (arrivals sorted times,
     lengths 1 to MAX_TOKENS, priorities in range, cancellations after arrival or NaN)."""
     def bad(why):
@@ -548,6 +554,12 @@ def _check_workload(path: str, w) -> None:
         bad("prefix_group: expected one non-negative integer per request")
     if not _is_int(0, MAX_TOKENS)(w.get("prefix_tokens", 0)):
         bad("prefix_tokens: expected a length")
+    c = w.get("client")
+    if (c is None) != (num_clients == 0) or c is not None and (
+            type(c) is not bytes or len(c) != 8 * n or n and not (
+                0 <= np.frombuffer(c, "<i8").min() and np.frombuffer(c, "<i8").max() < num_clients)):
+        bad(f"client: expected one index of the scenario's {num_clients} workload.clients per "
+            "request")
 
 
 def is_position(v) -> bool:

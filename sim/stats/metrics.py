@@ -22,7 +22,10 @@ def summarize(engine) -> dict:
     `replicas` holds each instance's own summary."""
     parts = getattr(engine, "instances", None)
     if parts is None:
-        return _summary(engine, [engine])
+        out = _summary(engine, [engine])
+        if getattr(engine, "clients", None) is not None:  # a client mix
+            out["clients"] = _clients(engine)
+        return out
     out = _summary(engine, parts)
     out["policy"] = engine.policy_label
     out["deployment"] = {
@@ -38,6 +41,21 @@ def summarize(engine) -> dict:
         out["transfers"] = {"count": wait["count"], "cancelled": engine.cancelled_in_transfer,
                             "wait_ms": wait,
                             "transfer_ms": pooled_distribution_ms([engine.transfer_time])}
+    return out
+
+
+def _clients(engine) -> dict:
+    """Each client's figures of a client mix (sim.engine.clients), keyed by its name."""
+    f, duration = engine.clients, engine.now
+    out = {}
+    for name, c in f.counts.items():
+        out[name] = {
+            "requests": {k: c[k] for k in ("finished", "cancelled", "rejected")},
+            "ttft_ms": pooled_distribution_ms([f.ttft[name]]),
+            "e2e_ms": pooled_distribution_ms([f.e2e[name]]),
+            "goodput_requests_per_s": c["slo_met"] / duration if duration > 0 else 0.0,
+            "slo_attainment": c["slo_met"] / c["finished"] if c["finished"] else None,
+        }
     return out
 
 

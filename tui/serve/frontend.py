@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from sim import EngineError, ServesimError
+from sim.engine.admission import is_refusal
 from sim.engine.kv import blocks_for
 from sim.inputs.workload import sample_lengths
 from tui.serve.metrics import ServeMetrics
@@ -612,8 +613,11 @@ class Frontend:
         # (`_too_big` checked the engine's own rule: a rejection here is a bug, refused all the
         # same)
         rejected = [ev for ev in e.events[before:] if ev.kind == "reject"]
-        if rejected:
-            raise APIError(f"The request cannot be served: {rejected[0].reason}")
+        if rejected:  # (admission control's refusals, `[admission]`, are 429s)
+            busy = is_refusal(rejected[0].reason)
+            raise APIError(f"The request cannot be served: {rejected[0].reason}",
+                           HTTPStatus.TOO_MANY_REQUESTS if busy else HTTPStatus.BAD_REQUEST,
+                           err_type="RateLimitError" if busy else None)
         return stop - first
 
     def _output_len(self, spec: GenerateSpec, prompt_len: int, ahead: int = 0) -> tuple[int, str]:

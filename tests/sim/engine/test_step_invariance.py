@@ -115,6 +115,26 @@ def test_policy_switches_through_every_policy_keep_the_paths_identical(policy):
         assert e.kv.num_free_blocks == e.kv.num_blocks
 
 
+CLOSED_LOOP = ("workload.concurrency=12", "workload.num_requests=150", "workload.turns=3",
+               "workload.think_time_s=0.4", "workload.ramp_up_s=1.5",
+               "kv.enable_prefix_caching=true", "admission.rate=6", "admission.burst=3")
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_closed_loop_runs_agree_however_time_is_sliced(policy):
+    # the users' next arrivals are known only when requests end: runs of decode steps must stop
+    # at a finish and pick the new arrival up at its time, whatever the slicing
+    sc = small_scenario(f'scheduler.policy="{policy}"', *PRESSURE[1:3], *CLOSED_LOOP)
+    script = [a for a in session_script(policy) if a[1] != "switch_policy"]
+    runs = {m: scripted(Engine(sc), m, script) for m in ("whole", "sliced", "stepped")}
+    unskipped = scripted(Engine(sc, skip_ahead=False), "whole", script)
+    whole = runs["whole"]
+    assert whole.counts["finished"] > 25 and whole.counts["rejected"] > 0
+    for m, e in [*runs.items(), ("unskipped", unskipped)]:
+        assert events_of(e) == events_of(whole), m
+        assert state_of(e) == state_of(whole), m
+
+
 def test_contiguous_reservations_take_no_further_blocks_while_decoding():
     # The bug this file was written for: a run of decode steps allocated a block per boundary
     # crossed, as paged tables need, on top of a contiguous reservation that already held them.

@@ -68,6 +68,15 @@ def field_value(f: dataclasses.Field):
     m = f.metadata
     if m.get("kind") == "dist":
         typed = st.one_of(dist_table(), ints, floats)
+    elif m.get("kind") == "clients":  # a client mix: tables of a name, a share and the rest
+        client = st.fixed_dictionaries(
+            {"name": st.sampled_from(["a", "b", "", " "]),
+             "share": st.one_of(st.sampled_from([0.25, 0.5, 0.75, 1.0]), floats)},
+            optional={"prompt_tokens": st.one_of(dist_table(), ints),
+                      "output_tokens": st.one_of(dist_table(), ints),
+                      "priority": ints, "ttft_ms": floats, "tpot_ms": floats,
+                      "e2e_ms": floats, "bogus": ints})
+        typed = st.lists(client, max_size=3)
     elif m.get("choices") or m.get("kind") == "policy":
         from sim.policies import POLICIES
         typed = st.sampled_from(list(m.get("choices") or [*POLICIES, "disaggregated", "fifo"]))

@@ -2,6 +2,7 @@ import pytest
 
 from sim.errors import ScenarioError, TraceError
 from sim.inputs.scenario import bundled_scenarios, load_scenario
+from tui.cli import main
 
 
 def write(tmp_path, text, name="s.toml"):
@@ -336,3 +337,46 @@ def test_absurd_rates_and_control_characters_are_one_line(override, message):
 def test_a_description_may_hold_line_breaks_and_tabs():
     assert load_scenario("chat", ['description="two\\nlines\\tand a tab"']).description == \
         "two\nlines\tand a tab"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("workload.concurrency=0", "workload.concurrency = 0: must be greater than 0"),
+    ("workload.concurrency=-4", "workload.concurrency = -4: must be greater than 0"),
+    ("workload.think_time_s=-0.5", "workload.think_time_s = -0.5: must be at least 0"),
+    ("workload.think_time_s=nan", "workload.think_time_s = nan: must be finite"),
+    ("workload.ramp_up_s=-1", "workload.ramp_up_s = -1: must be at least 0"),
+    ("workload.turns=0", "workload.turns = 0: must be at least 1"),
+    ("workload.prompt_tokens={dist=\"random\", value=100, range_ratio=1.0}",
+     "workload.prompt_tokens.range_ratio = 1.0: must be less than 1"),
+    ("workload.prompt_tokens={dist=\"random\", range_ratio=0.5}",
+     "workload.prompt_tokens: dist = 'random' needs value"),
+    ("admission.rate=nan", "admission.rate = nan: must be finite"),
+    ("admission.max_waiting=-1", "admission.max_waiting = -1: must be at least 0"),
+])
+def test_closed_loop_dataset_and_admission_bad_input_is_one_line_exit_2(override, message,
+                                                                         capsys):
+    assert main(["sim", "chat", "-q", "--set", "workload.concurrency=4", "--set",
+                 "workload.num_requests=10", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "chat.toml" in err and message in err, err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["workload.think_time_s=1"], "workload.think_time_s = 1.0: applies to a closed loop"),
+    (["workload.turns=3"], "workload.turns = 3: applies to a closed loop"),
+    (["workload.concurrency=4"], "a closed loop needs workload.num_requests"),
+    (["workload.concurrency=4", "workload.num_requests=9", "cluster.replicas=2"],
+     "not modeled across several instances"),
+    (["workload.concurrency=4", "workload.num_requests=9", "workload.arrival=\"trace\"",
+      "workload.trace=\"traces/AzureLLMInferenceTrace_conv.csv\""], "times its own arrivals"),
+])
+def test_closed_loop_keys_that_cannot_go_together_are_refused(overrides, message):
+    with pytest.raises(ScenarioError, match=message):
+        load_scenario("chat", ["workload.duration_s=0", *overrides])
+
+
+def test_an_unset_closed_loop_round_trips_through_the_dict():
+    sc = load_scenario("chat")
+    assert "concurrency" not in sc.to_dict()["workload"]
+    closed = load_scenario("chat", ["workload.concurrency=3", "workload.num_requests=5"])
+    assert closed.to_dict()["workload"]["concurrency"] == 3

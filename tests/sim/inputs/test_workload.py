@@ -7,7 +7,7 @@ import pytest
 
 from sim.errors import ScenarioError, TraceError
 from sim.inputs.scenario import load_scenario
-from sim.inputs.workload import build_workload, read_trace
+from sim.inputs.workload import build_workload, load_label, read_trace
 from sim.inputs.scenario import BUNDLED_DIR
 
 TRACES = BUNDLED_DIR / "traces"
@@ -227,3 +227,62 @@ def test_a_trace_reaching_past_the_clock_names_the_trace(tmp_path):
     with pytest.raises(ScenarioError, match=r"workload.trace = 't.jsonl' x time_scale = 1: the last request "
                                             r"would arrive at t = 1e\+09 s, past 5e\+08 s"):
         build_workload(load_scenario(str(p)))
+
+
+@pytest.mark.parametrize("value, ratio", [(1024, 0.5), (100, 0.0), (7, 0.3), (128, 0.99)])
+def test_random_lengths_stay_within_vllms_range_ratio_bounds(value, ratio):
+    # vllm bench serve --dataset-name random: floor(v (1 - r)) to ceil(v (1 + r)), both included
+    w = build_workload(sc(f'workload.prompt_tokens={{dist="random", value={value}, '
+                          f'range_ratio={ratio}}}'))
+    lo, hi = int(np.floor(value * (1 - ratio))), int(np.ceil(value * (1 + ratio)))
+    assert max(lo, 1) <= w.prompt.min() and w.prompt.max() <= hi
+    if hi - lo < 20:  # every length of the range is drawn
+        assert set(np.unique(w.prompt)) == set(range(max(lo, 1), hi + 1))
+    else:  # and both ends are reached
+        assert w.prompt.min() - lo < (hi - lo) / 50 and hi - w.prompt.max() < (hi - lo) / 50
+
+
+def test_a_closed_loop_workload_is_rows_whose_cancellations_are_delays():
+    w = build_workload(sc("workload.concurrency=4", "workload.cancel_fraction=0.5",
+                          "workload.cancel_after_s=2.5"))
+    assert len(w) == 4000 and (w.arrival == 0).all()
+    c = w.cancel_at[~np.isnan(w.cancel_at)]
+    assert len(c) and (c == 2.5).all()
+
+
+def test_a_malformed_length_file_of_a_closed_loop_names_file_and_line(tmp_path):
+    bad = tmp_path / "lengths.csv"
+    bad.write_text("num_prefill_tokens,num_decode_tokens\n12,40\n30,x\n")
+    with pytest.raises(TraceError, match=r"lengths.csv:3: num_decode_tokens = 'x' is not a number"):
+        build_workload(sc("workload.concurrency=4", f'workload.output_tokens={{dist="empirical", '
+                          f'file="{bad}"}}'))
+
+
+def test_the_load_label_names_what_drives_the_arrivals():
+    assert load_label(sc().workload) == "4 req/s"
+    assert load_label(sc("workload.concurrency=8").workload) == "concurrency 8"
+
+
+def test_balanced_system_prompts_go_to_equal_shares_in_shuffled_order():
+    # vllm bench serve's prefix_repetition dataset: num_prompts // num_prefixes each, shuffled
+    w = build_workload(sc("workload.shared_prefix_tokens=256", "workload.shared_prefix_groups=10",
+                          "workload.shared_prefix_balanced=true", "workload.num_requests=1000"))
+    assert (np.bincount(w.prefix_group) == 100).all()
+    assert not (np.diff(w.prefix_group) >= 0).all()  # (not one prefix after another)
+    drawn = build_workload(sc("workload.shared_prefix_tokens=256",
+                              "workload.shared_prefix_groups=10", "workload.num_requests=1000"))
+    assert not (np.bincount(drawn.prefix_group) == 100).all()
+
+
+def test_sharegpt_rows_filtered_as_vllm_bench_serve_filters_them():
+    f = ('file="traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", min_len=4, '
+         'max_prompt_len=1024, max_total_len=2048')
+    w = build_workload(sc(f'workload.prompt_tokens={{dist="empirical", {f}}}',
+                          f'workload.output_tokens={{dist="empirical", {f}}}'))
+    assert (w.prompt >= 4).all() and (w.output >= 4).all() and (w.prompt <= 1024).all()
+    assert (w.prompt + w.output <= 2048).all()
+    rows = read_trace(TRACES / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv")
+    pairs = set(zip(rows.prompt.tolist(), rows.output.tolist()))
+    assert set(zip(w.prompt.tolist(), w.output.tolist())) <= pairs  # (still paired)
+    unfiltered = build_workload(sc())
+    assert (unfiltered.prompt + unfiltered.output > 2048).any()

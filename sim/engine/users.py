@@ -1,0 +1,126 @@
+"""Closed-loop arrivals: `workload.concurrency` users, each sending its next request when its last
+one has ended (finished, cancelled or rejected) plus `workload.think_time_s`, as `vllm bench
+serve --max-concurrency` keeps that many requests in flight; and multi-turn conversations,
+where each turn's prompt is the conversation so far.
+
+The requests' lengths, priorities and cancellation delays are the workload's rows, drawn before
+the run (sim.inputs.workload: arrival times all 0, `cancel_at` the delay after the request's
+own arrival); a row is given to each arrival in arrival order, so request ids are rows as in an
+open-loop run. Arrival times depend only on when requests end, so a replay that regenerates the
+same completions regenerates the same arrivals.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from typing import Any
+
+import numpy as np
+
+from sim.engine.observer import StepObserver
+from sim.engine.request import Request, RequestState
+from sim.engine.tokens import SESSION_STREAM, prompt_token_ids
+
+
+class _User:
+    __slots__ = ("session", "turn", "history", "history_ids", "group")
+
+    def __init__(self) -> None:
+        self.session = -1   # the conversation under way (-1: none)
+        self.turn = 0       # turns of it sent
+        self.history = 0    # its tokens so far: every earlier turn's prompt and output
+        self.history_ids: np.ndarray | None = None  # those tokens, with real compute
+        self.group = -1     # its system prompt (workload.shared_prefix_groups)
+
+
+class ClosedLoop(StepObserver):
+    """The closed-loop users of an engine: they own the engine's arrival list (its future
+    arrival times, sorted), which they extend as requests end."""
+
+    COMPACT = 1024  # arrivals already taken, past which the list drops them
+
+    def __init__(self, engine: Any) -> None:
+        w, cfg = engine.workload, engine.scenario.workload
+        self.rows = len(w)
+        self.users = [_User() for _ in range(min(cfg.concurrency, self.rows))]
+        self.think = cfg.think_time_s
+        self.turns = cfg.turns
+        self.stop = cfg.duration_s or np.inf  # no request is sent from this time on
+        self.seed = engine.scenario.seed
+        # (user u starts at u x ramp_up_s / concurrency: sorted as the users are)
+        ramp = cfg.ramp_up_s / cfg.concurrency
+        self.pending = [(u * ramp, u, u) for u in range(len(self.users))
+                        if u * ramp < self.stop]
+        self.arrivals = [t for t, _, _ in self.pending]
+        self.sent = len(self.pending)   # arrivals scheduled so far (rows they will take)
+        self.seq = len(self.pending)    # ties in time go in the order they were scheduled
+        self.next_row = 0
+        self.sessions = 0
+        self.user_of: dict[int, int] = {}  # live requests -> the user that sent them
+
+    def request(self, e: Any, t: float) -> Request:
+        """The request arriving at `t`, the earliest pending arrival."""
+        _, _, u = heapq.heappop(self.pending)
+        user = self.users[u]
+        i = self.next_row
+        self.next_row += 1
+        w = e.workload
+        prompt, output, priority, cancel_at = e._w_cols
+        c = cancel_at[i]
+        group = -1 if w.prefix_group is None else w.prefix_group[i].item()
+        new = prompt[i]
+        if self.turns > 1:
+            if user.turn == 0:
+                user.session, user.group = self.sessions, group
+                self.sessions += 1
+            elif w.prefix_group is not None:  # the system prompt came with the first turn
+                new -= w.prefix_tokens
+        req = Request(i, t, user.history + new, output[i], priority=priority[i],
+                      hash_ids=w.hash_ids[i] if w.hash_ids else None,
+                      cancel_at=None if c != c else t + c)
+        if w.prefix_group is not None:
+            req.shared_prefix = ((group if user.turn == 0 else user.group), w.prefix_tokens)
+        if e._w_tags is not None:
+            req.tag = e._w_tags[i]
+        if self.turns > 1:
+            req.session = user.session
+            user.turn += 1
+            if e.executor is not None:  # real compute: the conversation's own tokens
+                vocab = e.scenario.compute.vocab_size
+                if user.history_ids is None:
+                    ids = prompt_token_ids(self.seed, req, vocab, w.hash_block_size)
+                else:
+                    rng = np.random.default_rng([self.seed, SESSION_STREAM, user.session,
+                                                 user.turn])
+                    ids = np.concatenate((user.history_ids,
+                                          rng.integers(0, vocab, size=new, dtype=np.int32)))
+                e._prompt_ids[i] = user.history_ids = ids
+        self.user_of[i] = u
+        return req
+
+    def ended(self, engine: Any, req: Request) -> None:
+        u = self.user_of.pop(req.req_id, None)
+        if u is None:  # an injected request, or a further sample
+            return
+        user = self.users[u]
+        engine._prompt_ids.pop(req.req_id, None)  # (a rejected request was never dropped)
+        if self.turns > 1:
+            if req.state is RequestState.FINISHED and user.turn < self.turns:
+                user.history = req.prompt_len + req.num_output_tokens
+                if user.history_ids is not None:
+                    user.history_ids = np.concatenate(
+                        (user.history_ids, np.asarray(req.output_token_ids, dtype=np.int32)))
+            else:  # the conversation is over (or cut short): the next request starts another
+                user.turn, user.history, user.history_ids = 0, 0, None
+        t = float(req.finish_time) + self.think
+        if self.sent >= self.rows or not t < self.stop:
+            return
+        self.sent += 1
+        heapq.heappush(self.pending, (t, self.seq, u))
+        self.seq += 1
+        arr, k = self.arrivals, engine._w_next
+        if k > self.COMPACT:  # (in place: the engine's arrival loop holds this list)
+            del arr[:k]
+            engine._w_next = k = 0
+        bisect.insort(arr, t, lo=k)

@@ -1,0 +1,141 @@
+"""Closed-loop users (`workload.concurrency`) and multi-turn conversations (`workload.turns`)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, strategies as st
+
+from sim import Engine, load_scenario
+from sim.engine.request import RequestState
+from tests.fuzz import fuzz_settings
+from tests.helpers import check_invariants
+
+
+def closed(*o):
+    return load_scenario("chat", ["workload.concurrency=6", "workload.num_requests=120",
+                                  "kv.num_blocks=3000", *o])
+
+
+def ended(engine):
+    return sorted((r for r in engine.requests.values()), key=lambda r: r.req_id)
+
+
+def in_flight_max(reqs) -> int:
+    """The most requests between their arrival and their end at any time ([arrival, end))."""
+    marks = sorted([(r.arrival_time, 1) for r in reqs] + [(r.finish_time, -1) for r in reqs])
+    most = now = 0
+    for _, d in marks:  # (an end and an arrival at one time: the end first)
+        now += d
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("think", [0.0, 0.75])
+def test_never_more_than_n_in_flight_and_each_next_arrival_is_an_end_plus_think(think):
+    e = Engine(closed(f"workload.think_time_s={think}", "workload.cancel_fraction=0.2",
+                      "workload.cancel_after_s=2.0"))
+    e.run()
+    reqs = ended(e)
+    assert len(reqs) == 120 and all(r.state.is_done for r in reqs)
+    assert {r.state for r in reqs} >= {RequestState.FINISHED, RequestState.CANCELLED}
+    assert in_flight_max(reqs) == 6
+    # the first 6 start at 0; every later one is the end of an earlier one plus the think time
+    assert [r.arrival_time for r in reqs[:6]] == [0.0] * 6
+    ends = sorted(r.finish_time for r in reqs)[:120 - 6]
+    assert sorted(r.arrival_time for r in reqs[6:]) == [t + think for t in ends]
+    # request ids are rows in arrival order
+    assert [r.arrival_time for r in reqs] == sorted(r.arrival_time for r in reqs)
+
+
+def test_ramp_up_spreads_the_first_requests():
+    e = Engine(closed("workload.ramp_up_s=3.0"))
+    e.run_until(3.0)
+    arrivals = [r.arrival_time for r in e.requests.values()]
+    assert {u * (3.0 / 6) for u in range(6)} <= set(arrivals)
+    assert sum(t < 0.5 for t in arrivals) == 1  # (the first user's first request takes longer)
+
+
+def test_duration_stops_the_users_sending():
+    e = Engine(closed("workload.duration_s=4", "workload.num_requests=100000"))
+    e.run()
+    assert max(r.arrival_time for r in e.requests.values()) < 4
+    assert all(r.state.is_done for r in e.requests.values())
+
+
+def test_the_invariants_hold_step_by_step():
+    e = Engine(closed("workload.turns=3", "kv.enable_prefix_caching=true",
+                      "kv.num_blocks=400"), skip_ahead=False)
+    while not e.done:
+        e.step()
+        check_invariants(e)
+
+
+def test_each_turn_is_the_conversation_so_far_and_hits_the_prefix_cache():
+    sc = closed("workload.turns=4", "workload.think_time_s=1.0", "kv.enable_prefix_caching=true",
+                "workload.prompt_tokens=200", "workload.output_tokens=50")
+    e = Engine(sc)
+    e.run()
+    bs = sc.kv.block_size
+    by_session: dict[int, list] = {}
+    for r in ended(e):
+        by_session.setdefault(r.session, []).append(r)
+    assert len(by_session) == 120 // 4
+    for turns in by_session.values():
+        assert len(turns) == 4 and turns[0].num_cached_tokens == 0
+        for before, r in zip(turns, turns[1:]):
+            history = before.prompt_len + before.max_output_tokens
+            assert r.prompt_len == history + 200
+            # every full block of what the turn before computed (all but its last token)
+            assert r.num_cached_tokens == (history - 1) // bs * bs
+    single = Engine(closed("workload.think_time_s=1.0", "kv.enable_prefix_caching=true",
+                           "workload.prompt_tokens=200", "workload.output_tokens=50"))
+    single.run()
+    assert single.kv.hit_tokens == 0 and e.kv.hit_tokens > 0
+
+
+def test_a_turn_that_cannot_fit_ends_the_conversation():
+    # the third turn of 200 + 50 tokens each needs 47 blocks of 16 tokens; the pool has 40
+    e = Engine(closed("workload.turns=3", "kv.num_blocks=40", "workload.prompt_tokens=200",
+                      "workload.output_tokens=50", "workload.concurrency=1",
+                      "workload.num_requests=6"))
+    e.run()
+    states = [r.state.value for r in ended(e)]
+    assert states == ["finished", "finished", "rejected"] * 2
+    assert [r.session for r in ended(e)] == [0, 0, 0, 1, 1, 1]
+
+
+def test_an_open_loop_workload_has_no_users():
+    e = Engine(load_scenario("chat", ["workload.duration_s=2"]))
+    assert e._feed is None and e.observers == []
+
+
+def test_the_snapshot_says_what_drives_the_arrivals():
+    assert Engine(closed()).snapshot().load == "concurrency 6"
+    assert Engine(load_scenario("chat", ["workload.duration_s=2"])).snapshot().load == "4 req/s"
+
+
+@pytest.mark.fuzz
+@fuzz_settings(15)
+@given(users=st.integers(1, 12), think=st.sampled_from([0.0, 0.05, 1.5]),
+       ramp=st.sampled_from([0.0, 2.0]), turns=st.integers(1, 4),
+       cancel=st.sampled_from([0.0, 0.3]), rate=st.sampled_from([0.0, 3.0]),
+       blocks=st.sampled_from([40, 3000]), policy=st.sampled_from(["chunked", "fcfs", "sjf"]))
+def test_the_closed_loop_invariants_hold_for_any_users(users, think, ramp, turns, cancel, rate,
+                                                       blocks, policy):
+    e = Engine(closed(f"workload.concurrency={users}", f"workload.think_time_s={think}",
+                      f"workload.ramp_up_s={ramp}", f"workload.turns={turns}",
+                      f"workload.cancel_fraction={cancel}", "workload.num_requests=60",
+                      "workload.prompt_tokens={dist=\"uniform\", min=16, max=400}",
+                      "workload.output_tokens={dist=\"uniform\", min=1, max=60}",
+                      f"admission.rate={rate}", f"kv.num_blocks={blocks}",
+                      "kv.enable_prefix_caching=true", f'scheduler.policy="{policy}"'))
+    e.run()
+    reqs = ended(e)
+    assert len(reqs) == 60 and all(r.state.is_done for r in reqs)
+    assert in_flight_max(reqs) <= users
+    starts = [u * (ramp / users) for u in range(users)]
+    later = sorted(r.arrival_time for r in reqs)[users:] if not ramp else None
+    if later is not None:  # every arrival after the first users' is an end plus the think time
+        ends = sorted(r.finish_time for r in reqs)[:60 - users]
+        assert later == [t + think for t in ends]
+    assert set(starts) <= {r.arrival_time for r in reqs}
