@@ -15,21 +15,23 @@ A step is the sum of the times of the kernels it launches, per GPU, with the mod
 Model sizes: L layers, h hidden, nh / nkv query / KV heads of hd, V vocab, P parameters;
 P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through; P - V h with
 tied embeddings), the MLP width I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP).
-Bytes per element: wb weights (`model.dtype_bytes`), kvb KV cache (`model.kv_dtype_bytes`), ab
-activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
+Bytes per element: wb weights (`model.dtype_bytes`; qb the blocks', wb unless quantized), kvb KV
+cache (`model.kv_dtype_bytes`), ab activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
 weights when the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), F16 =
 peak_tflops * 1e12 (attention), B = mem_bandwidth_gbps * 1e9, N = interconnect_gbps * 1e9.
 Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n
 all-reduce efficiencies.
 
-    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = wb P_blocks / (tp B e_b)
+    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = qb P_blocks / (tp B e_b)
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
     elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp) / (B e_e)
     prefill   t_pa     = max(4 L nh hd Ap / (tp F16 e_a),  kv (Kp + Tp) / (B e_k))
     decode    t_da     = max(4 L nh hd (Kd + D) / (tp F16 e_a),  kv (g Kd + D) / (B e_k))
-    kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da
+    experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
+    kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
     all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
+    all-to-all t_a2a   = 2 Lx (allreduce_latency + k h ab (ep-1)/ep T / (tp N e_n))  (ep > tp)
     GPU       t_gpu    = busy + (t_layer + t_ar)
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
@@ -48,6 +50,23 @@ smooth knee between their two rooflines: a GEMM of a few hundred tokens is neith
 compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline where the two meet),
 so their efficiency grows with T. Only the embedding rows a step uses are read (the `wb h / tp` per
 token in t_elem). A mixed step pays prefill and decode attention both, as the separate kernels do.
+
+Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
+experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
+what every token passes through (attention, dense MLPs, shared experts, routers: `ModelShape`);
+`ep = expert_parallel` GPUs hold the experts, `r = max(ep / tp, 1)` data-parallel ranks send
+them tokens, `s = expert_skew`. The busiest GPU's (expert, token) assignments and the experts it
+touches:
+
+    N = min(T r min(k, E/ep),  T r (k/ep + s k/E) + z_ep sqrt(T r k/ep (1 - 1/ep) (E-k)/(E-1)))
+    U = E/ep (1 - 1 / (1 + x + x^2/2 + x^3/6)),  x = -T r ln(1 - k/E)   (~ 1 - (1 - k/E)^(T r))
+    c_x = 2 Lx P_x / (F e_g / (tp/ep)),  m_x = qb Lx P_x / (B e_b / (tp/ep))
+
+with `z_ep` the expected largest of `ep` standard normal draws. `t_a2a` is folded into `_ar_tok`
+and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
+decode attention `2 L nh (2 r + dr)` FLOPs per position (the absorbed form), prefill `2 L nh
+(2 hd + dr)`, `g = 1`. Quantized blocks (`model.quantization`): `qb` bytes per weight in place of
+`wb` in t_blocks and t_moe, F the format's tensor cores, else `F16 e_g / (1 + DEQUANT)`.
 
 `engine.preset = "roofline"` keeps the single roofline servesim started with, for teaching:
 
