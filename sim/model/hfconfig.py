@@ -84,7 +84,8 @@ _HARMLESS = {
     "initial_context_length", "use_mla", "image_token_index", "boi_token_index",
     "eoi_token_index", "mm_tokens_per_image", "multi_modal_projector_bias",
     "projector_hidden_act", "vision_feature_layer", "vision_feature_select_strategy",
-    "experts_implementation", "max_seq_len", "tokenizer_class",
+    "experts_implementation", "max_seq_len", "tokenizer_class", "for_llm_compressor",
+    "_attn_implementation_autoset", "no_rope_layer_interval",
 }
 _HARMLESS_PATTERN = re.compile(
     r".*_token_ids?$|^rope_.*|.*_dropout$|.*_pdrop$|^output_.*|.*_eps$|^use_.*_kernel$")
