@@ -104,7 +104,9 @@ class _Cfg:
         return self.t.get(key) is not None
 
     def num(self, key: str, default: int | None = None, *, min_: int = 1) -> int:
-        v = self.t.get(key, default)
+        v = self.t.get(key)
+        if v is None:  # (absent, or null as some configs write it)
+            v = default
         if v is None:
             raise ScenarioError(f"{self.where}: {key}: missing (a size servesim needs)")
         if isinstance(v, bool) or not isinstance(v, int) or v < min_:
@@ -197,7 +199,7 @@ def parse_config(raw: dict, where: str = "config.json") -> dict:
                      head_dim=hd, vocab_size=V, tie_word_embeddings=tied,
                      max_model_len=c.num("max_position_embeddings", 0, min_=0))
     # attention projections (and their biases), per layer
-    bias = c.flag("attention_bias", family == "Qwen2ForCausalLM")
+    bias = c.flag("attention_bias", family in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"))
     if kind == "mla":
         r, dr = c.num("kv_lora_rank"), c.num("qk_rope_head_dim")
         nope, vd = c.num("qk_nope_head_dim"), c.num("v_head_dim")

@@ -49,15 +49,17 @@ HARDWARE: dict[str, dict] = {
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
                  int8_tops=733.0, fp4_tflops=0.0),
-    # NVIDIA HGX B200 data sheet (per GPU, dense: the sheet's sparse figures halved): 180 GB
-    # HBM3e at 8 TB/s, BF16 2.25, FP8 and INT8 4.5, FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s
-    # both directions together.
+    # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
+    # dense: the sheet's sparse figures halved): 180 GB HBM3e at 8 TB/s, BF16 2.25, FP8 and
+    # INT8 4.5, FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together.
     "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=8000.0, peak_tflops=2250.0,
                  fp8_tflops=4500.0, tdp_w=1000.0, idle_w=140.0, interconnect_gbps=900.0,
                  pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0),
-    # AMD Instinct MI300X data sheet: 192 GB HBM3 at 5.3 TB/s, dense matrix BF16 1307.4, FP8
-    # and INT8 2614.9 TFLOP/s, 750 W; 7 Infinity Fabric links of 128 GB/s both directions
-    # (a fully connected 8-GPU platform: 7 x 64 GB/s each way). No FP4.
+    # AMD Instinct MI300X data sheet
+    # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): 192 GB HBM3 at
+    # 5.3 TB/s, dense matrix BF16 1307.4, FP8 and INT8 2614.9 TFLOP/s, 750 W; 7 Infinity Fabric
+    # links of 128 GB/s both directions (a fully connected 8-GPU platform: 7 x 64 GB/s each
+    # way). No FP4.
     "mi300x": dict(memory_gb=192.0, mem_bandwidth_gbps=5300.0, peak_tflops=1307.4,
                    fp8_tflops=2614.9, tdp_w=750.0, idle_w=140.0, interconnect_gbps=448.0,
                    pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0),

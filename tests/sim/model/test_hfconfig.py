@@ -87,6 +87,12 @@ def test_bad_configs_are_refused_naming_the_field(edit, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_null_size_takes_its_default():
+    raw = _raw()
+    raw["head_dim"] = None  # (transformers writes null for "hidden_size / heads")
+    assert parse_config(raw)["head_dim"] == 128
+
+
 def test_harmless_keys_are_accepted():
     raw = _raw()
     raw.update(transformers_version="9.9", pad_token_id=0, rope_scaling=None, attention_dropout=0.1)
