@@ -821,7 +821,8 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         check_deployment(sc, cm, num_blocks)
     if num_blocks <= 0:
         raise ScenarioError(
-            f"{src}: kv.num_blocks: derived {float(num_blocks):.4g} blocks: model.preset = {m.preset!r} "
+            f"{src}: kv.num_blocks: derived {float(num_blocks):.4g} blocks: "
+            f"{f'model.config = {m.config!r}' if m.config else f'model.preset = {m.preset!r}'} "
             f"({cm.weight_bytes_per_gpu() / 1e9:.4g} GB of weights per GPU) does not fit in "
             f"hardware.memory_gb = {sc.hardware.memory_gb:g} x kv.gpu_memory_utilization = "
             f"{sc.kv.gpu_memory_utilization:g} minus kv.reserve_gb = {sc.kv.reserve_gb:g}"

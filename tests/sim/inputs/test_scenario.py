@@ -371,3 +371,8 @@ def test_a_resolved_model_table_does_not_read_its_config_again(tmp_path):
                                                "vocab_size", "intermediate_size", "max_model_len")}
     again = load_scenario(str(p), [f"model.{k}={v!r}" for k, v in sizes.items()])
     assert again.model.num_params == sc.model.num_params == pytest.approx(8.19e9, rel=1e-3)
+
+
+def test_a_config_model_too_big_for_its_gpus_names_the_config():
+    with pytest.raises(ScenarioError, match=r"model.config = 'deepseek-v3' \(672.9 GB of weights"):
+        load_scenario("chat", ['model.config="deepseek-v3"'])
