@@ -21,7 +21,8 @@ from sim.errors import ScenarioError, shown
 from sim.fileio import read_input_text, reason, toml_loads
 from sim.inputs.workload import min_length
 from sim.model import presets
-from sim.model.costmodel import CostModel
+from sim.model.costmodel import CostModel, ModelShape
+from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
 from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_deployment
 
@@ -99,6 +100,31 @@ class ModelConfig:
     num_gpus: int = _f(0, min=0, max=4096,
                        doc="GPUs of one deployment; when given, must equal data_parallel x "
                            "tensor_parallel x pipeline_parallel (0 = that product)")
+    config: str = _f("", doc="a Hugging Face config.json (a file, a folder holding one, or a "
+                             "bundled model: scenarios/models/) giving every size below; it "
+                             "replaces preset, and a size set here overrides it")
+    intermediate_size: int = _f(0, min=0, doc="dense MLP width (0 = derived from num_params)")
+    num_experts: int = _f(0, min=0, doc="routed experts per MoE layer (0 = a dense model)")
+    experts_per_token: int = _f(0, min=0, doc="experts each token is routed to (top-k)")
+    moe_intermediate_size: int = _f(0, min=0, doc="one expert's MLP width")
+    shared_intermediate_size: int = _f(0, min=0, doc="MLP width of the shared experts every "
+                                                     "token passes through (0 = none)")
+    dense_layers: int = _f(0, min=0, doc="layers with a dense MLP instead of experts")
+    expert_parallel: int = _f(1, min=1, max=1024, doc="GPUs the experts are split over (each "
+                                                      "holds num_experts / expert_parallel; "
+                                                      "must divide tensor_parallel)")
+    expert_skew: float = _f(0.0, min=0, max=1e3, doc="routing skew: the hottest expert gets "
+                                                     "(1 + skew) times its share of tokens")
+    kv_lora_rank: int = _f(0, min=0, doc="multi-head latent attention: the compressed K/V "
+                                         "latent cached per token per layer (0 = none)")
+    q_lora_rank: int = _f(0, min=0, doc="MLA: the query's compression rank (0 = none)")
+    rope_head_dim: int = _f(0, min=0, doc="MLA: the rotary key part cached beside the latent")
+    sliding_window: int = _f(0, min=0, doc="sliding-window attention span, tokens (read from "
+                                           "a config; costed as full attention)")
+    sliding_window_layers: int = _f(0, min=0, doc="layers attending within sliding_window")
+    quantization: str = _f("", choices=["", *presets.QUANTIZATIONS],
+                           doc="weight format of the transformer blocks (embeddings and LM head "
+                               "stay at dtype_bytes); \"\" = dtype_bytes throughout")
 
 
 @dataclass
@@ -109,6 +135,8 @@ class HardwareConfig:
     peak_tflops: float = _f(0.0, min=0, doc="dense bf16 tensor TFLOP/s")
     fp8_tflops: float = _f(0.0, min=0, doc="dense FP8 tensor TFLOP/s, used by the GEMMs of "
                                            "1-byte weights (0 = none: they run at peak_tflops)")
+    int8_tops: float = _f(0.0, min=0, doc="dense INT8 tensor TOP/s (w8a8 int8; 0 = none)")
+    fp4_tflops: float = _f(0.0, min=0, doc="dense FP4 tensor TFLOP/s (NVFP4 / MXFP4; 0 = none)")
     tdp_w: float = _f(0.0, min=0, doc="board power at full load, W")
     idle_w: float = _f(0.0, min=0, doc="board power when idle, W")
     interconnect_gbps: float = _f(0.0, min=0, doc="GPU-GPU link per direction, GB/s")
@@ -781,6 +809,8 @@ def _fill_presets(sc: Scenario) -> None:
     for sec, table in (("model", presets.MODELS), ("hardware", presets.HARDWARE)):
         cfg = getattr(sc, sec)
         base = table.get(cfg.preset, {})
+        if sec == "model" and cfg.config:
+            base = _from_config(sc)
         for k, v in base.items():
             if getattr(cfg, k) == 0:
                 setattr(cfg, k, type(getattr(cfg, k))(v))
@@ -795,9 +825,83 @@ def _fill_presets(sc: Scenario) -> None:
             )
 
 
+# The sizes a [model] table needs (the presets' keys): a table holding all of them (a session
+# log's) does not read its config file again.
+_SIZES = tuple(next(iter(presets.MODELS.values())))
+
+
+def _from_config(sc: Scenario) -> dict:
+    """The [model] fields `model.config` gives, for `_fill_presets` to fill what the scenario
+    leaves at 0; its flags (tied embeddings, quantization) set here unless the scenario set
+    them. Nothing when the table already holds every size."""
+    m = sc.model
+    if all(getattr(m, k) for k in _SIZES if k != "max_model_len"):
+        return {}
+    try:
+        got = read_config(m.config, sc.base_dir)
+    except ScenarioError as e:
+        raise ScenarioError(f"{sc.source}: model.config: {e}") from None
+    got.pop("active_params")
+    m.preset = ""  # (the config replaces the preset)
+    if got.pop("tie_word_embeddings"):
+        m.tie_word_embeddings = True
+    quant = got.pop("quantization", "")
+    if not m.quantization and m.dtype_bytes == 2:
+        m.quantization = quant
+    return got
+
+
+def _check_model(sc: Scenario) -> None:
+    """Mixtures of experts, MLA and quantization: shapes that cannot work."""
+    src, m = sc.source, sc.model
+    if m.num_experts:
+        for key in ("experts_per_token", "moe_intermediate_size"):
+            if not getattr(m, key):
+                raise ScenarioError(f"{src}: model.{key}: a mixture of experts (num_experts = "
+                                    f"{m.num_experts}) needs it")
+        if m.experts_per_token > m.num_experts:
+            raise ScenarioError(f"{src}: model.experts_per_token = {m.experts_per_token}: more "
+                                f"than model.num_experts = {m.num_experts}")
+        if m.dense_layers >= m.num_layers:
+            raise ScenarioError(f"{src}: model.dense_layers = {m.dense_layers}: must be fewer "
+                                f"than model.num_layers = {m.num_layers}")
+    else:
+        for key in ("experts_per_token", "moe_intermediate_size", "shared_intermediate_size",
+                    "dense_layers"):
+            if getattr(m, key):
+                raise ScenarioError(f"{src}: model.{key} = {getattr(m, key)}: needs "
+                                    "model.num_experts (a mixture of experts)")
+    ep, tp = m.expert_parallel, m.tensor_parallel
+    if ep > 1 and not m.num_experts:
+        raise ScenarioError(f"{src}: model.expert_parallel = {ep}: needs model.num_experts "
+                            "(a mixture of experts)")
+    if m.num_experts and m.num_experts % ep:
+        raise ScenarioError(f"{src}: model.expert_parallel = {ep}: must divide "
+                            f"model.num_experts = {m.num_experts}")
+    if tp % ep and ep % tp:
+        raise ScenarioError(f"{src}: model.expert_parallel = {ep}: must divide "
+                            f"model.tensor_parallel = {tp} or be a multiple of it (data-parallel "
+                            "ranks of this engine)")
+    if m.kv_lora_rank and not m.rope_head_dim:
+        raise ScenarioError(f"{src}: model.rope_head_dim: MLA (kv_lora_rank = "
+                            f"{m.kv_lora_rank}) needs it")
+    if (m.q_lora_rank or m.rope_head_dim) and not m.kv_lora_rank:
+        raise ScenarioError(f"{src}: model.kv_lora_rank: q_lora_rank and rope_head_dim are "
+                            "MLA's; it needs kv_lora_rank")
+    if m.quantization and m.dtype_bytes != 2:
+        raise ScenarioError(f"{src}: model.dtype_bytes = {m.dtype_bytes}: with model."
+                            f"quantization = {m.quantization!r} it is the embeddings' and LM "
+                            "head's bytes; leave it at 2 (or give dtype_bytes alone)")
+    experts = ModelShape(m).p_experts
+    if experts and m.num_params <= experts:
+        raise ScenarioError(f"{src}: model.num_params = {m.num_params:.4g}: no more than its "
+                            f"{experts:.4g} expert weights")
+
+
 def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
     """Checks that span fields: shapes that cannot work, and a pool no request could fit."""
     src, m, w = sc.source, sc.model, sc.workload
+    _check_model(sc)
     if m.num_heads % m.num_kv_heads:
         raise ScenarioError(f"{src}: model.num_kv_heads = {m.num_kv_heads}: must divide "
                             f"model.num_heads = {m.num_heads}")
@@ -854,7 +958,8 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         check_deployment(sc, cm, num_blocks)
     if num_blocks <= 0:
         raise ScenarioError(
-            f"{src}: kv.num_blocks: derived {float(num_blocks):.4g} blocks: model.preset = {m.preset!r} "
+            f"{src}: kv.num_blocks: derived {float(num_blocks):.4g} blocks: "
+            f"{f'model.config = {m.config!r}' if m.config else f'model.preset = {m.preset!r}'} "
             f"({cm.weight_bytes_per_gpu() / 1e9:.4g} GB of weights per GPU) does not fit in "
             f"hardware.memory_gb = {sc.hardware.memory_gb:g} x kv.gpu_memory_utilization = "
             f"{sc.kv.gpu_memory_utilization:g} minus kv.reserve_gb = {sc.kv.reserve_gb:g}"

@@ -15,21 +15,23 @@ A step is the sum of the times of the kernels it launches, per GPU, with the mod
 Model sizes: L layers, h hidden, nh / nkv query / KV heads of hd, V vocab, P parameters;
 P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through; P - V h with
 tied embeddings), the MLP width I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP).
-Bytes per element: wb weights (`model.dtype_bytes`), kvb KV cache (`model.kv_dtype_bytes`), ab
-activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
+Bytes per element: wb weights (`model.dtype_bytes`; qb the blocks', wb unless quantized), kvb KV
+cache (`model.kv_dtype_bytes`), ab activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
 weights when the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), F16 =
 peak_tflops * 1e12 (attention), B = mem_bandwidth_gbps * 1e9, N = interconnect_gbps * 1e9.
 Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n
 all-reduce efficiencies.
 
-    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = wb P_blocks / (tp B e_b)
+    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = qb P_blocks / (tp B e_b)
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
     elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp) / (B e_e)
     prefill   t_pa     = max(4 L nh hd Ap / (tp F16 e_a),  kv (Kp + Tp) / (B e_k))
     decode    t_da     = max(4 L nh hd (Kd + D) / (tp F16 e_a),  kv (g Kd + D) / (B e_k))
-    kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da
+    experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
+    kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
     all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
+    all-to-all t_a2a   = 2 Lx (allreduce_latency + k h ab (ep-1)/ep T / (tp N e_n))  (ep > tp)
     GPU       t_gpu    = busy + (t_layer + t_ar)
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
@@ -49,6 +51,23 @@ compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline w
 so their efficiency grows with T. Only the embedding rows a step uses are read (the `wb h / tp` per
 token in t_elem). A mixed step pays prefill and decode attention both, as the separate kernels do.
 
+Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
+experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
+what every token passes through (attention, dense MLPs, shared experts, routers: `ModelShape`);
+`ep = expert_parallel` GPUs hold the experts, `r = max(ep / tp, 1)` data-parallel ranks send
+them tokens, `s = expert_skew`. The busiest GPU's (expert, token) assignments and the experts it
+touches:
+
+    N = min(T r min(k, E/ep),  T r (k/ep + s k/E) + z_ep sqrt(T r k/ep (1 - 1/ep) (E-k)/(E-1)))
+    U = E/ep (1 - 1 / (1 + x + x^2/2 + x^3/6)),  x = -T r ln(1 - k/E)   (~ 1 - (1 - k/E)^(T r))
+    c_x = 2 Lx P_x / (F e_g / (tp/ep)),  m_x = qb Lx P_x / (B e_b / (tp/ep))
+
+with `z_ep` the expected largest of `ep` standard normal draws. `t_a2a` is folded into `_ar_tok`
+and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
+decode attention `2 L nh (2 r + dr)` FLOPs per position (the absorbed form), prefill `2 L nh
+(2 hd + dr)`, `g = 1`. Quantized blocks (`model.quantization`): `qb` bytes per weight in place of
+`wb` in t_blocks and t_moe, F the format's tensor cores, else `F16 e_g / (1 + DEQUANT)`.
+
 `engine.preset = "roofline"` keeps the single roofline servesim started with, for teaching:
 
     t_compute = (2 P T + 4 L nh hd A) / tp / (peak_tflops * 1e12 * flops_efficiency)
@@ -62,9 +81,12 @@ with A = Ap + Kd + D, Kr = Kp + Kd, kvt = 2 L nkv hd wb, busy = max(t_compute, t
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any, Protocol
 
 import numpy as np
+
+from sim.model.presets import DEQUANT, QUANTIZATIONS
 
 
 class CostModel:
@@ -94,6 +116,14 @@ class CostModel:
     _cpu0: float
     _cpu1: float
     _overlap: bool
+    _attn_p: float
+    _moe: bool
+    _moe_c: float
+    _moe_m: float
+    _moe_cap: float
+    _moe_mean: float
+    _moe_sd: float
+    _moe_lam: float
     kernel_coefficients: tuple
 
     def __init__(self, scenario) -> None:
@@ -102,12 +132,29 @@ class CostModel:
         self.block_size = kv.block_size
         wb = m.dtype_bytes
         kvb = m.kv_dtype_bytes or wb
-        self.kv_bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * kvb
-        # On one GPU: its share of the KV heads, and at least one (with fewer KV heads than
-        # GPUs each head is replicated, as vLLM does): what its pool, swaps and hand-offs hold.
-        self.kv_bytes_per_token_gpu = (2.0 * m.num_layers * max(m.num_kv_heads / tp, 1.0)
-                                       * m.head_dim * kvb)
-        self.weight_bytes = m.num_params * wb
+        if m.kv_lora_rank:  # MLA: the latent and the rotary key, shared by every head
+            self.kv_bytes_per_token = m.num_layers * (m.kv_lora_rank + m.rope_head_dim) * kvb
+            # (on every GPU whole: the latent is not split by heads)
+            self.kv_bytes_per_token_gpu = float(self.kv_bytes_per_token)
+        else:
+            self.kv_bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * kvb
+            # On one GPU: its share of the KV heads, and at least one (with fewer KV heads than
+            # GPUs each head is replicated, as vLLM does): what its pool, swaps and hand-offs
+            # hold.
+            self.kv_bytes_per_token_gpu = (2.0 * m.num_layers * max(m.num_kv_heads / tp, 1.0)
+                                           * m.head_dim * kvb)
+        self.shape = shape = ModelShape(m)
+        # bytes per weight of the transformer blocks (quantized) and of the embeddings
+        self.block_weight_bytes = qb = QUANTIZATIONS[m.quantization][0] if m.quantization else wb
+        if m.quantization:
+            self.weight_bytes = shape.p_embed * wb + (m.num_params - shape.p_embed) * qb
+        else:
+            self.weight_bytes = m.num_params * wb
+        # On one GPU: the experts are split over max(expert_parallel, tensor_parallel) GPUs
+        # (whole experts over expert_parallel groups, each sharded over the rest), the other
+        # weights over tensor_parallel.
+        self._weight_bytes_gpu = (self.weight_bytes - shape.p_experts * qb) / tp \
+            + shape.p_experts * qb / max(m.expert_parallel, tp)
         self._idle = tp * h.idle_w
         self._dyn = tp * max(0.0, h.tdp_w - h.idle_w)
         self.pcie_bytes_per_s = h.pcie_gbps * 1e9
@@ -124,7 +171,7 @@ class CostModel:
 
     def _roofline_init(self, m, h, wb) -> None:
         tp = self.tp
-        self._lin = 2.0 * m.num_params
+        self._lin = 2.0 * (self.shape.p_active if m.num_experts else m.num_params)
         self._attn = 4.0 * m.num_layers * m.num_heads * m.head_dim
         self._inv_flops = 1.0 / (tp * h.peak_tflops * 1e12 * h.flops_efficiency)
         self._inv_bw = 1.0 / (tp * h.mem_bandwidth_gbps * 1e9 * h.bandwidth_efficiency)
@@ -138,35 +185,42 @@ class CostModel:
     def _kernel_init(self, m, h, e, wb, kvb) -> None:
         tp, L, hid = self.tp, m.num_layers, m.hidden_size
         nh, nkv, hd, ab = m.num_heads, m.num_kv_heads, m.head_dim, m.act_dtype_bytes
+        shape = self.shape
         p_head = float(m.vocab_size * hid)
-        # (the embedding table and the LM head: one matrix where they are tied)
-        p_blocks = max(m.num_params - (1.0 if m.tie_word_embeddings else 2.0) * p_head, 0.0)
-        inter = max((p_blocks / L - hid * hd * (2 * nh + 2 * nkv)) / (3 * hid), 0.0)
+        p_blocks = shape.p_blocks
+        inter = shape.mlp_width
         f16 = h.peak_tflops * 1e12
         bw = h.mem_bandwidth_gbps * 1e9
-        if wb == 1 and h.fp8_tflops > 0:  # FP8 tensor cores
-            gemm = tp * h.fp8_tflops * 1e12 * e.fp8_gemm_efficiency
-        else:
-            gemm = tp * f16 * e.gemm_efficiency
+        gemm = head_gemm = self._gemm_rate(m, h, e, wb)
+        if m.quantization:  # the embeddings and LM head stay at dtype_bytes
+            head_gemm = tp * f16 * e.gemm_efficiency
+        qb = self.block_weight_bytes
         stream = tp * bw * e.bandwidth_efficiency
         # Seconds per unit of each step quantity (see the module docstring).
         self._blk_c = 2.0 * p_blocks / gemm  # per token
-        self._blk_m = wb * p_blocks / stream
-        self._head_c = 2.0 * p_head / gemm  # per sampled row
+        self._blk_m = qb * p_blocks / stream
+        self._head_c = 2.0 * p_head / head_gemm  # per sampled row
         self._head_m = wb * p_head / stream
         elem = L * ab * (8.0 * hid + (3.0 * inter + 2.0 * (nh + nkv) * hd) / tp) + wb * hid / tp
         self._elem = elem / (bw * e.elementwise_efficiency)
         attn = tp * f16 * e.attention_efficiency
-        self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
+        if m.kv_lora_rank:  # MLA: decode in the absorbed form, prefill with K/V expanded
+            r, dr = m.kv_lora_rank, m.rope_head_dim
+            self._attn_f = 2.0 * L * nh * (2 * r + dr) / attn
+            self._attn_p = 2.0 * L * nh * (2 * hd + dr) / attn
+        else:
+            self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
+            self._attn_p = self._attn_f
         self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
-        self._kv_read = self._kv * (1.0 if e.gqa_shared_kv
+        self._kv_read = self._kv * (1.0 if e.gqa_shared_kv or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
+        link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
         if tp > 1:
             self._ar_fix = 2.0 * L * e.allreduce_latency_us * 1e-6
-            link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
             self._ar_tok = (2.0 * L * 2.0 * (tp - 1) / tp * hid * ab / link) if link > 0 else 0.0
         else:
             self._ar_fix = self._ar_tok = 0.0
+        self._moe_init(m, e, gemm, stream, link)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
         self._cpu1 = e.cpu_per_seq_us * 1e-6
@@ -175,10 +229,56 @@ class CostModel:
         self.kernel_coefficients = (
             self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
-            self._overlap, self._idle, self._dyn)
+            self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
+            self._moe_mean, self._moe_sd, self._moe_lam)
+
+    def _gemm_rate(self, m, h, e, wb) -> float:
+        """FLOP/s of the transformer blocks' GEMMs over all tensor-parallel GPUs: at the
+        tensor cores of the weights' format where the GPU has them, else (weight-only
+        kernels) BF16 tensor cores slowed by the unpacking (`presets.DEQUANT`)."""
+        tp, f16 = self.tp, h.peak_tflops * 1e12
+        if not m.quantization:
+            if wb == 1 and h.fp8_tflops > 0:  # FP8 tensor cores
+                return tp * h.fp8_tflops * 1e12 * e.fp8_gemm_efficiency
+            return tp * f16 * e.gemm_efficiency
+        cores = QUANTIZATIONS[m.quantization][1]
+        peak = {"fp8": h.fp8_tflops, "int8": h.int8_tops, "fp4": h.fp4_tflops}.get(cores, 0.0)
+        if peak > 0:
+            return tp * peak * 1e12 * e.fp8_gemm_efficiency
+        return tp * f16 * e.gemm_efficiency / (1.0 + DEQUANT)
+
+    def _moe_init(self, m, e, gemm, stream, link) -> None:
+        """The routed experts' coefficients (the module docstring's t_moe, t_a2a); all 0 for
+        a dense model."""
+        self._moe = m.num_experts > 0
+        self._moe_c = self._moe_m = self._moe_cap = self._moe_mean = 0.0
+        self._moe_sd = self._moe_lam = 0.0
+        if not self._moe:
+            return
+        tp, E, k, ep = self.tp, m.num_experts, m.experts_per_token, m.expert_parallel
+        n_moe = self.shape.moe_layers
+        # one expert, all MoE layers: over the GPUs one expert is split across (tp / ep when
+        # the experts are split inside the engine's GPUs; whole when over more)
+        p_exp = n_moe * mlp_params(m.hidden_size, m.moe_intermediate_size)
+        split = max(tp / ep, 1.0)
+        self._moe_c = 2.0 * p_exp / (split * gemm / tp)
+        self._moe_m = self.block_weight_bytes * p_exp / (split * stream / tp) * (E / ep)
+        # With expert_parallel > tensor_parallel the experts span ep / tp data-parallel ranks,
+        # each sending a batch like this one: the GPU's experts see ep / tp times the tokens.
+        ranks = max(ep / tp, 1.0)
+        share = k / ep  # expected (expert, token) assignments per token on one GPU
+        self._moe_cap = min(k, E / ep) * ranks
+        self._moe_mean = (share + m.expert_skew * k / E) * ranks
+        var = share * (1.0 - 1.0 / ep) * ((E - k) / (E - 1) if E > 1 else 0.0)
+        self._moe_sd = expected_max_normal(ep) * math.sqrt(var * ranks)
+        self._moe_lam = (-math.log1p(-k / E) if k < E else 1e6) * ranks
+        if ep > tp:  # dispatch and combine: all-to-all per MoE layer
+            a2a = 2.0 * n_moe * k * m.hidden_size * m.act_dtype_bytes * (ep - 1) / ep / tp
+            self._ar_tok += a2a / link if link > 0 else 0.0
+            self._ar_fix += 2.0 * n_moe * e.allreduce_latency_us * 1e-6
 
     def weight_bytes_per_gpu(self) -> float:
-        return self.weight_bytes / self.tp
+        return self._weight_bytes_gpu
 
     def kv_bytes_per_block_gpu(self) -> float:
         """Bytes one block takes on each GPU (its share of the KV heads, at least one)."""
@@ -208,7 +308,8 @@ class CostModel:
         engine's runs of decode steps call it step by step (`decode_times`), and sim/native/_rows.c's
         decode loop is held to it bit for bit by tests/sim/model/test_costmodel.py. Typed, it runs
         in machine floats when compiled (counts are integers far below 2**53: as floats, their
-        sums are exact). Only `_max`, `_sqrt` and `_positive` differ between floats and arrays.
+        sums are exact). Only `_max`, `_min`, `_sqrt` and `_positive` differ between floats and
+        arrays.
         """
         T = p_tokens + d_seqs
         if self.roofline:
@@ -225,10 +326,16 @@ class CostModel:
         m = self._head_m * _positive(sampled)
         t_head = _sqrt(c * c + m * m)
         t_elem = self._elem * T
-        t_pa = _max(self._attn_f * p_attended, self._kv * (p_cached + p_tokens))
+        t_pa = _max(self._attn_p * p_attended, self._kv * (p_cached + p_tokens))
         t_da = _max(self._attn_f * (d_cached + d_seqs),
                     self._kv_read * d_cached + self._kv * d_seqs)
         busy = t_blocks + t_head + t_elem + t_pa + t_da
+        if self._moe:  # + t_moe
+            n = _min(self._moe_cap * T, self._moe_mean * T + self._moe_sd * _sqrt(T))
+            x = self._moe_lam * T
+            c = self._moe_c * n
+            m = self._moe_m * (1.0 - 1.0 / (1.0 + x * (1.0 + x * (0.5 + x / 6.0))))
+            busy = busy + _sqrt(c * c + m * m)
         t_gpu = busy + (self._fixed + self._ar_tok * T)  # + (t_layer + t_ar)
         t_cpu = self._cpu0 + self._cpu1 * num_seqs
         dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu
@@ -276,8 +383,51 @@ class CostModel:
         return num_blocks * self.kv_bytes_per_block_gpu() / self.pcie_bytes_per_s
 
 
+def mlp_params(hidden: int, width: int) -> float:
+    """Weights of one gated MLP (or expert): gate, up and down projections."""
+    return 3.0 * hidden * width
+
+
+def expected_max_normal(n: int) -> float:
+    """The expected largest of `n` standard normal draws (Blom's approximation: the
+    (n - 0.375) / (n + 0.25) quantile; 0 for one draw)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+
+
+class ModelShape:
+    """Where a model's parameters are, from `[model]`: `p_embed` the embedding table and LM
+    head (one matrix when tied), `p_experts` the routed experts, `p_blocks` the rest (what
+    every token passes through: attention, dense MLPs, shared experts, routers), `p_active`
+    what one token uses, `moe_layers` the layers with experts and `mlp_width` the MLP width a
+    token's activations have per layer, on average."""
+
+    def __init__(self, m) -> None:
+        L, hid = m.num_layers, m.hidden_size
+        p_head = float(m.vocab_size * hid)
+        self.p_embed = (1.0 if m.tie_word_embeddings else 2.0) * p_head
+        self.moe_layers = m.num_layers - m.dense_layers if m.num_experts else 0
+        per_expert = mlp_params(hid, m.moe_intermediate_size)
+        self.p_experts = self.moe_layers * m.num_experts * per_expert
+        self.p_blocks = max(m.num_params - self.p_embed - self.p_experts, 0.0)
+        self.p_active = (self.p_embed + self.p_blocks
+                         + self.moe_layers * m.experts_per_token * per_expert)
+        if m.num_experts:
+            width = m.experts_per_token * m.moe_intermediate_size + m.shared_intermediate_size
+            self.mlp_width = (m.dense_layers * m.intermediate_size
+                              + self.moe_layers * width) / L
+        elif m.intermediate_size:
+            self.mlp_width = float(m.intermediate_size)
+        else:  # derived: the blocks' parameters less attention's, over a gated MLP's 3 h
+            self.mlp_width = max((self.p_blocks / L - hid * m.head_dim
+                                  * (2 * m.num_heads + 2 * m.num_kv_heads)) / (3 * hid), 0.0)
+
+
 def _max(x: float, y: float) -> float:
     return x if x >= y else y
+
+
+def _min(x: float, y: float) -> float:
+    return x if x <= y else y
 
 
 def _sqrt(x: float) -> float:
@@ -294,7 +444,8 @@ _ELEMENTWISE: Any = None  # (`_elementwise`'s function, made once)
 
 def _elementwise() -> Any:
     """`CostModel.step` made from its source again, with NumPy's elementwise `maximum`,
-    `sqrt` and `greater(x, 0)` for `_max`, `_sqrt` and `_positive`: the one definition run
+    `minimum`, `sqrt` and `greater(x, 0)` for `_max`, `_min`, `_sqrt` and `_positive`: the one
+    definition run
     over arrays. (From the source file, not the function object: the compiled build's `step`
     has no code object, and takes floats only.)"""
     global _ELEMENTWISE
@@ -307,7 +458,7 @@ def _elementwise() -> Any:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CostModel"]
         [fn] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
-        space: dict[str, Any] = {"_max": np.maximum, "_sqrt": np.sqrt,
+        space: dict[str, Any] = {"_max": np.maximum, "_min": np.minimum, "_sqrt": np.sqrt,
                                  "_positive": lambda x: np.greater(x, 0)}
         exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), space)
         _ELEMENTWISE = space["step"]

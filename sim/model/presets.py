@@ -38,17 +38,56 @@ MODELS: dict[str, dict] = {
 
 HARDWARE: dict[str, dict] = {
     "h100-sxm": dict(memory_gb=80.0, mem_bandwidth_gbps=3350.0, peak_tflops=989.0, fp8_tflops=1979.0,
-                     tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0),
+                     tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
+                     int8_tops=1979.0, fp4_tflops=0.0),
     "h200": dict(memory_gb=141.0, mem_bandwidth_gbps=4800.0, peak_tflops=989.0, fp8_tflops=1979.0,
-                 tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0),
+                 tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
+                 int8_tops=1979.0, fp4_tflops=0.0),
     "a100-80gb": dict(memory_gb=80.0, mem_bandwidth_gbps=2039.0, peak_tflops=312.0, fp8_tflops=0.0,
-                      tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0, pcie_gbps=32.0),
+                      tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0, pcie_gbps=32.0,
+                      int8_tops=624.0, fp4_tflops=0.0),
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
-                 tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0),
+                 tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
+                 int8_tops=733.0, fp4_tflops=0.0),
+    # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
+    # dense: the sheet's sparse figures halved): 180 GB HBM3e at 8 TB/s, BF16 2.25, FP8 and
+    # INT8 4.5, FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together.
+    "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=8000.0, peak_tflops=2250.0,
+                 fp8_tflops=4500.0, tdp_w=1000.0, idle_w=140.0, interconnect_gbps=900.0,
+                 pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0),
+    # AMD Instinct MI300X data sheet
+    # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): 192 GB HBM3 at
+    # 5.3 TB/s, dense matrix BF16 1307.4, FP8 and INT8 2614.9 TFLOP/s, 750 W; 7 Infinity Fabric
+    # links of 128 GB/s both directions (a fully connected 8-GPU platform: 7 x 64 GB/s each
+    # way). No FP4.
+    "mi300x": dict(memory_gb=192.0, mem_bandwidth_gbps=5300.0, peak_tflops=1307.4,
+                   fp8_tflops=2614.9, tdp_w=750.0, idle_w=140.0, interconnect_gbps=448.0,
+                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0),
 }
 
-# Hardware fields a preset may leave at 0 (`fp8_tflops`: the GPU has no FP8 tensor cores).
-OPTIONAL_HARDWARE = ("fp8_tflops",)
+# Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type).
+OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops")
+
+# Weight formats (`model.quantization`): bytes per weight, its scales included, and the tensor
+# cores that multiply it natively. On a GPU without them the engine's weight-only kernels
+# (Marlin-style) unpack the weights to BF16 and multiply at peak_tflops, paying DEQUANT on the
+# compute side (sim.model.costmodel). Bytes: FP8 and INT8 1 (block or channel scales are
+# under 0.1%); AWQ / GPTQ 4-bit in groups of 128 with an FP16 scale and a 4-bit zero point
+# (0.5 + 2.5 / 128); w8a16 groups of 128 with an FP16 scale; MXFP4 (OCP MX spec) blocks of
+# 32 with an 8-bit scale (0.5 + 1 / 32); NVFP4 blocks of 16 with an FP8 scale (0.5 + 1 / 16).
+QUANTIZATIONS: dict[str, tuple[float, str]] = {
+    "fp8": (1.0, "fp8"),
+    "int8": (1.0, "int8"),
+    "w8a16": (1.0 + 2.0 / 128, ""),
+    "w4a16": (0.5 + 2.5 / 128, ""),
+    "mxfp4": (0.5 + 1.0 / 32, "fp4"),
+    "nvfp4": (0.5 + 1.0 / 16, "fp4"),
+}
+# The unpacking's cost, as a fraction of a weight-only GEMM's tensor time: about one CUDA-core
+# instruction per weight per 64-token tile against 128 tensor FLOPs per weight per tile, at a
+# tensor-to-CUDA-core throughput ratio of about 8 (H100: 989 against 134 FP16 TFLOP/s, its
+# architecture white paper): 8 / 128. An estimate from the hardware, not fitted.
+DEQUANT = 8.0 / 128.0
 
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says

@@ -72,27 +72,28 @@ static int get_double(PyObject *v, double *out) {
  * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
  * along the run computed once (tests/sim/model/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 15) {
+    if (nargs != 10 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 21) {
         PyErr_SetString(PyExc_TypeError,
-                        "_rows.decode_rows takes 10 arguments, the last 15 coefficients");
+                        "_rows.decode_rows takes 10 arguments, the last 21 coefficients");
         return NULL;
     }
     PyObject *oe = args[0], *od = args[1], *oen = args[2];
     Py_ssize_t at, n;
     long long b, c0, overlap;
-    double t, t_ext, k_[15];
+    double t, t_ext, k_[21];
     if (get_size(args[3], &at) < 0 || get_size(args[4], &n) < 0 || get_double(args[5], &t) < 0
             || get_double(args[6], &t_ext) < 0 || get_ll(args[7], &b) < 0
             || get_ll(args[8], &c0) < 0)
         return NULL;
-    for (int i = 0; i < 15; i++) {
+    for (int i = 0; i < 21; i++) {
         PyObject *v = PyTuple_GET_ITEM(args[9], i);
         if (i == 12 ? get_ll(v, &overlap) < 0 : get_double(v, &k_[i]) < 0)
             return NULL;
     }
     const double blk_c = k_[0], blk_m = k_[1], head_c = k_[2], head_m = k_[3], elem = k_[4],
         attn_f = k_[5], kv = k_[6], kv_read = k_[7], fixed = k_[8], ar_tok = k_[9],
-        cpu0 = k_[10], cpu1 = k_[11], idle = k_[13], dyn = k_[14];
+        cpu0 = k_[10], cpu1 = k_[11], idle = k_[13], dyn = k_[14], moe_c = k_[15],
+        moe_m = k_[16], moe_cap = k_[17], moe_mean = k_[18], moe_sd = k_[19], moe_lam = k_[20];
     if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at) {
         PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: a row out of range");
         return NULL;
@@ -123,6 +124,11 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     const double x0 = attn_f * 0.0, y0 = kv * (0.0 + 0.0);
     const double t_pa = x0 >= y0 ? x0 : y0;
     const double before_da = t_blocks + t_head + t_elem + t_pa;
+    /* t_moe (0 for a dense model, whose coefficients are 0: adding it changes no bit) */
+    const double n_a = moe_cap * T, n_b = moe_mean * T + moe_sd * sqrt(T);
+    const double x_moe = moe_lam * T, c_moe = moe_c * (n_a <= n_b ? n_a : n_b);
+    const double m_moe = moe_m * (1.0 - 1.0 / (1.0 + x_moe * (1.0 + x_moe * (0.5 + x_moe / 6.0))));
+    const double t_moe = sqrt(c_moe * c_moe + m_moe * m_moe);
     const double t_fixed = fixed + ar_tok * T;
     const double t_cpu = cpu0 + cpu1 * D;
     long long kr = c0;
@@ -130,7 +136,7 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     while (k < n) {
         const double Kd = (double)kr;
         const double x = attn_f * (Kd + D), y = kv_read * Kd + kv * D;
-        const double busy = before_da + (x >= y ? x : y);  /* + t_da */
+        const double busy = before_da + (x >= y ? x : y) + t_moe;  /* + t_da + t_moe */
         const double t_gpu = busy + t_fixed;
         const double d = overlap ? (t_gpu >= t_cpu ? t_gpu : t_cpu) : t_gpu + t_cpu;
         t = t + d;

@@ -380,3 +380,41 @@ def test_an_unset_closed_loop_round_trips_through_the_dict():
     assert "concurrency" not in sc.to_dict()["workload"]
     closed = load_scenario("chat", ["workload.concurrency=3", "workload.num_requests=5"])
     assert closed.to_dict()["workload"]["concurrency"] == 3
+# --- model.config ---------------------------------------------------------------------------------
+def test_a_config_replaces_the_preset_and_a_size_given_overrides_it():
+    sc = load_scenario("chat", ['model.config="mixtral-8x7b"', "model.tensor_parallel=2",
+                                "model.max_model_len=4096"])
+    m = sc.model
+    assert (m.preset, m.num_experts, m.experts_per_token, m.vocab_size) == ("", 8, 2, 32000)
+    assert m.num_params == pytest.approx(46.70e9, rel=1e-3) and m.max_model_len == 4096
+
+
+def test_a_config_gives_its_quantization_unless_the_scenario_sets_one():
+    assert load_scenario("chat", ['model.config="deepseek-v3"', "model.tensor_parallel=8",
+                                  'hardware.preset="h200"']).model.quantization == "fp8"
+    assert load_scenario("chat", ['model.config="deepseek-v3"', "model.tensor_parallel=8",
+                                  'hardware.preset="h200"', 'model.quantization="nvfp4"']
+                         ).model.quantization == "nvfp4"
+
+
+def test_a_resolved_model_table_does_not_read_its_config_again(tmp_path):
+    """A session log holds every size: it replays without the config file."""
+    cfg = tmp_path / "m"
+    cfg.mkdir()
+    (cfg / "config.json").write_text((load_scenario("chat").base_dir / "models"
+                                      / "qwen3-8b.json").read_text())
+    p = write(tmp_path, '[model]\nconfig = "m"\n[workload]\nnum_requests = 2\n')
+    sc = load_scenario(str(p))
+    (cfg / "config.json").unlink()
+    with pytest.raises(ScenarioError, match="model.config"):
+        load_scenario(str(p))
+    sizes = {k: getattr(sc.model, k) for k in ("num_params", "num_layers", "hidden_size",
+                                               "num_heads", "num_kv_heads", "head_dim",
+                                               "vocab_size", "intermediate_size", "max_model_len")}
+    again = load_scenario(str(p), [f"model.{k}={v!r}" for k, v in sizes.items()])
+    assert again.model.num_params == sc.model.num_params == pytest.approx(8.19e9, rel=1e-3)
+
+
+def test_a_config_model_too_big_for_its_gpus_names_the_config():
+    with pytest.raises(ScenarioError, match=r"model.config = 'deepseek-v3' \(672.9 GB of weights"):
+        load_scenario("chat", ['model.config="deepseek-v3"'])

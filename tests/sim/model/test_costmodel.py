@@ -250,11 +250,24 @@ EFFICIENCIES = ["gemm_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficie
 MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "cpu_base_us", "cpu_per_seq_us"]
 
 
-def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool) -> CostModel:
+# Mixtures of experts for the tie test: (config, expert_parallel choices), each with a
+# fixed pool (they need not fit in the GPU's memory to be timed).
+MOE = [("mixtral-8x7b", [1, 2, 8]), ("qwen3-30b-a3b", [1, 2, 8, 16]), ("deepseek-v3", [1, 8, 32]),
+       ("llama-4-scout", [1, 16])]
+
+
+def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
+                 moe: bool = False) -> CostModel:
     """A cost model whose parameters are random: every mantissa bit (so that a sum taken in
-    another order rounds differently somewhere along a run), some overheads zero."""
+    another order rounds differently somewhere along a run), some overheads zero; with `moe`
+    a mixture of experts of random skew and expert parallelism."""
     sets = [f'engine.preset="{preset}"', f"model.tensor_parallel={tp}", f'hardware.preset="{hw}"',
             f"hardware.interconnect_gbps={rnd.uniform(50, 900)!r}"]
+    if moe:
+        name, eps = rnd.choice(MOE)
+        ep = rnd.choice([e for e in eps if e % tp == 0 or tp % e == 0])
+        sets += [f'model.config="{name}"', f"model.expert_parallel={ep}", "kv.num_blocks=1000",
+                 f"model.expert_skew={0.0 if rnd.random() < 0.3 else rnd.uniform(0, 4)!r}"]
     if preset == "roofline":
         sets += [f"hardware.flops_efficiency={rnd.uniform(0.05, 1)!r}",
                  f"hardware.bandwidth_efficiency={rnd.uniform(0.05, 1)!r}",
@@ -272,19 +285,19 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool) -> CostModel
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), preset=st.sampled_from(["vllm-v1", "sglang", "tensorrt-llm-0.6", "roofline"]),
        tp=st.sampled_from([1, 2, 8]), hw=st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]),
-       overlap=st.booleans(),
+       overlap=st.booleans(), moe=st.booleans(),
        rows=st.lists(st.tuples(*[st.integers(0, 10**7)] * 7), min_size=1, max_size=12),
        b=st.integers(1, 512), c0=st.integers(0, 10**7), n=st.integers(1, 300),
        t0=st.floats(0, 1e6), cut=st.floats(0, 2.0) | st.just(math.inf))
-def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, rows, b, c0, n, t0,
-                                             cut):
+def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, moe, rows, b, c0, n,
+                                             t0, cut):
     """`CostModel.step` is the one definition of a step's time; for any parameters and counts
     the other paths give its very bits: `steps` (its source over arrays), `decode_times` (runs
     of decode steps) and, in the compiled build, sim/native/_rows.c's `decode_rows`, which restates
     the decode step in C (a step ends at the clock plus its duration, added in order)."""
     from sim.engine import stepping
 
-    m = random_model(data.draw(st.randoms(use_true_random=False)), preset, tp, hw, overlap)
+    m = random_model(data.draw(st.randoms(use_true_random=False)), preset, tp, hw, overlap, moe)
     # any rows, as arrays (ints, as the engine's runs give them, or floats, as fits give them)
     cols = [np.array(c, dtype=data.draw(st.sampled_from([np.int64, np.float64])))
             for c in zip(*rows)]

@@ -14,8 +14,8 @@ rows = stepping._ROWS
 pytestmark = pytest.mark.skipif(rows is None, reason="no compiled build (pure Python)")
 
 
-# CostModel.kernel_coefficients: 15, `overlap` (an int) 13th
-COEFFICIENTS = (1.0,) * 12 + (False, 1.0, 1.0)
+# CostModel.kernel_coefficients: 21, `overlap` (an int) 13th
+COEFFICIENTS = (1.0,) * 12 + (False,) + (1.0,) * 8
 
 
 def test_the_compiled_build_uses_it():
@@ -111,7 +111,7 @@ def test_hostile_arguments_raise_not_crash():
     with pytest.raises(TypeError):  # a string time, then an object: TypeError, nothing run
         rows.decode_rows(*cols, 0, 1, "x", 1.0, 1, 0, COEFFICIENTS)
     with pytest.raises(TypeError):
-        rows.decode_rows(*cols, 0, 1, 0.0, 1.0, 1, 0, (*COEFFICIENTS[:12], Bool(), 1.0, 1.0))
+        rows.decode_rows(*cols, 0, 1, 0.0, 1.0, 1, 0, (*COEFFICIENTS[:12], Bool(), *COEFFICIENTS[13:]))
     out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
     with pytest.raises(TypeError):
         rows.expand([[1], [1.5]] + [[0]] * 8, np.zeros(1, dtype=np.int64), 1, out)
