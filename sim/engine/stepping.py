@@ -200,10 +200,14 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     # running batch from outside, sim.deploy.cluster's hand-off, right after a preemption by swap.)
     # (A measured clock records each step's duration, which a run of steps does not: with no
     # executor it times nothing and keeps the modeled durations, but one per step.)
+    # The policy's `next_change_time`, asked at most once: it depends on the queue alone,
+    # which this decision's runs of decode steps leave as it is (-1: not asked yet).
+    change_at = -1.0
     if (out.decode_only and s.executor is None and s.skip_ahead and max_steps > 1
             and policy.skip_ahead_safe and s.duration_override is None
             and s.clock != "measured" and not (s._swap_out or s._swap_in)):
-        taken = decode_run(e, [r for r, _ in sched], until, max_steps)
+        change_at = policy.next_change_time()
+        taken = decode_run(e, [r for r, _ in sched], until, max_steps, change_at)
         decoding = True  # (what is left of a run's batch decodes on)
     else:
         taken = single_step(e, sched, len(ps.waiting))
@@ -214,10 +218,14 @@ def advance(e: Any, until: float, max_steps: int, fuse: bool) -> int:
     # the queue is empty, the batch left after a prefill step or a run that ended with
     # requests finishing decodes on, and the policy would only say so again.
     while fuse and taken < max_steps - 1 and decodes_follow(e, until, decoding):
+        if change_at < 0:
+            change_at = policy.next_change_time()
+        if change_at <= s.now:
+            break
         reqs = schedule_decodes(e)
         if reqs is None:  # blocks are short: the policy decides (and preempts)
             break
-        taken += decode_run(e, reqs, until, max_steps - taken)
+        taken += decode_run(e, reqs, until, max_steps - taken, change_at)
         decoding = True
     return taken
 
@@ -238,14 +246,14 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
     """Whether the next decision is sure to be a run of decode steps of the whole running
     batch: nothing is due by now, the queue is empty, every running request decodes one
     token (`decoding`, as the last step left it), and the policy schedules such a batch
-    as it stands (`Policy.decodes_alone`)."""
+    as it stands (`Policy.decodes_alone`). (The caller checks `next_change_time`.)"""
     s: EngineState = e
     ps: PolicyState = s.policy
     policy: Any = s.policy
     now = s.now
     return not (not decoding or now >= until or ps.waiting or not ps.running
                 or now > MAX_TIME_S or next_external(e) <= now
-                or policy.next_change_time() <= now or not policy.skip_ahead_safe
+                or not policy.skip_ahead_safe
                 or not policy.decodes_alone()
                 or s.executor is not None or s.clock == "measured"
                 or not s.skip_ahead or s.duration_override is not None
@@ -658,12 +666,13 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     return 1
 
 
-def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int:
+def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
+               change_at: float) -> int:
     """Run identical decode-only steps of `reqs` (the first one scheduled, its blocks
-    allocated), up to the next event, all at once."""
+    allocated), up to the next event or the policy's `change_at` (its `next_change_time`),
+    all at once."""
     s: EngineState = e
     ps: PolicyState = s.policy
-    policy: Any = s.policy
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
     b = len(reqs)
@@ -701,8 +710,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int) -> int
     if kmax == 1:
         return single_step(e, [(r, 1) for r in reqs], len(ps.waiting))
     # (within a multi-step window, arrivals and cancellations do not end the run)
-    t_ext = min(INF if s._window else next_external(e), until,
-                policy.next_change_time())
+    t_ext = min(INF if s._window else next_external(e), until, change_at)
     tl: Timeline = s.timeline
     cost: Any = s.cost
     # The scalar part of the run straight into the timeline's staging columns (sim/native/_rows.c),
