@@ -27,6 +27,7 @@ from sim.inputs.scenario import BUNDLED_DIR, DEPLOYMENT_POLICIES, bundled_scenar
 from sim.inputs.workload import build_workload
 from sim.model import profiles as P
 from sim.model import validate as V
+from sim.model import trust as T
 from sim.model.calibrate import calibrate, preset_toml, read_bench_json, validate_bench
 from sim.model.presets import ENGINES
 from sim.policies import POLICIES
@@ -199,11 +200,14 @@ def cmd_sim(args) -> int:
     summary = summarize(engine)
     if args.log:
         write_log(args.log, engine, summary)
+    figures = T.attach(summary, T.load()) if args.trust else None
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps({**summary, "trust": figures} if args.trust else summary, indent=2))
     else:
         print(f"{sc.name}: {sc.description}")
         print(format_table(summary_columns(summary, summary["policy"])))
+        if figures:
+            print("\n".join(T.describe(figures)))
     return 0
 
 
@@ -406,6 +410,10 @@ def _speed(text: str) -> float:
 
 
 def cmd_validate(args) -> int:
+    if args.trust:
+        if not args.loo:
+            raise ScenarioError("--trust: needs --loo (it writes the leave-one-out errors)")
+        _check_writable(args.trust, "--trust")
     spec = Path(args.points) if args.points else BUNDLED_DIR / "fidelity"
     if spec.suffix.lower() == ".json":
         results = validate_bench(read_bench_json(spec), _scenario(args))
@@ -456,6 +464,17 @@ def _fit_profiles(points, args) -> int:
         loo = P.leave_one_out(rows, log=log)
         out["leave_one_out"] = {p.id: ratio for p, ratio in loo}
         out["leave_one_out_error"] = V.error_stats([r for _, r in loo])
+        # Out of sample: the fit rows' leave-one-out predictions and the holdout rows' (never
+        # fitted), each in the regime its run falls in (run on the shipped profiles).
+        log("regimes: each point run once")
+        runs = {r["id"]: r for r in (V.run_point(p) for p in points if p.use in ("fit", "holdout"))}
+        ratios = {**{p.id: runs[p.id]["ratio"] for p in points if p.use == "holdout"},
+                  **out["leave_one_out"]}
+        oos = {pid: {"regime": runs[pid]["trust_regime"], "ratio": ratio}
+               for pid, ratio in ratios.items()}
+        out["out_of_sample_by_regime"] = T.table(oos)
+        if args.trust:
+            write_atomic(args.trust, json.dumps({"points": oos}, indent=1, sort_keys=True) + "\n")
     if args.leave_out:
         folds = P.leave_group_out(rows, args.leave_out, log=log)
         out["leave_group_out"] = {
@@ -555,6 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override compute.backend")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--log", type=_file, metavar="FILE", help="write the session log (msgpack)")
+    s.add_argument("--trust", action="store_true",
+                   help="qualify the headline figures with the validated error of their regime")
     _add_quiet(s)
     s.set_defaults(func=cmd_sim)
 
@@ -627,6 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fit", action="store_true",
                    help="fit the engine profiles on the use = fit points (prints JSON)")
     s.add_argument("--loo", action="store_true", help="with the fit, its leave-one-out error")
+    s.add_argument("--trust", type=_file, metavar="FILE.json",
+                   help="with --fit --loo: write each point's regime and out-of-sample ratio "
+                        "(what `sim --trust` reads; the bundled one is "
+                        "scenarios/fidelity/trust.json)")
     s.add_argument("--leave-out", choices=sorted(P.GROUPS),
                    help="with the fit, its error on each model, GPU, data type, tensor-parallel "
                         "degree or engine held out whole")

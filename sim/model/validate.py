@@ -29,6 +29,7 @@ from sim.errors import ServesimError
 from sim.deploy.build import build
 from sim.fileio import read_input_text, reason, save_figure, toml_loads
 from sim.inputs.scenario import load_scenario
+from sim.model import trust
 from sim.stats.metrics import summarize
 
 
@@ -282,7 +283,8 @@ def run_point(point: Point, engine: str | None = None,
         sc = point_scenario(point, engine, overrides)
         eng = build(sc, record_events=False)
         eng.run()
-        predicted = metric_value(point.metric, summarize(eng), sc.model.tensor_parallel)
+        run = summarize(eng)
+        predicted = metric_value(point.metric, run, sc.model.tensor_parallel)
     except ServesimError as e:
         raise ValidationError(f"{point.origin}:{point.line}: {point.id}: {e}") from None
     except (KeyError, ValueError) as e:
@@ -291,7 +293,8 @@ def run_point(point: Point, engine: str | None = None,
     return {"id": point.id, "engine": point.engine, "profile": sc.engine.preset,
             "metric": point.metric_text, "published": point.published,
             "predicted": predicted, "ratio": predicted / point.published,
-            "regime": point.regime, "use": point.use, "source": point.source}
+            "regime": point.regime, "trust_regime": trust.regime(point.metric.quantity, run),
+            "use": point.use, "source": point.source}
 
 
 def summary(results: list[dict]) -> dict:

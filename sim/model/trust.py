@@ -1,0 +1,142 @@
+"""How far to trust a predicted figure: the out-of-sample error of the service-time model in
+the regime the figure comes from.
+
+Each published point of `servesim validate` has an out-of-sample prediction: its leave-one-out
+prediction when it is a `fit` row (the profiles fitted on every other row), the shipped
+profiles' when it is a `holdout` row (never fitted). `servesim validate --fit --loo --trust FILE`
+writes each point's regime and its ratio predicted / published; `scenarios/fidelity/trust.json`
+is that file for the bundled points. A figure's interval is the spread, over the points of its
+regime, of what the published value was relative to the prediction (published / predicted - 1):
+the 10th to 90th percentile with ten or more points, else the whole range.
+
+The regimes are classes of behaviour read from the run itself, so that a new scenario falls in
+one as a published point does:
+
+| regime | figure | the run |
+|---|---|---|
+| `throughput` | token or request throughput | any |
+| `queued` | TTFT, E2E | the mean queue wait is at least half the mean TTFT |
+| `first token` | TTFT | otherwise |
+| `decode, small batch` | TPOT, ITL, E2E, tokens/s per user | mean running batch <= 16 |
+| `decode, large batch` | the same | mean running batch > 16 |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from sim.errors import ServesimError
+from sim.fileio import read_input_text, reason
+
+TRUST_FILE = Path(__file__).resolve().parents[2] / "scenarios" / "fidelity" / "trust.json"
+
+REGIMES = ("first token", "queued", "decode, small batch", "decode, large batch", "throughput")
+SMALL_BATCH = 16  # mean running requests at most this: a decode is weight-read bound
+QUEUED_SHARE = 0.5  # the queue is at least this share of TTFT: the figure measures the queue
+MIN_POINTS_FOR_PERCENTILES = 10
+
+THROUGHPUTS = ("output_tps", "total_tps", "input_tps", "request_tps")
+
+
+class TrustError(ServesimError):
+    """A trust table that cannot be read."""
+
+
+def regime(quantity: str, summary: dict) -> str:
+    """The regime of a figure of `quantity` (a validate metric's quantity: ttft, tpot, itl,
+    e2e, user_tps or a throughput) from the run's `summarize()` output."""
+    if quantity in THROUGHPUTS:
+        return "throughput"
+    ttft = summary["ttft_ms"]["mean"] or 0.0
+    queue = summary["queue_ms"]["mean"] or 0.0
+    if quantity in ("ttft", "e2e") and ttft > 0 and queue >= QUEUED_SHARE * ttft:
+        return "queued"
+    if quantity == "ttft":
+        return "first token"
+    return ("decode, small batch" if (summary["batch"]["mean"] or 0.0) <= SMALL_BATCH
+            else "decode, large batch")
+
+
+def spread(ratios) -> dict:
+    """For predicted / published ratios: how the published values lay around the predictions
+    (published / predicted - 1), as `low` and `high` (the 10th and 90th percentiles with ten or
+    more ratios, else the least and the most), the median, and the count."""
+    dev = 1.0 / np.asarray(list(ratios), dtype=np.float64) - 1.0
+    if not len(dev):
+        return {"count": 0, "low": None, "median": None, "high": None}
+    if len(dev) >= MIN_POINTS_FOR_PERCENTILES:
+        low, high = np.percentile(dev, [10, 90])
+    else:
+        low, high = dev.min(), dev.max()
+    return {"count": int(len(dev)), "low": float(low), "median": float(np.median(dev)),
+            "high": float(high)}
+
+
+def table(points: dict[str, dict]) -> dict:
+    """Per regime, the `spread` of the out-of-sample ratios of `points` (id -> {"regime",
+    "ratio"})."""
+    return {name: spread([p["ratio"] for p in points.values() if p["regime"] == name])
+            for name in REGIMES}
+
+
+def load(path: Path = TRUST_FILE) -> dict:
+    """A trust file written by `validate --fit --loo --trust`: its points and their table.
+    Raises TrustError naming the file and what is wrong."""
+    try:
+        data = json.loads(read_input_text(path))
+    except (OSError, UnicodeDecodeError) as e:
+        raise TrustError(f"{path}: cannot read: {reason(e)}") from None
+    except ValueError as e:
+        raise TrustError(f"{path}: not JSON: {e}") from None
+    points = data.get("points") if isinstance(data, dict) else None
+    if not isinstance(points, dict):
+        raise TrustError(f"{path}: points: expected an object of id -> regime and ratio")
+    for pid, p in points.items():
+        ok = (isinstance(p, dict) and p.get("regime") in REGIMES
+              and isinstance(p.get("ratio"), (int, float)) and math.isfinite(p["ratio"])
+              and p["ratio"] > 0)
+        if not ok:
+            raise TrustError(f"{path}: points.{pid}: expected a regime ({', '.join(REGIMES)}) "
+                             "and a positive ratio")
+    return {"points": points, "regimes": table(points)}
+
+
+# The headline figures `attach` qualifies: (summary section, key, validate quantity)
+HEADLINE = (("ttft_ms", "p50", "ttft"), ("ttft_ms", "p99", "ttft"),
+            ("tpot_ms", "p50", "tpot"), ("tpot_ms", "p99", "tpot"),
+            ("throughput", "output_tokens_per_s", "output_tps"))
+
+
+def attach(summary: dict, trust: dict) -> dict:
+    """The headline figures of `summary` with the interval a measurement of each is expected
+    in: {"ttft_ms.p50": {"value", "regime", "points", "low", "high"}, ...}, `low`/`high` as
+    fractions of the value (-0.12, 0.18: between 12% under and 18% over). A regime with no
+    validated point gets None for both: no claim is made."""
+    out = {}
+    for section, key, quantity in HEADLINE:
+        value = summary.get(section, {}).get(key)
+        if value is None or not summary.get("ttft_ms", {}).get("count"):
+            continue
+        name = regime(quantity, summary)
+        s = trust["regimes"][name]
+        out[f"{section}.{key}"] = {"value": value, "regime": name, "points": s["count"],
+                                   "low": s["low"], "high": s["high"]}
+    return out
+
+
+def describe(figures: dict) -> list[str]:
+    """One line per figure of `attach`: "ttft_ms.p50 120.3: expected within -12%/+18%
+    (first token, 14 points)"."""
+    lines = []
+    for name, f in figures.items():
+        if f["points"]:
+            lines.append(f"{name} {f['value']:,.4g}: expected within {f['low']:+.0%}/"
+                         f"{f['high']:+.0%} ({f['regime']}, {f['points']} published points)")
+        else:
+            lines.append(f"{name} {f['value']:,.4g}: not validated ({f['regime']}: no "
+                         "published point)")
+    return lines
