@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import functools
+import gc
 import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,7 @@ from textual.widgets import Footer
 
 from sim import POLICIES, Engine, ServesimError, build, rolling
 from sim.fileio import check_writable
+from sim.gcpause import freeze_survivors
 from sim.inputs.workload import sample_lengths
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
@@ -38,6 +41,7 @@ from tui import keymap
 from tui.driver import EngineDriver
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
                          InjectSpec, InstanceRows, RequestTable, StatusHeader)
+from tui.widgets.eventlog import describe
 from tui.widgets.instances import instance_tags
 
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
@@ -83,6 +87,8 @@ class Dashboard(App[int]):
         self.log_dir = Path(log_dir).resolve()
         self.selected_id: int | None = None
         self.snap = None
+        self.url: str | None = None  # shown in the header (`servesim serve`)
+        self._flash: tuple[str, float] | None = None  # the header's feedback, and when
         self._frames = 0  # frame timer ticks (`_frame_tick`)
         self.clustered = hasattr(self.engine, "instances")
         self._event_i = max(0, len(self.engine.events) - self.EVENTS_AT_START)
@@ -92,6 +98,7 @@ class Dashboard(App[int]):
             for i, events in self.engine.tagged_events():
                 self._event_at[i] = max(0, len(events) - self.EVENTS_AT_START)
         self._chart_key = None
+        self._ttft: dict[int, float | None] = {}  # each instance's rolling TTFT p50, ms
         self._table: RequestTable | None = None
         self._error_shown = False
         self.main_screen = None  # the screen the panels are on (set on mount)
@@ -147,10 +154,15 @@ class Dashboard(App[int]):
             self._sigterm = True
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             self._sigterm = False
+        # What start-up made (modules, the engine and its queue, the panels) lives as long as
+        # the session: frozen, the full collections that Textual's garbage sets off every second
+        # or so scan only what came since (a third of it: each was a ~60 ms frame).
+        freeze_survivors()
         self.driver.start()
 
     def on_unmount(self) -> None:
         self.driver.stop()
+        gc.unfreeze()  # (an app run in-process, as the tests do, leaves nothing frozen behind)
         if getattr(self, "_sigterm", False):
             try:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
@@ -249,7 +261,8 @@ class Dashboard(App[int]):
                 new_events = self.engine.events[self._event_i:]
                 self._event_i += len(new_events)
             info = HeaderInfo(self.engine.scenario.name, snap.policy, self.compute, snap.now,
-                              snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished)
+                              snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished,
+                              d.achieved, self._header_note(), self.url)
             error = d.error
         finally:
             d.lock.release()
@@ -260,7 +273,7 @@ class Dashboard(App[int]):
             self.tables[kind].update_rows(rows, snap.now)
         self.block_map.show(snap, self.selected_id)
         if self.clustered:
-            self.instance_rows.show(snap)
+            self.instance_rows.show(snap, self._ttft)
             self.event_log.add_tagged(new_events, self._tags)
         else:
             self.event_log.add_events(new_events)
@@ -279,9 +292,13 @@ class Dashboard(App[int]):
                 return
             self._chart_key = key
             sample_ = rolling(self.engine, self.CHART_WINDOW_S)
+            preemptions = self.engine.counts["preemptions"]
+            if self.clustered:  # each instance's own TTFT, for its row
+                self._ttft = {i: rolling(e, self.CHART_WINDOW_S)["ttft_p50_ms"]
+                              for i, e in enumerate(self.engine.instances)}
         finally:
             self.driver.lock.release()
-        self.charts.add_sample(sample_)
+        self.charts.add_sample(sample_, preemptions)
 
     @guarded
     def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:
@@ -291,8 +308,28 @@ class Dashboard(App[int]):
         if self.snap is not None:
             self.block_map.show(self.snap, self.selected_id)
 
+    # Feedback on an action: a line in the event log, and for FLASH_S seconds in the header while
+    # the event log is hidden (a short terminal).
+    FLASH_S = 4.0
+
     def _note(self, text: str) -> None:
         self.event_log.add_note(self.engine.now, text)
+        self.flash(text)
+
+    def flash(self, text: str) -> None:
+        """Say `text` in the header (while the event log is hidden), for FLASH_S seconds."""
+        self._flash = (text, time.monotonic())  # (drawn by the caller's or the next refresh)
+
+    def _tell(self, text: str, **kw) -> None:
+        """A notification that the header repeats while the event log is hidden."""
+        self.notify(text, **kw)
+        self.flash(text)
+
+    def _header_note(self) -> str | None:
+        if self._flash is None or self.event_log.display:
+            return None
+        text, at = self._flash
+        return text if time.monotonic() - at < self.FLASH_S else None
 
     def _changed(self) -> None:
         """After an action: draw its effect now rather than at the next tick."""
@@ -302,7 +339,7 @@ class Dashboard(App[int]):
     # --- actions -------------------------------------------------------------------------------
     def _read_only(self) -> bool:
         if self.replayer is not None:
-            self.notify("replay: the session is read-only (inject, cancel and policy keys are "
+            self._tell("replay: the session is read-only (inject, cancel and policy keys are "
                         "off)", severity="warning")
             return True
         return False
@@ -328,8 +365,14 @@ class Dashboard(App[int]):
             except Exception as e:  # noqa: BLE001 - shown; the session goes on
                 self.action_failed("inject", e)
                 return f"{type(e).__name__}: {e}"
+            self._flash_action()
         self._changed()
         return None
+
+    def _flash_action(self) -> None:
+        """Flash the user action the engine just recorded, as the event log words it."""
+        if self.engine.events and self.engine.events[-1].kind == "action":
+            self.flash(describe(self.engine.events[-1]))
 
     @guarded
     def action_help(self) -> None:
@@ -360,15 +403,16 @@ class Dashboard(App[int]):
         if self._read_only():
             return
         if self.selected_id is None:
-            self.notify("no request selected (use the arrow keys in a queue)", severity="warning")
+            self._tell("no request selected (use the arrow keys in a queue)", severity="warning")
             return
         target, self.selected_id = self.selected_id, None  # one cancel per selection
         with self.driver.lock:
             try:
                 self.engine.cancel(target)
             except ServesimError as e:
-                self.notify(str(e), severity="warning")
+                self._tell(str(e), severity="warning")
                 return
+            self._flash_action()
         self._changed()
 
     @guarded
@@ -377,7 +421,7 @@ class Dashboard(App[int]):
             return
         with self.driver.lock:
             ids = self.engine.cancel_waiting()
-        self.notify(f"cancelled {len(ids)} waiting requests")
+        self._tell(f"cancelled {len(ids)} waiting requests")
         self._changed()
 
     @guarded
@@ -413,7 +457,7 @@ class Dashboard(App[int]):
     def action_next_instance(self) -> None:
         """Show the next instance's KV blocks (a deployment of several)."""
         if not self.clustered:
-            self.notify("one engine: there is no other instance", severity="warning")
+            self._tell("one engine: there is no other instance", severity="warning")
             return
         with self.driver.lock:
             e = self.engine
@@ -432,7 +476,7 @@ class Dashboard(App[int]):
             current = self.engine.policy.name
             new = names[(names.index(current) + 1) % len(names)]
             self.engine.switch_policy(new)
-        self.notify(f"policy {current} -> {new} (from the next step)")
+        self._tell(f"policy {current} -> {new} (from the next step)")
         self._changed()
 
     @guarded
@@ -441,7 +485,7 @@ class Dashboard(App[int]):
             try:
                 path = self._write_new_log("")
             except ServesimError as e:
-                self.notify(str(e), severity="error", timeout=10)
+                self._tell(str(e), severity="error", timeout=10)
                 return
         self._note(f"session log written to {path}")
         self.notify(f"session log written to {path}", timeout=10)
