@@ -33,7 +33,6 @@ from textual.widgets import Footer
 
 from sim import POLICIES, Engine, ServesimError, build, rolling
 from sim.fileio import check_writable
-from sim.gcpause import freeze_survivors
 from sim.inputs.workload import sample_lengths
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
@@ -45,6 +44,39 @@ from tui.widgets.eventlog import describe
 from tui.widgets.instances import instance_tags
 
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
+
+
+class FrozenHeap:
+    """Keeps Python's full collections short while the dashboard runs.
+
+    Drawing makes about a thousand cyclic garbage objects a second (Textual's strips cache
+    themselves), so a full collection comes every second or so, and it scans every live object:
+    with the engine's history and Textual's caches, ~60 ms, a frame that long. So after each
+    full collection, what survived it is frozen (`gc.freeze`): the next one scans only what came
+    since. A frozen object that later dies in a cycle is not reclaimed while frozen, so every
+    RECLAIM_S everything is unfrozen, collected once, and frozen again: that memory is held at
+    most that long, and the whole heap is scanned once a RECLAIM_S instead of once a second.
+    """
+
+    RECLAIM_S = 60.0
+
+    def start(self) -> None:
+        gc.collect()  # (start-up's garbage is not frozen)
+        gc.freeze()
+        gc.callbacks.append(self._collected)
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            gc.freeze()
+
+    def reclaim(self) -> None:
+        gc.unfreeze()
+        gc.collect()  # (freezes what survives, through `_collected`)
+
+    def stop(self) -> None:
+        if self._collected in gc.callbacks:
+            gc.callbacks.remove(self._collected)
+        gc.unfreeze()  # (an app run in-process, as the tests do, leaves nothing frozen behind)
 
 
 def guarded(action):
@@ -89,6 +121,7 @@ class Dashboard(App[int]):
         self.snap = None
         self.url: str | None = None  # shown in the header (`servesim serve`)
         self._flash: tuple[str, float] | None = None  # the header's feedback, and when
+        self.heap = FrozenHeap()
         self._frames = 0  # frame timer ticks (`_frame_tick`)
         self.clustered = hasattr(self.engine, "instances")
         self._event_i = max(0, len(self.engine.events) - self.EVENTS_AT_START)
@@ -154,15 +187,13 @@ class Dashboard(App[int]):
             self._sigterm = True
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             self._sigterm = False
-        # What start-up made (modules, the engine and its queue, the panels) lives as long as
-        # the session: frozen, the full collections that Textual's garbage sets off every second
-        # or so scan only what came since (a third of it: each was a ~60 ms frame).
-        freeze_survivors()
+        self.heap.start()
+        self.set_interval(self.heap.RECLAIM_S, self.heap.reclaim)
         self.driver.start()
 
     def on_unmount(self) -> None:
         self.driver.stop()
-        gc.unfreeze()  # (an app run in-process, as the tests do, leaves nothing frozen behind)
+        self.heap.stop()
         if getattr(self, "_sigterm", False):
             try:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ from sim import POLICIES, Engine, build, load_scenario
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
 from tui import keymap
-from tui.app import Dashboard
+from tui.app import Dashboard, FrozenHeap
 from tui.driver import EngineDriver
 from tui.widgets import HeaderInfo, HelpScreen, InjectDialog, RequestTable, StatusHeader
 from tui.widgets import eventlog
@@ -622,3 +624,27 @@ async def test_the_event_log_scrolls_and_holds_its_place():
         log.add_note(0.0, "newest")
         assert log.scroll_offset.y == log.max_scroll_y
         assert log.lines[-1][2] == "newest"
+
+
+# --- the collector -------------------------------------------------------------------------------
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
+    heap = FrozenHeap()
+    heap.start()
+    try:
+        alive = Cycle()
+        gone = weakref.ref(alive)
+        gc.collect()  # a full collection: what survives is frozen, later ones do not scan it
+        assert all(o is not alive for o in gc.get_objects())
+        del alive
+        gc.collect()
+        assert gone() is not None  # died frozen: held until the reclaim
+        heap.reclaim()
+        assert gone() is None
+    finally:
+        heap.stop()
+    assert gc.get_freeze_count() == 0 and heap._collected not in gc.callbacks
