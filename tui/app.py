@@ -282,7 +282,9 @@ class Dashboard(App[int]):
         if not d.lock.acquire(timeout=0.02):
             return
         try:
-            snap = self.engine.snapshot()
+            # (a deployment's queue is its instances' queues one after another: all of it)
+            snap = self.engine.snapshot(waiting_limit=None if self.clustered
+                                        else self.tables["waiting"].rows_wanted())
             if self.clustered:
                 new_events = []
                 for i, events in self.engine.tagged_events():
@@ -301,7 +303,8 @@ class Dashboard(App[int]):
         self.header.show(info)
         for kind, rows in (("running", snap.running), ("waiting", snap.waiting),
                            ("recent", snap.recent)):
-            self.tables[kind].update_rows(rows, snap.now)
+            self.tables[kind].update_rows(rows, snap.now,
+                                          snap.num_waiting if kind == "waiting" else None)
         self.block_map.show(snap, self.selected_id)
         if self.clustered:
             self.instance_rows.show(snap, self._ttft)

@@ -648,3 +648,23 @@ def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
     finally:
         heap.stop()
     assert gc.get_freeze_count() == 0 and heap._collected not in gc.callbacks
+
+
+# --- a long queue --------------------------------------------------------------------------------
+@pilot_test
+async def test_a_long_queue_is_copied_a_screenful_at_a_time_and_end_reaches_its_last():
+    engine = make_engine()
+    for _ in range(500):
+        engine.inject(100, 10)
+    app = Dashboard(engine, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        order = [r.req_id for r in engine.snapshot().waiting]
+        table = app.tables["waiting"]
+        assert len(app.snap.waiting) < 100 < len(order) == app.snap.num_waiting == table.total
+        assert table.border_title == f"Waiting ({len(order)})"
+        assert [r.req_id for r in table.rows] == order[:len(table.rows)]
+        table.focus()
+        await pilot.press("end")
+        await until(pilot, lambda: app.selected_id == order[-1])
+        assert table.cursor == len(order) - 1

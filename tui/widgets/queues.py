@@ -124,6 +124,8 @@ class RequestTable(ScrollView, can_focus=True):
         self.kind = kind
         self.columns = COLUMNS[kind]
         self.rows: list[RequestView] = []
+        self.total = 0  # the queue's length (`rows` may hold only its first part)
+        self._to_end = False  # `end` was pressed before the whole queue was here
         self.now = 0.0
         self.cursor = 0
         self._fitted: tuple[int, list[tuple[Column, int]]] | None = None  # (width, columns)
@@ -158,19 +160,32 @@ class RequestTable(ScrollView, can_focus=True):
     def selected_id(self) -> int | None:
         return self.rows[self.cursor].req_id if self.rows else None
 
-    def update_rows(self, rows: list[RequestView], now: float) -> None:
-        """Show `rows` (a snapshot's list) at simulated time `now`, keeping the cursor on its
-        request when that request is still listed. Repaints only when what is in view changed."""
+    def rows_wanted(self) -> int | None:
+        """How many of the queue's first rows the next update needs: those in view or up to
+        the cursor, and two pages more for the cursor keys (None: all, for `end`)."""
+        if self._to_end:
+            return None
+        height = max(1, self.scrollable_content_region.height)
+        return max(self.scroll_offset.y + height, self.cursor + 1) + 2 * height
+
+    def update_rows(self, rows: list[RequestView], now: float, total: int | None = None) -> None:
+        """Show `rows` (a snapshot's list, or its first `rows_wanted()` of `total`) at simulated
+        time `now`, keeping the cursor on its request when that request is still listed.
+        Repaints only when what is in view changed."""
         before = self.selected_id
         self.rows, self.now = rows, now
+        self.total = len(rows) if total is None else total
         if before is not None:
             for i, r in enumerate(rows):
                 if r.req_id == before:
                     self.cursor = i
                     break
         self.cursor = max(0, min(self.cursor, len(rows) - 1))
-        self.virtual_size = Size(self.scrollable_content_region.width, len(rows) + 1)
-        title = f"{TITLES[self.kind]} ({len(rows)})"
+        if self._to_end and len(rows) == self.total:
+            self._to_end = False
+            self._move_to(len(rows) - 1)
+        self.virtual_size = Size(self.scrollable_content_region.width, self.total + 1)
+        title = f"{TITLES[self.kind]} ({self.total})"
         if title != self.border_title:
             self.border_title = title
         self._styles.clear()  # resolved again once per refresh, not once per line
@@ -203,6 +218,9 @@ class RequestTable(ScrollView, can_focus=True):
         self._move_to(self.cursor + direction * max(1, self.scrollable_content_region.height - 1))
 
     def action_cursor_to(self, index: int) -> None:
+        if index < 0 and len(self.rows) < self.total:
+            self._to_end = True  # the next update brings the whole queue, then moves there
+            return
         self._move_to(index if index >= 0 else len(self.rows) - 1)
 
     def focus_quietly(self) -> None:
