@@ -634,8 +634,10 @@ class Cycle:
 
 def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
     heap = FrozenHeap()
+    before = gc.get_threshold()
     heap.start()
     try:
+        assert gc.get_threshold()[1] == FrozenHeap.GEN1_EVERY
         alive = Cycle()
         gone = weakref.ref(alive)
         gc.collect()  # a full collection: what survives is frozen, later ones do not scan it
@@ -648,6 +650,7 @@ def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
     finally:
         heap.stop()
     assert gc.get_freeze_count() == 0 and heap._collected not in gc.callbacks
+    assert gc.get_threshold() == before
 
 
 # --- a long queue --------------------------------------------------------------------------------
