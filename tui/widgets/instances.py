@@ -51,9 +51,11 @@ class InstanceRows(Widget):
             if last is None or v.now > last[0]:
                 self._last[v.index] = (v.now, v.output_tokens)
         ttft_ms = ttft_ms or {}
-        text = self.render_rows(snap, self._rates, ttft_ms)
-        if max(map(len, text.plain.split("\n"))) > self.content_region.width:
-            text = self.render_rows(snap, self._rates, ttft_ms, compact=True)
+        width = self.content_region.width
+        for form in ({}, {"counts": False}, {"compact": True}):  # the fullest that fits
+            text = self.render_rows(snap, self._rates, ttft_ms, **form)
+            if not width or max(map(len, text.plain.split("\n"))) <= width:
+                break
         if text.plain != self._text.plain:
             self._text = text
             rows = len(self._lines)
@@ -67,11 +69,11 @@ class InstanceRows(Widget):
 
     @staticmethod
     def render_rows(snap, rates: dict[int, float], ttft_ms: dict[int, float | None],
-                    compact: bool = False) -> Text:
+                    counts: bool = True, compact: bool = False) -> Text:
         """A line per instance (the first MAX_ROWS): tag, role (a disaggregated pair's), batch,
         queue, KV usage, TTFT p50, output tokens per second, requests sent to it and finished
-        there. `compact`, for a narrow panel: a header line over bare columns, no usage bar, no
-        request counts."""
+        there (unless not `counts`). `compact`, for a narrow panel: a header line over bare
+        columns, no usage bar, no request counts."""
         t = Text()
         tags = instance_tags(snap.instances)
         shown = snap.instances[:MAX_ROWS]
@@ -93,8 +95,9 @@ class InstanceRows(Widget):
             t.append(f"run {v.running:>3} wait {v.waiting:>3} KV ")
             t.append(_bar(v.used_blocks, v.num_blocks), style="#61afef")
             t.append(f" {share:>4.0%} TTFT {ttft:>6} ")
-            t.append(f"{tokens:>6} tok/s ", style="#98c379")
-            t.append(f"in {v.routed:,} done {v.finished:,}")
+            t.append(f"{tokens:>6} tok/s", style="#98c379")
+            if counts:
+                t.append(f" in {v.routed:,} done {v.finished:,}")
             t.append("\n")
         if len(snap.instances) > MAX_ROWS:
             t.append(f"   … {len(snap.instances) - MAX_ROWS} more instances")
