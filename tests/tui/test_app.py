@@ -606,7 +606,9 @@ async def test_the_event_log_scrolls_and_holds_its_place():
         log = app.event_log
         for i in range(100):
             log.add_note(0.0, f"line {i}")
-        log.focus()
+        app.tables["recent"].focus()
+        await pilot.press("right")  # the next panel after the queues
+        assert app.focused is log
         await pilot.press("home")
         assert log.scroll_offset.y == 0
         top = log.lines[0]

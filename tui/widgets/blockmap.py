@@ -73,8 +73,9 @@ def fragmentation(snap: EngineSnapshot) -> int:
     return max(0, snap.used_blocks * snap.block_size - snap.token_slots_used)
 
 
-class BlockGrid(ScrollView):
-    """The cells of the block map."""
+class BlockGrid(ScrollView, can_focus=False):
+    """The cells of the block map (scrolled with the mouse: the arrow keys move between the
+    queues and the event log)."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
