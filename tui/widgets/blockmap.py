@@ -11,6 +11,7 @@ the few rows that changed.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,7 +191,8 @@ def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole if whole else 0:.1f}%"
 
 
-def stats_lines(f: KVFigures, width: int) -> list[Text]:
+@functools.lru_cache(maxsize=16)  # (asked for by the layout and the drawing, each frame)
+def stats_lines(f: KVFigures, width: int) -> tuple[Text, ...]:
     """The lines above the grid, as many as `width` needs (2, or 3 when narrow): usage,
     fragmentation, sharing, the scale of a cell and the legend, none of them cut where the
     narrow wording fits."""
@@ -212,8 +214,8 @@ def stats_lines(f: KVFigures, width: int) -> list[Text]:
     )
     for lines in variants:
         if all(line.cell_len <= width for line in lines):
-            return lines
-    return variants[-1]
+            return tuple(lines)
+    return tuple(variants[-1])
 
 
 # (glyphs, their style, the word) of the legend, full and short
@@ -249,8 +251,8 @@ class BlockStats(Widget):
         self.figures = figures
         self.refresh(layout=len(self._lines_for(self.size.width)) != len(rows))
 
-    def _lines_for(self, width: int) -> list[Text]:
-        return [] if self.figures is None else stats_lines(self.figures, width)
+    def _lines_for(self, width: int) -> tuple[Text, ...]:
+        return () if self.figures is None else stats_lines(self.figures, width)
 
     def get_content_height(self, container, viewport, width: int) -> int:
         return max(2, len(self._lines_for(width)))
