@@ -218,14 +218,14 @@ def stats_lines(f: KVFigures, width: int) -> tuple[Text, ...]:
     return tuple(variants[-1])
 
 
-# (glyphs, their style, the word) of the legend, full and short
-LEGEND = (((GLYPH_USED, REQUEST_COLORS[0]), (GLYPH_USED, REQUEST_COLORS[3]), "request"),
-          ((GLYPH_USED, "bold bright_white"), "selected"), ((GLYPH_SHARED, REQUEST_COLORS[1]),
-                                                            "shared"),
-          ((GLYPH_FREE, "grey35"), "free"), ((GLYPH_CACHED, "#5f87af"), "free, cached"))
-LEGEND_SHORT = (((GLYPH_USED, REQUEST_COLORS[0]), "req"), ((GLYPH_USED, "bold bright_white"), "sel"),
-                ((GLYPH_SHARED, REQUEST_COLORS[1]), "shared"), ((GLYPH_FREE, "grey35"), "free"),
-                ((GLYPH_CACHED, "#5f87af"), "cached"))
+# (glyph, style) pairs and the word, of each entry of the legend: full and short
+_USED, _SELECTED = (GLYPH_USED, REQUEST_COLORS[0]), (GLYPH_USED, "bold bright_white")
+_SHARED, _FREE = (GLYPH_SHARED, REQUEST_COLORS[1]), (GLYPH_FREE, "grey35")
+_CACHED = (GLYPH_CACHED, "#5f87af")
+LEGEND = ((_USED, (GLYPH_USED, REQUEST_COLORS[3]), "request"), (_SELECTED, "selected"),
+          (_SHARED, "shared"), (_FREE, "free"), (_CACHED, "free, cached"))
+LEGEND_SHORT = ((_USED, "req"), (_SELECTED, "sel"), (_SHARED, "shared"), (_FREE, "free"),
+                (_CACHED, "cached"))
 
 
 def _legend(scale: str, entries) -> Text:
