@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import datetime as _dt
 import functools
+import gc
 import re
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +40,51 @@ from tui import keymap
 from tui.driver import EngineDriver
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
                          InjectSpec, InstanceRows, RequestTable, StatusHeader)
+from tui.widgets.eventlog import describe
 from tui.widgets.instances import instance_tags
 
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
+
+
+class FrozenHeap:
+    """Keeps Python's full collections short while the dashboard runs.
+
+    Drawing makes about a thousand cyclic garbage objects a second (Textual's strips cache
+    themselves), so a full collection comes every second or so, and it scans every live object:
+    with the engine's history and Textual's caches, ~60 ms, a frame that long. So after each
+    full collection, what survived it is frozen (`gc.freeze`): the next one scans only what came
+    since. A frozen object that later dies in a cycle is not reclaimed while frozen, so every
+    RECLAIM_S everything is unfrozen, collected once, and frozen again: that memory is held at
+    most that long, and the whole heap is scanned once a RECLAIM_S instead of once a second.
+    """
+
+    RECLAIM_S = 60.0
+    # Young collections: a frame makes some ten of Python's default 700-object batches, so by
+    # default a second-generation pass comes every frame and moves to the oldest generation
+    # every strip a panel still shows, to die there a frame later. One every ~5 frames lets
+    # most of them die first and be collected young (`servesim bench tui`'s frame p99 falls).
+    GEN1_EVERY = 50
+
+    def start(self) -> None:
+        self._thresholds = gc.get_threshold()
+        gc.set_threshold(self._thresholds[0], self.GEN1_EVERY, self._thresholds[2])
+        gc.collect()  # (start-up's garbage is not frozen)
+        gc.freeze()
+        gc.callbacks.append(self._collected)
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2:
+            gc.freeze()
+
+    def reclaim(self) -> None:
+        gc.unfreeze()
+        gc.collect()  # (freezes what survives, through `_collected`)
+
+    def stop(self) -> None:
+        if self._collected in gc.callbacks:
+            gc.callbacks.remove(self._collected)
+            gc.set_threshold(*self._thresholds)
+        gc.unfreeze()  # (an app run in-process, as the tests do, leaves nothing frozen behind)
 
 
 def guarded(action):
@@ -83,6 +127,9 @@ class Dashboard(App[int]):
         self.log_dir = Path(log_dir).resolve()
         self.selected_id: int | None = None
         self.snap = None
+        self.url: str | None = None  # shown in the header (`servesim serve`)
+        self._flash: tuple[str, float] | None = None  # the header's feedback, and when
+        self.heap = FrozenHeap()
         self._frames = 0  # frame timer ticks (`_frame_tick`)
         self.clustered = hasattr(self.engine, "instances")
         self._event_i = max(0, len(self.engine.events) - self.EVENTS_AT_START)
@@ -92,6 +139,7 @@ class Dashboard(App[int]):
             for i, events in self.engine.tagged_events():
                 self._event_at[i] = max(0, len(events) - self.EVENTS_AT_START)
         self._chart_key = None
+        self._ttft: dict[int, float | None] = {}  # each instance's rolling TTFT p50, ms
         self._table: RequestTable | None = None
         self._error_shown = False
         self.main_screen = None  # the screen the panels are on (set on mount)
@@ -147,10 +195,13 @@ class Dashboard(App[int]):
             self._sigterm = True
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             self._sigterm = False
+        self.heap.start()
+        self.set_interval(self.heap.RECLAIM_S, self.heap.reclaim)
         self.driver.start()
 
     def on_unmount(self) -> None:
         self.driver.stop()
+        self.heap.stop()
         if getattr(self, "_sigterm", False):
             try:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
@@ -239,7 +290,9 @@ class Dashboard(App[int]):
         if not d.lock.acquire(timeout=0.02):
             return
         try:
-            snap = self.engine.snapshot()
+            # (a deployment's queue is its instances' queues one after another: all of it)
+            snap = self.engine.snapshot(waiting_limit=None if self.clustered
+                                        else self.tables["waiting"].rows_wanted())
             if self.clustered:
                 new_events = []
                 for i, events in self.engine.tagged_events():
@@ -249,7 +302,8 @@ class Dashboard(App[int]):
                 new_events = self.engine.events[self._event_i:]
                 self._event_i += len(new_events)
             info = HeaderInfo(self.engine.scenario.name, snap.policy, self.compute, snap.now,
-                              snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished)
+                              snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished,
+                              d.achieved, self._header_note(), self.url)
             error = d.error
         finally:
             d.lock.release()
@@ -257,10 +311,11 @@ class Dashboard(App[int]):
         self.header.show(info)
         for kind, rows in (("running", snap.running), ("waiting", snap.waiting),
                            ("recent", snap.recent)):
-            self.tables[kind].update_rows(rows, snap.now)
+            self.tables[kind].update_rows(rows, snap.now,
+                                          snap.num_waiting if kind == "waiting" else None)
         self.block_map.show(snap, self.selected_id)
         if self.clustered:
-            self.instance_rows.show(snap)
+            self.instance_rows.show(snap, self._ttft)
             self.event_log.add_tagged(new_events, self._tags)
         else:
             self.event_log.add_events(new_events)
@@ -279,9 +334,13 @@ class Dashboard(App[int]):
                 return
             self._chart_key = key
             sample_ = rolling(self.engine, self.CHART_WINDOW_S)
+            preemptions = self.engine.counts["preemptions"]
+            if self.clustered:  # each instance's own TTFT, for its row
+                self._ttft = {i: rolling(e, self.CHART_WINDOW_S)["ttft_p50_ms"]
+                              for i, e in enumerate(self.engine.instances)}
         finally:
             self.driver.lock.release()
-        self.charts.add_sample(sample_)
+        self.charts.add_sample(sample_, preemptions)
 
     @guarded
     def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:
@@ -291,8 +350,28 @@ class Dashboard(App[int]):
         if self.snap is not None:
             self.block_map.show(self.snap, self.selected_id)
 
+    # Feedback on an action: a line in the event log, and for FLASH_S seconds in the header while
+    # the event log is hidden (a short terminal).
+    FLASH_S = 4.0
+
     def _note(self, text: str) -> None:
         self.event_log.add_note(self.engine.now, text)
+        self.flash(text)
+
+    def flash(self, text: str) -> None:
+        """Say `text` in the header (while the event log is hidden), for FLASH_S seconds."""
+        self._flash = (text, time.monotonic())  # (drawn by the caller's or the next refresh)
+
+    def _tell(self, text: str, **kw) -> None:
+        """A notification that the header repeats while the event log is hidden."""
+        self.notify(text, **kw)
+        self.flash(text)
+
+    def _header_note(self) -> str | None:
+        if self._flash is None or self.event_log.display:
+            return None
+        text, at = self._flash
+        return text if time.monotonic() - at < self.FLASH_S else None
 
     def _changed(self) -> None:
         """After an action: draw its effect now rather than at the next tick."""
@@ -302,7 +381,7 @@ class Dashboard(App[int]):
     # --- actions -------------------------------------------------------------------------------
     def _read_only(self) -> bool:
         if self.replayer is not None:
-            self.notify("replay: the session is read-only (inject, cancel and policy keys are "
+            self._tell("replay: the session is read-only (inject, cancel and policy keys are "
                         "off)", severity="warning")
             return True
         return False
@@ -328,8 +407,14 @@ class Dashboard(App[int]):
             except Exception as e:  # noqa: BLE001 - shown; the session goes on
                 self.action_failed("inject", e)
                 return f"{type(e).__name__}: {e}"
+            self._flash_action()
         self._changed()
         return None
+
+    def _flash_action(self) -> None:
+        """Flash the user action the engine just recorded, as the event log words it."""
+        if self.engine.events and self.engine.events[-1].kind == "action":
+            self.flash(describe(self.engine.events[-1]))
 
     @guarded
     def action_help(self) -> None:
@@ -360,15 +445,16 @@ class Dashboard(App[int]):
         if self._read_only():
             return
         if self.selected_id is None:
-            self.notify("no request selected (use the arrow keys in a queue)", severity="warning")
+            self._tell("no request selected (use the arrow keys in a queue)", severity="warning")
             return
         target, self.selected_id = self.selected_id, None  # one cancel per selection
         with self.driver.lock:
             try:
                 self.engine.cancel(target)
             except ServesimError as e:
-                self.notify(str(e), severity="warning")
+                self._tell(str(e), severity="warning")
                 return
+            self._flash_action()
         self._changed()
 
     @guarded
@@ -377,7 +463,7 @@ class Dashboard(App[int]):
             return
         with self.driver.lock:
             ids = self.engine.cancel_waiting()
-        self.notify(f"cancelled {len(ids)} waiting requests")
+        self._tell(f"cancelled {len(ids)} waiting requests")
         self._changed()
 
     @guarded
@@ -413,7 +499,7 @@ class Dashboard(App[int]):
     def action_next_instance(self) -> None:
         """Show the next instance's KV blocks (a deployment of several)."""
         if not self.clustered:
-            self.notify("one engine: there is no other instance", severity="warning")
+            self._tell("one engine: there is no other instance", severity="warning")
             return
         with self.driver.lock:
             e = self.engine
@@ -432,7 +518,7 @@ class Dashboard(App[int]):
             current = self.engine.policy.name
             new = names[(names.index(current) + 1) % len(names)]
             self.engine.switch_policy(new)
-        self.notify(f"policy {current} -> {new} (from the next step)")
+        self._tell(f"policy {current} -> {new} (from the next step)")
         self._changed()
 
     @guarded
@@ -441,7 +527,7 @@ class Dashboard(App[int]):
             try:
                 path = self._write_new_log("")
             except ServesimError as e:
-                self.notify(str(e), severity="error", timeout=10)
+                self._tell(str(e), severity="error", timeout=10)
                 return
         self._note(f"session log written to {path}")
         self.notify(f"session log written to {path}", timeout=10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 
 from sim import Engine, ServesimError
 
@@ -27,20 +28,55 @@ def check_speed(speed) -> float:
     return v
 
 
+class SpeedMeter:
+    """The speed achieved: simulated seconds per wall second over the last WINDOW_S wall
+    seconds, from (wall, simulated) clock readings."""
+
+    WINDOW_S = 2.0
+    MIN_SPAN_S = 0.25  # shorter spans give no figure
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque()
+
+    def add(self, wall: float, sim: float) -> None:
+        s = self._samples
+        s.append((wall, sim))
+        while len(s) > 2 and wall - s[1][0] >= self.WINDOW_S:
+            s.popleft()
+
+    def reset(self) -> None:
+        self._samples.clear()
+
+    @property
+    def value(self) -> float | None:
+        if len(self._samples) < 2:
+            return None
+        (w0, s0), (w1, s1) = self._samples[0], self._samples[-1]
+        return (s1 - s0) / (w1 - w0) if w1 - w0 >= self.MIN_SPAN_S else None
+
+
 class EngineDriver:
     """Advances `source` (an Engine or a Replayer) toward a moving target simulated time."""
 
     SLICE_S = 0.004     # wall time the worker aims to hold the lock per slice
     BACKLOG_S = 2.0     # wall seconds of backlog kept when compute cannot keep up
 
-    def __init__(self, source, engine: Engine, speed: float = 1.0, paused: bool = False) -> None:
+    def __init__(self, source, engine: Engine, speed: float = 1.0, paused: bool = False,
+                 clock=time.perf_counter) -> None:
+        """`clock`: the wall clock (seconds) the worker reads."""
         self.source = source
         self.engine = engine
         self.replay = source is not engine
         self.lock = threading.RLock()
         self.speed = check_speed(speed)
         self.paused = paused
+        self.clock = clock
         self.target = engine.now
+        # Where the clock would be had the engine kept up since it last caught up with its
+        # target: `target` stops BACKLOG_S ahead of the engine, this does not (the true lag).
+        self.ideal = engine.now
+        self.meter = SpeedMeter()
+        self._wall = 0.0  # wall seconds spent running (not paused), the meter's clock
         self.error: str | None = None
         self.steps = 0
         self._max_steps = 1  # grows while slices stay short (a real-compute step can be slow)
@@ -55,8 +91,15 @@ class EngineDriver:
 
     @property
     def lag(self) -> float:
-        """Simulated seconds the engine's clock is behind the target."""
-        return 0.0 if self.paused else max(0.0, self.target - self.engine.now)
+        """Simulated seconds the engine's clock is behind where the asked speed would have it
+        (since it last kept up), however far that is."""
+        return 0.0 if self.paused else max(0.0, self.ideal - self.engine.now)
+
+    @property
+    def achieved(self) -> float | None:
+        """Simulated seconds per wall second over the last few wall seconds (None while paused
+        or before there is a measurement)."""
+        return None if self.paused else self.meter.value
 
     # --- control ---------------------------------------------------------------------------
     # Pause and speed set fields the worker reads between slices, so they need not wait long for
@@ -65,8 +108,9 @@ class EngineDriver:
         self.paused = paused  # the worker starts no further slice
         # Let a slice in progress end, so that a paused clock stays where it is shown.
         if self.lock.acquire(timeout=0.1):
-            self.target = self.engine.now
+            self.target = self.ideal = self.engine.now
             self.lock.release()
+        self.meter.reset()
 
     def set_speed(self, speed: float) -> None:
         self.speed = min(MAX_SPEED, max(MIN_SPEED, speed))
@@ -75,7 +119,7 @@ class EngineDriver:
         """One engine step (the clock then stays there: call while paused)."""
         with self.lock:
             n = self.source.step()
-            self.target = self.engine.now
+            self.target = self.ideal = self.engine.now
             return n
 
     @property
@@ -96,9 +140,9 @@ class EngineDriver:
 
     # --- the worker ----------------------------------------------------------------------------
     def _run(self) -> None:
-        last = time.perf_counter()
+        last = self.clock()
         while not self._stop.is_set():
-            now = time.perf_counter()
+            now = self.clock()
             with self.lock:
                 behind = self.advance(now - last)
             last = now
@@ -113,10 +157,14 @@ class EngineDriver:
         if self.paused or self.error:
             return False
         if self.finished:
-            self.target = e.now
+            self.target = self.ideal = e.now
             return False
+        self._wall += wall_dt
+        self.meter.add(self._wall, e.now)
         self.target += wall_dt * self.speed
+        self.ideal += wall_dt * self.speed
         if e.now >= self.target:
+            self.ideal = self.target  # on time: no lag
             return False
         t0 = time.perf_counter()
         try:
@@ -134,4 +182,6 @@ class EngineDriver:
             self._max_steps //= 2
         # Keep a bounded backlog: when compute is slower than `speed`, run late, not ever later.
         self.target = min(self.target, e.now + self.BACKLOG_S * max(1.0, self.speed))
+        if e.now >= self.target:
+            self.ideal = self.target  # caught up with the target: the lag is over
         return e.now < self.target

@@ -43,6 +43,13 @@ APP_KEYS = (
     Key("q", "quit", "Quit", "quit"),
 )
 
+# (the queues and the event log move between panels alike)
+FOCUS_KEYS = (
+    Key("left", "app.focus_previous", "Prev panel", "previous panel: queue or event log (also "
+        "shift+tab)", "←", show=False),
+    Key("right", "app.focus_next", "Next panel", "next panel (also tab)", "→", show=False),
+)
+
 TABLE_KEYS = (
     Key("up", "cursor(-1)", "Up", "move the selection up", "↑", show=False),
     Key("down", "cursor(1)", "Down", "move the selection down", "↓", show=False),
@@ -50,9 +57,16 @@ TABLE_KEYS = (
     Key("pagedown", "page(1)", "Page down", "move the selection a page down", "PgDn", show=False),
     Key("home", "cursor_to(0)", "First", "select the first request", "Home", show=False),
     Key("end", "cursor_to(-1)", "Last", "select the last request", "End", show=False),
-    Key("left", "app.focus_previous", "Prev queue", "previous queue (also shift+tab)", "←",
+)
+
+LOG_KEYS = (
+    Key("up", "scroll_by(-1)", "Up", "scroll up a line (the log stops following)", "↑",
         show=False),
-    Key("right", "app.focus_next", "Next queue", "next queue (also tab)", "→", show=False),
+    Key("down", "scroll_by(1)", "Down", "scroll down a line", "↓", show=False),
+    Key("pageup", "page(-1)", "Page up", "scroll a page up", "PgUp", show=False),
+    Key("pagedown", "page(1)", "Page down", "scroll a page down", "PgDn", show=False),
+    Key("home", "scroll_to(0)", "Oldest", "the oldest line", "Home", show=False),
+    Key("end", "scroll_to(-1)", "Newest", "the newest line, following again", "End", show=False),
 )
 
 CLOSE_KEYS = (
@@ -64,7 +78,8 @@ DIALOG_KEYS = (
 )
 
 APP_BINDINGS = [k.binding() for k in APP_KEYS]
-TABLE_BINDINGS = [k.binding() for k in TABLE_KEYS]
+TABLE_BINDINGS = [k.binding() for k in TABLE_KEYS + FOCUS_KEYS]
+LOG_BINDINGS = [k.binding() for k in LOG_KEYS + FOCUS_KEYS]
 CLOSE_BINDINGS = [k.binding() for k in CLOSE_KEYS]
 DIALOG_BINDINGS = [k.binding() for k in DIALOG_KEYS]
 
@@ -74,7 +89,8 @@ BURST_SIZE = 32
 def help_rows() -> list[tuple[str, str, str]]:
     """(section, key as displayed, what it does) for every key of the dashboard."""
     rows = [("dashboard", k.display or k.key, k.help) for k in APP_KEYS]
-    rows += [("queues", k.display or k.key, k.help) for k in TABLE_KEYS]
+    rows += [("queues", k.display or k.key, k.help) for k in TABLE_KEYS + FOCUS_KEYS]
+    rows += [("event log", k.display or k.key, k.help) for k in LOG_KEYS]
     rows += [("dialogs", "esc", "close a dialog or this screen"),
              ("dialogs", "enter", "submit the inject dialog")]
     return rows

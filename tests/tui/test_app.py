@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
+import weakref
 
 import numpy as np
 import pytest
 
-from sim import POLICIES, Engine, load_scenario
+from sim import POLICIES, Engine, build, load_scenario
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
 from tui import keymap
-from tui.app import Dashboard
+from tui.app import Dashboard, FrozenHeap
 from tui.driver import EngineDriver
-from tui.widgets import HelpScreen, InjectDialog, RequestTable
+from tui.widgets import HeaderInfo, HelpScreen, InjectDialog, RequestTable, StatusHeader
+from tui.widgets import eventlog
 from tui.widgets.inject_dialog import BadValue, parse_inject
 
 SIZE = (120, 40)
@@ -464,7 +467,209 @@ def test_frames_thin_out_while_the_engine_is_behind_its_clock(monkeypatch):
     for _ in range(6):
         app._frame_tick()
     assert len(drawn) == 6  # on time: every frame
-    app.driver.target = app.engine.now + 1.5  # 1.5 s behind
+    app.driver.ideal = app.engine.now + 1.5  # 1.5 s behind
     for _ in range(6):
         app._frame_tick()
     assert len(drawn) == 6 + 6 // app.LAGGING_FRAME_DIVISOR
+
+
+# --- the clock: true lag and the speed achieved --------------------------------------------------
+class Crawl:
+    """An engine stand-in whose clock covers `share` of the way to each target it is given."""
+
+    def __init__(self, share: float) -> None:
+        self.now, self.share = 0.0, share
+
+    def run_until(self, target: float, max_steps: int) -> int:
+        self.now += (target - self.now) * self.share
+        return 1
+
+
+def test_lag_is_the_true_lag_and_the_achieved_speed_is_measured():
+    crawl = Crawl(0.0)  # compute that cannot move at all
+    d = EngineDriver(crawl, crawl, speed=4.0)
+    for _ in range(40):  # ten wall seconds, by the caller's clock
+        d.advance(0.25)
+    assert d.lag == pytest.approx(40.0)  # not held at BACKLOG_S x speed
+    assert d.target - crawl.now <= d.BACKLOG_S * 4.0  # (the engine still only runs so far ahead)
+    assert d.achieved == 0.0
+    crawl.share = 1.0  # compute keeps up again: the lag is over
+    d.advance(0.25)
+    assert d.lag == 0.0
+    for _ in range(20):
+        d.advance(0.25)
+    assert d.achieved == pytest.approx(4.0)
+    crawl.share = 0.5
+    for _ in range(20):
+        d.advance(0.25)
+    assert 0.0 < d.achieved < 4.0
+    d.set_paused(True)
+    assert d.achieved is None and d.lag == 0.0
+
+
+def test_header_shows_the_achieved_speed_beside_the_asked_one_and_the_lag():
+    info = HeaderInfo("chat", "chunked", "none (modeled)", 12.5, 40, 4.0, False, lag_s=40.0,
+                      achieved=2.5)
+    text = StatusHeader.render_info(info).plain
+    assert "LAG 40.0 s" in text and "x4 got x2.5" in text
+    assert "got" not in StatusHeader.render_info(
+        HeaderInfo("chat", "chunked", "none", 1.0, 1, 1.0, True)).plain
+
+
+def screen_text(app) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+@pilot_test
+async def test_the_header_reads_the_drivers_speed_and_lag(monkeypatch):
+    monkeypatch.setattr(EngineDriver, "start", lambda self: None)  # the test moves the clock
+    app = make_app(paused=False)
+    async with app.run_test(size=SIZE) as pilot:
+        d = app.driver
+        for _ in range(8):
+            d.advance(0.125)
+        app.refresh_frame()
+        shown = app.header._shown
+        assert shown.achieved == d.achieved and shown.achieved is not None
+        d.ideal = app.engine.now + 30.0
+        app.refresh_frame()
+        assert "LAG 30.0 s" in screen_text(app)
+        await pilot.pause()
+
+
+# --- 80x24 ---------------------------------------------------------------------------------------
+@pilot_test
+async def test_80x24_keeps_the_clock_speed_lag_kv_scale_and_feedback(monkeypatch):
+    monkeypatch.setattr(EngineDriver, "start", lambda self: None)
+    app = make_app(paused=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        app.driver.ideal = app.engine.now + 30.0
+        await pilot.press("plus")  # the event log is hidden: the header says what happened
+        await pilot.pause()
+        text = screen_text(app)
+        header = text.splitlines()[0]
+        for essential in ("LAG 30.0 s", f"t {app.engine.now:,.3f} s", "x2", "speed x2"):
+            assert essential in header, (essential, header)
+        assert "1 cell = " in text  # the block map's scale
+        assert app.block_map.grid.group > 1
+        for title in ("TTFT", "tokens", "waiting", "running", "preempt/s"):
+            assert title in text, title
+
+
+@pilot_test
+async def test_80x24_shows_each_replicas_ttft_and_tokens():
+    engine = build(load_scenario("replicas"))
+    engine.run_until(10.0)
+    app = Dashboard(engine, paused=True)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("n")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "TTFT  tok/s" in text  # the instances' columns
+        assert " tokens " in text and "TTFT" in text  # the finished queue's, ids tagged
+        recent = app.tables["recent"]
+        assert [c.title for c, _ in recent.fitted()][-1] == "tokens"
+
+
+# --- charts --------------------------------------------------------------------------------------
+@pilot_test
+async def test_queue_and_preemption_charts_follow_the_engine():
+    sc = load_scenario("chat", ["kv.num_blocks=300", "workload.duration_s=60",
+                                'engine.preset="roofline"'])
+    engine = Engine(sc)
+    engine.run_until(5.0)
+    app = Dashboard(engine, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        app.charts.history = {k: type(v)(maxlen=v.maxlen) for k, v in app.charts.history.items()}
+        app.charts._preempted = None
+        seen = []
+        for _ in range(16):
+            with app.driver.lock:
+                engine.run_until(engine.now + 1.0)
+                seen.append((engine.now, len(engine.policy.waiting), len(engine.policy.running),
+                             engine.counts["preemptions"]))
+            app.sample_charts()
+        await pilot.pause()
+    h = app.charts.history
+    assert list(h["waiting"]) == [w for _, w, _, _ in seen]
+    assert list(h["running"]) == [r for _, _, r, _ in seen]
+    rates = [(b[3] - a[3]) / (b[0] - a[0]) for a, b in zip(seen, seen[1:])]
+    assert list(h["preemptions_per_s"])[1:] == pytest.approx(rates)
+    assert any(rates)  # (the pool is small enough to preempt)
+
+
+# --- the event log -------------------------------------------------------------------------------
+@pilot_test
+async def test_the_event_log_scrolls_and_holds_its_place():
+    app = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        log = app.event_log
+        for i in range(100):
+            log.add_note(0.0, f"line {i}")
+        app.tables["recent"].focus()
+        await pilot.press("right")  # the next panel after the queues
+        assert app.focused is log
+        await pilot.press("home")
+        assert log.scroll_offset.y == 0
+        top = log.lines[0]
+        log.add_note(0.0, "newer")  # scrolled up: the view stays
+        assert log.scroll_offset.y == 0 and log.lines[log.scroll_offset.y] == top
+        await pilot.press("down", "down", "pagedown")
+        assert log.scroll_offset.y == 2 + log.scrollable_content_region.height - 1
+        for i in range(eventlog.MAX_LINES):  # lines fall off the top: the view keeps its lines
+            shown = log.lines[log.scroll_offset.y]
+            log.add_note(0.0, f"more {i}")
+            if log.scroll_offset.y == 0:
+                break
+            assert log.lines[log.scroll_offset.y] == shown
+        await pilot.press("end")  # following again
+        log.add_note(0.0, "newest")
+        assert log.scroll_offset.y == log.max_scroll_y
+        assert log.lines[-1][2] == "newest"
+
+
+# --- the collector -------------------------------------------------------------------------------
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
+    heap = FrozenHeap()
+    before = gc.get_threshold()
+    heap.start()
+    try:
+        assert gc.get_threshold()[1] == FrozenHeap.GEN1_EVERY
+        alive = Cycle()
+        gone = weakref.ref(alive)
+        gc.collect()  # a full collection: what survives is frozen, later ones do not scan it
+        assert all(o is not alive for o in gc.get_objects())
+        del alive
+        gc.collect()
+        assert gone() is not None  # died frozen: held until the reclaim
+        heap.reclaim()
+        assert gone() is None
+    finally:
+        heap.stop()
+    assert gc.get_freeze_count() == 0 and heap._collected not in gc.callbacks
+    assert gc.get_threshold() == before
+
+
+# --- a long queue --------------------------------------------------------------------------------
+@pilot_test
+async def test_a_long_queue_is_copied_a_screenful_at_a_time_and_end_reaches_its_last():
+    engine = make_engine()
+    for _ in range(500):
+        engine.inject(100, 10)
+    app = Dashboard(engine, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        order = [r.req_id for r in engine.snapshot().waiting]
+        table = app.tables["waiting"]
+        assert len(app.snap.waiting) < 100 < len(order) == app.snap.num_waiting == table.total
+        assert table.border_title == f"Waiting ({len(order)})"
+        assert [r.req_id for r in table.rows] == order[:len(table.rows)]
+        table.focus()
+        await pilot.press("end")
+        await until(pilot, lambda: app.selected_id == order[-1])
+        assert table.cursor == len(order) - 1

@@ -45,7 +45,7 @@ class _TimedDashboard(Dashboard):
         self.frames.append(dt)
         self.updates.append(dt)
         if self.snap is not None:
-            self.waiting_seen.append(len(self.snap.waiting))
+            self.waiting_seen.append(self.snap.num_waiting)
 
     def sample_charts(self) -> None:
         t0 = time.perf_counter()

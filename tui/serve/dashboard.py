@@ -9,9 +9,11 @@ injections with their times and replays exactly.
 
 from __future__ import annotations
 
+import time
+
 from sim import ScenarioError
 from tui.app import Dashboard
-from tui.driver import MAX_SPEED, MIN_SPEED
+from tui.driver import MAX_SPEED, MIN_SPEED, SpeedMeter
 from tui.serve.app import banner
 from tui.serve.frontend import Frontend
 from tui.serve.http import Server
@@ -28,6 +30,7 @@ class ServeDriver:
         self.engine = frontend.engine
         self.lock = frontend.lock
         self.steps = 0
+        self.meter = SpeedMeter()
 
     @property
     def paused(self) -> bool:
@@ -48,6 +51,16 @@ class ServeDriver:
         if self.paused or not e.policy.has_work():
             return 0.0
         return max(0.0, self.fe.clock.now() - e.now)
+
+    @property
+    def achieved(self) -> float | None:
+        """Simulated seconds per wall second over the last few wall seconds, measured as the
+        dashboard reads it (each frame)."""
+        if self.paused:
+            self.meter.reset()
+            return None
+        self.meter.add(time.perf_counter(), self.engine.now)
+        return self.meter.value
 
     def set_paused(self, paused: bool) -> None:
         """Freeze or restart the clock: no token is sent and no step starts while paused."""
@@ -84,6 +97,7 @@ class ServeDashboard(Dashboard):
 
     async def on_mount(self) -> None:
         super().on_mount()
+        self.main_screen.add_class("-serve")
         for table in self.tables.values():
             table.show_clients()
         try:
@@ -95,7 +109,7 @@ class ServeDashboard(Dashboard):
             return
         text = banner(self.server.frontend, self.server.host, self.server.port)
         self._note(text.removeprefix("servesim serve: "))
-        self.sub_title = f"serving http://{self.server.host}:{self.server.port}/v1"
+        self.url = f"http://{self.server.host}:{self.server.port}/v1"
 
     def _changed(self) -> None:
         """After a key acted on the engine (inject, cancel, policy): the pump looks now."""

@@ -11,6 +11,9 @@ the few rows that changed.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 from rich.segment import Segment
 from rich.style import Style
@@ -71,8 +74,9 @@ def fragmentation(snap: EngineSnapshot) -> int:
     return max(0, snap.used_blocks * snap.block_size - snap.token_slots_used)
 
 
-class BlockGrid(ScrollView):
-    """The cells of the block map."""
+class BlockGrid(ScrollView, can_focus=False):
+    """The cells of the block map (scrolled with the mouse: the arrow keys move between the
+    queues and the event log)."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -171,18 +175,90 @@ class BlockGrid(ScrollView):
         return Strip(out).adjust_cell_length(width, self._base)
 
 
+@dataclass(frozen=True)
+class KVFigures:
+    """What the lines above the grid say."""
+    used: int
+    total: int
+    frag: int       # allocated token slots holding no token
+    alloc: int      # allocated token slots
+    shared: int
+    cached: int
+    group: int      # blocks per cell
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole if whole else 0:.1f}%"
+
+
+@functools.lru_cache(maxsize=16)  # (asked for by the layout and the drawing, each frame)
+def stats_lines(f: KVFigures, width: int) -> tuple[Text, ...]:
+    """The lines above the grid, as many as `width` needs (2, or 3 when narrow): usage,
+    fragmentation, sharing, the scale of a cell and the legend, none of them cut where the
+    narrow wording fits."""
+    scale = f"1 cell = {f.group} blocks" if f.group > 1 else ""
+    usage = Text(no_wrap=True, overflow="ellipsis")
+    usage.append(f"{f.used:,}/{f.total:,} ", style="bold")
+    usage.append(_pct(f.used, f.total))
+    usage.append(" · frag ")
+    usage.append(f"{f.frag:,}", style="bold")
+    wide = usage.copy()
+    wide.append(f" slots {_pct(f.frag, f.alloc)} · shared {f.shared} · cached {f.cached}")
+    usage.append(f" ({_pct(f.frag, f.alloc)})")
+    sharing = Text(" · ".join(x for x in (scale, f"shared {f.shared} · cached {f.cached}") if x),
+                   no_wrap=True, overflow="ellipsis")
+    variants = (
+        [wide, _legend(scale, LEGEND)],
+        [usage, sharing, _legend("", LEGEND)],
+        [usage, sharing, _legend("", LEGEND_SHORT)],
+    )
+    for lines in variants:
+        if all(line.cell_len <= width for line in lines):
+            return tuple(lines)
+    return tuple(variants[-1])
+
+
+# (glyph, style) pairs and the word, of each entry of the legend: full and short
+_USED, _SELECTED = (GLYPH_USED, REQUEST_COLORS[0]), (GLYPH_USED, "bold bright_white")
+_SHARED, _FREE = (GLYPH_SHARED, REQUEST_COLORS[1]), (GLYPH_FREE, "grey35")
+_CACHED = (GLYPH_CACHED, "#5f87af")
+LEGEND = ((_USED, (GLYPH_USED, REQUEST_COLORS[3]), "request"), (_SELECTED, "selected"),
+          (_SHARED, "shared"), (_FREE, "free"), (_CACHED, "free, cached"))
+LEGEND_SHORT = ((_USED, "req"), (_SELECTED, "sel"), (_SHARED, "shared"), (_FREE, "free"),
+                (_CACHED, "cached"))
+
+
+def _legend(scale: str, entries) -> Text:
+    t = Text(no_wrap=True, overflow="ellipsis")
+    if scale:
+        t.append(scale + " · ", style="bold")
+    sep = "  " if entries is LEGEND else " "
+    for i, (*glyphs, word) in enumerate(entries):
+        for glyph, style in glyphs:
+            t.append(glyph, style=style)
+        t.append((" " if entries is LEGEND else "") + word + (sep if i < len(entries) - 1 else ""))
+    return t
+
+
 class BlockStats(Widget):
-    """Usage, fragmentation and the legend, two lines. (Not a Static: updating one re-lays the
-    screen out.)"""
+    """Usage, fragmentation, the cell scale and the legend, two or three lines by the width. (Not
+    a Static: updating one re-lays the screen out.)"""
 
-    text = Text()
+    figures: KVFigures | None = None
 
-    def show(self, text: Text) -> None:
-        self.text = text
-        self.refresh()
+    def show(self, figures: KVFigures) -> None:
+        rows = self._lines_for(self.size.width)
+        self.figures = figures
+        self.refresh(layout=len(self._lines_for(self.size.width)) != len(rows))
+
+    def _lines_for(self, width: int) -> tuple[Text, ...]:
+        return () if self.figures is None else stats_lines(self.figures, width)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return max(2, len(self._lines_for(width)))
 
     def render(self) -> Text:
-        return self.text
+        return Text("\n").join(self._lines_for(self.size.width))
 
 
 class BlockMap(Vertical):
@@ -207,31 +283,10 @@ class BlockMap(Vertical):
                snap.free_cached_blocks, self.grid.group)
         if key != self._stats_key:
             self._stats_key = key
-            self.stats.show(self._stats(snap, shared, self.grid.group))
+            self.stats.show(self.figures(snap, shared, self.grid.group))
 
     @staticmethod
-    def _stats(snap: EngineSnapshot, shared: int, group: int = 1) -> Text:
-        nb, used = snap.num_blocks, snap.used_blocks
-        frag = fragmentation(snap)
-        alloc = used * snap.block_size
-        t = Text(no_wrap=True, overflow="ellipsis")
-        t.append(f"{used:,}/{nb:,} ", style="bold")
-        t.append(f"{100 * used / nb if nb else 0:.1f}%")
-        t.append(" · frag ")
-        t.append(f"{frag:,}", style="bold")
-        t.append(f" slots {100 * frag / alloc if alloc else 0:.1f}%")
-        t.append(f" · shared {shared} · cached {snap.free_cached_blocks}\n")
-        t.append(GLYPH_USED, style=REQUEST_COLORS[0])
-        t.append(GLYPH_USED, style=REQUEST_COLORS[3])
-        t.append(" request  ")
-        t.append(GLYPH_USED, style="bold bright_white")
-        t.append(" selected  ")
-        t.append(GLYPH_SHARED, style=REQUEST_COLORS[1])
-        t.append(" shared  ")
-        t.append(GLYPH_FREE, style="grey35")
-        t.append(" free  ")
-        t.append(GLYPH_CACHED, style="#5f87af")
-        t.append(" free, cached")
-        if group > 1:
-            t.append(f"  · 1 cell = {group} blocks", style="bold")
-        return t
+    def figures(snap: EngineSnapshot, shared: int, group: int = 1) -> KVFigures:
+        return KVFigures(snap.used_blocks, snap.num_blocks, fragmentation(snap),
+                         snap.used_blocks * snap.block_size, shared, snap.free_cached_blocks,
+                         group)

@@ -1,8 +1,12 @@
-"""Charts over time: rolling TTFT and ITL (p50, p99), output tokens/s, batch size and KV usage.
+"""Charts over time: rolling TTFT and ITL (p50, p99), output tokens/s, batch size, the queue
+lengths (waiting, running), preemptions per second and KV usage, as vLLM's Grafana dashboard
+charts its scheduler state and preemptions.
 
-The app samples `sim.rolling` on its chart tick and hands each sample here; the panel keeps its
-own bounded history and draws one bar sparkline per series (eighth blocks, several rows tall
-when there is room). Strips are rebuilt only when a sample arrives or the size changes.
+The app samples `sim.rolling` on its chart tick, with the engine's preemption count, and hands
+each sample here; the panel keeps its own bounded history and draws one bar sparkline per series
+(eighth blocks, several rows tall when there is room; when there are fewer rows than series, the
+most telling series, in PRIORITY order). Strips are rebuilt only when a sample arrives or the
+size changes.
 """
 
 from __future__ import annotations
@@ -44,8 +48,20 @@ SERIES = (
     Series("itl_p99_ms", "ITL p99", fmt.ms, "#e06c75"),
     Series("output_tokens_per_s", "tokens/s", lambda x: fmt.num(x), "#98c379"),
     Series("batch_mean", "batch", lambda x: fmt.num(x, 1), "#e5c07b"),
+    Series("waiting", "waiting", lambda x: fmt.num(x), "#e5c07b"),
+    Series("running", "running", lambda x: fmt.num(x), "#98c379"),
+    Series("preemptions_per_s", "preempt/s", lambda x: fmt.num(x, 1), "#e06c75"),
     Series("kv_usage", "KV usage", _pct, "#d19a66", top=1.0),
 )
+# Which series a short panel keeps, most telling first (they are drawn in SERIES order).
+PRIORITY = ("ttft_p99_ms", "itl_p99_ms", "output_tokens_per_s", "waiting", "running",
+            "preemptions_per_s", "kv_usage", "ttft_p50_ms", "itl_p50_ms", "batch_mean")
+
+
+def shown_series(rows: int) -> list[Series]:
+    """The series a panel of `rows` rows draws, in drawing order."""
+    keep = set(PRIORITY[:max(1, rows)])
+    return [s for s in SERIES if s.key in keep]
 
 
 def _levels(values: list[float], top: float, steps: int) -> list[int]:
@@ -69,12 +85,18 @@ class Charts(Widget):
         self.latest: dict = {}
         self._lines: list[Strip] = []
         self._built_for = None
+        self._preempted: tuple[float, int] | None = None  # the last sample's (t, count)
 
-    def on_mount(self) -> None:
-        self.border_title = f"Rolling {self.window_s:g} s (simulated)"
-
-    def add_sample(self, sample: dict) -> None:
-        """Append one `sim.rolling(...)` result."""
+    def add_sample(self, sample: dict, preemptions: int | None = None) -> None:
+        """Append one `sim.rolling(...)` result, with the engine's preemption count so far
+        (charted as preemptions per simulated second since the previous sample)."""
+        if preemptions is not None:
+            t, last = sample["t"], self._preempted
+            rate = None
+            if last is not None:
+                rate = (preemptions - last[1]) / (t - last[0]) if t > last[0] else 0.0
+            self._preempted = (t, preemptions)
+            sample = {**sample, "preemptions_per_s": rate}
         for s in SERIES:
             v = sample.get(s.key)
             self.history[s.key].append(math.nan if v is None else float(v))
@@ -85,10 +107,16 @@ class Charts(Widget):
     def _build(self, width: int, height: int) -> list[Strip]:
         base = self.rich_style
         dim = base + Style(dim=True)
-        rows = max(1, height // len(SERIES))
+        series = shown_series(height)
+        hidden = len(SERIES) - len(series)
+        titles = (f"Rolling {self.window_s:g} s (simulated)",
+                  f"+{hidden} series when taller" if hidden else "")
+        if titles != (self.border_title, self.border_subtitle):
+            self.border_title, self.border_subtitle = titles
+        rows = max(1, height // len(series))
         spark_w = max(0, width - LABEL_WIDTH)
         lines = []
-        for s in SERIES:
+        for s in series:
             values = list(self.history[s.key])[-spark_w:] if spark_w else []
             finite = [v for v in values if v == v]
             top = s.top if s.top is not None else (max(finite) if finite else 1.0)

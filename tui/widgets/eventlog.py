@@ -1,5 +1,7 @@
 """The event log: request state transitions from the engine's event stream and the user's
-actions, newest last, bounded. Engine-step events are not listed (the charts show them)."""
+actions, newest last, bounded. Engine-step events are not listed (the charts show them).
+It follows the newest line until the user scrolls up (keys once focused, or the mouse wheel);
+scrolled up, the lines in view stay put as new ones arrive; `end` follows again."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from rich.style import Style
 from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+
+from tui import keymap
 
 MAX_LINES = 1000
 MAX_PER_UPDATE = 200  # at high speed, list only the newest of a refresh's events
@@ -75,8 +79,10 @@ def describe(e) -> str | None:
     return None if fn is None else fn(e)
 
 
-class EventLog(ScrollView, can_focus=False):
+class EventLog(ScrollView, can_focus=True):
     """A bounded, tail-following list of timestamped lines."""
+
+    BINDINGS = keymap.LOG_BINDINGS
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -124,13 +130,31 @@ class EventLog(ScrollView, can_focus=False):
         if not rows:
             return
         self._styles = None  # resolved again once per update, not once per line
-        follow = self.scroll_offset.y >= self.max_scroll_y
+        y = self.scroll_offset.y
+        follow = y >= self.max_scroll_y
+        dropped = max(0, len(self.lines) + len(rows) - MAX_LINES)  # off the top
         self.lines.extend(rows)
         self.virtual_size = Size(self.scrollable_content_region.width, len(self.lines))
         if follow:
-            self.scroll_to(y=max(0, len(self.lines) - self.scrollable_content_region.height),
-                           animate=False, force=True)
+            y = len(self.lines) - self.scrollable_content_region.height
+        else:
+            y -= dropped  # the lines in view stay in view
+        self.scroll_to(y=max(0, y), animate=False, force=True)
         self.refresh()
+
+    def _scroll_y(self, y: int) -> None:
+        top = max(0, len(self.lines) - self.scrollable_content_region.height)
+        self.scroll_to(y=max(0, min(y, top)), animate=False, force=True)
+
+    def action_scroll_by(self, lines: int) -> None:
+        self._scroll_y(self.scroll_offset.y + lines)
+
+    def action_page(self, direction: int) -> None:
+        self.action_scroll_by(direction * max(1, self.scrollable_content_region.height - 1))
+
+    def action_scroll_to(self, where: int) -> None:
+        """0: the oldest line; -1: the newest (following it again)."""
+        self._scroll_y(0 if where == 0 else len(self.lines))
 
     def _kind_styles(self, kind: str) -> tuple[Style, Style, Style]:
         """(time, tag, text) styles of a line of this kind."""

@@ -32,3 +32,8 @@ def speed(x: float) -> str:
     if x >= 1:
         return f"x{x:g}"
     return f"x1/{1 / x:g}"
+
+
+def achieved(x: float) -> str:
+    """A measured speed factor, three significant digits: `x3.98`, `x0.125`."""
+    return f"x{x:.3g}"

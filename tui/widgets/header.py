@@ -1,5 +1,7 @@
-"""The status line: scenario, policy, compute backend, simulated clock, speed, running or paused,
-and a warning when compute cannot keep up with the chosen speed."""
+"""The status line: running or paused, the simulated clock, the speed asked for and the speed
+achieved, the last action's feedback (while the event log is hidden), the server's URL, then
+scenario, policy, compute backend and step; a warning when compute cannot keep up. The essentials
+come first, so that a narrow terminal cuts only the rest."""
 
 from __future__ import annotations
 
@@ -23,9 +25,13 @@ class HeaderInfo:
     lag_s: float = 0.0    # how far the engine's clock is behind the target (simulated s)
     replay: str | None = None  # the log being played back
     finished: bool = False     # a replay that reached its end
+    achieved: float | None = None  # simulated s per wall s actually run, lately
+    note: str | None = None    # the last action's feedback
+    url: str | None = None     # `servesim serve`'s address
 
 
 LAG_WARN_S = 1.0
+SLOW_SHARE = 0.9  # an achieved speed under this share of the asked one is shown in red
 
 
 class StatusHeader(Widget):
@@ -57,16 +63,26 @@ class StatusHeader(Widget):
             t.append(" PAUSED ", style="bold reverse #e5c07b")
         else:
             t.append(" RUNNING ", style="bold reverse #98c379")
-        t.append(f" {h.scenario}", style="bold")
+        t.append(" t ")
+        t.append(f"{h.now:,.3f} s", style="bold #61afef")
+        t.append(" · ")
+        t.append(fmt.speed(h.speed), style="bold")
+        if h.achieved is not None:
+            slow = h.achieved < SLOW_SHARE * h.speed
+            t.append(f" got {fmt.achieved(h.achieved)}",
+                     style="bold #ff5f5f" if slow else "#98c379")
+        if h.note:
+            t.append(" · ")
+            t.append(h.note, style="bold #c678dd")
+        if h.url:
+            t.append(" · ")
+            t.append(h.url, style="bold #61afef")
+        t.append(f" · {h.scenario}", style="bold")
         t.append(" · ")
         t.append(h.policy, style="bold #e5c07b")
         t.append(" · ")
         t.append(h.compute, style="bold")
-        t.append(" · t ")
-        t.append(f"{h.now:,.3f} s", style="bold #61afef")
         t.append(f" · step {h.step:,}")
-        t.append(" · ")
-        t.append(fmt.speed(h.speed), style="bold")
         if h.replay:
             t.append(f" replay {h.replay}", style="italic")
         if lagging:

@@ -41,15 +41,21 @@ class InstanceRows(Widget):
     def on_mount(self) -> None:
         self.border_title = "Instances"
 
-    def show(self, snap) -> None:
-        """Draw `snap.instances` (a ClusterSnapshot's)."""
+    def show(self, snap, ttft_ms: dict[int, float | None] | None = None) -> None:
+        """Draw `snap.instances` (a ClusterSnapshot's), with each one's rolling TTFT p50 (ms,
+        by instance index) where known."""
         for v in snap.instances:
             last = self._last.get(v.index)
             if last is not None and v.now > last[0]:
                 self._rates[v.index] = (v.output_tokens - last[1]) / (v.now - last[0])
             if last is None or v.now > last[0]:
                 self._last[v.index] = (v.now, v.output_tokens)
-        text = self.render_rows(snap, self._rates)
+        ttft_ms = ttft_ms or {}
+        width = self.content_region.width
+        for form in ({}, {"counts": False}, {"compact": True}):  # the fullest that fits
+            text = self.render_rows(snap, self._rates, ttft_ms, **form)
+            if not width or max(map(len, text.plain.split("\n"))) <= width:
+                break
         if text.plain != self._text.plain:
             self._text = text
             rows = len(self._lines)
@@ -62,23 +68,36 @@ class InstanceRows(Widget):
             self.border_title = title
 
     @staticmethod
-    def render_rows(snap, rates: dict[int, float]) -> Text:
+    def render_rows(snap, rates: dict[int, float], ttft_ms: dict[int, float | None],
+                    counts: bool = True, compact: bool = False) -> Text:
         """A line per instance (the first MAX_ROWS): tag, role (a disaggregated pair's), batch,
-        queue, KV usage, output tokens per second, requests sent to it and finished there."""
+        queue, KV usage, TTFT p50, output tokens per second, requests sent to it and finished
+        there (unless not `counts`). `compact`, for a narrow panel: a header line over bare
+        columns, no usage bar, no request counts."""
         t = Text()
         tags = instance_tags(snap.instances)
         shown = snap.instances[:MAX_ROWS]
+        if compact:
+            t.append("     run wait  KV   TTFT  tok/s\n", style="bold")
         for v, tag in zip(shown, tags):
             mark = "▶" if v.index == snap.focus else " "
             t.append(f"{mark}{tag:>2} ", style="bold")
+            share = v.used_blocks / v.num_blocks if v.num_blocks else 0.0
+            ttft = fmt.ms(ttft_ms.get(v.index))
+            tokens = fmt.num(rates.get(v.index))
+            if compact:
+                t.append(f"{v.running:>4} {v.waiting:>4} {share:>4.0%} {ttft:>6} ")
+                t.append(f"{tokens:>6}", style="#98c379")
+                t.append("\n")
+                continue
             if v.role != "replica":
                 t.append(f"{v.role:<7} ", style="#e5c07b")
             t.append(f"run {v.running:>3} wait {v.waiting:>3} KV ")
             t.append(_bar(v.used_blocks, v.num_blocks), style="#61afef")
-            share = v.used_blocks / v.num_blocks if v.num_blocks else 0.0
-            t.append(f" {share:>4.0%} ")
-            t.append(f"{fmt.num(rates.get(v.index)):>6} tok/s ", style="#98c379")
-            t.append(f"in {v.routed:,} done {v.finished:,}")
+            t.append(f" {share:>4.0%} TTFT {ttft:>6} ")
+            t.append(f"{tokens:>6} tok/s", style="#98c379")
+            if counts:
+                t.append(f" in {v.routed:,} done {v.finished:,}")
             t.append("\n")
         if len(snap.instances) > MAX_ROWS:
             t.append(f"   … {len(snap.instances) - MAX_ROWS} more instances")

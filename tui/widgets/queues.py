@@ -31,6 +31,33 @@ class Column:
     width: int
     cell: Callable[[RequestView, float], str]
     left: bool = False
+    min_width: int | None = None  # a text column that may narrow to this (cut with …)
+    optional: bool = False        # a column a narrow panel leaves out
+
+
+def fit_columns(columns, width: int) -> list[tuple[Column, int]]:
+    """The columns a panel `width` cells wide shows, and each one's width: all of them, the
+    text columns narrowed as far as needed; when that is not enough, without the optional ones
+    (the last first)."""
+    cols = list(columns)
+    while True:
+        widths = [c.width for c in cols]
+        over = sum(widths) + len(cols) - 1 - width
+        for i in reversed(range(len(cols))):
+            if over > 0 and cols[i].min_width is not None:
+                cut = min(over, widths[i] - cols[i].min_width)
+                widths[i] -= cut
+                over -= cut
+        optional = [c for c in cols if c.optional]
+        if over <= 0 or not optional:
+            return list(zip(cols, widths))
+        cols.remove(optional[-1])
+
+
+def _cell(text: str, width: int, left: bool) -> str:
+    if len(text) > width:
+        return text[:max(0, width - 1)] + "…"
+    return text.ljust(width) if left else text.rjust(width)
 
 
 def _phase(r: RequestView, now: float) -> str:
@@ -57,19 +84,19 @@ COLUMNS = {
         Column("prompt", 7, lambda r, now: f"{r.prompt_len:,}"),
         Column("wait", 8, lambda r, now: fmt.dur((now if r.clock is None else r.clock)
                                                  - r.arrival_time)),
-        Column("prio", 5, lambda r, now: str(r.priority)),
+        Column("prio", 5, lambda r, now: str(r.priority), optional=True),
     ),
     "running": (
         _ID,
-        Column("phase", 18, _phase, left=True),
-        Column("blocks", 6, lambda r, now: str(r.num_blocks)),
+        Column("phase", 18, _phase, left=True, min_width=13),
+        Column("blocks", 6, lambda r, now: str(r.num_blocks), optional=True),
         Column("TTFT", 8, _ttft),
     ),
     "recent": (
         _ID,
-        Column("state", 9, lambda r, now: r.state, left=True),
+        Column("state", 9, lambda r, now: r.state, left=True, min_width=6),
         Column("TTFT", 8, _ttft),
-        Column("E2E", 8, _e2e),
+        Column("E2E", 8, _e2e, optional=True),
         Column("tokens", 6, lambda r, now: str(r.num_output_tokens)),
     ),
 }
@@ -97,9 +124,11 @@ class RequestTable(ScrollView, can_focus=True):
         self.kind = kind
         self.columns = COLUMNS[kind]
         self.rows: list[RequestView] = []
+        self.total = 0  # the queue's length (`rows` may hold only its first part)
+        self._to_end = False  # `end` was pressed before the whole queue was here
         self.now = 0.0
         self.cursor = 0
-        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
+        self._fitted: tuple[int, list[tuple[Column, int]]] | None = None  # (width, columns)
         self._styles: dict[str, Style] = {}
         self._view = None  # what the last repaint showed
         self._tags: list[str] | None = None
@@ -111,32 +140,52 @@ class RequestTable(ScrollView, can_focus=True):
         self._tags = tags
         first = Column("id", max(len(t) for t in tags) + 6, _ID.cell)
         self.columns = (first, *COLUMNS[self.kind][1:])
-        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
+        self._fitted = None
 
     def show_clients(self) -> None:
         """`servesim serve`: a last column naming who sent each request (the client's
         address; `-` for the scenario's own workload)."""
         self.columns = (*self.columns, Column("client", 21, lambda r, now: r.tag or "-",
-                                              left=True))
-        self._width = sum(c.width for c in self.columns) + len(self.columns) - 1
+                                              left=True, min_width=15))
+        self._fitted = None
+
+    def fitted(self) -> list[tuple[Column, int]]:
+        """The columns shown at the panel's width, and their widths."""
+        width = self.scrollable_content_region.width
+        if self._fitted is None or self._fitted[0] != width:
+            self._fitted = (width, fit_columns(self.columns, width))
+        return self._fitted[1]
 
     @property
     def selected_id(self) -> int | None:
         return self.rows[self.cursor].req_id if self.rows else None
 
-    def update_rows(self, rows: list[RequestView], now: float) -> None:
-        """Show `rows` (a snapshot's list) at simulated time `now`, keeping the cursor on its
-        request when that request is still listed. Repaints only when what is in view changed."""
+    def rows_wanted(self) -> int | None:
+        """How many of the queue's first rows the next update needs: those in view or up to
+        the cursor, and two pages more for the cursor keys (None: all, for `end`)."""
+        if self._to_end:
+            return None
+        height = max(1, self.scrollable_content_region.height)
+        return max(self.scroll_offset.y + height, self.cursor + 1) + 2 * height
+
+    def update_rows(self, rows: list[RequestView], now: float, total: int | None = None) -> None:
+        """Show `rows` (a snapshot's list, or its first `rows_wanted()` of `total`) at simulated
+        time `now`, keeping the cursor on its request when that request is still listed.
+        Repaints only when what is in view changed."""
         before = self.selected_id
         self.rows, self.now = rows, now
+        self.total = len(rows) if total is None else total
         if before is not None:
             for i, r in enumerate(rows):
                 if r.req_id == before:
                     self.cursor = i
                     break
         self.cursor = max(0, min(self.cursor, len(rows) - 1))
-        self.virtual_size = Size(self._width, len(rows) + 1)
-        title = f"{TITLES[self.kind]} ({len(rows)})"
+        if self._to_end and len(rows) == self.total:
+            self._to_end = False
+            self._move_to(len(rows) - 1)
+        self.virtual_size = Size(self.scrollable_content_region.width, self.total + 1)
+        title = f"{TITLES[self.kind]} ({self.total})"
         if title != self.border_title:
             self.border_title = title
         self._styles.clear()  # resolved again once per refresh, not once per line
@@ -169,6 +218,9 @@ class RequestTable(ScrollView, can_focus=True):
         self._move_to(self.cursor + direction * max(1, self.scrollable_content_region.height - 1))
 
     def action_cursor_to(self, index: int) -> None:
+        if index < 0 and len(self.rows) < self.total:
+            self._to_end = True  # the next update brings the whole queue, then moves there
+            return
         self._move_to(index if index >= 0 else len(self.rows) - 1)
 
     def focus_quietly(self) -> None:
@@ -203,18 +255,16 @@ class RequestTable(ScrollView, can_focus=True):
 
     def _text(self, r: RequestView) -> tuple[str, str]:
         """The id cell and the rest of a row."""
-        cells = [c.cell(r, self.now) for c in self.columns[1:]]
-        rest = " ".join(t.ljust(c.width) if c.left else t.rjust(c.width)
-                        for c, t in zip(self.columns[1:], cells))
+        (_, id_width), *rest = self.fitted()
+        text = " ".join(_cell(c.cell(r, self.now), w, c.left) for c, w in rest)
         rid = str(r.req_id) if self._tags is None else f"{self._tags[r.replica]}:{r.req_id}"
-        return rid.rjust(self.columns[0].width), " " + rest
+        return rid.rjust(id_width), " " + text
 
     def render_line(self, y: int) -> Strip:
         width = self.scrollable_content_region.width
         base = self._style("")
         if y == 0:
-            head = " ".join(c.title.ljust(c.width) if c.left else c.title.rjust(c.width)
-                            for c in self.columns)
+            head = " ".join(_cell(c.title, w, c.left) for c, w in self.fitted())
             style = self._style("request-table--header")
             return Strip([Segment(head, style)]).adjust_cell_length(width, style)
         i = self.scroll_offset.y + y - 1

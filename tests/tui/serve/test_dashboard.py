@@ -72,3 +72,21 @@ async def test_pause_holds_tokens_and_n_steps(tmp_path):
                 await pilot.press("n")
             body = await asyncio.wait_for(task, 5)
         assert body["usage"]["completion_tokens"] == 3 and fe.engine.step_count == 3
+
+
+@pilot_test
+async def test_at_80x24_the_header_has_the_url_and_the_queues_their_client_column(tmp_path):
+    fe = build_frontend(load_scenario("chat"))
+    app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        app.refresh_frame()
+        await pilot.pause()
+        header = next(iter(app.screen._compositor.render_strips())).text
+        assert f"http://127.0.0.1:{app.server.port}/v1" in header
+        for table in app.tables.values():
+            client, width = table.fitted()[-1]
+            assert client.title == "client" and width >= len("127.0.0.1:65535")
+            assert sum(w for _, w in table.fitted()) + len(table.fitted()) - 1 \
+                <= table.scrollable_content_region.width
+        await pilot.press("q")
