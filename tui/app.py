@@ -303,7 +303,8 @@ class Dashboard(App[int]):
                 self._event_i += len(new_events)
             info = HeaderInfo(self.engine.scenario.name, snap.policy, self.compute, snap.now,
                               snap.step, d.speed, d.paused, d.lag, self.replay_name, d.finished,
-                              d.achieved, self._header_note(), self.url)
+                              d.achieved, self._header_note(), self.url,
+                              snap.load)
             error = d.error
         finally:
             d.lock.release()

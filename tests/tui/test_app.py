@@ -516,6 +516,17 @@ def test_header_shows_the_achieved_speed_beside_the_asked_one_and_the_lag():
         HeaderInfo("chat", "chunked", "none", 1.0, 1, 1.0, True)).plain
 
 
+@pilot_test
+async def test_the_header_shows_what_drives_the_arrivals():
+    sc = load_scenario("chat", ["workload.concurrency=12", "workload.num_requests=50",
+                                'engine.preset="roofline"'])
+    for engine, label in ((Engine(sc), "concurrency 12"), (make_engine(), "4 req/s")):
+        app = Dashboard(engine, log_dir=".", paused=True)
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.header._shown is not None)
+            assert f" · {label} · " in StatusHeader.render_info(app.header._shown).plain
+
+
 def screen_text(app) -> str:
     return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
 

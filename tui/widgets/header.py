@@ -1,7 +1,8 @@
 """The status line: running or paused, the simulated clock, the speed asked for and the speed
-achieved, the last action's feedback (while the event log is hidden), the server's URL, then
-scenario, policy, compute backend and step; a warning when compute cannot keep up. The essentials
-come first, so that a narrow terminal cuts only the rest."""
+achieved, the last action's feedback (while the event log is hidden), the server's URL, the
+workload's concurrency or rate, then scenario, policy, compute backend and step; a warning when
+compute cannot keep up. The essentials come first, so that a narrow terminal cuts only the
+rest."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class HeaderInfo:
     achieved: float | None = None  # simulated s per wall s actually run, lately
     note: str | None = None    # the last action's feedback
     url: str | None = None     # `servesim serve`'s address
+    load: str = ""             # the workload's concurrency or rate ("concurrency 32", "4 req/s")
 
 
 LAG_WARN_S = 1.0
@@ -77,6 +79,8 @@ class StatusHeader(Widget):
         if h.url:
             t.append(" · ")
             t.append(h.url, style="bold #61afef")
+        if h.load:
+            t.append(f" · {h.load}", style="bold #56b6c2")
         t.append(f" · {h.scenario}", style="bold")
         t.append(" · ")
         t.append(h.policy, style="bold #e5c07b")
