@@ -13,9 +13,11 @@ connection is refused with a 503.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
+import multiprocessing
 import socket
 import sys
 from dataclasses import dataclass, replace
@@ -27,13 +29,16 @@ from sim import ScenarioError, __version__
 from tui.serve.frontend import Frontend
 from tui.serve.intake import ACCEPT_BATCH, Intake, fd_share, raise_fd_limit
 from tui.serve.metrics import CONTENT_TYPE
-from tui.serve.protocol import APIError, body_pieces, parse_body, parse_generate
+from tui.serve.protocol import APIError, GenerateSpec, body_pieces, parse_request
 
 
-# A request body is parsed and checked on the event loop, where every stream's tokens are sent:
-# ~30 ms a MiB for a list of token ids (json.loads and the checks), so 64 MiB held every stream
-# for ~2.8 s. 16 MiB still holds a 131k-token prompt many times over, or thousands of prompts.
+# 16 MiB holds a 131k-token prompt many times over, or thousands of prompts.
 MAX_BODY = 16 * 1024 * 1024
+# A body from this size up is parsed and checked in a worker process (`Parser`), not on the
+# event loop that sends every stream's tokens: json.loads and the checks of a list of token ids
+# take ~40 ms a MiB in one call that holds the GIL throughout (a thread would not free the loop).
+PARSE_APART = 1 << 20
+PARSER_IDLE_S = 60.0  # the worker process ends after this long without a body to parse
 SHUTDOWN_S = 2.0  # the most a stop waits for a request handler still running
 MAX_TIMEOUT_S = 86400.0  # a day: the longest timeout taken (a longer one is as good as none)
 LINGER_S = 10.0  # aiohttp's lingering close: the most an unread body is read after the response
@@ -64,9 +69,54 @@ class Limits:
             raise ScenarioError(f"--max-connections {self.max_connections}: must be at least 1")
 
 
+class Parser:
+    """Request bodies parsed and checked (`protocol.parse_request`): one under `PARSE_APART`
+    bytes in the event loop, a larger one in a worker process, started when first needed
+    (spawned: the server's process has threads) and ended after `PARSER_IDLE_S` unused, so a
+    server that never gets a large body runs none."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._busy = 0
+        self._idle: asyncio.TimerHandle | None = None
+
+    async def parse(self, raw: bytes, chat: bool) -> GenerateSpec:
+        """Raises APIError as `parse_request` does."""
+        if len(raw) < PARSE_APART:
+            return parse_request(raw, chat)
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._pool
+        self._busy += 1
+        try:
+            return await asyncio.wrap_future(pool.submit(parse_request, raw, chat))
+        except concurrent.futures.process.BrokenProcessPool:  # (the worker died: a new one next)
+            if self._pool is pool:
+                self._pool = None
+            raise
+        finally:
+            self._busy -= 1
+            if self._busy == 0 and self._pool is not None:
+                self._idle = asyncio.get_running_loop().call_later(PARSER_IDLE_S, self.close)
+
+    def close(self) -> None:
+        """End the worker process (a parse in progress gets CancelledError)."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 FRONTEND = web.AppKey("frontend", Frontend)
 INTAKE = web.AppKey("intake", Intake)
 LIMITS = web.AppKey("limits", Limits)
+PARSER = web.AppKey("parser", Parser)
 
 
 def _error(err: APIError) -> web.Response:
@@ -167,7 +217,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     wall = request.app[INTAKE].arrival(request.transport)
     if wall is not None:
         arrival = fe.clock.at_wall(wall)
-    spec = parse_generate(parse_body(body), chat)
+    spec = await request.app[PARSER].parse(body, chat)
     fe.check(spec)
     call = fe.submit(spec, _client(request), arrival)
     resp = None
@@ -258,6 +308,7 @@ def make_app(frontend: Frontend, api_key: str | None = None,
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app[FRONTEND] = frontend
     app[LIMITS] = limits
+    app[PARSER] = Parser()
     cap = limits.max_connections
     app[INTAKE] = Intake(cap, refusal(cap) if cap is not None else b"")
     app.router.add_post("/v1/completions", completions)
@@ -322,6 +373,7 @@ class Server:
         self.frontend.shutdown()
         await self.frontend.stop()
         if self._runner is not None:
+            self._runner.app[PARSER].close()
             await self._runner.cleanup()
             self._runner = None
             asyncio.get_running_loop().set_exception_handler(self._loop_errors)

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim import ScenarioError
+from tui.serve import http as http_mod
 from tui.serve.http import INTAKE, Limits
 from tui.serve.protocol import FILLER
 from .conftest import read_until_closed, serving
@@ -738,3 +739,24 @@ def test_absurd_limits_are_one_line_errors(kw):
     with pytest.raises(ScenarioError) as e:
         Limits(**kw)
     assert "\n" not in str(e.value) and str(e.value).startswith("--")
+
+
+def test_a_large_body_is_parsed_in_a_worker_process_and_served_the_same(monkeypatch):
+    # (the size from which a body leaves the event loop, lowered so the test's are large)
+    monkeypatch.setattr(http_mod, "PARSE_APART", 1024)
+    ids = [1000 + i for i in range(2000)]
+    with serving() as s:
+        status, body = post(s, "/v1/completions", {"prompt": ids, "max_tokens": 3})
+        assert status == 200 and body["usage"]["prompt_tokens"] == 2000
+        assert body["choices"][0]["text"] == filler(3)
+        assert s.call(lambda: s.server._runner.app[http_mod.PARSER]._pool) is not None
+        status, body = post(s, "/v1/chat/completions",  # (a chat body too)
+                            {"messages": [{"role": "user", "content": "x" * 3000}],
+                             "max_tokens": 2})
+        assert status == 200 and body["choices"][0]["message"]["content"] == filler(2)
+        # a refusal from the worker is the one the loop would give, param and all
+        bad = {"prompt": ids + [-1], "max_tokens": 3}
+        status, body = post(s, "/v1/completions", bad)
+        monkeypatch.setattr(http_mod, "PARSE_APART", 1 << 30)
+        assert (status, body) == post(s, "/v1/completions", bad)
+        assert status == 400 and body["error"]["param"] == "prompt"
