@@ -273,6 +273,7 @@ def cmd_run(args) -> int:
 
 def cmd_serve(args) -> int:
     from tui.serve.app import build_frontend, serve_headless  # (lazy: aiohttp loads only to serve)
+    from tui.serve.http import Limits  # (lazy, as above)
 
     if not 0 <= args.port <= 65535:
         raise ScenarioError(f"--port {args.port}: must be between 0 and 65535")
@@ -284,16 +285,23 @@ def cmd_serve(args) -> int:
         raise ScenarioError("--api-key: empty (leave it out to serve without one)")
     if args.max_waiting is not None and args.max_waiting < 0:
         raise ScenarioError(f"--max-waiting {args.max_waiting}: must be at least 0")
+    limits = Limits(keep_alive_s=args.keep_alive_timeout, body_s=args.body_timeout,
+                    max_connections=args.max_connections)
+    _check_writable(args.log, "--log")
     sc = _scenario(args)
+    _not_an_input(args.log, "--log", _scenario_inputs(sc))
     frontend = build_frontend(sc, background=args.background, make_executor=make_executor,
                               speed=args.speed, model_name=args.served_model_name,
                               max_waiting=args.max_waiting, record_timing=args.record_timing,
-                              bounded=not args.tui, send_threads=args.send_threads)
+                              bounded=not args.tui, send_threads=args.send_threads,
+                              keep_events=bool(args.log))
     if args.tui:
         from tui.serve.dashboard import serve_dashboard  # (lazy: Textual loads only for --tui)
 
-        return serve_dashboard(frontend, args.host, args.port, api_key=api_key)
-    return serve_headless(frontend, args.host, args.port, api_key=api_key)
+        return serve_dashboard(frontend, args.host, args.port, api_key=api_key, limits=limits,
+                               log=args.log)
+    return serve_headless(frontend, args.host, args.port, api_key=api_key, limits=limits,
+                          log=args.log)
 
 
 def cmd_replay(args) -> int:
@@ -564,6 +572,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each token's send lateness, served at /servesim/timing")
     s.add_argument("--send-threads", type=int, choices=[1, 2], default=1,
                    help="threads that write a step's tokens to the sockets (default 1)")
+    s.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="S",
+                   help="close a connection with no whole request header for S seconds: idle "
+                        "between requests, or sending half a header (default 5, as vLLM)")
+    s.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="answer 408 and close when a request body takes over S seconds "
+                        "(default 60)")
+    s.add_argument("--max-connections", type=int, metavar="N",
+                   help="refuse (503) new connections while N are open (default: half the "
+                        "open-file limit, which serve raises to 65535 where it may)")
+    s.add_argument("--log", type=_file, metavar="FILE",
+                   help="write the session log (msgpack) at exit, for servesim replay")
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("sim", help="run a scenario headless and print its metrics")

@@ -12,18 +12,52 @@
 #include <Python.h>
 
 #include <math.h>
+#include <stdint.h>
 
-/* A writable, C-contiguous buffer of `n` items of `itemsize` bytes (a NumPy column). */
-static int column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t need) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+/* A writable, C-contiguous, 8-byte aligned buffer of at least `need` items of the C type
+ * `kind` ('d': double, 'q': long long) (a NumPy column of float64 or int64). Checked before any
+ * item is touched: a misaligned or differently typed buffer would be undefined behaviour. */
+static int column(PyObject *obj, Py_buffer *view, char kind, Py_ssize_t need) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return -1;
-    if (view->itemsize != itemsize || view->len / itemsize < need) {
+    const char *f = view->format ? view->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')  /* (native order on the little-endian builds) */
+        f++;
+    const int typed = f[0] != '\0' && f[1] == '\0'
+        && (kind == 'd' ? f[0] == 'd' : (f[0] == 'q' || f[0] == 'l'));
+    if (!typed || view->itemsize != 8) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "_rows: column too short or of the wrong type");
+        PyErr_Format(PyExc_ValueError, "_rows: a column of %s expected",
+                     kind == 'd' ? "float64" : "int64");
+        return -1;
+    }
+    if (((uintptr_t)view->buf) % _Alignof(long long) != 0
+            || ((uintptr_t)view->buf) % _Alignof(double) != 0) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "_rows: a column not aligned to 8 bytes");
+        return -1;
+    }
+    if (view->len / 8 < need) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "_rows: a column too short for the rows asked");
         return -1;
     }
     return 0;
 }
+
+/* The checked sum, difference or product (GCC's and Clang's `__builtin_*_overflow`): 0, or -1
+ * with OverflowError set when it overflowed (signed overflow is undefined in C). */
+static int fits(int overflowed) {
+    if (overflowed) {
+        PyErr_SetString(PyExc_OverflowError, "_rows: a value out of the int64 range");
+        return -1;
+    }
+    return 0;
+}
+
+#define add_ll(a, b, out) fits(__builtin_add_overflow(a, b, out))
+#define sub_ll(a, b, out) fits(__builtin_sub_overflow(a, b, out))
+#define mul_ll(a, b, out) fits(__builtin_mul_overflow(a, b, out))
 
 /* Arguments and list items as C numbers, taking only ints (and bools) and floats, so that no
  * Python code (an `__index__`, `__float__` or `__bool__`) runs while this module holds borrowed
@@ -94,18 +128,19 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         attn_f = k_[5], kv = k_[6], kv_read = k_[7], fixed = k_[8], ar_tok = k_[9],
         cpu0 = k_[10], cpu1 = k_[11], idle = k_[13], dyn = k_[14], moe_c = k_[15],
         moe_m = k_[16], moe_cap = k_[17], moe_mean = k_[18], moe_sd = k_[19], moe_lam = k_[20];
-    if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at) {
-        PyErr_SetString(PyExc_ValueError, "_rows.decode_rows: a row out of range");
+    if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at || b < 0 || c0 < 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "_rows.decode_rows: a row out of range, or a negative batch or context");
         return NULL;
     }
     Py_buffer ve, vd, ven;
-    if (column(oe, &ve, 8, at + n) < 0)
+    if (column(oe, &ve, 'd', at + n) < 0)
         return NULL;
-    if (column(od, &vd, 8, at + n) < 0) {
+    if (column(od, &vd, 'd', at + n) < 0) {
         PyBuffer_Release(&ve);
         return NULL;
     }
-    if (column(oen, &ven, 8, at + n) < 0) {
+    if (column(oen, &ven, 'd', at + n) < 0) {
         PyBuffer_Release(&ve);
         PyBuffer_Release(&vd);
         return NULL;
@@ -144,9 +179,14 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         durs[k] = d;
         ens[k] = idle * d + dyn * busy;
         k++;
-        if (t >= t_ext)
+        if (t >= t_ext || k == n)
             break;
-        kr += b;
+        if (add_ll(kr, b, &kr) < 0) {  /* (rows written so far are left: staging rows) */
+            PyBuffer_Release(&ve);
+            PyBuffer_Release(&vd);
+            PyBuffer_Release(&ven);
+            return NULL;
+        }
     }
     double first = k ? ends[0] : Py_NAN, last = k ? ends[k - 1] : Py_NAN;
     PyBuffer_Release(&ve);
@@ -178,7 +218,7 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     Py_buffer vu;
-    if (column(ou, &vu, 8, at + k) < 0)
+    if (column(ou, &vu, 'q', at + k) < 0)
         return NULL;
     long long *out = (long long *)vu.buf + at;
     for (Py_ssize_t j = 0; j < k; j++)
@@ -194,11 +234,16 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
         out[j0] += 1;
     }
-    for (Py_ssize_t j = bs; j < k; j++)  /* taken at step j: first crossings at j, j - bs, ... */
-        out[j] += out[j - bs];
-    out[0] += used0;
-    for (Py_ssize_t j = 1; j < k; j++)
-        out[j] += out[j - 1];
+    int bad = 0;  /* taken at step j: first crossings at j, j - bs, ... */
+    for (Py_ssize_t j = bs; j < k && !bad; j++)
+        bad = add_ll(out[j], out[j - bs], &out[j]) < 0;
+    bad = bad || add_ll(out[0], used0, &out[0]) < 0;
+    for (Py_ssize_t j = 1; j < k && !bad; j++)
+        bad = add_ll(out[j], out[j - 1], &out[j]) < 0;
+    if (bad) {
+        PyBuffer_Release(&vu);
+        return NULL;
+    }
     long long last = out[k - 1];
     out[0] = first;
     PyBuffer_Release(&vu);
@@ -224,24 +269,33 @@ static PyObject *expand(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t k;
     if (get_size(args[2], &k) < 0)
         return NULL;
+    /* The columns first: taking a buffer may run Python code (a `__buffer__`), which could
+     * change the lists; the lists are read only afterwards, when no Python code runs. */
+    PyObject *outs = PyList_AsTuple(args[3]);
+    if (outs == NULL)
+        return NULL;
+    Py_buffer views[8];
+    int got = 0;
+    PyObject *result = NULL;
     PyObject *lists[10];
     Py_ssize_t nruns = -1;
+    if (column(args[1], &views[0], 'q', k) < 0)
+        goto done;
+    for (got = 1; got < 8; got++)
+        if (column(PyTuple_GET_ITEM(outs, got - 1), &views[got], 'q', k) < 0)
+            goto done;
+    if (!PyList_Check(args[0]) || PyList_GET_SIZE(args[0]) != 10) {
+        PyErr_SetString(PyExc_TypeError, "_rows.expand: runs changed while read");
+        goto done;
+    }
     for (int c = 0; c < 10; c++) {
         lists[c] = PyList_GET_ITEM(args[0], c);
         if (!PyList_Check(lists[c]) || (nruns >= 0 && PyList_GET_SIZE(lists[c]) != nruns)) {
             PyErr_SetString(PyExc_ValueError, "_rows.expand: the run lists differ in length");
-            return NULL;
+            goto done;
         }
         nruns = PyList_GET_SIZE(lists[c]);
     }
-    Py_buffer views[8];
-    int got = 0;
-    PyObject *result = NULL;
-    if (column(args[1], &views[0], 8, k) < 0)
-        return NULL;
-    for (got = 1; got < 8; got++)
-        if (column(PyList_GET_ITEM(args[3], got - 1), &views[got], 8, k) < 0)
-            goto done;
     const long long *used = views[0].buf;
     long long *out[7];
     for (int c = 0; c < 7; c++)
@@ -259,12 +313,18 @@ static PyObject *expand(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
         for (long long r = 0; r < rows; r++, g++) {
+            long long drop, per_block, empty;  /* (in the order written above) */
+            if (mul_ll(v[3], r, &drop) < 0 || sub_ll(v[7], drop, &empty) < 0
+                    || mul_ll(v[8], used[g], &per_block) < 0
+                    || add_ll(empty, per_block, &empty) < 0
+                    || add_ll(empty, r ? 0 : v[9], &empty) < 0)
+                goto done;
             out[0][g] = v[1];
             out[1][g] = v[2];
             out[2][g] = v[3];
             out[3][g] = v[4];
             out[4][g] = r ? v[3] : v[6];
-            out[5][g] = v[7] - v[3] * r + v[8] * used[g] + (r ? 0 : v[9]);
+            out[5][g] = empty;
             out[6][g] = v[5];
         }
     }
@@ -277,6 +337,7 @@ static PyObject *expand(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     for (int c = 0; c < got; c++)
         PyBuffer_Release(&views[c]);
+    Py_DECREF(outs);
     return result;
 }
 

@@ -17,8 +17,9 @@ from sim.deploy.build import is_deployment
 from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
 from sim.inputs.workload import Workload
+from sim.session.log import write_log
 from tui.serve.frontend import Frontend
-from tui.serve.http import Server
+from tui.serve.http import Limits, Server
 
 
 # A server is meant to run for days: a speed at which the simulated clock would pass the
@@ -40,12 +41,14 @@ def model_name_of(scenario) -> str:
 def build_frontend(scenario, *, background: bool = False, make_executor=None,
                    speed: float = 1.0, model_name: str | None = None,
                    max_waiting: int | None = None, record_timing: bool = False,
-                   bounded: bool = False, send_threads: int = 1) -> Frontend:
+                   bounded: bool = False, send_threads: int = 1,
+                   keep_events: bool = False) -> Frontend:
     """The engine for `scenario` (its own workload only with `background`) behind a front end.
 
     `bounded`: memory held by what is in flight, not by how long the server has run (ended
     requests, timeline rows and read events are dropped); for headless serving, where no screen
-    reads the history.
+    reads the history. `keep_events`: the engine's events are kept even so, for a session
+    log (`--log`): they grow with the session.
 
     Raises ScenarioError for what `serve` cannot run: a deployment of several instances, or
     parallel sampling set in the scenario (a request's `n` does that)."""
@@ -69,8 +72,8 @@ def build_frontend(scenario, *, background: bool = False, make_executor=None,
     engine = Engine(scenario, executor=executor, keep_history=not bounded,
                     workload=None if background else empty_workload())
     return Frontend(engine, model_name=model_name or model_name_of(scenario), speed=speed,
-                    max_waiting=max_waiting, record_timing=record_timing, trim_events=bounded,
-                    send_threads=send_threads)
+                    max_waiting=max_waiting, record_timing=record_timing,
+                    trim_events=bounded and not keep_events, send_threads=send_threads)
 
 
 def banner(frontend: Frontend, host: str, port: int) -> str:
@@ -82,13 +85,16 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 
 
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
-                   api_key: str | None = None) -> int:
+                   api_key: str | None = None, limits: Limits = Limits(),
+                   log: str | None = None) -> int:
     """Serve until SIGINT/SIGTERM, then end every open call (a stream with an `abort` frame
-    and `[DONE]`) and return 128 + the signal's number. `ready(server)` is called once
-    listening.
-    Raises ScenarioError when the address cannot be bound."""
+    and `[DONE]`), write the session log to `log` (atomically; the frontend must keep its
+    events: `build_frontend(keep_events=True)`) and return 128 + the signal's number.
+    `ready(server)` is called once listening.
+    Raises ScenarioError when the address cannot be bound, LogError when the log cannot be
+    written."""
     async def main() -> None:
-        server = Server(frontend, host, port, api_key)
+        server = Server(frontend, host, port, api_key, limits)
         try:
             await server.start()
         except OSError as e:
@@ -117,6 +123,8 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
             await stop.wait()
         finally:
             await server.stop()
+            if log is not None:  # (the pump has stopped: the engine is still)
+                write_log(log, frontend.engine)
 
     signals: list[int] = []
     asyncio.run(main())

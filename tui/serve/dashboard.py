@@ -4,19 +4,23 @@ event loop, with the HTTP server and its pump in that same loop.
 The pump moves the engine (there is no worker thread); the dashboard's clock keys act on the
 server's clock through `ServeDriver`, and its other keys (inject, cancel, policy, export) go
 through the engine's API as in `servesim run`, so an exported log holds the HTTP arrivals as
-injections with their times and replays exactly.
+injections with their times and replays exactly. SIGTERM ends every open call as `q` does and
+saves the session log (to `--log FILE`, else a new file in the log directory, as `e` names it).
 """
 
 from __future__ import annotations
 
+import signal
+import sys
 import time
 
 from sim import ScenarioError
+from sim.session.log import write_log
 from tui.app import Dashboard
 from tui.driver import MAX_SPEED, MIN_SPEED, SpeedMeter
 from tui.serve.app import banner
 from tui.serve.frontend import Frontend
-from tui.serve.http import Server
+from tui.serve.http import Limits, Server
 
 
 class ServeDriver:
@@ -90,10 +94,13 @@ class ServeDashboard(Dashboard):
     """The dashboard with the HTTP server running in its event loop."""
 
     def __init__(self, frontend: Frontend, host: str, port: int, log_dir=".",
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, limits: Limits = Limits(),
+                 log: str | None = None) -> None:
         super().__init__(frontend.engine, driver=ServeDriver(frontend), log_dir=log_dir)
-        self.server = Server(frontend, host, port, api_key)
+        self.server = Server(frontend, host, port, api_key, limits)
         self.listen_error: str | None = None
+        self.log_path = log  # the session log written at exit (None: on SIGTERM, in log_dir)
+        self.saved: str | None = None  # where it went, or why it could not
 
     async def on_mount(self) -> None:
         super().on_mount()
@@ -117,15 +124,38 @@ class ServeDashboard(Dashboard):
         super()._changed()
 
     async def action_quit(self) -> None:
-        await self.server.stop()
+        await self._close(save=self.log_path is not None)
         self.exit(0)
 
+    def _terminated(self) -> None:
+        """SIGTERM: end every open call, save the session, exit with 128 + SIGTERM."""
+        async def close() -> None:
+            await self._close(save=True)
+            self.exit(return_code=128 + signal.SIGTERM)
 
-def serve_dashboard(frontend: Frontend, host: str, port: int,
-                    api_key: str | None = None) -> int:
-    """Serve under the live dashboard; `q` quits. Returns the exit code."""
-    app = ServeDashboard(frontend, host, port, api_key=api_key)
+        self.run_worker(close(), exclusive=True, group="terminate")
+
+    async def _close(self, save: bool) -> None:
+        """Stop the server (open streams end with `abort` and `[DONE]`), then, with `save`,
+        write the session log: to `log_path`, else under a new name in the log directory."""
+        await self.server.stop()
+        if not save:
+            return
+        try:
+            self.saved = str(write_log(self.log_path, self.engine) if self.log_path
+                             else self._write_new_log(""))
+        except Exception as e:  # noqa: BLE001 - reported at exit; the app must still close
+            self.saved = f"(not saved: {e})"
+
+
+def serve_dashboard(frontend: Frontend, host: str, port: int, api_key: str | None = None,
+                    limits: Limits = Limits(), log: str | None = None) -> int:
+    """Serve under the live dashboard; `q` quits (and writes `log`), SIGTERM too and saves the
+    session. Returns the exit code."""
+    app = ServeDashboard(frontend, host, port, api_key=api_key, limits=limits, log=log)
     app.run()
     if app.listen_error:
         raise ScenarioError(app.listen_error)
+    if app.saved is not None:  # (after Textual has given the terminal back)
+        print(f"servesim serve: session log: {app.saved}", file=sys.stderr)
     return app.return_code or 0

@@ -37,6 +37,7 @@ from sim import EngineError, ServesimError
 from sim.engine.admission import is_refusal
 from sim.engine.kv import blocks_for
 from sim.inputs.workload import sample_lengths
+from tui.serve.intake import fd_share
 from tui.serve.metrics import ServeMetrics
 from tui.serve.protocol import (DONE, FILLER, APIError, ChunkWriter, GenerateSpec, chat_body,
                             completion_body, created_now, usage)
@@ -227,27 +228,25 @@ def _no_op() -> None:
 
 
 class _FdBudget:
-    """How many duplicated fds the raw writes may hold at once: half of what the process may
-    open (less a margin), so that accepting connections never runs out because of them."""
+    """How many duplicated fds the raw writes may hold at once: `intake.fd_share` (half of
+    what the process may open, less a margin), so that accepting connections never runs out
+    because of them. Read at each take: serving raises the limit once started."""
 
     def __init__(self) -> None:
-        try:
-            import resource  # (Unix only)
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        except (ImportError, OSError, ValueError):
-            soft = 1024
-        if soft == -1 or soft > 1 << 20:  # RLIM_INFINITY, or as good as
-            soft = 1 << 20
-        self.left = max(0, (soft - 64) // 2)
+        self.held = 0
+
+    @property
+    def left(self) -> int:
+        return max(0, fd_share() - self.held)
 
     def take(self) -> bool:
-        if self.left <= 0:
+        if self.held >= fd_share():
             return False
-        self.left -= 1
+        self.held += 1
         return True
 
     def give(self) -> None:
-        self.left += 1
+        self.held -= 1
 
 
 _fds = _FdBudget()

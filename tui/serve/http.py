@@ -5,37 +5,134 @@
 bench serve`). Every refusal is an OpenAI-style error body with its status; an unexpected error
 is a 500 body and one line on stderr, never a traceback to the client or a hung connection. A
 client that disconnects cancels its requests (aiohttp cancels the handler: `handler_cancellation`).
+A connection is held only while it is used (`Limits`): idle, or without a whole request header,
+for at most the keep-alive timeout; a body gets the body timeout; past the connection cap a new
+connection is refused with a 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
+import multiprocessing
 import socket
 import sys
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 
 from aiohttp import http_exceptions, web
 
-from sim import __version__
+from sim import ScenarioError, __version__
 from tui.serve.frontend import Frontend
-from tui.serve.intake import ACCEPT_BATCH, Intake
+from tui.serve.intake import ACCEPT_BATCH, Intake, fd_share, raise_fd_limit
 from tui.serve.metrics import CONTENT_TYPE
-from tui.serve.protocol import APIError, body_pieces, parse_body, parse_generate
+from tui.serve.protocol import APIError, GenerateSpec, body_pieces, parse_request
+
+
+# 16 MiB holds a 131k-token prompt many times over, or thousands of prompts.
+MAX_BODY = 16 * 1024 * 1024
+# A body from this size up is parsed and checked in a worker process (`Parser`), not on the
+# event loop that sends every stream's tokens: json.loads and the checks of a list of token ids
+# take ~40 ms a MiB in one call that holds the GIL throughout (a thread would not free the loop).
+PARSE_APART = 1 << 20
+PARSER_IDLE_S = 60.0  # the worker process ends after this long without a body to parse
+SHUTDOWN_S = 2.0  # the most a stop waits for a request handler still running
+MAX_TIMEOUT_S = 86400.0  # a day: the longest timeout taken (a longer one is as good as none)
+LINGER_S = 10.0  # aiohttp's lingering close: the most an unread body is read after the response
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long a connection may hold the server without using it, and how many may be open.
+
+    `keep_alive_s`: a connection with no whole request header for this long (since it opened,
+    or since its last response ended) is closed: idle keep-alive connections, and ones that
+    send half a header (vLLM's uvicorn closes idle ones after 5 s: its TIMEOUT_KEEP_ALIVE).
+    `body_s`: a request body not all received within this long after its header gets a 408
+    and its connection is closed. `max_connections`: open connections beyond it are refused
+    with a 503 and closed (None: `intake.fd_share()`, half the process's file limit)."""
+
+    keep_alive_s: float = 5.0
+    body_s: float = 60.0
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for option, v in (("--keep-alive-timeout", self.keep_alive_s),
+                          ("--body-timeout", self.body_s)):
+            if not 0 < v <= MAX_TIMEOUT_S:  # (NaN fails too)
+                raise ScenarioError(f"{option} {v:g}: must be a positive number of seconds, "
+                                    f"at most {MAX_TIMEOUT_S:g}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ScenarioError(f"--max-connections {self.max_connections}: must be at least 1")
+
+
+class Parser:
+    """Request bodies parsed and checked (`protocol.parse_request`): one under `PARSE_APART`
+    bytes in the event loop, a larger one in a worker process, started when first needed
+    (spawned: the server's process has threads) and ended after `PARSER_IDLE_S` unused, so a
+    server that never gets a large body runs none."""
+
+    def __init__(self) -> None:
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._busy = 0
+        self._idle: asyncio.TimerHandle | None = None
+
+    async def parse(self, raw: bytes, chat: bool) -> GenerateSpec:
+        """Raises APIError as `parse_request` does."""
+        if len(raw) < PARSE_APART:
+            return parse_request(raw, chat)
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self._pool is None:
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._pool
+        self._busy += 1
+        try:
+            return await asyncio.wrap_future(pool.submit(parse_request, raw, chat))
+        except concurrent.futures.process.BrokenProcessPool:  # (the worker died: a new one next)
+            if self._pool is pool:
+                self._pool = None
+            raise
+        finally:
+            self._busy -= 1
+            if self._busy == 0 and self._pool is not None:
+                self._idle = asyncio.get_running_loop().call_later(PARSER_IDLE_S, self.close)
+
+    def close(self) -> None:
+        """End the worker process (a parse in progress gets CancelledError)."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
 
 FRONTEND = web.AppKey("frontend", Frontend)
 INTAKE = web.AppKey("intake", Intake)
-# A request body is parsed and checked on the event loop, where every stream's tokens are sent:
-# ~30 ms a MiB for a list of token ids (json.loads and the checks), so 64 MiB held every stream
-# for ~2.8 s. 16 MiB still holds a 131k-token prompt many times over, or thousands of prompts.
-MAX_BODY = 16 * 1024 * 1024
-SHUTDOWN_S = 2.0  # the most a stop waits for a request handler still running
+LIMITS = web.AppKey("limits", Limits)
+PARSER = web.AppKey("parser", Parser)
 
 
 def _error(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=int(err.status))
+    resp = web.json_response(err.body(), status=int(err.status))
+    if err.status == HTTPStatus.REQUEST_TIMEOUT:  # (the rest of its request is not read)
+        resp.force_close()
+    return resp
+
+
+def refusal(max_connections: int) -> bytes:
+    """The whole HTTP response a connection over the cap gets before it is closed."""
+    body = json.dumps(APIError(f"the server has {max_connections} connections open, the most "
+                               "it serves (--max-connections): try again later",
+                               HTTPStatus.SERVICE_UNAVAILABLE).body()).encode()
+    return (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
 
 
 @web.middleware
@@ -104,8 +201,13 @@ def _client(request: web.Request) -> str:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     fe = request.app[FRONTEND]
     arrival = fe.clock.now()  # (the handler's start, where the kernel's time is not known)
+    body_s = request.app[LIMITS].body_s
     try:
-        body = await request.read()
+        async with asyncio.timeout(body_s):
+            body = await request.read()
+    except TimeoutError:
+        raise APIError(f"the request body did not arrive within {body_s:g} s (--body-timeout)",
+                       HTTPStatus.REQUEST_TIMEOUT) from None
     except web.RequestPayloadError as e:  # (a body its Content-Encoding does not decode, ...)
         encoding = request.headers.get("Content-Encoding")
         raise APIError(f"cannot read the request body"
@@ -115,7 +217,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     wall = request.app[INTAKE].arrival(request.transport)
     if wall is not None:
         arrival = fe.clock.at_wall(wall)
-    spec = parse_generate(parse_body(body), chat)
+    spec = await request.app[PARSER].parse(body, chat)
     fe.check(spec)
     call = fe.submit(spec, _client(request), arrival)
     resp = None
@@ -198,12 +300,17 @@ def _authorized(api_key: str):
     return check
 
 
-def make_app(frontend: Frontend, api_key: str | None = None) -> web.Application:
+def make_app(frontend: Frontend, api_key: str | None = None,
+             limits: Limits = Limits()) -> web.Application:
+    """The routes over `frontend`. `limits.max_connections` must be set (see `Server`)."""
     _quiet_client_errors()
     middlewares = [_errors] if not api_key else [_authorized(api_key), _errors]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY)
     app[FRONTEND] = frontend
-    app[INTAKE] = Intake()
+    app[LIMITS] = limits
+    app[PARSER] = Parser()
+    cap = limits.max_connections
+    app[INTAKE] = Intake(cap, refusal(cap) if cap is not None else b"")
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -219,19 +326,29 @@ class Server:
     Textual's) and stopped together."""
 
     def __init__(self, frontend: Frontend, host: str, port: int,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, limits: Limits = Limits()) -> None:
         self.frontend = frontend
         self.host, self.port = host, port
         self.api_key = api_key
+        self.limits = limits
         self._runner: web.AppRunner | None = None
+        self._loop_errors = None  # the loop's exception handler before this server's
 
     async def start(self) -> None:
-        """Listen, and start the pump. Raises OSError when the address is taken."""
+        """Raise the open-file limit (`intake.raise_fd_limit`), listen, and start the pump.
+        Raises OSError when the address is taken."""
+        raise_fd_limit()
+        limits = self.limits
+        if limits.max_connections is None:
+            limits = replace(limits, max_connections=fd_share())
         # (open calls are ended at stop, so handlers return at once: the shutdown timeout
-        # only bounds one that does not)
-        self._runner = web.AppRunner(make_app(self.frontend, self.api_key),
-                                     handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=SHUTDOWN_S)
+        # only bounds one that does not; a body that timed out is read for at most its
+        # timeout again before its connection closes, aiohttp's lingering close)
+        app = make_app(self.frontend, self.api_key, limits)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=SHUTDOWN_S,
+                                     keepalive_timeout=limits.keep_alive_s,
+                                     lingering_time=min(LINGER_S, limits.body_s))
         await self._runner.setup()
         socks: list[socket.socket] = []
         try:  # its own listening sockets: a deep backlog, receive times (tui/serve/intake.py)
@@ -243,6 +360,9 @@ class Server:
             for sock in socks:
                 sock.close()
             raise
+        loop = asyncio.get_running_loop()
+        self._loop_errors = loop.get_exception_handler()
+        loop.set_exception_handler(self._loop_error)
         if self.port == 0:  # an ephemeral port: learn which
             self.port = socks[0].getsockname()[1]
         self.frontend.start()
@@ -253,5 +373,16 @@ class Server:
         self.frontend.shutdown()
         await self.frontend.stop()
         if self._runner is not None:
+            self._runner.app[PARSER].close()
             await self._runner.cleanup()
             self._runner = None
+            asyncio.get_running_loop().set_exception_handler(self._loop_errors)
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """The loop's errors: the intake's (out of fds) as one line, the rest as before."""
+        if self._runner is not None and self._runner.app[INTAKE].loop_error(context):
+            return
+        if self._loop_errors is not None:
+            self._loop_errors(loop, context)
+        else:
+            loop.default_exception_handler(context)

@@ -19,6 +19,11 @@ arrival is the receive time of the last bytes its connection had read once its b
 its own last bytes, unless the client had already sent more (pipelined), which would only make
 it later. Where the option is missing (other than Linux on x86-64, aarch64, riscv64), the
 handler's start is the arrival, as before.
+
+The intake also bounds what connections may hold: at most `Intake.max_connections` are open at
+once (the next one gets `Intake.refusal`, an HTTP 503, and is closed: the open ones, /health
+included, go on being served), and accepting when the process is out of file descriptors is
+one line on stderr every `NOTE_EVERY_S`, not a traceback per try (`Intake.loop_error`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,11 @@ import socket
 import struct
 import sys
 import time
+
+try:
+    import resource  # (Unix only)
+except ImportError:  # pragma: no cover
+    resource = None  # type: ignore[assignment]
 
 BACKLOG = 4096
 # Connections asyncio accepts per wake of its accept loop (`web.SockSite(backlog=...)`); the rest
@@ -48,6 +58,65 @@ _ANCILLARY = socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(socket, "CMSG_SPACE") 
 # and the conversion): the request's handler start is used instead. Bytes wait unread for ms,
 # not seconds, unless the server is stalled.
 _MAX_AGE_S = 10.0
+# File descriptors kept for the process's own files (the event loop, logs, a session log).
+FD_MARGIN = 64
+# The soft limit on open files that serving raises itself to (at most the hard limit), as vLLM's
+# API server does at startup (`set_ulimit`, 65535): the common default of 1024 is two fds
+# short of 500 streams (a stream holds its connection and a duplicate of it for raw writes).
+FD_TARGET = 65535
+# A repeated note (refusals, fd exhaustion) is printed at most once per this many seconds.
+NOTE_EVERY_S = 10.0
+# accept() errors by which the process (or the system) is out of descriptors or memory
+OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+
+
+def fd_limit() -> int:
+    """The soft limit on open files (1024 where it cannot be read; at most 2**20)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (AttributeError, OSError, ValueError):
+        return 1024
+    return 1 << 20 if soft == -1 or soft > 1 << 20 else soft  # (RLIM_INFINITY, or as good as)
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to `FD_TARGET` where the hard limit allows (never
+    lower it). Returns the soft limit."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = FD_TARGET if hard == resource.RLIM_INFINITY else min(FD_TARGET, hard)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (AttributeError, OSError, ValueError):
+        pass
+    return fd_limit()
+
+
+def fd_share() -> int:
+    """Half of the descriptors the process may open, less `FD_MARGIN`: the most connections
+    served at once by default, and the most duplicated fds the raw writes hold, so that
+    together they never run the process out."""
+    return max(1, (fd_limit() - FD_MARGIN) // 2)
+
+
+class Notes:
+    """One line on stderr per kind of trouble at most every `NOTE_EVERY_S`, saying how many
+    more of it there were in between."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+
+    def say(self, kind: str, line: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(kind)
+        if last is not None and now - last < NOTE_EVERY_S:
+            self._quiet[kind] = self._quiet.get(kind, 0) + 1
+            return
+        quiet = self._quiet.pop(kind, 0)
+        self._last[kind] = now
+        more = f" ({quiet} more since the last note)" if quiet else ""
+        print(f"{line}{more}", file=sys.stderr, flush=True)
 
 
 class _Listener(socket.socket):
@@ -63,28 +132,45 @@ class _Listener(socket.socket):
         super().listen(max(backlog, BACKLOG))
 
     def accept(self):
-        conn, addr = super().accept()
-        if not self.intake.stamps:
-            return conn, addr
-        mine = _Conn(fileno=conn.detach())
-        mine.intake = self.intake
-        return mine, addr
+        """The next connection, as a `_Conn`; one over `Intake.max_connections` is refused
+        (see `Intake.refuse`) and the next one taken. Raises BlockingIOError when none waits
+        (or after refusing a batch: the rest on the loop's next turn), OSError as accept
+        does."""
+        intake = self.intake
+        for _ in range(ACCEPT_BATCH):
+            conn, addr = super().accept()
+            if intake.max_connections is None or intake.open < intake.max_connections:
+                mine = _Conn(fileno=conn.detach())
+                mine.intake = intake
+                mine.counted = True
+                intake.open += 1
+                return mine, addr
+            intake.refuse(conn)
+        raise BlockingIOError(errno.EAGAIN, "refused a batch of connections")
 
 
 class _Conn(socket.socket):
-    """An accepted connection whose reads note their bytes' receive time (`Intake.seen`)."""
+    """An accepted connection, counted in `Intake.open` until closed, whose reads note their
+    bytes' receive time (`Intake.seen`) where the kernel stamps them."""
 
-    intake: "Intake | None" = None  # (None on a `dup()`: plain reads)
+    intake: "Intake | None" = None  # (None on a `dup()`: plain reads, not counted)
+    counted = False
+
+    def close(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.intake.open -= 1
+        super().close()
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        if self.intake is None:
+        if self.intake is None or not self.intake.stamps:
             return super().recv(bufsize, flags)
         data, ancillary, _, _ = self.recvmsg(bufsize, _ANCILLARY, flags)
         self.intake.note(self.fileno(), ancillary)
         return data
 
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
-        if self.intake is None:
+        if self.intake is None or not self.intake.stamps:
             return super().recv_into(buffer, nbytes, flags)
         view = memoryview(buffer).cast("B")
         if nbytes > len(view):
@@ -100,9 +186,40 @@ class Intake:
     (a descriptor's entry is renewed by its connection's first read, before any request on it
     can ask)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_connections: int | None = None, refusal: bytes = b"") -> None:
         self.seen: dict[int, float] = {}
         self.stamps = _SO_TIMESTAMPNS is not None and _ANCILLARY > 0
+        self.open = 0  # accepted connections not yet closed
+        self.max_connections = max_connections  # None: no cap
+        self.refusal = refusal  # sent to a connection over the cap before it is closed
+        self.refused = 0
+        self.notes = Notes()
+
+    def refuse(self, conn: socket.socket) -> None:
+        """A connection over the cap: `refusal` if its socket takes it at once, then closed."""
+        self.refused += 1
+        try:
+            conn.setblocking(False)
+            conn.send(self.refusal)
+        except OSError:
+            pass
+        conn.close()
+        self.notes.say("cap", f"servesim serve: refusing new connections: {self.open} open, "
+                              f"the most allowed (--max-connections {self.max_connections})")
+
+    def loop_error(self, context: dict) -> bool:
+        """An event-loop error that is the intake's: accepting while out of descriptors, which
+        asyncio retries a second later. Says so on one line (at most every `NOTE_EVERY_S`) and
+        returns True; False for any other error."""
+        exc = context.get("exception")
+        if not (isinstance(exc, OSError) and exc.errno in OUT_OF_FDS
+                and str(context.get("message", "")).startswith("socket.accept()")):
+            return False
+        self.notes.say("fds", f"servesim serve: cannot accept connections: "
+                              f"{exc.strerror or exc} ({self.open} open, a limit of "
+                              f"{fd_limit()} files); they wait in the listen queue, tried "
+                              "again each second")
+        return True
 
     async def listen(self, host: str | None, port: int) -> list[socket.socket]:
         """Bound, not yet listening sockets for `host` (every address it resolves to; None or

@@ -41,6 +41,9 @@ class APIError(Exception):
         """vLLM's `ErrorResponse`: `{"error": {"message", "type", "param", "code"}}`."""
         return error_body(self.message, self.err_type, int(self.status), self.param)
 
+    def __reduce__(self):  # (whole across processes: a body parsed by the worker, tui.serve.http)
+        return APIError, (self.message, self.status, self.param, self.err_type)
+
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
@@ -320,6 +323,12 @@ def _tools(body: dict) -> None:
                        param="tool_choice")
     raise APIError(f"'tool_choice' = {shown(choice)} is not supported by servesim: it "
                    "generates no tool calls", param="tool_choice")
+
+
+def parse_request(raw: bytes, chat: bool) -> GenerateSpec:
+    """A /v1/completions (`chat` False) or /v1/chat/completions request body, parsed and
+    checked. Raises APIError (400)."""
+    return parse_generate(parse_body(raw), chat)
 
 
 def parse_generate(body: dict, chat: bool) -> GenerateSpec:

@@ -115,3 +115,76 @@ def test_hostile_arguments_raise_not_crash():
     out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
     with pytest.raises(TypeError):
         rows.expand([[1], [1.5]] + [[0]] * 8, np.zeros(1, dtype=np.int64), 1, out)
+
+
+def _misaligned(dtype, n: int) -> np.ndarray:
+    """A writable C-contiguous column of `n` items starting 1 byte past an 8-byte boundary."""
+    raw = np.zeros(n * 8 + 16, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 8 + 1
+    col = raw[start:start + n * 8].view(dtype)
+    assert col.ctypes.data % 8 == 1 and col.flags.c_contiguous and col.flags.writeable
+    return col
+
+
+def test_misaligned_or_mistyped_columns_are_refused_before_any_write():
+    # A column 1 byte off its alignment (a view into a byte buffer) is a misaligned 8-byte
+    # load or store in C: refused, the memory untouched.
+    ok = [np.zeros(4) for _ in range(3)]
+    for i in range(3):
+        cols = list(ok)
+        cols[i] = _misaligned(np.float64, 4)
+        with pytest.raises(ValueError, match="aligned"):
+            rows.decode_rows(*cols, 0, 2, 0.0, 1.0, 1, 0, COEFFICIENTS)
+        assert not cols[i].any()
+    bad = _misaligned(np.int64, 8)
+    with pytest.raises(ValueError, match="aligned"):
+        rows.used_rows(bad, 0, [0], 4, 16, 0, 0)
+    assert not bad.any()
+    out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
+    for where in range(8):
+        used, outs = np.zeros(2, dtype=np.int64), list(out)
+        if where == 0:
+            used = _misaligned(np.int64, 2)
+        else:
+            outs[where - 1] = _misaligned(np.int64, 2)
+        with pytest.raises(ValueError, match="aligned"):
+            rows.expand([[2]] + [[1]] * 9, used, 2, outs)
+        assert not any(o.any() for o in outs)
+    # 8-byte items of the other kind: int64 where float64 is written, and the reverse
+    with pytest.raises(ValueError, match="float64"):
+        rows.decode_rows(np.zeros(4, dtype=np.int64), *ok[1:], 0, 2, 0.0, 1.0, 1, 0, COEFFICIENTS)
+    with pytest.raises(ValueError, match="int64"):
+        rows.used_rows(np.zeros(8), 0, [0], 4, 16, 0, 0)
+
+
+INT64_MAX = 2**63 - 1
+
+
+def test_values_that_overflow_int64_raise_overflow_error():
+    # Signed overflow is undefined in C: each sum and product is checked.
+    col = np.zeros(4, dtype=np.int64)
+    with pytest.raises(OverflowError):  # the blocks used, summed along the run
+        rows.used_rows(col, 0, [0, 1], 4, 1, INT64_MAX, 0)
+    with pytest.raises(OverflowError):
+        rows.used_rows(col, 0, [0, 0, 0], 4, 1, INT64_MAX - 2, 0)
+    cols = [np.zeros(4) for _ in range(3)]
+    with pytest.raises(OverflowError):  # the context grows by the batch each step
+        rows.decode_rows(*cols, 0, 4, 0.0, 1e300, 2**62, 2**62, COEFFICIENTS)
+    with pytest.raises(ValueError):  # a negative batch or context
+        rows.decode_rows(*cols, 0, 4, 0.0, 1.0, -1, 0, COEFFICIENTS)
+    with pytest.raises(ValueError):
+        rows.decode_rows(*cols, 0, 4, 0.0, 1.0, 1, -5, COEFFICIENTS)
+    used = np.array([2**62, 0], dtype=np.int64)
+    out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
+    runs = [[2], [1], [0], [1], [1], [0], [1], [0], [4], [0]]  # e_block 4 x used 2**62
+    with pytest.raises(OverflowError):
+        rows.expand(runs, used, 2, out)
+    runs = [[2], [1], [0], [2**62], [1], [0], [1], [-(2**62) - 1], [0], [0]]  # - batch x row
+    with pytest.raises(OverflowError):
+        rows.expand(runs, used, 2, out)
+    # the largest values that fit are served, not refused
+    assert rows.used_rows(col, 0, [], 4, 1, INT64_MAX, 0) == INT64_MAX
+    rows.expand([[1], [1], [0], [1], [1], [0], [1], [INT64_MAX - 1], [0], [1]],
+                np.zeros(1, dtype=np.int64), 1, out)
+    assert out[5][0] == INT64_MAX
+

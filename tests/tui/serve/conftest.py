@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 
 import pytest
 
 from sim import load_scenario
 from tui.serve.app import build_frontend
-from tui.serve.http import Server
+from tui.serve.http import Limits, Server
 
 
 class Running:
@@ -29,7 +30,8 @@ class Running:
 
 
 @contextlib.contextmanager
-def serving(overrides=(), scenario: str = "chat", api_key: str | None = None, **kw):
+def serving(overrides=(), scenario: str = "chat", api_key: str | None = None,
+            limits: Limits = Limits(), **kw):
     sc = load_scenario(scenario, list(overrides))
     box: dict = {}
     ready = threading.Event()
@@ -38,7 +40,7 @@ def serving(overrides=(), scenario: str = "chat", api_key: str | None = None, **
         async def run() -> None:
             try:
                 fe = build_frontend(sc, **kw)
-                server = Server(fe, "127.0.0.1", 0, api_key)
+                server = Server(fe, "127.0.0.1", 0, api_key, limits)
                 await server.start()
             except BaseException as e:  # noqa: BLE001 - reported to the test thread
                 box["error"] = e
@@ -69,3 +71,18 @@ def serving(overrides=(), scenario: str = "chat", api_key: str | None = None, **
 def server():
     with serving(record_timing=True) as s:
         yield s
+
+
+def read_until_closed(sock: socket.socket, hang_guard_s: float = 30.0) -> bytes:
+    """Everything the server sends on `sock` until it closes it (a reset counts as closed).
+    The hang guard fails the test: a server that keeps the connection open."""
+    sock.settimeout(hang_guard_s)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        pytest.fail(f"the server kept the connection open (got {got[:200]!r})")
+    return got

@@ -16,6 +16,10 @@ from tui.cli import main
     (["--policy", "disaggregated"], "invalid choice"),
     (["--port", "70000"], "--port 70000"),
     (["--max-waiting", "-1"], "--max-waiting -1"),
+    (["--keep-alive-timeout", "0"], "--keep-alive-timeout 0: must be a positive number"),
+    (["--body-timeout", "nan"], "--body-timeout nan: must be a positive number"),
+    (["--max-connections", "0"], "--max-connections 0: must be at least 1"),
+    (["--log", "/no/such/dir/s.msgpack"], "--log /no/such/dir/s.msgpack: directory"),
     (["no-such-scenario"], "no-such-scenario"),
 ])
 def test_bad_arguments_are_one_line_and_exit_2(capsys, argv, words):

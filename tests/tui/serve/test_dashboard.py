@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import aiohttp
 
@@ -90,3 +92,51 @@ async def test_at_80x24_the_header_has_the_url_and_the_queues_their_client_colum
             assert sum(w for _, w in table.fitted()) + len(table.fitted()) - 1 \
                 <= table.scrollable_content_region.width
         await pilot.press("q")
+
+
+async def _stream_then(app, pilot, act) -> list[bytes]:
+    """Open a long stream, wait until it decodes, `await act()`; the stream's lines."""
+    url = f"http://127.0.0.1:{app.server.port}/v1/completions"
+    async with aiohttp.ClientSession() as http:
+        async def stream() -> list[bytes]:
+            async with http.post(url, json={"prompt": "x" * 10, "max_tokens": 100_000,
+                                            "stream": True}) as r:
+                return [line async for line in r.content if line.strip()]
+
+        task = asyncio.create_task(stream())
+        await until(pilot, lambda: app.snap is not None and app.snap.running)
+        await act()
+        return await asyncio.wait_for(task, 30)  # (a hang guard)
+
+
+@pilot_test
+async def test_sigterm_ends_streams_with_done_and_saves_the_session(tmp_path):
+    fe = build_frontend(load_scenario("chat"))
+    app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path)
+    async with app.run_test(size=(150, 40)) as pilot:
+        async def sigterm() -> None:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        lines = await _stream_then(app, pilot, sigterm)
+        await until(pilot, lambda: app.return_code is not None)
+    assert lines[-1] == b"data: [DONE]\n" and b'"finish_reason": "abort"' in lines[-2]
+    assert app.return_code == 128 + signal.SIGTERM
+    [saved] = tmp_path.glob("*.msgpack")
+    assert app.saved == str(saved)
+    log = read_log(saved)
+    assert [e.action for e in log.events if e.kind == "action"] == ["inject"]
+    assert verify(log)[1] is None
+
+
+@pilot_test
+async def test_quit_writes_the_log_named_by_log(tmp_path):
+    fe = build_frontend(load_scenario("chat"))
+    app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path, log=str(tmp_path / "s.msgpack"))
+    async with app.run_test(size=(150, 40)) as pilot:
+        async def quit_() -> None:
+            await pilot.press("q")
+
+        lines = await _stream_then(app, pilot, quit_)
+    assert lines[-1] == b"data: [DONE]\n" and app.return_code == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["s.msgpack"]
+    assert verify(read_log(tmp_path / "s.msgpack"))[1] is None

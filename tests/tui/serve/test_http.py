@@ -15,8 +15,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sim import ScenarioError
+from tui.serve import http as http_mod
+from tui.serve.http import INTAKE, Limits
 from tui.serve.protocol import FILLER
-from .conftest import serving
+from .conftest import read_until_closed, serving
 
 MODEL = "llama-3.1-8b"
 
@@ -684,3 +687,76 @@ def test_an_api_key_guards_the_v1_routes_only():
             client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1)
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
         assert c.completions.create(model=MODEL, prompt="hi", max_tokens=1).usage
+
+
+HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\n"
+
+
+def test_idle_and_half_sent_connections_are_closed_after_the_keep_alive_timeout():
+    with serving(limits=Limits(keep_alive_s=0.2)) as s:
+        port = int(s.url.rsplit(":", 1)[1])
+        # nothing sent; half a header; a request, then idle on the kept-alive connection
+        silent = socket.create_connection(("127.0.0.1", port))
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(HEAD)
+        kept = socket.create_connection(("127.0.0.1", port))
+        kept.sendall(HEAD + b"\r\n")
+        with silent, half, kept:
+            assert read_until_closed(silent) == b""
+            assert read_until_closed(half) == b""
+            answer = read_until_closed(kept)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1") == 1
+        assert s.call(lambda: s.server._runner.app[INTAKE].open) == 0
+        assert post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_its_connection_closed():
+    with serving(limits=Limits(keep_alive_s=60, body_s=0.2)) as s:
+        port = int(s.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                         b"Content-Type: application/json\r\n\r\n{\"prompt\": ")
+            answer = read_until_closed(sock)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408")
+        err = json.loads(body)["error"]
+        assert "did not arrive within 0.2 s" in err["message"] and err["code"] == 408
+        assert post(s, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+def test_a_stream_longer_than_the_keep_alive_timeout_is_not_cut():
+    # (the keep-alive timeout runs only while no request is being handled)
+    with serving(["scheduler.max_num_seqs=4"], speed=0.5, limits=Limits(keep_alive_s=0.05)) as s:
+        stream = client(s).completions.create(model=MODEL, prompt="hi", max_tokens=12,
+                                              stream=True)
+        chunks = list(stream)
+        assert len(chunks) == 12 and chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kw", [{"keep_alive_s": 0}, {"keep_alive_s": float("nan")},
+                                {"body_s": -1}, {"body_s": 1e9}, {"max_connections": 0}])
+def test_absurd_limits_are_one_line_errors(kw):
+    with pytest.raises(ScenarioError) as e:
+        Limits(**kw)
+    assert "\n" not in str(e.value) and str(e.value).startswith("--")
+
+
+def test_a_large_body_is_parsed_in_a_worker_process_and_served_the_same(monkeypatch):
+    # (the size from which a body leaves the event loop, lowered so the test's are large)
+    monkeypatch.setattr(http_mod, "PARSE_APART", 1024)
+    ids = [1000 + i for i in range(2000)]
+    with serving() as s:
+        status, body = post(s, "/v1/completions", {"prompt": ids, "max_tokens": 3})
+        assert status == 200 and body["usage"]["prompt_tokens"] == 2000
+        assert body["choices"][0]["text"] == filler(3)
+        assert s.call(lambda: s.server._runner.app[http_mod.PARSER]._pool) is not None
+        status, body = post(s, "/v1/chat/completions",  # (a chat body too)
+                            {"messages": [{"role": "user", "content": "x" * 3000}],
+                             "max_tokens": 2})
+        assert status == 200 and body["choices"][0]["message"]["content"] == filler(2)
+        # a refusal from the worker is the one the loop would give, param and all
+        bad = {"prompt": ids + [-1], "max_tokens": 3}
+        status, body = post(s, "/v1/completions", bad)
+        monkeypatch.setattr(http_mod, "PARSE_APART", 1 << 30)
+        assert (status, body) == post(s, "/v1/completions", bad)
+        assert status == 400 and body["error"]["param"] == "prompt"

@@ -1,5 +1,6 @@
 """`servesim serve` stopped by a signal with streams open: each stream ends as vLLM's do on
-shutdown (an `abort` frame, then `[DONE]`), the process exits at once with 128 + the signal."""
+shutdown (an `abort` frame, then `[DONE]`), the process exits at once with 128 + the signal,
+and with `--log FILE` the session log it writes replays exactly."""
 
 from __future__ import annotations
 
@@ -14,12 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from sim.session.log import read_log
+from tui.cli import main
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_ends_open_streams_with_abort_and_done_and_exits(sig):
-    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "serve", "--port", "0"], cwd=ROOT,
+def test_a_signal_ends_open_streams_with_abort_and_done_and_exits(sig, tmp_path, capsys):
+    log = tmp_path / "session.msgpack"
+    proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "serve", "--port", "0",
+                             "--log", str(log)], cwd=ROOT,
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     try:
         banner = proc.stderr.readline()
@@ -53,3 +59,6 @@ def test_a_signal_ends_open_streams_with_abort_and_done_and_exits(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert [e.action for e in read_log(log).events if e.kind == "action"] == ["inject"] * 2
+    assert [p.name for p in tmp_path.iterdir()] == [log.name]  # (no temporary file left)
+    assert main(["replay", "--verify", str(log), "-q"]) == 0, capsys.readouterr().err
