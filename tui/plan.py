@@ -245,7 +245,8 @@ def report(out: P.Outcome, table: dict, top: int = 15) -> str:
     for r in out.results:
         counts[r.status] = counts.get(r.status, 0) + 1
     sc = out.scenario
-    lines = [f"servesim plan: {sc.name}, {sc.model.preset or 'custom model'}; bounds "
+    model = (out.raw.get("model") or {}).get("preset", sc.model.preset)  # (as the file names it)
+    lines = [f"servesim plan: {sc.name}, {model or 'custom model'}; bounds "
              f"{', '.join(b.text() for b in out.bounds)}; load to serve {out.required:.4g} req/s",
              f"{out.candidates} candidates: " + ", ".join(f"{n} {k}" for k, n in counts.items())
              + f"; {out.probes:,} runs" + (f"; {out.resumed} read back from the output file"
@@ -261,11 +262,15 @@ def report(out: P.Outcome, table: dict, top: int = 15) -> str:
                  r.note] for i, r in enumerate(P.nearest_misses(out))]
         lines.append(_table(head, rows))
         return "\n".join(lines)
-    shown_rows = [r for r in out.results if r.status == "ok"][:top]
+    shown_rows = out.feasible[:top]
     lines.append(_table(COLUMNS, [_row(i + 1, r, table) for i, r in enumerate(shown_rows)]))
     lines += ["", "(probe): figures from the probe slice; the others were confirmed on the "
                   "whole workload. err: median |error| of `servesim validate` on the same GPU "
-                  "and TP degree (?: never validated there).", ""]
+                  "and TP degree (?: never validated there)."]
+    if not out.shares_prefixes:
+        lines.append("No two requests share a prompt prefix: prefix caching on and off run "
+                     "alike, and the table shows one of the two.")
+    lines.append("")
     lines.append(f"Winner: {w.candidate.label()}: {w.max_load:.4g} req/s within the bounds on "
                  f"{w.candidate.gpus} GPUs, ${w.usd_per_hour:,.2f}/h, "
                  f"${w.usd_per_m_tokens:.3f} per million output tokens.")

@@ -402,6 +402,7 @@ class Result:
     confirmed: bool = False             # figures from the whole workload, not the probe slice
 
     tokens_per_request: float = 0.0     # the workload's mean output tokens
+    cap: float | None = None            # pruned: the load it cannot reach
 
     @property
     def usd_per_m_tokens(self) -> float | None:
@@ -464,6 +465,8 @@ class SearchSettings:
     budget: float | None = None       # most US dollars per hour
     max_doublings: int = 8
     first_router: str = "round-robin"  # the router a single replica carries in the space
+    confirmed_cost: float | None = None  # the cheapest cost confirmed on the whole workload:
+    # when given, the only cost a candidate must beat not to be pruned
 
 
 def usd_per_hour(c: Candidate, prices: dict[str, Price]) -> float:
@@ -500,6 +503,8 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
             on_result(r)
 
     def incumbent() -> float | None:
+        if s.confirmed_cost is not None:
+            return s.confirmed_cost
         costs = [r.usd_per_m_tokens for r in results.values() if r.status == "ok"]
         costs += [usd_per_m_tokens(t.usd_per_hour, t.search.passed[0], per_request)
                   for t in tracks.values()
@@ -545,15 +550,13 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
             if best is not None and up is not None:
                 floor = usd_per_m_tokens(t.usd_per_hour, up, per_request)
                 if floor > best:
-                    finish(t.result("pruned", f"at most {up:.4g} req/s: no less than "
-                                              f"${floor:.3f}/M tokens > ${best:.3f} found"))
+                    r = t.result("pruned", f"at most {up:.4g} req/s: no less than "
+                                           f"${floor:.3f}/M tokens > ${best:.3f} found")
+                    r.cap = up
+                    finish(r)
                     continue
             proposals.append((t, nxt))
-        if not proposals:
-            if waiting and not tracks:  # (a base that is not in the space: start the rest)
-                continue
-            if not tracks:
-                break
+        if not proposals:  # (every track ended: start those that waited for them, or stop)
             continue
         total_guess = probes_done + len(proposals) + sum(
             t.search.probes_left() for t, _ in proposals) + 4 * len(waiting)
@@ -630,22 +633,24 @@ class Probes:
                                                   c.overrides() + self.slice.overrides)
         return self._scenarios[c.key]
 
-    def same_run(self, c: Candidate) -> str:
-        """Candidates whose runs are identical share a key: with no prompt prefix shared
-        between requests, prefix caching changes nothing."""
-        return c.key if self.slice.shares_prefixes else c.sibling(prefix_caching=False).key
-
     def __call__(self, probes: list[tuple[Candidate, float]], progress=None) -> list[dict]:
         todo = {}
         for c, load in probes:
-            k = (self.same_run(c), load)
+            k = (same_run(c, self.slice.shares_prefixes), load)
             if k not in self._rows and k not in todo:
                 todo[k] = (f"{c.label()} at {load:.4g} req/s",
                            self.slice.at(self.scenario(c), load))
         rows = self.runner.run(list(todo.values()), progress)
         self.runs += len(rows)
         self._rows.update(zip(todo, rows))
-        return [self._rows[(self.same_run(c), load)] for c, load in probes]
+        return [self._rows[(same_run(c, self.slice.shares_prefixes), load)]
+                for c, load in probes]
+
+
+def same_run(c: Candidate, shares_prefixes: bool) -> str:
+    """Candidates whose runs are identical share this key: with no prompt prefix shared
+    between requests, prefix caching changes nothing."""
+    return c.key if shares_prefixes else c.sibling(prefix_caching=False).key
 
 
 def read_raw(spec: str | None) -> tuple[dict, str, Path]:
@@ -784,10 +789,18 @@ class Outcome:
     candidates: int
     probes: int
     resumed: int
+    shares_prefixes: bool = True
 
     @property
     def feasible(self) -> list[Result]:
-        return [r for r in self.results if r.status == "ok"]
+        """The feasible candidates, best first, one of each set whose runs are identical."""
+        seen, out = set(), []
+        for r in self.results:
+            k = same_run(r.candidate, self.shares_prefixes)
+            if r.status == "ok" and k not in seen:
+                seen.add(k)
+                out.append(r)
+        return out
 
     @property
     def winner(self) -> Result | None:
@@ -859,18 +872,30 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
         results = search(cands, run_probe, probe, settings,
                          done={k: v for k, v in found.items() if k in wanted},
                          on_result=journal.write, progress=progress)
-        if probe is not full:
+        while probe is not full:
             report = None
             if progress:
-                offset = run_probe.runs
-                report = lambda d, n: progress(offset + d, offset + n)  # noqa: E731
+                offset = run_probe.runs + run_full.runs
+                report = lambda d, n, o=offset: progress(o + d, o + n)  # noqa: E731
             confirm(results, confirmed, p, settings, run_full, journal, report)
+            # Pruned against the probe slice's cheapest; the whole workload's may cost more:
+            # search again those that could beat it.
+            best = min((r.usd_per_m_tokens for k, r in confirmed.items()
+                        if k in results and r.status == "ok"), default=None)
+            reopen = [k for k, r in results.items() if r.status == "pruned" and best is not None
+                      and usd_per_m_tokens(r.usd_per_hour, r.cap, r.tokens_per_request) < best]
+            if not reopen:
+                break
+            settings = dataclasses.replace(settings, confirmed_cost=best)
+            results = search(cands, run_probe, probe, settings,
+                             done={k: v for k, v in results.items() if k not in reopen},
+                             on_result=journal.write, progress=progress)
     finally:
         journal.close()
     merged = {**results, **{k: v for k, v in confirmed.items() if k in results}}
     ranked = rank([*merged.values(), *no_fit])
     return Outcome(ranked, required, p.bounds, sc, raw, len(cands) + len(no_fit),
-                   run_probe.runs + run_full.runs, resumed)
+                   run_probe.runs + run_full.runs, resumed, full.shares_prefixes)
 
 
 def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,

@@ -115,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "and its answer against an exhaustive search")
     s.add_argument("--workers", type=count, help="local workers (default: the CPU count)")
     s.add_argument("--skip-scaling", action="store_true",
-                   help="leave out the 1-worker run of the small space")
+                   help="leave out the scaling runs (1 worker, then all)")
     s.add_argument("--json", action="store_true")
 
 

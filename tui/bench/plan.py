@@ -1,9 +1,9 @@
 """`servesim bench plan`: `servesim plan` for Llama-3.1-70B on the Azure conversation trace
 (TTFT p99 <= 2 s, TPOT p99 <= 100 ms, the trace's own load): the whole default space (A100,
 H100, H200; TP 1-8; 1-4 replicas and two routers; two `max_num_seqs`, two token budgets;
-chunked and disaggregated; prefix caching off and on) with every local worker; a smaller space
-with 1 worker and with all of them (how it scales); and that smaller space searched
-exhaustively (no pruning, no bounds carried, every probe on the whole trace: the ground
+chunked and disaggregated; prefix caching off and on) with every local worker; a space of
+single replicas with 1 worker and with all of them (how it scales); and a small space around
+the answer, pruned and searched exhaustively (no pruning, no bounds carried, every probe on the whole trace: the ground
 truth), whose answer the pruned search must match: the same winner, or one within 2% of its
 cost per output token.
 """
@@ -23,10 +23,17 @@ BOUNDS = ["ttft_p99=2000", "tpot_p99=100"]
 
 
 def small_space() -> P.Space:
-    """A space the exhaustive search runs in minutes: 2 GPU types x TP 4, 8 x 1-2 replicas x
-    two budgets, chunked."""
-    return P.Space(["h100-sxm", "h200"], [4, 8], [1, 2], ["round-robin"], [256], [2048, 8192],
-                   ["chunked"], [False])
+    """A space the exhaustive search runs in minutes, around the whole space's answer: H100 and
+    H200 x TP 2, 4 x one or four replicas behind least-outstanding x two `max_num_seqs`."""
+    return P.Space(["h100-sxm", "h200"], [2, 4], [1, 4], ["least-outstanding"], [128, 256],
+                   [2048], ["chunked"], [False])
+
+
+def scaling_space() -> P.Space:
+    """Single replicas only, so that every candidate's search is independent of the others:
+    3 GPUs x TP 2, 4, 8 x two `max_num_seqs` x two budgets."""
+    return P.Space(["a100-80gb", "h100-sxm", "h200"], [2, 4, 8], [1], ["round-robin"],
+                   [128, 256], [2048, 8192], ["chunked"], [False])
 
 
 def _plan(space: P.Space, prune: bool = True) -> P.Plan:
@@ -61,10 +68,9 @@ def run(args) -> dict:
     full, wall = _timed(_plan(P.Space(gpus=["a100-80gb", "h100-sxm", "h200"])), workers)
     out["full"] = _summary(full, wall)
     if not args.skip_scaling:
-        out["small_1_worker"] = _summary(*_timed(_plan(small_space()), 1))
-        out["small"] = _summary(*_timed(_plan(small_space()), workers))
-    else:
-        out["small"] = _summary(*_timed(_plan(small_space()), workers))
+        out["scaling_1_worker"] = _summary(*_timed(_plan(scaling_space()), 1))
+        out["scaling"] = _summary(*_timed(_plan(scaling_space()), workers))
+    out["small"] = _summary(*_timed(_plan(small_space()), workers))
     out["exhaustive"] = _summary(*_timed(_plan(small_space(), prune=False), workers))
     a, b = out["small"], out["exhaustive"]
     same = a["winner"] == b["winner"]
@@ -72,6 +78,10 @@ def run(args) -> dict:
            if a["winner"] and b["winner"] else None)
     out["agreement"] = {"same_winner": same, "cost_gap": gap,
                         "agrees": same or (gap is not None and abs(gap) <= 0.02)}
+    # The whole space holds the small one: its answer is no dearer (within the 2%).
+    whole = out["full"]["winner_usd_per_m_tokens"]
+    out["whole_no_dearer"] = bool(whole and b["winner_usd_per_m_tokens"]
+                                  and whole <= b["winner_usd_per_m_tokens"] * 1.02)
     return out
 
 
@@ -84,11 +94,12 @@ def text(r: dict) -> str:
     lines = [f"bench plan: {SCENARIO} with Llama-3.1-70B, {', '.join(r['bounds'])}, "
              f"on {r['machine']}",
              line(f"whole space, {r['workers']} workers", f)]
-    if "small_1_worker" in r:
-        lines.append(line("small space, 1 worker", r["small_1_worker"]))
-    lines.append(line(f"small space, {r['workers']} workers", r["small"]))
-    if "small_1_worker" in r:
-        lines.append(f"  {'speed-up':<22} {r['small_1_worker']['wall_s'] / r['small']['wall_s']:.2f} x")
+    if "scaling_1_worker" in r:
+        one, many = r["scaling_1_worker"], r["scaling"]
+        lines.append(line("single replicas, 1 wkr", one))
+        lines.append(line(f"single replicas, {r['workers']} wkrs", many))
+        lines.append(f"  {'speed-up':<22} {one['wall_s'] / many['wall_s']:.2f} x")
+    lines.append(line(f"small space, {r['workers']} wkrs", r["small"]))
     lines.append(line("small, exhaustive", r["exhaustive"]))
     lines.append(f"  winner (whole space)   {f['winner']}: {f['winner_max_load']:.3g} req/s, "
                  f"${f['winner_usd_per_m_tokens']:.3f}/M tokens" if f["winner"] else
@@ -97,4 +108,6 @@ def text(r: dict) -> str:
     gap = "-" if a["cost_gap"] is None else f"{100 * a['cost_gap']:+.2f}%"
     lines.append(f"  pruned vs exhaustive   {'same winner' if a['same_winner'] else 'other winner'}"
                  f", cost {gap}: {'AGREE' if a['agrees'] else 'DISAGREE'}")
+    lines.append(f"  whole space's winner   {'no dearer' if r['whole_no_dearer'] else 'DEARER'} "
+                 "than the small space's exhaustive one")
     return "\n".join(lines)

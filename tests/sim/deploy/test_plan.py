@@ -238,3 +238,63 @@ def test_a_bad_price_row_names_file_field_and_value(tmp_path):
 def test_the_bundled_prices_are_attributed_and_dated():
     for gpu, price in P.load_prices().items():
         assert price.source.startswith("https://") and price.date[:4].isdigit(), gpu
+
+
+class CountingRunner:
+    """A Runner stand-in: counts the runs asked for and answers each with its label."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, tasks, progress=None):
+        self.runs += [label for label, _ in tasks]
+        return [{"label": label} for label, _ in tasks]
+
+
+@pytest.mark.parametrize("shares, expected_runs", [(False, 1), (True, 2)])
+def test_candidates_whose_runs_are_identical_share_them(tiny, shares, expected_runs):
+    raw, source, base = P.read_raw(tiny)
+    full, _ = P.slices(load_scenario(tiny), None)
+    full.shares_prefixes = shares
+    runner = CountingRunner()
+    probes = P.Probes(raw, source, base, full, runner)
+    off, on = cand(seqs=64), cand(seqs=64, pc=True)
+    rows = probes([(off, 2.0), (on, 2.0)])
+    assert len(runner.runs) == expected_runs and probes.runs == expected_runs
+    assert (rows[0] is rows[1]) == (not shares)
+    probes([(on, 2.0)])  # asked again: answered from what ran
+    assert len(runner.runs) == expected_runs
+
+
+def test_a_trace_probe_runs_at_the_rate_of_the_traces_busiest_stretch():
+    from sim.inputs.workload import build_workload
+
+    sc = load_scenario("azure-conv")
+    full, probe = P.slices(sc, 500)
+    assert full.requests > probe.requests == 500 and probe.peak > 1
+    assert not full.shares_prefixes  # (the Azure trace has no prefix hashes)
+    for load in (3.0, 9.0):
+        a = build_workload(load_variant_of(probe, sc, load)).arrival
+        assert (len(a) - 1) / (a[-1] - a[0]) == pytest.approx(load * probe.peak)
+        a = build_workload(full.at(sc, load)).arrival
+        assert (len(a) - 1) / (a[-1] - a[0]) == pytest.approx(load)
+
+
+def load_variant_of(slice_, sc, load):
+    raw, source, base = P.read_raw("azure-conv")
+    return slice_.at(P.load_variant(raw, source, base, slice_.overrides), load)
+
+
+def test_a_confirmed_cost_is_what_a_candidate_must_beat_not_to_be_pruned():
+    # h100 carries 10 req/s at $4/h; a100 carries 2 at $2.5/h: cost per token 2.5x h100's
+    cands = [cand(), cand(gpu="a100-80gb")]
+    cap = {"h100-sxm": 10.0, "a100-80gb": 2.0}
+    s = P.SearchSettings(BOUNDS, required=1.0, prices=PRICES, tolerance=0.02)
+    res = P.search(cands, toy(lambda c: cap[c.gpu]), SLICE, s)
+    assert res[cands[1].key].status == "pruned" and res[cands[1].key].cap is not None
+    # confirmed on the whole workload the h100 turned out to cost more: the a100 is searched
+    worse = res[cands[0].key].usd_per_m_tokens * 10
+    again = P.search(cands, toy(lambda c: cap[c.gpu]), SLICE,
+                     P.SearchSettings(BOUNDS, 1.0, PRICES, 0.02, confirmed_cost=worse))
+    assert again[cands[1].key].status == "ok"
+    assert again[cands[1].key].max_load <= 2.0 < again[cands[1].key].fail_load
