@@ -115,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                     "and its answer against an exhaustive search")
     s.add_argument("--workers", type=count, help="local workers (default: the CPU count)")
     s.add_argument("--skip-scaling", action="store_true",
-                   help="leave out the scaling runs (1 worker, then all)")
+                   help="leave out the whole space's run with 1 worker")
     s.add_argument("--json", action="store_true")
 
 

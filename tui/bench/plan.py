@@ -1,9 +1,8 @@
 """`servesim bench plan`: `servesim plan` for Llama-3.1-70B on the Azure conversation trace
 (TTFT p99 <= 2 s, TPOT p99 <= 100 ms, the trace's own load): the whole default space (A100,
 H100, H200; TP 1-8; 1-4 replicas and two routers; two `max_num_seqs`, two token budgets;
-chunked and disaggregated; prefix caching off and on) with every local worker; a space of
-single replicas with 1 worker and with all of them (how it scales); and a small space around
-the answer, pruned and searched exhaustively (no pruning, no bounds carried, every probe on the whole trace: the ground
+chunked and disaggregated; prefix caching off and on) with every local worker, then with
+one (how it scales); and a small space around the answer, pruned and searched exhaustively (no pruning, no bounds carried, every probe on the whole trace: the ground
 truth), whose answer the pruned search must match: the same winner, or one within 2% of its
 cost per output token.
 """
@@ -27,13 +26,6 @@ def small_space() -> P.Space:
     H200 x TP 2, 4 x one or four replicas behind least-outstanding x two `max_num_seqs`."""
     return P.Space(["h100-sxm", "h200"], [2, 4], [1, 4], ["least-outstanding"], [128, 256],
                    [2048], ["chunked"], [False])
-
-
-def scaling_space() -> P.Space:
-    """Single replicas only, so that every candidate's search is independent of the others:
-    3 GPUs x TP 2, 4, 8 x two `max_num_seqs` x two budgets."""
-    return P.Space(["a100-80gb", "h100-sxm", "h200"], [2, 4, 8], [1], ["round-robin"],
-                   [128, 256], [2048, 8192], ["chunked"], [False])
 
 
 def _plan(space: P.Space, prune: bool = True) -> P.Plan:
@@ -65,11 +57,10 @@ def run(args) -> dict:
     workers = args.workers or os.cpu_count() or 1
     out = {"machine": machine(), "workers": workers, "scenario": SCENARIO,
            "bounds": BOUNDS}
-    full, wall = _timed(_plan(P.Space(gpus=["a100-80gb", "h100-sxm", "h200"])), workers)
-    out["full"] = _summary(full, wall)
-    if not args.skip_scaling:
-        out["scaling_1_worker"] = _summary(*_timed(_plan(scaling_space()), 1))
-        out["scaling"] = _summary(*_timed(_plan(scaling_space()), workers))
+    whole = P.Space(gpus=["a100-80gb", "h100-sxm", "h200"])
+    out["full"] = _summary(*_timed(_plan(whole), workers))
+    if not args.skip_scaling and workers > 1:
+        out["full_1_worker"] = _summary(*_timed(_plan(whole), 1))
     out["small"] = _summary(*_timed(_plan(small_space()), workers))
     out["exhaustive"] = _summary(*_timed(_plan(small_space(), prune=False), workers))
     a, b = out["small"], out["exhaustive"]
@@ -94,11 +85,10 @@ def text(r: dict) -> str:
     lines = [f"bench plan: {SCENARIO} with Llama-3.1-70B, {', '.join(r['bounds'])}, "
              f"on {r['machine']}",
              line(f"whole space, {r['workers']} workers", f)]
-    if "scaling_1_worker" in r:
-        one, many = r["scaling_1_worker"], r["scaling"]
-        lines.append(line("single replicas, 1 wkr", one))
-        lines.append(line(f"single replicas, {r['workers']} wkrs", many))
-        lines.append(f"  {'speed-up':<22} {one['wall_s'] / many['wall_s']:.2f} x")
+    if "full_1_worker" in r:
+        lines.append(line("whole space, 1 worker", r["full_1_worker"]))
+        lines.append(f"  {'speed-up':<22} {r['full_1_worker']['wall_s'] / f['wall_s']:.2f} x "
+                     f"with {r['workers']} workers")
     lines.append(line(f"small space, {r['workers']} wkrs", r["small"]))
     lines.append(line("small, exhaustive", r["exhaustive"]))
     lines.append(f"  winner (whole space)   {f['winner']}: {f['winner_max_load']:.3g} req/s, "
