@@ -228,7 +228,7 @@ def _row(i, r: P.Result, table: dict) -> list[str]:
     def num(v, fmt):
         return "-" if v is None else format(v, fmt)
     return [str(i), r.candidate.label() + mark, str(r.candidate.gpus),
-            num(r.max_load, ".3g"), num(row.get("throughput_output_tokens_per_s"), ",.0f"),
+            num(r.max_load, ".3g"), num(r.output_tokens_per_s, ",.0f"),
             num(row.get("ttft_p99_ms"), ",.0f"), num(row.get("tpot_p99_ms"), ",.1f"),
             f"{r.usd_per_hour:,.2f}", num(r.usd_per_m_tokens, ".3f"), err]
 
@@ -305,6 +305,7 @@ def as_json(out: P.Outcome, table: dict) -> dict:
         d["label"] = r.candidate.label()
         d["gpus"] = r.candidate.gpus
         d["usd_per_m_tokens"] = r.usd_per_m_tokens
+        d["output_tokens_per_s"] = r.output_tokens_per_s
         if table:
             d["validation_error"] = {f: None if reg is None else reg.median
                                      for f, reg in P.trust(r.candidate, table).items()}

@@ -409,6 +409,11 @@ class Result:
         """Dollars per million output tokens at its highest load."""
         return usd_per_m_tokens(self.usd_per_hour, self.max_load, self.tokens_per_request)
 
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        """Output tokens per second served at its highest load (what the cost divides by)."""
+        return self.max_load * self.tokens_per_request if self.max_load else None
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["candidate"] = dataclasses.asdict(self.candidate)
@@ -1000,7 +1005,8 @@ def why_runner_up_lost(outcome: Outcome) -> str:
         return "no runner-up: only one deployment meets the bounds" if f else ""
     w, r = f[0], f[1]
     dw, dr = dataclasses.asdict(w.candidate), dataclasses.asdict(r.candidate)
-    diff = [f"{k} {dr[k]} (winner {dw[k]})" for k in dw if dw[k] != dr[k]]
+    same = () if outcome.shares_prefixes else ("prefix_caching",)  # (it changes nothing)
+    diff = [f"{k} {dr[k]} (winner {dw[k]})" for k in dw if dw[k] != dr[k] and k not in same]
     cost_gap = (r.usd_per_m_tokens / w.usd_per_m_tokens - 1) * 100
     parts = [f"the runner-up ({r.candidate.label()}) costs {cost_gap:.1f}% more per output "
              f"token"]
