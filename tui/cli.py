@@ -35,6 +35,7 @@ from sim.session import export
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer, verify
 from tui import bench, plot
+from tui import plan as plan_cli
 from tui.compute import make_executor
 from tui.driver import check_speed
 from tui.progress import RunProgress
@@ -649,6 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TTFT and TPOT (p50, p99) against achieved throughput per configuration:"
                         " to FILE.svg or FILE.png (needs servesim[plot]), or on the terminal")
     s.set_defaults(func=cmd_sweep)
+
+    s = sub.add_parser("plan", help="the cheapest deployment that meets latency bounds")
+    plan_cli.add_arguments(s)
+    s.set_defaults(func=plan_cli.main)
 
     s = sub.add_parser("validate", help="predicted against published measurements")
     s.add_argument("points", nargs="?", default=None,

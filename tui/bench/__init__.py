@@ -12,6 +12,8 @@ module each, with `run(args) -> dict` and `text(result) -> str`:
 - `bench scale` (`scale`): wall time and memory against the number of requests.
 - `bench hotpath` (`hotpath`): a profiled run: time and calls per scheduling decision.
 - `bench queue` (`queue`): whole runs with 10k and 50k requests queued at once, per policy.
+- `bench plan` (`plan`): `servesim plan` for a 70B model on the Azure trace, its scaling with
+  workers, and its answer against an exhaustive search.
 
 This module holds their command-line options and runs the one asked for; `common` and `memory`
 hold what several share.
@@ -23,12 +25,12 @@ import argparse
 import json
 
 from sim import load_scenario
-from tui.bench import compute, hotpath, log, queue, scale, serve, sweep
+from tui.bench import compute, hotpath, log, plan, queue, scale, serve, sweep
 from tui.bench import sim as sim_bench
 from tui.bench.common import comma_list, count, seconds, speed
 
 BENCHES = {"sim": sim_bench, "log": log, "compute": compute, "sweep": sweep, "serve": serve,
-           "scale": scale, "hotpath": hotpath, "queue": queue}
+           "scale": scale, "hotpath": hotpath, "queue": queue, "plan": plan}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,6 +110,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="queue lengths (comma-separated; default 10000,50000)")
     s.add_argument("--policies", type=comma_list("policy"), default=["chunked", "sjf"],
                    help="policies (comma-separated; default chunked,sjf)")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("plan", help="servesim plan: a 70B model on the Azure trace, scaling, "
+                                    "and its answer against an exhaustive search")
+    s.add_argument("--workers", type=count, help="local workers (default: the CPU count)")
+    s.add_argument("--skip-scaling", action="store_true",
+                   help="leave out the whole space's run with 1 worker")
     s.add_argument("--json", action="store_true")
 
 

@@ -1,0 +1,1182 @@
+"""Deployment planning (`servesim plan`): the cheapest deployment of a scenario's model that
+serves its workload within latency bounds.
+
+A **candidate** is one deployment: GPU type, tensor-parallel degree, replicas and router,
+`max_num_seqs`, `max_num_batched_tokens`, policy (`disaggregated` is a prefill/decode pair) and
+prefix caching. For each, the search finds the highest **load** (offered requests per second:
+`workload.rate`, or a trace replayed faster or slower through `workload.time_scale`) at which
+every bound (`ttft_p99 <= 500 ms`, ...) holds, by growing then bisecting as `--find-max-rate`
+does (`sweep.RateSearch`). A candidate is **feasible** when that load reaches the required one
+(the workload's own, or `--rate`) and its price fits the budget; feasible candidates rank by
+dollars per million output tokens at their highest load.
+
+What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer):
+
+- probes replay a short slice of the workload (its first `probe_requests` requests); the
+  finalists are then checked on the whole workload and bisected down there if they fail;
+- bounds carry between candidates that differ only in GPUs. More GPUs of one type with the same
+  settings never support less load per replica: a replicated candidate starts its search at
+  `replicas x` the single replica's highest load (checked by its first probe) and grows from
+  there in small steps; a failure of the larger sibling caps a smaller one's load;
+- a candidate whose best possible cost (its price over the most output tokens per second its
+  load cap allows) cannot beat the cheapest deployment found so far stops probing (`pruned`);
+  one that fails at the required load stops at once (`infeasible`);
+- the probes of every active candidate run together, a round at a time, on the sweep's
+  `Runner` (local processes or Ray).
+
+Results go to a JSON-lines file as each candidate ends, so a plan interrupted and run again
+with the same file picks up where it stopped (`Journal`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sim.errors import ScenarioError, ServesimError, cut, shown
+from sim.fileio import json_loads, read_input_text, reason, toml_loads
+from sim.inputs.scenario import (BUNDLED_DIR, Scenario, apply_override, find_scenario,
+                                 scenario_from_dict)
+from sim.inputs.workload import build_workload
+from sim.model import presets
+from sim.model import validate as V
+from sim.deploy.sweep import METRICS, RateSearch, Runner
+
+PRICES_FILE = BUNDLED_DIR / "prices" / "prices.toml"
+GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200": "h200", "l40s": "l40s"}
+# Hugging Face ids of the model presets, for the serving command lines.
+MODEL_IDS = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B-Instruct",
+             "llama-3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+             "llama-2-7b": "meta-llama/Llama-2-7b-chat-hf",
+             "llama-2-70b": "meta-llama/Llama-2-70b-chat-hf",
+             "mistral-7b": "mistralai/Mistral-7B-Instruct-v0.3"}
+
+
+class PlanError(ServesimError):
+    """A plan that cannot run: a bad bound, price table, search space or output file."""
+
+
+# --- bounds --------------------------------------------------------------------------------------
+# The latency percentiles a bound may name: those a probe's row holds (sweep.METRICS).
+BOUND_COLUMNS = {c[:-3]: c for c, _ in METRICS if c.endswith("_ms")}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One SLO: a latency percentile of a run (`ttft_p99`) at most `limit_ms`."""
+
+    name: str
+    limit_ms: float
+
+    @property
+    def column(self) -> str:
+        return BOUND_COLUMNS[self.name]
+
+    def text(self) -> str:
+        return f"{self.name} <= {self.limit_ms:g} ms"
+
+
+def parse_bound(text: str) -> Bound:
+    """`ttft_p99=500` (ms; `500ms` and `0.5s` too) -> Bound. Raises PlanError naming the
+    bound on an unknown metric or a value that is not a positive number."""
+    where = f"--slo {text}"
+    name, eq, value = text.partition("=")
+    name = name.strip()
+    if not eq:
+        raise PlanError(f"{where}: expected METRIC=MS (e.g. ttft_p99=500)")
+    if name not in BOUND_COLUMNS:
+        raise PlanError(f"{where}: unknown metric {name!r} (known: {', '.join(BOUND_COLUMNS)})")
+    v = value.strip().lower()
+    scale = 1.0
+    if v.endswith("ms"):
+        v = v[:-2]
+    elif v.endswith("s"):
+        v, scale = v[:-1], 1000.0
+    try:
+        limit = float(v) * scale
+    except ValueError:
+        limit = math.nan
+    if not 0 < limit < math.inf:
+        raise PlanError(f"{where}: the bound must be a positive number of ms "
+                        f"(got {shown(value.strip())})")
+    return Bound(name, limit)
+
+
+def parse_bounds(texts: list[str]) -> list[Bound]:
+    """Every `--slo`; a metric given twice is refused."""
+    bounds = [parse_bound(t) for t in texts]
+    if not bounds:
+        raise PlanError("--slo: give at least one bound (e.g. --slo ttft_p99=2000 --slo "
+                        "tpot_p99=100)")
+    names = [b.name for b in bounds]
+    for n in names:
+        if names.count(n) > 1:
+            raise PlanError(f"--slo {n}: given twice")
+    return bounds
+
+
+def worst_bound(row: dict, bounds: list[Bound]) -> tuple[Bound, float | None]:
+    """The bound a run's row comes closest to breaking (or breaks most): (bound, value)."""
+    def ratio(b: Bound) -> float:
+        v = row.get(b.column)
+        return math.inf if v is None else v / b.limit_ms
+    b = max(bounds, key=ratio)
+    return b, row.get(b.column)
+
+
+def meets(row: dict, bounds: list[Bound]) -> bool:
+    """Whether a run met every bound (a run with no value for one, nothing finished, did not)."""
+    return all(row.get(b.column) is not None and row[b.column] <= b.limit_ms for b in bounds)
+
+
+# --- prices --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Price:
+    usd_per_gpu_hour: float
+    source: str  # where the figure comes from, or "--price"
+    date: str
+
+
+def load_prices(path: str | Path = PRICES_FILE) -> dict[str, Price]:
+    """The price table: `[gpu.PRESET]` tables of `usd_per_gpu_hour`, `source` and `date`.
+    Raises PlanError naming the file, field and value of the first bad row."""
+    path = Path(path)
+    try:
+        raw = toml_loads(read_input_text(path, limit=1 << 20))
+    except ServesimError:
+        raise
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(f"{path}: cannot read: {reason(e)}") from None
+    except ValueError as e:  # tomllib.TOMLDecodeError
+        raise PlanError(f"{path}: not valid TOML: {e}") from None
+    table = raw.get("gpu")
+    unknown = [k for k in raw if k not in ("gpu", "note")]
+    if unknown:
+        raise PlanError(f"{path}: {unknown[0]}: unknown key (a price table holds [gpu.NAME] "
+                        "tables and a note)")
+    if not isinstance(table, dict) or not table:
+        raise PlanError(f"{path}: gpu: no [gpu.NAME] table (each needs usd_per_gpu_hour, "
+                        "source, date)")
+    out = {}
+    for gpu, row in table.items():
+        where = f"{path}: gpu.{gpu}"
+        if gpu not in presets.HARDWARE:
+            raise PlanError(f"{where}: unknown GPU (known: {', '.join(presets.HARDWARE)})")
+        if not isinstance(row, dict):
+            raise PlanError(f"{where} = {shown(row)}: expected a table")
+        for k in row:
+            if k not in ("usd_per_gpu_hour", "source", "date", "offer"):
+                raise PlanError(f"{where}.{k}: unknown field (usd_per_gpu_hour, source, "
+                                "date, offer)")
+        usd = row.get("usd_per_gpu_hour")
+        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not 0 < usd < 1e6:
+            raise PlanError(f"{where}.usd_per_gpu_hour = {shown(usd)}: expected a positive "
+                            "number of US dollars per GPU-hour")
+        for k in ("source", "date"):
+            v = row.get(k)
+            if k == "date" and hasattr(v, "isoformat"):
+                v = v.isoformat()
+            if not isinstance(v, str) or not v.strip():
+                raise PlanError(f"{where}.{k} = {shown(v)}: every price needs its {k}")
+        date = row["date"]
+        out[gpu] = Price(float(usd), row["source"], date.isoformat() if hasattr(date, "isoformat")
+                         else date)
+    return out
+
+
+def price_override(text: str) -> tuple[str, Price]:
+    """`--price GPU=USD_PER_HOUR` -> (preset, Price). Raises PlanError."""
+    gpu, eq, value = text.partition("=")
+    try:
+        usd = float(value)
+    except ValueError:
+        usd = math.nan
+    if not eq or not 0 < usd < 1e6:
+        raise PlanError(f"--price {text}: expected GPU=USD_PER_GPU_HOUR with a positive price")
+    return gpu_preset(gpu.strip(), "--price"), Price(usd, "--price", "")
+
+
+def gpu_preset(name: str, where: str = "--gpus") -> str:
+    """A GPU name (`h100`, or a hardware preset) -> its preset. Raises PlanError."""
+    preset = GPU_ALIASES.get(name.lower(), name.lower())
+    if preset not in presets.HARDWARE:
+        raise PlanError(f"{where} {name}: unknown GPU (known: "
+                        f"{', '.join(sorted({*GPU_ALIASES, *presets.HARDWARE}))})")
+    return preset
+
+
+# --- the search space ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment of the scenario's model."""
+
+    gpu: str
+    tp: int
+    replicas: int
+    router: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    policy: str
+    prefix_caching: bool
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.policy == "disaggregated"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs it rents: `tp` per instance; a disaggregated pair is two instances."""
+        return self.tp * (2 if self.disaggregated else self.replicas)
+
+    @property
+    def key(self) -> str:
+        return json.dumps(dataclasses.astuple(self))
+
+    def label(self) -> str:
+        """A short description for tables: `h100-sxm TP4 x2 least-outstanding, chunked ...`."""
+        deploy = "P/D pair" if self.disaggregated else f"x{self.replicas}"
+        router = f" {self.router}" if self.replicas > 1 else ""
+        policy = "" if self.disaggregated else f" {self.policy}"
+        cache = " +prefix-cache" if self.prefix_caching else ""
+        return (f"{self.gpu} TP{self.tp} {deploy}{router}{policy} seqs {self.max_num_seqs} "
+                f"tokens {self.max_num_batched_tokens}{cache}")
+
+    def overrides(self) -> list[str]:
+        """The scenario fields it sets (`--set` form)."""
+        return [f'hardware.preset="{self.gpu}"', f"model.tensor_parallel={self.tp}",
+                f"cluster.replicas={1 if self.disaggregated else self.replicas}",
+                f'cluster.router="{self.router}"', f"scheduler.max_num_seqs={self.max_num_seqs}",
+                f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}",
+                f'scheduler.policy="{self.policy}"',
+                f"kv.enable_prefix_caching={str(self.prefix_caching).lower()}"]
+
+    def sibling(self, **changes) -> "Candidate":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class Space:
+    """The axes searched; `candidates()` is their product, less the combinations not modeled
+    (a disaggregated pair with replicas) and the repeats (a router of one replica)."""
+
+    gpus: list[str]
+    tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    replicas: list[int] = field(default_factory=lambda: [1, 2, 4])
+    routers: list[str] = field(default_factory=lambda: ["round-robin", "least-outstanding"])
+    max_num_seqs: list[int] = field(default_factory=lambda: [128, 256])
+    max_num_batched_tokens: list[int] = field(default_factory=lambda: [2048, 8192])
+    policies: list[str] = field(default_factory=lambda: ["chunked", "disaggregated"])
+    prefix_caching: list[bool] = field(default_factory=lambda: [False, True])
+
+    def candidates(self) -> list[Candidate]:
+        out = []
+        for g, tp, r, router, seqs, tokens, pol, pc in itertools.product(
+                self.gpus, self.tp, self.replicas, self.routers, self.max_num_seqs,
+                self.max_num_batched_tokens, self.policies, self.prefix_caching):
+            if pol == "disaggregated":  # (one pair, never replicated: not modeled)
+                if r != self.replicas[0] or router != self.routers[0]:
+                    continue
+                r = 1
+            elif r == 1 and router != self.routers[0]:
+                continue  # (one replica: the router never chooses)
+            out.append(Candidate(g, tp, r, router, seqs, tokens, pol, pc))
+        return out
+
+
+# --- the workload and its load -------------------------------------------------------------------
+@dataclass
+class Slice:
+    """A workload slice the search replays: the scenario overrides that make it, and how a
+    load (requests per second offered over the whole workload) maps onto it."""
+
+    overrides: list[str]
+    trace: bool
+    native_rate: float  # requests/s the slice offers at time_scale 1 (a trace) / rate 1
+    requests: int
+    tokens_per_request: float  # output tokens, the mean over the whole workload
+    shares_prefixes: bool = True  # whether requests share prompt prefixes (hash ids, a system prompt)
+    peak: float = 1.0  # the slice's rate over the whole workload's at the same load
+
+    def at(self, sc: Scenario, load: float) -> Scenario:
+        """A copy of a checked scenario of this slice standing for the workload at `load`."""
+        sc = copy.deepcopy(sc)
+        if self.trace:
+            sc.workload.time_scale = self.native_rate / (load * self.peak)
+        else:
+            sc.workload.rate = load * self.peak
+        return sc
+
+
+def slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
+    """(the whole workload, the probe slice: its first `probe_requests` requests, or the
+    whole when None or larger). A trace's probe slice is replayed at the rate of the trace's
+    busiest `probe_requests` consecutive requests, so that a probe at a load sees what the
+    whole trace's peak sees at that load (a trace's rate moves over its hour; its p99 comes
+    from the peaks). Raises PlanError, ScenarioError or TraceError."""
+    w = sc.workload
+    trace = w.arrival == "trace"
+    if w.arrival == "batch":
+        raise PlanError(f"{sc.source}: workload.arrival = \"batch\": a plan needs arrivals over "
+                        "time (a trace, or poisson, gamma or constant at a rate)")
+    base = copy.deepcopy(sc)
+    if trace:
+        base.workload.time_scale = 1.0
+    else:
+        base.workload.rate = 1.0
+    wl = build_workload(base)
+    a = wl.arrival
+    n = len(a)
+    if n < 2 or a[-1] <= a[0]:
+        raise PlanError(f"{sc.source}: [workload]: a plan needs at least 2 requests arriving "
+                        f"over time (this workload makes {n}"
+                        + (", all at once)" if n >= 2 else ")"))
+    shares = wl.hash_ids is not None or (wl.prefix_group is not None
+                                         and bool((wl.prefix_group >= 0).any()))
+    rate = (n - 1) / float(a[-1] - a[0])
+    per_request = wl.total_output_tokens / n
+    full = Slice([], trace, rate, n, per_request, shares)
+    if probe_requests is None or probe_requests >= n:
+        return full, full
+    k = max(probe_requests, 2)
+    own = (k - 1) / float(a[k - 1] - a[0]) if a[k - 1] > a[0] else rate
+    busiest = (k - 1) / float(max((a[k - 1:] - a[:n - k + 1]).min(), 1e-9)) if trace else rate
+    probe = Slice([f"workload.num_requests={k}", "workload.duration_s=0"], trace, own, k,
+                  per_request, shares, busiest / rate)
+    return full, probe
+
+
+def offered_load(sc: Scenario, full: Slice) -> float:
+    """The load the scenario itself offers (requests/s)."""
+    if full.trace:
+        return full.native_rate / sc.workload.time_scale
+    return sc.workload.rate
+
+
+# --- one candidate's search ----------------------------------------------------------------------
+@dataclass
+class LoadSearch(RateSearch):
+    """`RateSearch` that grows from a start known to be close by `growth`, squared after each
+    probe that passes (galloping up to doubling), instead of doubling at once."""
+
+    growth: float = 2.0
+
+    def next_rate(self) -> float | None:
+        if self.passed and not self.failed and self.growth < 2.0:
+            if self.passed[0] >= self.start * 2 ** self.max_doublings:
+                return None
+            return self.passed[0] * self.growth
+        return super().next_rate()
+
+    def record(self, rate: float, attainment: float) -> None:
+        super().record(rate, attainment)
+        if attainment >= self.target and not self.failed:
+            self.growth = min(self.growth ** 2, 2.0)
+
+
+@dataclass
+class Result:
+    """Where a candidate's search ended.
+
+    `status`: `ok` (its highest load meeting every bound reaches the required load), `infeasible`
+    (it fails the bounds at the required load), `pruned` (its best possible cost cannot beat a
+    deployment already found), `no-fit` (the model does not fit its GPUs), `over-budget`."""
+
+    candidate: Candidate
+    status: str
+    usd_per_hour: float
+    max_load: float | None = None       # highest load meeting every bound
+    row: dict | None = None             # the run at that load
+    fail_load: float | None = None      # lowest load found failing
+    fail_row: dict | None = None        # the run at that load
+    probes: int = 0
+    note: str = ""                      # why it is not ok, in words
+    confirmed: bool = False             # figures from the whole workload, not the probe slice
+
+    tokens_per_request: float = 0.0     # the workload's mean output tokens
+    cap: float | None = None            # pruned: the load it cannot reach
+
+    @property
+    def usd_per_m_tokens(self) -> float | None:
+        """Dollars per million output tokens at its highest load."""
+        return usd_per_m_tokens(self.usd_per_hour, self.max_load, self.tokens_per_request)
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        """Output tokens per second served at its highest load (what the cost divides by)."""
+        return self.max_load * self.tokens_per_request if self.max_load else None
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["candidate"] = dataclasses.asdict(self.candidate)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Result":
+        return cls(**{**d, "candidate": Candidate(**d["candidate"])})
+
+
+class Track:
+    """A candidate being searched: its LoadSearch and the runs at its bracket's ends."""
+
+    def __init__(self, cand: Candidate, search: LoadSearch, usd_per_hour: float,
+                 tokens_per_request: float) -> None:
+        self.cand, self.search, self.usd_per_hour = cand, search, usd_per_hour
+        self.tokens_per_request = tokens_per_request
+        self.pass_row: dict | None = None
+        self.fail_row: dict | None = None
+        self.cap: float | None = None  # a load it cannot meet, from a sibling with more GPUs
+
+    def record(self, load: float, row: dict, bounds: list[Bound]) -> None:
+        ok = meets(row, bounds)
+        before = (self.search.passed, self.search.failed)
+        self.search.record(load, 1.0 if ok else 0.0)
+        if self.search.passed is not before[0] and ok:
+            self.pass_row = row
+        if self.search.failed is not before[1] and not ok:
+            self.fail_row = row
+
+    def upper_load(self) -> float | None:
+        loads = [x for x in (self.search.failed and self.search.failed[0], self.cap) if x]
+        return min(loads) if loads else None
+
+    def result(self, status: str, note: str = "") -> Result:
+        s = self.search
+        return Result(self.cand, status, self.usd_per_hour, s.passed and s.passed[0],
+                      self.pass_row, s.failed and s.failed[0], self.fail_row, s.probes, note,
+                      tokens_per_request=self.tokens_per_request)
+
+
+# Runs probes (candidate, load) and returns their rows in order; reports (done, of) as it goes.
+Evaluate = Callable[[list[tuple[Candidate, float]], "Progress | None"], list[dict]]
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class SearchSettings:
+    bounds: list[Bound]
+    required: float                   # the load every feasible deployment must meet
+    prices: dict[str, Price]
+    tolerance: float = 0.03
+    prune: bool = True
+    budget: float | None = None       # most US dollars per hour
+    max_doublings: int = 8
+    first_router: str = "round-robin"  # the router a single replica carries in the space
+    confirmed_cost: float | None = None  # the cheapest cost confirmed on the whole workload:
+    # when given, the only cost a candidate must beat not to be pruned
+
+
+def usd_per_hour(c: Candidate, prices: dict[str, Price]) -> float:
+    return c.gpus * prices[c.gpu].usd_per_gpu_hour
+
+
+def usd_per_m_tokens(usd_per_hour: float, load: float | None,
+                     tokens_per_request: float) -> float | None:
+    """Dollars per million output tokens of a deployment serving `load` requests per second
+    (all of them: at a load that meets the bounds every request is served)."""
+    if not load or not tokens_per_request:
+        return None
+    return usd_per_hour / (load * tokens_per_request * 3600) * 1e6
+
+
+def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchSettings, *,
+           done: dict[str, Result] | None = None, on_result: Callable[[Result], None] | None = None,
+           progress: Progress | None = None) -> dict[str, Result]:
+    """Every candidate's highest load meeting the bounds (or why it has none), by key.
+
+    `evaluate([(candidate, load), ...])` runs the probes and returns their rows in order;
+    `done` holds results found earlier (a resumed plan), `on_result` sees each new one."""
+    results: dict[str, Result] = dict(done or {})
+    waiting = [c for c in cands if c.key not in results]
+    keys = {c.key for c in cands}
+    per_request = slice_.tokens_per_request
+    tracks: dict[str, Track] = {}
+    probes_done = 0
+
+    def finish(r: Result) -> None:
+        results[r.candidate.key] = r
+        tracks.pop(r.candidate.key, None)
+        if on_result:
+            on_result(r)
+
+    def incumbent() -> float | None:
+        if s.confirmed_cost is not None:
+            return s.confirmed_cost
+        costs = [r.usd_per_m_tokens for r in results.values() if r.status == "ok"]
+        costs += [usd_per_m_tokens(t.usd_per_hour, t.search.passed[0], per_request)
+                  for t in tracks.values()
+                  if t.search.passed and t.search.passed[0] >= s.required]
+        costs = [c for c in costs if c is not None]
+        return min(costs) if costs else None
+
+    while waiting or tracks:
+        for c in list(waiting):
+            price = usd_per_hour(c, s.prices)
+            if s.budget is not None and price > s.budget:
+                waiting.remove(c)
+                finish(Result(c, "over-budget", price, note=f"${price:,.2f}/h > budget "
+                                                            f"${s.budget:,.2f}/h"))
+                continue
+            start, growth = s.required, 2.0
+            if s.prune:
+                base = _base(c, s.first_router)
+                if base is not None and base.key in keys:
+                    if base.key not in results:
+                        continue  # wait for the single replica's answer
+                    r1 = results[base.key]
+                    if r1.max_load is not None and r1.max_load * c.replicas > start:
+                        start, growth = r1.max_load * c.replicas, 1 + 2 * s.tolerance
+            waiting.remove(c)
+            tracks[c.key] = Track(c, LoadSearch(start, 1.0, s.tolerance, s.max_doublings,
+                                                growth=growth), price, per_request)
+        if s.prune:
+            _apply_caps(tracks, results)
+        best = incumbent() if s.prune else None
+        proposals = []
+        for key, t in list(tracks.items()):
+            nxt = _at_least(t.search.next_rate(), t.search, s.required)
+            if t.search.failed and t.search.failed[0] <= s.required * (1 + 1e-9):
+                b, v = worst_bound(t.fail_row or {}, s.bounds)
+                finish(t.result("infeasible", f"fails {b.name} at the required load: "
+                                              f"{_ms(v)} > {b.limit_ms:g} ms"))
+                continue
+            if nxt is None:
+                finish(t.result("ok"))
+                continue
+            up = t.upper_load()
+            if best is not None and up is not None:
+                floor = usd_per_m_tokens(t.usd_per_hour, up, per_request)
+                if floor > best:
+                    r = t.result("pruned", f"at most {up:.4g} req/s: no less than "
+                                           f"${floor:.3f}/M tokens > ${best:.3f} found")
+                    r.cap = up
+                    finish(r)
+                    continue
+            proposals.append((t, nxt))
+        if not proposals:  # (every track ended: start those that waited for them, or stop)
+            continue
+        total_guess = probes_done + len(proposals) + sum(
+            t.search.probes_left() for t, _ in proposals) + 4 * len(waiting)
+        report = (lambda d, n: progress(probes_done + d, max(total_guess, probes_done + n))) \
+            if progress else None
+        rows = evaluate([(t.cand, load) for t, load in proposals], report)
+        probes_done += len(proposals)
+        for (t, load), row in zip(proposals, rows):
+            t.record(load, row, s.bounds)
+    return results
+
+
+def _at_least(load: float | None, search: LoadSearch, required: float) -> float | None:
+    """A search that has only failed probes the required load next, not below it (below, no
+    answer would be feasible)."""
+    if load is not None and not search.passed and search.failed and load < required:
+        return required
+    return load
+
+
+def _ms(v: float | None) -> str:
+    return "no finished request" if v is None else f"{v:,.0f} ms"
+
+
+def _base(c: Candidate, router: str) -> Candidate | None:
+    """The single replica a replicated candidate scales (None: it is one)."""
+    if c.replicas == 1 or c.disaggregated:
+        return None
+    return c.sibling(replicas=1, router=router)
+
+
+def _apply_caps(tracks: dict[str, Track], results: dict[str, Result]) -> None:
+    """Caps from siblings with more GPUs per replica or more replicas: a load they fail at
+    (per replica) the smaller one fails at too."""
+    failed: dict[str, tuple[Candidate, float]] = {}
+    for r in results.values():
+        if r.fail_load is not None:
+            failed[r.candidate.key] = (r.candidate, r.fail_load)
+    for t in tracks.values():
+        if t.search.failed:
+            failed[t.cand.key] = (t.cand, t.search.failed[0])
+    by_rest: dict[tuple, list[tuple[Candidate, float]]] = {}
+    for cand, load in failed.values():
+        by_rest.setdefault(_rest(cand), []).append((cand, load))
+    for t in tracks.values():
+        for cand, load in by_rest.get(_rest(t.cand), []):
+            if cand.tp >= t.cand.tp and cand.replicas >= t.cand.replicas and cand != t.cand:
+                cap = load * t.cand.replicas / cand.replicas
+                t.cap = cap if t.cap is None else min(t.cap, cap)
+
+
+def _rest(c: Candidate) -> tuple:
+    """What two siblings share: everything but their GPU count (and the router of a single
+    replica, which never chooses)."""
+    return (c.gpu, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.prefix_caching)
+
+
+# --- running probes on the simulator ------------------------------------------------------------
+class Probes:
+    """Runs (candidate, load) probes of one slice on a sweep Runner: each candidate's scenario
+    is loaded and checked once, each probe a copy at its load."""
+
+    def __init__(self, raw: dict, source: str, base_dir: Path, slice_: Slice,
+                 runner: Runner) -> None:
+        self.raw, self.source, self.base_dir = raw, source, base_dir
+        self.slice, self.runner = slice_, runner
+        self._scenarios: dict[str, Scenario] = {}
+        self._rows: dict[tuple[str, float], dict] = {}  # (same run, load) -> its row
+        self.runs = 0  # probes run so far
+
+    def scenario(self, c: Candidate) -> Scenario:
+        if c.key not in self._scenarios:
+            self._scenarios[c.key] = load_variant(self.raw, self.source, self.base_dir,
+                                                  c.overrides() + self.slice.overrides)
+        return self._scenarios[c.key]
+
+    def __call__(self, probes: list[tuple[Candidate, float]], progress=None) -> list[dict]:
+        todo = {}
+        for c, load in probes:
+            k = (same_run(c, self.slice.shares_prefixes), load)
+            if k not in self._rows and k not in todo:
+                todo[k] = (f"{c.label()} at {load:.4g} req/s",
+                           self.slice.at(self.scenario(c), load))
+        rows = self.runner.run(list(todo.values()), progress)
+        self.runs += len(rows)
+        self._rows.update(zip(todo, rows))
+        return [self._rows[(same_run(c, self.slice.shares_prefixes), load)]
+                for c, load in probes]
+
+
+def same_run(c: Candidate, shares_prefixes: bool) -> str:
+    """Candidates whose runs are identical share this key: with no prompt prefix shared
+    between requests, prefix caching changes nothing."""
+    return c.key if shares_prefixes else c.sibling(prefix_caching=False).key
+
+
+def read_raw(spec: str | None) -> tuple[dict, str, Path]:
+    """A scenario file's raw table, its path (for messages) and its folder."""
+    path = find_scenario(spec)
+    try:
+        raw = toml_loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{path}: cannot read: {reason(e)}") from None
+    except ValueError as e:
+        raise ScenarioError(f"{path}: not valid TOML: {e}") from None
+    return raw, str(path), path.resolve().parent
+
+
+def load_variant(raw: dict, source: str, base_dir: Path, overrides: list[str]) -> Scenario:
+    """The scenario with `overrides` applied, checked. Raises ScenarioError."""
+    raw = copy.deepcopy(raw)
+    for o in overrides:
+        apply_override(raw, o, source)
+    return scenario_from_dict(raw, source=source, base_dir=base_dir)
+
+
+def fits(raw: dict, source: str, base_dir: Path, c: Candidate) -> str:
+    """'' when the candidate's scenario loads (the model fits its GPUs, the shapes divide),
+    else the reason in a few words."""
+    try:
+        load_variant(raw, source, base_dir, c.overrides())
+    except ScenarioError as e:
+        text = str(e).removeprefix(f"{source}: ")
+        return cut(text, 120)
+    return ""
+
+
+# --- resuming -------------------------------------------------------------------------------------
+class Journal:
+    """The plan's output file: a header line naming the plan (everything that decides a
+    candidate's result but the space), then a JSON line per finished candidate. A plan run
+    again with the same file reads the results back; a torn last line is ignored."""
+
+    VERSION = 1
+
+    def __init__(self, path: str | None, identity: dict) -> None:
+        self.path = path
+        self.identity = identity
+        self.fingerprint = hashlib.sha256(
+            json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self._fh = None
+        self._whole: int | None = None  # bytes of whole lines, when the last one is torn
+
+    def read(self) -> tuple[dict[str, Result], dict[str, Result]]:
+        """(search results, confirmed results) already in the file, by candidate key."""
+        found: dict[str, Result] = {}
+        confirmed: dict[str, Result] = {}
+        if not self.path or not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
+            return found, confirmed
+        text = read_input_text(self.path)
+        lines = text.split("\n")
+        complete = text.endswith("\n")
+        if not complete:  # the next line written replaces the torn one
+            self._whole = len(text[:text.rfind("\n") + 1].encode("utf-8"))
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                d = json_loads(line)
+            except ValueError:
+                if i == len(lines) - 1 and not complete:
+                    break  # the line being written when the plan stopped
+                raise PlanError(f"{self.path}: line {i + 1}: not a plan record") from None
+            if i == 0:
+                if not isinstance(d, dict) or d.get("servesim_plan") != self.VERSION:
+                    raise PlanError(f"{self.path}: not a servesim plan file (give another -o)")
+                if d.get("fingerprint") != self.fingerprint:
+                    raise PlanError(f"{self.path}: holds another plan (another scenario, "
+                                    "bounds, slice, tolerance or prices): give another -o, or "
+                                    "remove it to start again")
+                continue
+            try:
+                r = Result.from_json(d["result"])
+            except (KeyError, TypeError):
+                raise PlanError(f"{self.path}: line {i + 1}: not a plan record") from None
+            (confirmed if d.get("kind") == "confirmed" else found)[r.candidate.key] = r
+        return found, confirmed
+
+    def write(self, r: Result, kind: str = "searched") -> None:
+        if not self.path:
+            return
+        if self._fh is None:
+            if self._whole is not None:
+                os.truncate(self.path, self._whole)
+            new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
+            self._fh = open(self.path, "a", encoding="utf-8")
+            if new:
+                self._line({"servesim_plan": self.VERSION, "fingerprint": self.fingerprint,
+                            "plan": self.identity})
+        self._line({"kind": kind, "result": r.to_json()})
+
+    def _line(self, d: dict) -> None:
+        self._fh.write(json.dumps(d, default=str) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+# --- the whole plan ------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """A planning run's inputs."""
+
+    spec: str | None
+    bounds: list[Bound]
+    space: Space
+    prices: dict[str, Price]
+    overrides: list[str] = field(default_factory=list)
+    rate: float | None = None          # the required load; None: the workload's own
+    budget: float | None = None
+    tolerance: float = 0.03
+    probe_requests: int | None = 1000  # None: probe on the whole workload
+    finalists: int = 3
+    prune: bool = True
+
+
+@dataclass
+class Outcome:
+    """A plan's answer: every candidate's result, best first, and what it was planned for."""
+
+    results: list[Result]
+    required: float
+    bounds: list[Bound]
+    scenario: Scenario
+    raw: dict
+    candidates: int
+    probes: int
+    resumed: int
+    shares_prefixes: bool = True
+
+    @property
+    def feasible(self) -> list[Result]:
+        """The feasible candidates, best first, one of each set whose runs are identical."""
+        seen, out = set(), []
+        for r in self.results:
+            k = same_run(r.candidate, self.shares_prefixes)
+            if r.status == "ok" and k not in seen:
+                seen.add(k)
+                out.append(r)
+        return out
+
+    @property
+    def winner(self) -> Result | None:
+        return self.feasible[0] if self.feasible else None
+
+    def pareto(self) -> list[Result]:
+        """The feasible deployments no other beats on both cost per hour and load."""
+        front, best_load = [], -1.0
+        for r in sorted(self.feasible, key=lambda r: (r.usd_per_hour, -(r.max_load or 0))):
+            if (r.max_load or 0) > best_load:
+                front.append(r)
+                best_load = r.max_load or 0
+        return front
+
+
+def check_space(p: Plan, raw: dict, source: str, base_dir: Path) -> tuple[list[Candidate],
+                                                                        list[Result]]:
+    """The candidates to search, and those that cannot run (no-fit), with one line for the
+    first problem with the space itself. Raises PlanError."""
+    missing = [g for g in p.space.gpus if g not in p.prices]
+    if missing:
+        raise PlanError(f"--gpus {missing[0]}: no price for this GPU in the price table "
+                        f"(give one with --price {missing[0]}=USD_PER_GPU_HOUR)")
+    cands = p.space.candidates()
+    if not cands:
+        raise PlanError("the search space is empty (check --gpus, --tp, --replicas, "
+                        "--policies)")
+    ok, bad = [], []
+    fit_cache: dict[tuple, str] = {}
+    for c in cands:
+        k = (c.gpu, c.tp, c.policy, c.max_num_seqs, c.max_num_batched_tokens)
+        if k not in fit_cache:
+            fit_cache[k] = fits(raw, source, base_dir, c)
+        why = fit_cache[k]
+        if why:
+            bad.append(Result(c, "no-fit", usd_per_hour(c, p.prices), note=why))
+        else:
+            ok.append(c)
+    return ok, bad
+
+
+def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
+             progress: Progress | None = None) -> Outcome:
+    """Search the space, confirm the finalists on the whole workload, rank."""
+    raw, source, base_dir = read_raw(p.spec)
+    for o in p.overrides:
+        apply_override(raw, o, source)
+    cands, no_fit = check_space(p, raw, source, base_dir)
+    # The workload alone (the scenario as given may not fit its model on its GPUs).
+    wl = scenario_from_dict({k: v for k, v in copy.deepcopy(raw).items()
+                             if k in ("name", "seed", "workload")},
+                            source=source, base_dir=base_dir)
+    sc = load_variant(raw, source, base_dir, cands[0].overrides()) if cands else wl
+    full, probe = slices(wl, p.probe_requests)
+    required = p.rate if p.rate is not None else offered_load(wl, full)
+    identity = {"scenario": raw, "source": source, "bounds": [b.text() for b in p.bounds],
+                "required": required, "tolerance": p.tolerance, "probe": probe.requests,
+                "prices": {g: dataclasses.asdict(v) for g, v in sorted(p.prices.items())},
+                "budget": p.budget, "prune": p.prune}
+    journal = Journal(journal_path, identity)
+    found, confirmed = journal.read()
+    wanted = {c.key for c in cands}
+    resumed = sum(1 for k in found if k in wanted)
+    settings = SearchSettings(p.bounds, required, p.prices, p.tolerance, p.prune, p.budget,
+                              first_router=p.space.routers[0])
+    run_probe = Probes(raw, source, base_dir, probe, runner)
+    run_full = Probes(raw, source, base_dir, full, runner)
+    try:
+        results = search(cands, run_probe, probe, settings,
+                         done={k: v for k, v in found.items() if k in wanted},
+                         on_result=journal.write, progress=progress)
+        while probe is not full:
+            report = None
+            if progress:
+                offset = run_probe.runs + run_full.runs
+                report = lambda d, n, o=offset: progress(o + d, o + n)  # noqa: E731
+            confirm(results, confirmed, p, settings, run_full, journal, report)
+            # Pruned against the probe slice's cheapest; the whole workload's may cost more:
+            # search again those that could beat it.
+            best = min((r.usd_per_m_tokens for k, r in confirmed.items()
+                        if k in results and r.status == "ok"), default=None)
+            reopen = [k for k, r in results.items() if r.status == "pruned" and best is not None
+                      and usd_per_m_tokens(r.usd_per_hour, r.cap, r.tokens_per_request) < best]
+            if not reopen:
+                break
+            settings = dataclasses.replace(settings, confirmed_cost=best)
+            results = search(cands, run_probe, probe, settings,
+                             done={k: v for k, v in results.items() if k not in reopen},
+                             on_result=journal.write, progress=progress)
+    finally:
+        journal.close()
+    merged = {**results, **{k: v for k, v in confirmed.items() if k in results}}
+    ranked = rank([*merged.values(), *no_fit])
+    return Outcome(ranked, required, p.bounds, sc, raw, len(cands) + len(no_fit),
+                   run_probe.runs + run_full.runs, resumed, full.shares_prefixes)
+
+
+def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
+            s: SearchSettings, run_full: Evaluate, journal: Journal,
+            progress: Progress | None = None) -> None:
+    """Search the cheapest candidates again on the whole workload, from the load their probes
+    found (growing from there, or bisecting down where it fails), until the cheapest confirmed
+    one is cheaper than every candidate not yet confirmed. `progress(runs done, runs
+    guessed)` as it goes."""
+    runs = 0
+    while True:
+        best = min((r.usd_per_m_tokens for r in confirmed.values()
+                    if r.status == "ok" and r.candidate.key in results), default=None)
+        todo = sorted((r for k, r in results.items() if r.status == "ok" and k not in confirmed),
+                      key=lambda r: r.usd_per_m_tokens)
+        if not todo or (best is not None and todo[0].usd_per_m_tokens >= best):
+            return
+        batch = todo[:max(p.finalists, 1)]
+        tracks = {}
+        for r in batch:
+            search_ = LoadSearch(r.max_load, 1.0, s.tolerance, s.max_doublings,
+                                 growth=1 + 2 * s.tolerance)
+            tracks[r.candidate.key] = Track(r.candidate, search_, r.usd_per_hour,
+                                            r.tokens_per_request)
+        while True:
+            proposals = []
+            for t in tracks.values():
+                nxt = _at_least(t.search.next_rate(), t.search, s.required)
+                if nxt is None or (t.search.failed and t.search.failed[0] <= s.required):
+                    continue
+                proposals.append((t, nxt))
+            if not proposals:
+                break
+            guess = runs + len(proposals) + sum(t.search.probes_left() for t, _ in proposals)
+            report = (lambda d, n, r=runs, g=guess: progress(r + d, max(g, r + n))) \
+                if progress else None
+            rows = run_full([(t.cand, load) for t, load in proposals], report)
+            runs += len(proposals)
+            for (t, load), row in zip(proposals, rows):
+                t.record(load, row, s.bounds)
+        for key, t in tracks.items():
+            r = t.result("ok")
+            r.probes += results[key].probes
+            if not t.search.passed or t.search.passed[0] < s.required * (1 - 1e-9):
+                b, v = worst_bound(t.fail_row or {}, s.bounds)
+                r.status = "infeasible"
+                r.note = (f"on the whole workload fails {b.name} at the required load: "
+                          f"{_ms(v)} > {b.limit_ms:g} ms")
+            r.confirmed = True
+            confirmed[key] = r
+            journal.write(r, "confirmed")
+
+
+STATUS_ORDER = {"ok": 0, "pruned": 1, "infeasible": 2, "over-budget": 3, "no-fit": 4}
+
+
+def rank(results: list[Result]) -> list[Result]:
+    """Feasible first, cheapest per output token first; confirmed before the probe slice's
+    figures at equal cost; the rest by how close they came."""
+    def key(r: Result):
+        cost = r.usd_per_m_tokens
+        return (STATUS_ORDER[r.status], cost if cost is not None and r.status == "ok" else 0,
+                not r.confirmed, -(r.max_load or 0), r.usd_per_hour, r.candidate.key)
+    return sorted(results, key=key)
+
+
+def nearest_misses(outcome: Outcome, n: int = 5) -> list[Result]:
+    """The infeasible candidates that came closest: the most load meeting the bounds, then the
+    least excess over the bound that binds."""
+    misses = [r for r in outcome.results if r.status in ("infeasible", "over-budget", "no-fit")]
+
+    def closeness(r: Result):
+        b, v = worst_bound(r.fail_row or {}, outcome.bounds)
+        excess = math.inf if v is None or r.fail_row is None else v / b.limit_ms
+        return (STATUS_ORDER[r.status], -(r.max_load or 0), excess)
+    return sorted(misses, key=closeness)[:n]
+
+
+def binding(outcome: Outcome) -> str:
+    """Which constraint keeps every candidate out, in words."""
+    counts: dict[str, int] = {}
+    for r in outcome.results:
+        if r.status == "infeasible":
+            b, _ = worst_bound(r.fail_row or {}, outcome.bounds)
+            counts[f"{b.text()} at {outcome.required:.4g} req/s"] = counts.get(
+                f"{b.text()} at {outcome.required:.4g} req/s", 0) + 1
+        elif r.status == "over-budget":
+            counts["the budget"] = counts.get("the budget", 0) + 1
+        elif r.status == "no-fit":
+            counts["GPU memory (the model does not fit)"] = counts.get(
+                "GPU memory (the model does not fit)", 0) + 1
+    if not counts:
+        return "nothing was searched"
+    top = max(counts, key=counts.get)
+    return f"{top} ({counts[top]} of {sum(counts.values())} candidates)"
+
+
+def why_runner_up_lost(outcome: Outcome) -> str:
+    """One sentence: what the second-best deployment lacks against the winner."""
+    f = outcome.feasible
+    if len(f) < 2:
+        return "no runner-up: only one deployment meets the bounds" if f else ""
+    w, r = f[0], f[1]
+    dw, dr = dataclasses.asdict(w.candidate), dataclasses.asdict(r.candidate)
+    same = () if outcome.shares_prefixes else ("prefix_caching",)  # (it changes nothing)
+    diff = [f"{k} {dr[k]} (winner {dw[k]})" for k in dw if dw[k] != dr[k] and k not in same]
+    cost_gap = (r.usd_per_m_tokens / w.usd_per_m_tokens - 1) * 100
+    parts = [f"the runner-up ({r.candidate.label()}) costs {cost_gap:.1f}% more per output "
+             f"token"]
+    if r.usd_per_hour > w.usd_per_hour:
+        parts.append(f"rents more (${r.usd_per_hour:,.2f}/h against ${w.usd_per_hour:,.2f}/h)")
+    elif r.usd_per_hour < w.usd_per_hour:
+        parts.append(f"is cheaper per hour (${r.usd_per_hour:,.2f} against "
+                     f"${w.usd_per_hour:,.2f}) but carries less: {r.max_load:.3g} against "
+                     f"{w.max_load:.3g} req/s within the bounds")
+    if r.fail_row is not None:
+        b, v = worst_bound(r.fail_row, outcome.bounds)
+        parts.append(f"above {r.max_load:.3g} req/s it breaks {b.name} ({_ms(v)} at "
+                     f"{r.fail_load:.3g} req/s)")
+    if diff:
+        parts.append("it differs in " + ", ".join(diff[:4]))
+    return "; ".join(parts) + "."
+
+
+# --- trust: the validation error of each figure's regime ----------------------------------------
+FIGURES = {"load": ("output_tps", "request_tps", "total_tps"), "ttft": ("ttft",),
+           "tpot": ("tpot", "itl", "user_tps")}
+
+
+@dataclass
+class Regime:
+    """Validation rows of one figure on one GPU and tensor-parallel degree."""
+
+    figure: str
+    gpu: str
+    tp: int
+    errors: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.errors)
+
+    @property
+    def worst(self) -> float:
+        return max(self.errors)
+
+
+def regimes(points, results: list[dict]) -> dict[tuple[str, str, int], Regime]:
+    """(figure, gpu, tp) -> Regime from validation `results` (rows of `validate.run_point`)
+    of `points` (validate.Point, whose scenarios say the GPU and TP)."""
+    by_id = {r["id"]: r for r in results}
+    out: dict[tuple[str, str, int], Regime] = {}
+    for pt in points:
+        r = by_id.get(pt.id)
+        if r is None or r.get("ratio") is None:
+            continue
+        quantity = pt.metric.quantity
+        fig = next((f for f, qs in FIGURES.items() if quantity in qs), None)
+        if fig is None:
+            continue
+        sc = V.point_scenario(pt)
+        key = (fig, sc.hardware.preset, sc.model.tensor_parallel)
+        out.setdefault(key, Regime(fig, *key[1:], [])).errors.append(abs(r["ratio"] - 1))
+    return out
+
+
+def trust(c: Candidate, table: dict[tuple[str, str, int], Regime]) -> dict[str, Regime | None]:
+    """Each figure's regime for a candidate: its GPU at its TP degree; None where no
+    validation row was measured there (a disaggregated pair never was)."""
+    return {fig: None if c.disaggregated else table.get((fig, c.gpu, c.tp)) for fig in FIGURES}
+
+
+# --- the winner as something to run --------------------------------------------------------------
+def winner_toml(outcome: Outcome, r: Result) -> str:
+    """The winning deployment as a scenario file `servesim sim` runs: the planned scenario
+    with the candidate's settings and its highest load, paths made absolute."""
+    raw = copy.deepcopy(outcome.raw)
+    source = str(outcome.scenario.source)
+    for o in r.candidate.overrides():
+        apply_override(raw, o, source)
+    w = raw.setdefault("workload", {})
+    sc = outcome.scenario
+    if sc.workload.arrival == "trace":
+        w["time_scale"] = slices(sc, None)[0].native_rate / r.max_load
+        w["trace"] = str(sc.resolve_path(sc.workload.trace))
+    else:
+        w["rate"] = r.max_load
+    for k, v in list(w.items()):
+        if isinstance(v, dict) and isinstance(v.get("file"), str):
+            v["file"] = str(sc.resolve_path(v["file"]))
+    if isinstance(raw.get("engine"), dict) and str(raw["engine"].get("preset", "")).endswith(
+            ".toml"):
+        raw["engine"]["preset"] = str(sc.resolve_path(raw["engine"]["preset"]))
+    raw["name"] = f"{raw.get('name', 'scenario')}-plan"
+    raw["description"] = (f"servesim plan's winner: {r.candidate.label()} at "
+                          f"{r.max_load:.4g} req/s")
+    head = [f"# servesim plan's winner for {source}",
+            f"# bounds: {', '.join(b.text() for b in outcome.bounds)}",
+            f"# ${r.usd_per_hour:,.2f}/h, ${r.usd_per_m_tokens:.3f} per million output tokens"]
+    return "\n".join(head) + "\n" + toml_text(raw)
+
+
+def toml_text(raw: dict) -> str:
+    """A scenario table as TOML: top-level keys, then a [section] per table."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in raw.items() if not isinstance(v, dict)]
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            lines += ["", f"[{k}]"] + [f"{kk} = {_toml_value(vv)}" for kk, vv in v.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if hasattr(v, "isoformat"):
+        return v.isoformat()
+    raise PlanError(f"cannot write {shown(v)} as TOML")
+
+
+def vllm_command(sc: Scenario, c: Candidate) -> str:
+    """The `vllm serve` line of a candidate (a pair or replicas: how to run each instance)."""
+    model = MODEL_IDS.get(sc.model.preset, "MODEL")
+    args = ["vllm", "serve", model, f"--tensor-parallel-size {c.tp}",
+            f"--max-num-seqs {c.max_num_seqs}",
+            f"--max-num-batched-tokens {c.max_num_batched_tokens}",
+            "--enable-prefix-caching" if c.prefix_caching else "--no-enable-prefix-caching",
+            f"--gpu-memory-utilization {sc.kv.gpu_memory_utilization:g}",
+            f"--block-size {sc.kv.block_size}"]
+    if c.policy == "fcfs":
+        args.append("--no-enable-chunked-prefill")
+    if c.policy == "priority":
+        args.append("--scheduling-policy priority")
+    if sc.model.dtype_bytes == 1:
+        args.append("--quantization fp8")
+    if (sc.model.kv_dtype_bytes or sc.model.dtype_bytes) == 1:
+        args.append("--kv-cache-dtype fp8")
+    line = " ".join(args)
+    if c.disaggregated:
+        return (f"# a prefill instance and a decode instance, {c.tp} GPU(s) each, joined by a "
+                "KV connector (vLLM's --kv-transfer-config, kv_role kv_producer / kv_consumer):\n"
+                f"{line} --kv-transfer-config '{{\"kv_connector\":\"NixlConnector\","
+                f"\"kv_role\":\"kv_producer\"}}'\n"
+                f"{line} --kv-transfer-config '{{\"kv_connector\":\"NixlConnector\","
+                f"\"kv_role\":\"kv_consumer\"}}'")
+    if c.replicas > 1:
+        return (f"# {c.replicas} replicas of {c.tp} GPU(s) each behind a {c.router} router; "
+                "each replica runs:\n" + line)
+    return line
+
+
+def sglang_command(sc: Scenario, c: Candidate) -> str:
+    """The SGLang `launch_server` line of a candidate."""
+    model = MODEL_IDS.get(sc.model.preset, "MODEL")
+    args = ["python", "-m", "sglang.launch_server", f"--model-path {model}", f"--tp-size {c.tp}",
+            f"--max-running-requests {c.max_num_seqs}",
+            f"--chunked-prefill-size {c.max_num_batched_tokens}",
+            f"--mem-fraction-static {sc.kv.gpu_memory_utilization:g}"]
+    if not c.prefix_caching:
+        args.append("--disable-radix-cache")
+    if c.policy == "lpm":
+        args.append("--schedule-policy lpm")
+    if c.replicas > 1 and not c.disaggregated:
+        method = "round_robin" if c.router == "round-robin" else "shortest_queue"
+        args += [f"--dp-size {c.replicas}", f"--load-balance-method {method}"]
+    if sc.model.dtype_bytes == 1:
+        args.append("--quantization fp8")
+    line = " ".join(args)
+    if c.disaggregated:
+        return (f"{line} --disaggregation-mode prefill\n{line} --disaggregation-mode decode\n"
+                "# and a router in front: python -m sglang_router.launch_router --pd-disaggregation")
+    return line

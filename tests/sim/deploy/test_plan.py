@@ -1,0 +1,300 @@
+"""The deployment search (sim.deploy.plan): bisection, pruning against the exhaustive answer,
+resuming from the output file, the winner as a scenario and as serving command lines."""
+
+import json
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from sim.deploy import plan as P
+from sim.deploy.sweep import Runner
+from sim.inputs.scenario import load_scenario
+
+PRICES = {g: P.Price(usd, "test", "2026-01-01")
+          for g, usd in {"h100-sxm": 4.0, "a100-80gb": 2.5, "h200": 5.0}.items()}
+BOUNDS = [P.Bound("ttft_p99", 100.0)]
+SLICE = P.Slice([], False, 1.0, 101, 200.0)  # 200 output tokens a request
+
+
+def toy(capacity):
+    """An evaluator of a monotone toy: a probe meets the bound iff its load is at most the
+    candidate's capacity."""
+    calls = []
+
+    def evaluate(probes, progress=None):
+        calls.extend(probes)
+        rows = []
+        for c, load in probes:
+            cap = capacity(c)
+            rows.append({"ttft_p99_ms": 100.0 * load / cap,
+                         "throughput_output_tokens_per_s": 0.95 * load * 200})
+        return rows
+    evaluate.calls = calls
+    return evaluate
+
+
+def cand(gpu="h100-sxm", tp=1, replicas=1, router="round-robin", seqs=128, tokens=2048,
+         policy="chunked", pc=False):
+    return P.Candidate(gpu, tp, replicas, router, seqs, tokens, policy, pc)
+
+
+def test_bisection_finds_the_highest_load_meeting_the_bound():
+    c = cand()
+    for capacity in (0.37, 3.0, 17.5):
+        ev = toy(lambda _: capacity)
+        s = P.SearchSettings(BOUNDS, required=0.2, prices=PRICES, tolerance=0.02)
+        r = P.search([c], ev, SLICE, s)[c.key]
+        assert r.status == "ok"
+        assert r.max_load <= capacity < r.fail_load  # a bracket around the capacity
+        assert r.fail_load - r.max_load <= 0.02 * r.max_load + 1e-12
+        assert r.probes == len(ev.calls)
+
+
+def test_failing_at_the_required_load_is_infeasible_after_one_probe():
+    c = cand()
+    ev = toy(lambda _: 1.0)
+    s = P.SearchSettings(BOUNDS, required=2.0, prices=PRICES)
+    r = P.search([c], ev, SLICE, s)[c.key]
+    assert r.status == "infeasible" and r.probes == 1
+    assert "ttft_p99" in r.note and r.max_load is None
+
+
+def test_a_replicated_candidate_starts_from_its_single_replica():
+    one, two = cand(), cand(replicas=2)
+    ev = toy(lambda c: 3.0 * c.replicas)
+    s = P.SearchSettings(BOUNDS, required=1.0, prices=PRICES, tolerance=0.02)
+    res = P.search([one, two], ev, SLICE, s)
+    assert res[two.key].max_load <= 6.0 < res[two.key].fail_load
+    exhaustive = P.search([one, two], toy(lambda c: 3.0 * c.replicas), SLICE,
+                          P.SearchSettings(BOUNDS, 1.0, PRICES, 0.02, prune=False))
+    assert res[two.key].probes < exhaustive[two.key].probes  # it reused the bound
+
+
+# Random small spaces whose capacities obey the rule pruning relies on: more GPUs of one type
+# with the same settings never carry less load per replica.
+@st.composite
+def spaces(draw):
+    gpus = draw(st.lists(st.sampled_from(sorted(PRICES)), min_size=1, max_size=3, unique=True))
+    tps = sorted(draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=3,
+                               unique=True)))
+    replicas = sorted(draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3,
+                                    unique=True)))
+    seqs = draw(st.lists(st.sampled_from([64, 256]), min_size=1, max_size=2, unique=True))
+    space = P.Space(gpus, tps, replicas, ["round-robin"], seqs, [2048], ["chunked"], [False])
+    base = {(g, s): draw(st.floats(0.2, 20)) for g in gpus for s in seqs}
+    tp_gain = {t: draw(st.floats(1.0, 2.0)) for t in tps}
+    rep_gain = draw(st.floats(1.0, 1.1))
+    prices = {g: P.Price(draw(st.floats(0.5, 10)), "test", "") for g in gpus}
+    required = draw(st.floats(0.1, 10))
+
+    def capacity(c):
+        gain = math.prod(tp_gain[t] for t in tps if t <= c.tp)
+        return base[(c.gpu, c.max_num_seqs)] * gain * c.replicas * rep_gain ** (c.replicas - 1)
+    return space, capacity, prices, required
+
+
+@settings(max_examples=150, deadline=None)
+@given(spaces())
+def test_pruning_never_drops_the_true_winner(case):
+    space, capacity, prices, required = case
+    cands = space.candidates()
+    s = dict(bounds=BOUNDS, required=required, prices=prices, tolerance=0.02)
+    pruned = P.search(cands, toy(capacity), SLICE, P.SearchSettings(**s))
+    full = P.search(cands, toy(capacity), SLICE, P.SearchSettings(**s, prune=False))
+    best = P.rank(list(full.values()))[0]
+    got = P.rank(list(pruned.values()))[0]
+    if best.status != "ok":
+        assert got.status != "ok"
+        return
+    assert got.status == "ok"
+    # the same winner, or one within the search's precision of its cost
+    assert got.candidate == best.candidate or \
+        got.usd_per_m_tokens <= best.usd_per_m_tokens * (1 + 2 * 0.02)
+
+
+# --- on the simulator -----------------------------------------------------------------------------
+SCENARIO = """
+name = "tiny"
+seed = 3
+[model]
+preset = "llama-3.1-8b"
+[workload]
+arrival = "poisson"
+rate = 4.0
+num_requests = 120
+prompt_tokens = 256
+output_tokens = 32
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(SCENARIO)
+    return str(path)
+
+
+def small_plan(spec, **kw):
+    space = P.Space(["h100-sxm", "a100-80gb"], [1], [1, 2], ["round-robin"], [64], [2048],
+                    ["chunked"], [False, True])
+    return P.Plan(spec, [P.Bound("ttft_p99", 250.0), P.Bound("tpot_p99", 40.0)], space,
+                  P.load_prices(), **{"probe_requests": 60, "tolerance": 0.1, **kw})
+
+
+def test_a_plan_resumes_from_its_output_file(tiny, tmp_path):
+    out = tmp_path / "plan.jsonl"
+    with Runner(1) as runner:
+        first = P.run_plan(small_plan(tiny), runner, journal_path=str(out))
+    assert first.winner is not None and first.probes > 0
+    lines = out.read_text().splitlines()
+    assert json.loads(lines[0])["servesim_plan"] == 1
+    # interrupted after three candidates, the fourth's line torn
+    kept = lines[:4]
+    out.write_text("\n".join(kept) + "\n" + lines[4][:25])
+    with Runner(1) as runner:
+        again = P.run_plan(small_plan(tiny), runner, journal_path=str(out))
+    assert again.resumed == 3
+    assert 0 < again.probes < first.probes
+    assert {r.candidate for r in again.results} == {r.candidate for r in first.results}
+    assert again.winner.candidate == first.winner.candidate
+    assert again.winner.max_load == first.winner.max_load
+    with Runner(1) as runner:  # everything read back: nothing runs
+        third = P.run_plan(small_plan(tiny), runner, journal_path=str(out))
+    assert third.probes == 0 and third.winner.candidate == first.winner.candidate
+
+
+def test_a_file_of_another_plan_is_refused(tiny, tmp_path):
+    out = tmp_path / "plan.jsonl"
+    with Runner(1) as runner:
+        P.run_plan(small_plan(tiny), runner, journal_path=str(out))
+        with pytest.raises(P.PlanError, match="holds another plan"):
+            P.run_plan(small_plan(tiny, tolerance=0.2), runner, journal_path=str(out))
+
+
+def test_the_winner_scenario_runs_at_its_load(tiny, tmp_path):
+    with Runner(1) as runner:
+        out = P.run_plan(small_plan(tiny), runner)
+    w = out.winner
+    path = tmp_path / "winner.toml"
+    path.write_text(P.winner_toml(out, w))
+    sc = load_scenario(str(path))
+    assert sc.hardware.preset == w.candidate.gpu
+    assert sc.cluster.replicas == w.candidate.replicas
+    assert sc.kv.enable_prefix_caching == w.candidate.prefix_caching
+    assert sc.workload.rate == pytest.approx(w.max_load)
+
+
+def test_no_feasible_point_names_what_binds(tiny):
+    p = small_plan(tiny)
+    p.bounds = [P.Bound("ttft_p99", 0.5)]
+    with Runner(1) as runner:
+        out = P.run_plan(p, runner)
+    assert out.winner is None
+    assert "ttft_p99 <= 0.5 ms" in P.binding(out)
+    misses = P.nearest_misses(out)
+    assert misses and all(m.status == "infeasible" for m in misses)
+
+
+def test_the_vllm_command_carries_the_winners_settings():
+    sc = load_scenario("chat", ['model.preset="llama-3.1-70b"', "model.tensor_parallel=4"])
+    c = cand(tp=4, seqs=128, tokens=8192, pc=True, replicas=2)
+    line = P.vllm_command(sc, c)
+    for flag in ("--tensor-parallel-size 4", "--max-num-seqs 128",
+                 "--max-num-batched-tokens 8192", "--enable-prefix-caching",
+                 "meta-llama/Llama-3.1-70B-Instruct"):
+        assert flag in line
+    assert "--no-enable-prefix-caching" in P.vllm_command(sc, cand(tp=4))
+    sg = P.sglang_command(sc, c)
+    assert "--tp-size 4" in sg and "--dp-size 2" in sg and "--disable-radix-cache" not in sg
+
+
+@pytest.mark.parametrize("text, message", [
+    ("foo_p99=3", "unknown metric 'foo_p99'"),
+    ("ttft_p99=-5", "positive number"),
+    ("ttft_p99=nan", "positive number"),
+    ("ttft_p99", "expected METRIC=MS"),
+])
+def test_bad_bounds(text, message):
+    with pytest.raises(P.PlanError, match=message):
+        P.parse_bound(text)
+
+
+def test_bound_units():
+    assert P.parse_bound("ttft_p99=0.5s").limit_ms == 500
+    assert P.parse_bound("tpot_p90=40ms").limit_ms == 40
+
+
+def test_a_bad_price_row_names_file_field_and_value(tmp_path):
+    path = tmp_path / "prices.toml"
+    path.write_text('[gpu.h100-sxm]\nusd_per_gpu_hour = -2\nsource = "x"\ndate = "2026"\n')
+    with pytest.raises(P.PlanError, match=r"prices.toml: gpu.h100-sxm.usd_per_gpu_hour = -2"):
+        P.load_prices(path)
+    path.write_text('[gpu.h100-sxm]\nusd_per_gpu_hour = 2\ndate = "2026"\n')
+    with pytest.raises(P.PlanError, match=r"gpu.h100-sxm.source = None"):
+        P.load_prices(path)
+
+
+def test_the_bundled_prices_are_attributed_and_dated():
+    for gpu, price in P.load_prices().items():
+        assert price.source.startswith("https://") and price.date[:4].isdigit(), gpu
+
+
+class CountingRunner:
+    """A Runner stand-in: counts the runs asked for and answers each with its label."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, tasks, progress=None):
+        self.runs += [label for label, _ in tasks]
+        return [{"label": label} for label, _ in tasks]
+
+
+@pytest.mark.parametrize("shares, expected_runs", [(False, 1), (True, 2)])
+def test_candidates_whose_runs_are_identical_share_them(tiny, shares, expected_runs):
+    raw, source, base = P.read_raw(tiny)
+    full, _ = P.slices(load_scenario(tiny), None)
+    full.shares_prefixes = shares
+    runner = CountingRunner()
+    probes = P.Probes(raw, source, base, full, runner)
+    off, on = cand(seqs=64), cand(seqs=64, pc=True)
+    rows = probes([(off, 2.0), (on, 2.0)])
+    assert len(runner.runs) == expected_runs and probes.runs == expected_runs
+    assert (rows[0] is rows[1]) == (not shares)
+    probes([(on, 2.0)])  # asked again: answered from what ran
+    assert len(runner.runs) == expected_runs
+
+
+def test_a_trace_probe_runs_at_the_rate_of_the_traces_busiest_stretch():
+    from sim.inputs.workload import build_workload
+
+    sc = load_scenario("azure-conv")
+    full, probe = P.slices(sc, 500)
+    assert full.requests > probe.requests == 500 and probe.peak > 1
+    assert not full.shares_prefixes  # (the Azure trace has no prefix hashes)
+    for load in (3.0, 9.0):
+        a = build_workload(load_variant_of(probe, sc, load)).arrival
+        assert (len(a) - 1) / (a[-1] - a[0]) == pytest.approx(load * probe.peak)
+        a = build_workload(full.at(sc, load)).arrival
+        assert (len(a) - 1) / (a[-1] - a[0]) == pytest.approx(load)
+
+
+def load_variant_of(slice_, sc, load):
+    raw, source, base = P.read_raw("azure-conv")
+    return slice_.at(P.load_variant(raw, source, base, slice_.overrides), load)
+
+
+def test_a_confirmed_cost_is_what_a_candidate_must_beat_not_to_be_pruned():
+    # h100 carries 10 req/s at $4/h; a100 carries 2 at $2.5/h: cost per token 2.5x h100's
+    cands = [cand(), cand(gpu="a100-80gb")]
+    cap = {"h100-sxm": 10.0, "a100-80gb": 2.0}
+    s = P.SearchSettings(BOUNDS, required=1.0, prices=PRICES, tolerance=0.02)
+    res = P.search(cands, toy(lambda c: cap[c.gpu]), SLICE, s)
+    assert res[cands[1].key].status == "pruned" and res[cands[1].key].cap is not None
+    # confirmed on the whole workload the h100 turned out to cost more: the a100 is searched
+    worse = res[cands[0].key].usd_per_m_tokens * 10
+    again = P.search(cands, toy(lambda c: cap[c.gpu]), SLICE,
+                     P.SearchSettings(BOUNDS, 1.0, PRICES, 0.02, confirmed_cost=worse))
+    assert again[cands[1].key].status == "ok"
+    assert again[cands[1].key].max_load <= 2.0 < again[cands[1].key].fail_load

@@ -1,0 +1,101 @@
+"""`servesim plan` run as a user would: the report, the winner's files, exit codes and one-line
+errors."""
+
+import json
+
+import pytest
+
+from tui.cli import main
+
+# `chat` cut to 120 requests, on small spaces
+SPACE = ["--set", "workload.duration_s=0", "--set", "workload.num_requests=120", "--gpus", "h100,a100", "--tp", "1", "--replicas", "1,2", "--routers", "round-robin",
+         "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--policies", "chunked",
+         "--prefix-caching", "off", "--probe-requests", "60", "--tolerance", "0.1",
+         "--workers", "1"]
+
+
+@pytest.fixture
+def tiny():
+    return "chat"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_reports_the_winner_and_writes_it(capsys, tiny, tmp_path):
+    winner = tmp_path / "winner.toml"
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", "--slo", "tpot_p99=60",
+                         *SPACE, "--no-validation", "--winner", str(winner), "--plot")
+    assert code == 0, err
+    assert "Winner: " in out and "Why not the runner-up: " in out
+    assert "vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1" in out
+    assert "sglang.launch_server" in out and "Pareto front" in out
+    code, sim_out, err = run(capsys, "sim", str(winner), "--json", "-q")
+    assert code == 0, err
+    assert json.loads(sim_out)["requests"]["finished"] == 120
+
+
+def test_plan_json_carries_the_validation_error_of_each_figure(capsys, tiny, tmp_path):
+    # validate's JSON for two points on an H100 at TP1: a TTFT row and a throughput row
+    points = {"points": [{"id": "T11", "ratio": 1.10}, {"id": "T15", "ratio": 0.95}]}
+    val = tmp_path / "val.json"
+    val.write_text(json.dumps(points))
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                         "--gpus", "h100", "--validation", str(val), "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    errors = d["winner"]["validation_error"]
+    assert errors["ttft"] == pytest.approx(0.10) and errors["load"] == pytest.approx(0.05)
+    assert errors["tpot"] is None  # never validated there
+    assert "vllm serve meta-llama/Llama-3.1-8B-Instruct" in d["vllm"] and d["pareto"]
+
+
+def test_plan_says_when_the_winner_rests_on_an_unvalidated_regime(capsys, tiny, tmp_path):
+    val = tmp_path / "val.json"
+    val.write_text(json.dumps({"points": [{"id": "T11", "ratio": 1.10}]}))
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                         "--gpus", "h100", "--validation", str(val))
+    assert code == 0, err
+    assert "has not been validated in: throughput, TPOT on h100-sxm at TP1" in out
+
+
+def test_no_feasible_point_exits_1_with_the_nearest_misses(capsys, tiny):
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=0.5", *SPACE,
+                         "--no-validation")
+    assert code == 1, err
+    assert "No deployment meets the bounds" in out and "ttft_p99 <= 0.5 ms" in out
+    assert "Nearest misses:" in out and "h100-sxm TP1" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slo", "foo_p99=1"], "--slo foo_p99=1: unknown metric 'foo_p99'"),
+    (["--slo", "ttft_p99=-3"], "--slo ttft_p99=-3: the bound must be a positive number"),
+    (["--slo", "ttft_p99=1", "--gpus", "l40s"], "--gpus l40s: no price for this GPU"),
+    (["--slo", "ttft_p99=1", "--gpus", "v100"], "--gpus v100: unknown GPU"),
+    (["--slo", "ttft_p99=1", "--price", "h100=free"], "--price h100=free: expected GPU=USD"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, tiny, argv, message):
+    code, out, err = run(capsys, "plan", tiny, *SPACE, *argv)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_price_table_with_a_bad_row(capsys, tiny, tmp_path):
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[gpu.h100-sxm]\nusd_per_gpu_hour = "cheap"\nsource = "x"\ndate = "2026"\n')
+    code, _, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                       "--prices", str(prices))
+    assert code == 2
+    assert f"{prices}: gpu.h100-sxm.usd_per_gpu_hour = 'cheap'" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_price_given_on_the_command_line_is_used(capsys, tiny):
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE, "--gpus", "l40s",
+                         "--price", "l40s=1.5", "--no-validation", "--json")
+    assert code == 0, err
+    w = json.loads(out)["winner"]
+    assert w["usd_per_hour"] == pytest.approx(1.5 * w["gpus"])
