@@ -250,11 +250,13 @@ def header_for(engine) -> dict:
     return header
 
 
-def write_log(path, engine, summary: dict | None = None, exclusive: bool = False) -> Path:
+def write_log(path, engine, summary: dict | None = None, exclusive: bool = False,
+              records=None) -> Path:
     """Write `engine`'s session so far to `path` (atomically). Returns the path.
 
-    Raises LogError with one line naming the file when it cannot be written; FileExistsError
-    when `exclusive` and `path` exists (it is never replaced then).
+    `records`: the session's event records, in order, when not all of them are in the engine's
+    lists (`Spool.records`). Raises LogError with one line naming the file when it cannot be
+    written; FileExistsError when `exclusive` and `path` exists (it is never replaced then).
     """
     path = Path(path)
     if summary is None:
@@ -266,8 +268,10 @@ def write_log(path, engine, summary: dict | None = None, exclusive: bool = False
             chunk = [packer.pack(header_for(engine))]
             n = 0
             streams = getattr(engine, "log_events", None)
-            for e in streams() if streams is not None else engine.events:
-                chunk.append(packer.pack(encode(e)))
+            if records is None:
+                records = map(encode, streams() if streams is not None else engine.events)
+            for rec in records:
+                chunk.append(packer.pack(rec))
                 n += 1
                 if n % CHECKPOINT_EVERY == 0:
                     body = b"".join(chunk)
