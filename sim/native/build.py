@@ -167,27 +167,37 @@ class OptionalBuildExt(build_ext):
             if declared != wanted:  # (what sim/native/compiled.py checks at run time)
                 raise SystemExit(f"servesim: pyproject.toml's ext-modules {declared} are not "
                                  f"sim/native/compiled.py's C modules {wanted}")
-        self._pure = os.environ.get("SERVESIM_PURE") == "1"
-        self._reuse = None  # {extension name: its kept file} when the same build is kept
-        modules = list(_declared)
-        if not self._pure:
-            if not _reuse:
-                _reuse[:] = [cache_key()]
-                _reuse.append(cached(ROOT, _reuse[0]))
-                if _reuse[1] is not None:
-                    progress(f"the compiled hot path is unchanged: reusing {CACHE}/{_reuse[0]}")
-            self._key, self._reuse = _reuse
-            if self._reuse is not None:
-                names = {e.name for e in modules}
-                modules += [Extension(name, sources=[]) for name in self._reuse
-                            if name not in names]
-            else:
-                try:
-                    modules = [*_mypyc_modules(), *modules]
-                except BaseException:  # noqa: BLE001 - (said once, by _mypyc_modules)
-                    self._pure = True
-        self.distribution.ext_modules = modules
+        if not getattr(self, "_compiling", False):
+            self._pure = os.environ.get("SERVESIM_PURE") == "1"
+            self._reuse = None  # {extension name: its kept file} when the same build is kept
+            self.distribution.ext_modules = list(_declared)
         super().finalize_options()
+
+    def _add_hot_path(self) -> None:
+        """The mypyc modules, compiled or kept: decided when the build runs, not when pip only
+        asks for the package's metadata (each of its steps finalizes this command anew, in a
+        process of its own, and mypyc's type check alone takes some 10 s)."""
+        if not _reuse:
+            _reuse[:] = [cache_key()]
+            _reuse.append(cached(ROOT, _reuse[0]))
+            if _reuse[1] is not None:
+                progress(f"the compiled hot path is unchanged: reusing {CACHE}/{_reuse[0]}")
+        self._key, self._reuse = _reuse
+        modules = list(_declared)
+        if self._reuse is not None:
+            names = {e.name for e in modules}
+            modules += [Extension(name, sources=[]) for name in self._reuse if name not in names]
+        else:
+            try:
+                modules = [*_mypyc_modules(), *modules]
+            except BaseException:  # noqa: BLE001 - (said once, by _mypyc_modules)
+                self._pure = True
+                return
+        self.distribution.ext_modules = modules
+        # Finalized again, for the settings each extension gets (the only option that
+        # distutils cannot finalize twice is the one it splits from a string)
+        self._compiling, self.swig_opts = True, None
+        self.finalize_options()
 
     def run(self) -> None:
         manifest = ROOT / _c.MANIFEST
@@ -197,6 +207,8 @@ class OptionalBuildExt(build_ext):
         for path in (manifest, built):
             if path is not None:
                 path.unlink(missing_ok=True)
+        if not self._pure:
+            self._add_hot_path()
         if self._pure:
             return
         self._done, started = 0, time.monotonic()
