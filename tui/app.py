@@ -36,6 +36,7 @@ from sim.fileio import check_writable
 from sim.inputs.workload import sample_lengths
 from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
+from sim.session.spool import Spool
 from tui import keymap
 from tui.driver import EngineDriver
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
@@ -114,9 +115,10 @@ class Dashboard(App[int]):
 
     def __init__(self, engine: Engine | None = None, *, replayer=None,
                  replay_name: str | None = None, speed: float = 1.0, paused: bool = False,
-                 log_dir: str | Path = ".", driver=None) -> None:
+                 log_dir: str | Path = ".", driver=None, spool: bool = True) -> None:
         """`driver`: what moves the engine's clock, when not an `EngineDriver` of its own
-        (`servesim serve --tui`: the HTTP server's, with the same methods)."""
+        (`servesim serve --tui`: the HTTP server's, with the same methods). `spool`: keep a
+        live session's events on disk as it runs (`sim.session.spool`), not in memory."""
         super().__init__()
         self.replayer = replayer
         self.engine: Engine = replayer.engine if replayer is not None else engine
@@ -151,6 +153,10 @@ class Dashboard(App[int]):
         except ServesimError as e:
             self._export_note = f"{e}; session logs go to {tempfile.gettempdir()}"
             self.log_dir = Path(tempfile.gettempdir())
+        # (unnamed files beside the exports; not under `serve`, whose server reads its
+        # engine's event lists by position)
+        self.spool = (Spool(self.engine, dir=str(self.log_dir))
+                      if spool and replayer is None and driver is None else None)
 
     # --- composition ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -188,6 +194,8 @@ class Dashboard(App[int]):
         self.tables["running"].focus_quietly()  # nothing is selected until the user moves
         self.set_interval(1 / self.FRAME_HZ, self._frame_tick)
         self.set_interval(1 / self.CHART_HZ, self.sample_charts)
+        if self.spool is not None:
+            self.set_interval(1.0, self.spool_events)
         if self._export_note:
             self._note(self._export_note)
         try:  # SIGTERM quits as `q` does, so the terminal is restored
@@ -252,7 +260,8 @@ class Dashboard(App[int]):
         for n in range(1, 1000):
             path = self.log_dir / (f"{base}.msgpack" if n == 1 else f"{base}-{n}.msgpack")
             try:
-                return write_log(path, self.engine, exclusive=True)
+                return write_log(path, self.engine, exclusive=True,
+                                 records=self.spool.records() if self.spool else None)
             except FileExistsError:
                 continue
         raise ServesimError(f"{self.log_dir}: no free name for {base}.msgpack")
@@ -342,6 +351,24 @@ class Dashboard(App[int]):
         finally:
             self.driver.lock.release()
         self.charts.add_sample(sample_, preemptions)
+
+    @guarded
+    def spool_events(self) -> None:
+        """Move all but the latest events to the spool on disk; the event log's places in the
+        engine's lists move with them."""
+        if not self.is_running or not self.driver.lock.acquire(timeout=0.02):
+            return
+        before = dict(self.spool.spooled)
+        try:
+            self.spool.trim()
+        finally:  # (what moved, if the spool failed part way too)
+            for stream, n in self.spool.spooled.items():
+                n -= before.get(stream, 0)
+                if stream is None:
+                    self._event_i = max(0, self._event_i - n)
+                else:
+                    self._event_at[stream] = max(0, self._event_at[stream] - n)
+            self.driver.lock.release()
 
     @guarded
     def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:

@@ -35,6 +35,7 @@ interrupted export never leaves a half-written log under the final name.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import stat
@@ -249,11 +250,13 @@ def header_for(engine) -> dict:
     return header
 
 
-def write_log(path, engine, summary: dict | None = None, exclusive: bool = False) -> Path:
+def write_log(path, engine, summary: dict | None = None, exclusive: bool = False,
+              records=None) -> Path:
     """Write `engine`'s session so far to `path` (atomically). Returns the path.
 
-    Raises LogError with one line naming the file when it cannot be written; FileExistsError
-    when `exclusive` and `path` exists (it is never replaced then).
+    `records`: the session's event records, in order, when not all of them are in the engine's
+    lists (`Spool.records`). Raises LogError with one line naming the file when it cannot be
+    written; FileExistsError when `exclusive` and `path` exists (it is never replaced then).
     """
     path = Path(path)
     if summary is None:
@@ -265,8 +268,10 @@ def write_log(path, engine, summary: dict | None = None, exclusive: bool = False
             chunk = [packer.pack(header_for(engine))]
             n = 0
             streams = getattr(engine, "log_events", None)
-            for e in streams() if streams is not None else engine.events:
-                chunk.append(packer.pack(encode(e)))
+            if records is None:
+                records = map(encode, streams() if streams is not None else engine.events)
+            for rec in records:
+                chunk.append(packer.pack(rec))
                 n += 1
                 if n % CHECKPOINT_EVERY == 0:
                     body = b"".join(chunk)
@@ -690,6 +695,127 @@ def _check_action(path: str, i: int, rec: list, deployment: bool) -> None:
         raise LogError(f"{path}: event {i}: {action} lacks {', '.join(missing)}")
 
 
+# --- reading as it comes ---------------------------------------------------------------------
+# msgpack makes an object of every array and map it unpacks: an empty one costs one byte in the
+# file and some 60 in memory. So nothing larger than _SMALL_OBJECT is unpacked before its shape
+# is known to be what servesim writes (each array and map where an event has one, of a length
+# that the record's own contents bound), and the header (large by its workload, not by
+# containers) may hold no more arrays and maps than a few tables and a list per request.
+_SMALL_OBJECT = 64 << 10
+_HEADER_CONTAINERS = 4096  # the scenario, compute and deployment tables
+_REQUEST_BYTES = 41  # a request's share of the header: 5 columns of 8 bytes, its hash list
+
+
+def _bounded(buf, containers: int):
+    """The one msgpack object in `buf`, refused (ValueError) once it has made more than
+    `containers` arrays and maps."""
+    left = [containers]
+
+    def made(obj):
+        left[0] -= 1
+        if left[0] < 0:
+            raise ValueError(f"more than {containers:,} arrays and maps in one object")
+        return obj
+
+    return msgpack.unpackb(buf, raw=False, strict_map_key=False, list_hook=made,
+                           object_hook=made)
+
+
+def _is_container(b: int) -> bool:
+    """Whether a msgpack type byte opens an array or a map."""
+    return 0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF
+
+
+def _shaped(path: str, i: int, buf, instances: int) -> None:
+    """Raise LogError naming the field when the packed record `buf` (event `i`) is not shaped
+    as servesim writes it."""
+    try:
+        _Shape(buf, instances).record()
+    except ValueError as e:
+        raise LogError(f"{path}: event {i}: {e}") from None
+
+
+class _Shape:
+    """Walks one packed event record without making its objects: raises ValueError at the first
+    array or map where the record has none, or one longer than the record allows."""
+
+    def __init__(self, buf, instances: int) -> None:
+        self.buf = buf
+        self.up = msgpack.Unpacker(raw=False, strict_map_key=False,
+                                   max_buffer_size=len(buf) + 16)
+        self.up.feed(buf)
+        self.instances = instances
+
+    def _peek(self) -> int:
+        return self.buf[self.up.tell()]
+
+    def one(self, what: str) -> None:
+        """A single value (no array or map)."""
+        if _is_container(self._peek()):
+            raise ValueError(f"{what}: an array or map where a single value belongs")
+        self.up.skip()
+
+    def array(self, what: str, most: int | None = None) -> int:
+        if not 0x90 <= self._peek() <= 0x9F and self._peek() not in (0xDC, 0xDD):
+            raise ValueError(f"{what}: expected an array")
+        n = self.up.read_array_header()
+        if most is not None and n > most:
+            raise ValueError(f"{what}: {n:,} items, at most {most:,} here")
+        return n
+
+    def record(self) -> None:
+        n = self.array("event record", max(_LEN.values()))
+        if not n or _is_container(self._peek()):
+            raise ValueError("not an event record")
+        code = self.up.unpack()
+        if type(code) is not int or _LEN.get(code) != n:
+            raise ValueError("not an event record")
+        batch = 0  # the requests in a step: what its `tokens` may name
+        for name in FIELDS[code]:
+            if name == "prefill":
+                batch += (k := self.array(name))
+                for _ in range(k):
+                    if self.array(f"{name} chunk", 3) != 3:
+                        raise ValueError(f"{name}: a chunk is (req_id, start, tokens)")
+                    for _ in range(3):
+                        self.one(name)
+            elif name == "decode":
+                batch += (k := self.array(name))
+                for _ in range(k):
+                    self.one(name)
+            elif name == "tokens" and _is_container(self._peek()):
+                if not 0x80 <= self._peek() <= 0x8F and self._peek() not in (0xDE, 0xDF):
+                    raise ValueError(f"{name}: expected a map")
+                k = self.up.read_map_header()
+                if k > batch:
+                    raise ValueError(f"{name}: {k:,} requests in a step of {batch:,}")
+                for _ in range(k):
+                    self.one(name)
+                    for _ in range(self.array(name)):
+                        self.one(name)
+            elif name == "args" and _is_container(self._peek()):
+                self._args()
+            else:
+                self.one(name)
+
+    def _args(self) -> None:
+        """A user action's arguments: single values, and lists of at most one per instance
+        and the deployment (`settled`) of single values or pairs (`at`)."""
+        if not 0x80 <= self._peek() <= 0x8F:  # (a handful of arguments)
+            raise ValueError("args: expected a small map")
+        for _ in range(self.up.read_map_header()):
+            self.one("args")
+            if not _is_container(self._peek()):
+                self.up.skip()
+                continue
+            for _ in range(self.array("args", self.instances + 1)):
+                if _is_container(self._peek()):
+                    if self.array("args", 2) != 2:
+                        raise ValueError("args: expected [step, time] pairs")
+                    self.one("args")
+                self.one("args")
+
+
 # A log is read whole; past this a file is not one servesim wrote (a full Azure trace's log
 # is 8.5 MB).
 MAX_LOG_BYTES = 4 << 30
@@ -737,61 +863,72 @@ def read_log(path, check_events: bool = True) -> SessionLog:
 
 def _read_log(path: str) -> SessionLog:
     data = _read_bytes(path)
-    up = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(data) + 16)
-    up.feed(data)
+    # Two readers over the bytes: `sizer` only finds where each object ends (no objects made),
+    # so that a large one is checked for its shape before `up` makes it (see _Shape).
+    up, sizer = (msgpack.Unpacker(io.BytesIO(data), raw=False, strict_map_key=False,
+                                  max_buffer_size=len(data) + 16) for _ in range(2))
+    errors = (ValueError, TypeError, RecursionError, msgpack.UnpackException, msgpack.ExtraData)
 
-    def next_obj(what: str):
+    def extent(what: str) -> int:
+        """Where the next object ends; LogError when it is cut or corrupt."""
         at = up.tell()
         try:
-            return next(up), at
-        except StopIteration:
+            sizer.skip()
+        except msgpack.OutOfData:
             if at < len(data):
                 raise LogError(f"{path}: truncated at byte {len(data)} inside {what} "
                                f"(which starts at byte {at})") from None
             raise LogError(f"{path}: truncated at byte {at}: no footer after {what}") from None
-        except (ValueError, TypeError, RecursionError, msgpack.UnpackException,
-                msgpack.ExtraData) as e:
+        except errors as e:
             raise LogError(f"{path}: corrupt at byte {at} ({what}): {e}") from None
+        return sizer.tell()
 
     try:
-        header, _ = next_obj("the header")
-    except LogError:
+        end = extent("the header")
+        header = _bounded(memoryview(data)[:end], _HEADER_CONTAINERS + end // _REQUEST_BYTES)
+        up.skip()
+    except (LogError, *errors) as e:
         if MAGIC.encode() in data[:64]:  # ours, but cut or damaged inside the header
-            raise
+            if isinstance(e, LogError):
+                raise
+            raise LogError(f"{path}: corrupt at byte 0 (the header): {e}") from None
         raise LogError(f"{path}: not a servesim session log (unreadable header)") from None
     _check_header(path, header)
+    instances = len(header["cluster"]["instances"]) if "cluster" in header else 0
     records, footer = [], None
     chunk_start = 0  # the first checkpoint covers the header too
     append = records.append
-    packb = msgpack.Packer(use_bin_type=True).pack
+    view = memoryview(data)
+    skip, tell, unpack = sizer.skip, up.tell, up.unpack
     while True:
-        # Event records (lists) stream through this tight loop; maps end it.
-        obj = _END
+        # Each record is checked as it comes (its shape first when large, its kind and length
+        # after), so a crafted log is refused having made no more than what it holds.
         try:
-            for obj in up:
+            while True:
+                at = tell()
+                skip()
+                end = sizer.tell()
+                if end - at > _SMALL_OBJECT:
+                    _shaped(path, len(records), view[at:end], instances)
+                obj = unpack()
                 if type(obj) is not list:
                     break
+                if not obj or type(obj[0]) is not int or _LEN.get(obj[0]) != len(obj):
+                    raise LogError(f"{path}: event {len(records)}: not an event record")
                 append(obj)
-            else:
-                obj = _END
-        except (ValueError, TypeError, RecursionError, msgpack.UnpackException,
-                msgpack.ExtraData) as e:
-            raise LogError(f"{path}: corrupt at byte {up.tell()} (event {len(records)}): "
-                           f"{e}") from None
+        except msgpack.OutOfData:
+            extent(f"event {len(records)}")  # (raises: cut short)
+        except errors as e:
+            raise LogError(f"{path}: corrupt at byte {at} (event {len(records)}): {e}") from None
         i = len(records)
-        if obj is _END:
-            at = up.tell()
-            where = f"inside event {i} (at byte {at})" if at < len(data) else f"after event {i}"
-            raise LogError(f"{path}: truncated at byte {len(data)}: {where}, no end mark")
-        at = up.tell() - len(packb(obj)) if isinstance(obj, dict) else up.tell()
         if isinstance(obj, dict) and "crc" in obj:
             # A checkpoint covers the bytes before it, not itself: check its own shape exactly.
             if set(obj) not in ({"crc", "n"}, {"crc", "n", "end"}) or obj.get("end", True) is not True:
                 raise LogError(f"{path}: malformed checkpoint at byte {at}: the log is corrupt")
-            if obj.get("crc") != zlib.crc32(data[chunk_start:at]) or obj.get("n") != i:
+            if obj.get("crc") != zlib.crc32(view[chunk_start:at]) or obj.get("n") != i:
                 raise LogError(f"{path}: checksum mismatch in bytes {chunk_start}..{at} "
                                f"(events before {i}): the log is corrupt")
-            chunk_start = up.tell()
+            chunk_start = end
             if obj.get("end"):
                 break
             continue
@@ -807,8 +944,6 @@ def _read_log(path: str) -> SessionLog:
     deployment = "cluster" in header
     marks = []
     for i, r in enumerate(records):
-        if not r or type(r[0]) is not int or _LEN.get(r[0]) != len(r):
-            raise LogError(f"{path}: event {i}: not an event record")
         code = r[0]
         if code == _STEPS_CODE:
             if (r[-1] is None) is measured:

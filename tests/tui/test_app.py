@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from sim import POLICIES, Engine, build, load_scenario
-from sim.session.log import read_log, write_log
-from sim.session.replay import Replayer
+from sim.session.log import decode, read_log, write_log
+from sim.session.replay import Replayer, verify
+from sim.session.spool import KEEP
 from tui import keymap
 from tui.app import Dashboard, FrozenHeap
 from tui.driver import EngineDriver
@@ -185,7 +186,7 @@ async def test_export_writes_a_log_that_loads_and_replays(tmp_path):
         await pilot.pause()
         logs = list(tmp_path.glob("*.msgpack"))
         assert len(logs) == 1
-        recorded = list(app.engine.events)
+        recorded = [decode(r, check=False) for r in app.spool.records()]  # (some on disk)
         step, now = app.engine.step_count, app.engine.now
     log = read_log(logs[0])
     assert transitions(log.events) == transitions(recorded)
@@ -684,3 +685,23 @@ async def test_a_long_queue_is_copied_a_screenful_at_a_time_and_end_reaches_its_
         await pilot.press("end")
         await until(pilot, lambda: app.selected_id == order[-1])
         assert table.cursor == len(order) - 1
+
+
+@pilot_test
+async def test_a_session_whose_events_went_to_disk_exports_whole_and_replays(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        n = len(app.engine.events)
+        app.spool.keep = 50  # (of the KEEP it keeps in a live session)
+        app.spool_events()
+        assert len(app.engine.events) == 50 < KEEP and app.spool.spooled == {None: n - 50}
+        assert app._event_i <= len(app.engine.events)
+        await pilot.press("i", "n", "n", "e")
+        await pilot.pause()
+        logs = list(tmp_path.glob("*.msgpack"))
+        step = app.engine.step_count
+        assert len(logs) == 1 and not [p for p in tmp_path.iterdir() if p not in logs]
+    log = read_log(logs[0])
+    assert len(log.records) > n and log.footer["step"] == step
+    assert verify(log)[1] is None
+

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sim import build, load_scenario
 from sim.session.log import read_log, write_log
-from sim.session.replay import Replayer
+from sim.session.replay import Replayer, verify
 from tests.tui.test_app import SIZE, pilot_test, until
 from tui.app import Dashboard
 from tui.widgets.queues import COLUMNS
@@ -115,3 +115,20 @@ def test_a_disaggregated_snapshot_lists_each_request_once_and_waits_on_its_own_c
             assert not wait.cell(v, s.now).startswith("-")
             waits += 1
     assert handoffs > 100 and waits > 100
+
+
+@pilot_test
+async def test_a_deployment_whose_events_went_to_disk_lists_new_ones_and_exports_whole(tmp_path):
+    c = deployment("cluster.replicas=2", until=5.0)
+    app = Dashboard(c, paused=True, log_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        app.spool.keep = 20
+        app.spool_events()
+        assert set(app.spool.spooled) == {-1, 0, 1}
+        assert all(app._event_at[i] == len(events) for i, events in c.tagged_events())
+        await pilot.press("n", "e")
+        await pilot.pause()
+        assert all(app._event_at[i] == len(events) for i, events in c.tagged_events())
+        logs = list(tmp_path.glob("*.msgpack"))
+    log = read_log(logs[0])
+    assert verify(log)[1] is None

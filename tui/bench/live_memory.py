@@ -1,5 +1,6 @@
 """`servesim bench live-memory`: the dashboard's resident memory against simulated time, with
-real compute and without, each run in a fresh process."""
+real compute and without, and with real compute keeping the session's events in memory instead
+of on disk (`sim.session.spool`), side by side; each run in a fresh process."""
 
 from __future__ import annotations
 
@@ -31,18 +32,21 @@ async def _sample_memory(app, sim_seconds: float, every: float) -> list[tuple[fl
 
 def run(args) -> dict:
     """The dashboard as `servesim run chat` opens it (its own engine, the session log kept for
-    export), headless at 200x60, with real compute (`auto`: NumPy here) and without: resident
-    memory against simulated time, each in a fresh process (Linux: /proc/self/status)."""
+    export: its events spooled to disk), headless at 200x60, with real compute (`auto`: NumPy
+    here) and without, and with real compute and every event kept in memory: resident memory
+    against simulated time, each in a fresh process (Linux: /proc/self/status)."""
     runs = [run_in_child("tui.bench.live_memory", "child", args.scenario, backend,
-                         args.speed, args.sim_seconds) for backend in ("auto", "none")]
+                         args.speed, args.sim_seconds, spool)
+            for backend, spool in (("auto", True), ("auto", False), ("none", True))]
     return {"scenario": args.scenario, "speed": args.speed, "sim_seconds": args.sim_seconds,
             "runs": runs}
 
 
-def child(scenario: str, backend: str, speed: float, sim_seconds: float) -> dict:
+def child(scenario: str, backend: str, speed: float, sim_seconds: float,
+          spool: bool = True) -> dict:
     sc = load_scenario(scenario, [f"compute.backend={backend!r}".replace("'", '"')])
     engine = build(sc, make_executor=make_executor)
-    app = Dashboard(engine, speed=speed)
+    app = Dashboard(engine, speed=speed, spool=spool)
     every = max(1.0, sim_seconds / 30)
     frozen = gc.get_freeze_count()  # (what the process froze before: none in a fresh one)
     rows = asyncio.run(_sample_memory(app, sim_seconds, every))
@@ -51,10 +55,15 @@ def child(scenario: str, backend: str, speed: float, sim_seconds: float) -> dict
     mb = np.array([r[1] for r in rows])
     late = t >= min(60.0, t[-1] / 2)  # (past start-up: imports, first pages of the pool)
     slope = float(np.polyfit(t[late], mb[late], 1)[0]) if late.sum() >= 3 else float("nan")
-    return {"backend": engine.executor.name if engine.executor else "none",
+    spooled = sum(app.spool.spooled.values()) if app.spool else 0
+    return {"backend": engine.executor.name if engine.executor else "none", "spool": spool,
             "samples": [[round(a, 1), round(b, 1)] for a, b in rows],
             "mb_per_sim_s": slope, "gc_frozen": frozen,
-            "events": len(engine.events), "steps": engine.step_count}
+            # (past start-up: from the first late sample to the last)
+            "growth_mb": float(mb[late][-1] - mb[late][0]) if late.any() else float("nan"),
+            "events": len(engine.events) + spooled, "events_spooled": spooled,
+            "spool_mb": app.spool.bytes / 2**20 if app.spool else 0.0,
+            "steps": engine.step_count}
 
 
 def text(r: dict) -> str:
@@ -62,8 +71,11 @@ def text(r: dict) -> str:
              "simulated seconds (RSS, MB)"]
     for x in r["runs"]:
         s = x["samples"]
+        kept = (f"{x['events_spooled']:,} of {x['events']:,} events on disk "
+                f"({x['spool_mb']:.1f} MB)" if x.get("spool", True)
+                else f"{x['events']:,} events in memory")
         lines.append(f"  compute {x['backend']:<6} {s[0][1]:7.1f} MB at {s[0][0]:5.1f} s -> "
                      f"{s[-1][1]:7.1f} MB at {s[-1][0]:6.1f} s: {x['mb_per_sim_s']:.3f} MB per "
-                     f"simulated second after start-up; {x['steps']:,} steps, "
-                     f"{x['events']:,} events kept; {x['gc_frozen']} objects frozen")
+                     f"simulated second after start-up ({x['growth_mb']:+.1f} MB); "
+                     f"{x['steps']:,} steps, {kept}; {x['gc_frozen']} objects frozen")
     return "\n".join(lines)
