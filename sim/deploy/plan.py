@@ -998,7 +998,8 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
             if progress:
                 offset = run_probe.runs + run_full.runs
                 report = lambda d, n, o=offset: progress(o + d, o + n)  # noqa: E731
-            confirm(results, confirmed, p, settings, run_full, journal, report)
+            confirm(results, confirmed, p, settings, run_full, journal, report,
+                    width=runner.workers)
             # Pruned against the probe slice's cheapest; the whole workload's may cost more:
             # search again those that could beat it.
             best = min((r.usd_per_m_tokens for k, r in confirmed.items()
@@ -1022,52 +1023,62 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
 
 def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
             s: SearchSettings, run_full: Evaluate, journal: Journal,
-            progress: Progress | None = None) -> None:
+            progress: Progress | None = None, width: int = 1) -> None:
     """Search the cheapest candidates again on the whole workload, from the load their probes
     found (growing from there, or bisecting down where it fails), until the cheapest confirmed
-    one is cheaper than every candidate not yet confirmed. `progress(runs done, runs
-    guessed)` as it goes."""
+    one is cheaper than every candidate not yet confirmed. Up to `width` (at least
+    `p.finalists`: the runner's workers) are searched at once, their probes run together, and
+    as one ends the next cheapest starts, so that each round keeps the workers busy.
+    `progress(runs done, runs guessed)` as it goes."""
     runs = 0
+    tracks: dict[str, Track] = {}
+    width = max(p.finalists, width, 1)
     while True:
         best = min((r.usd_per_m_tokens for r in confirmed.values()
                     if r.status == "ok" and r.candidate.key in results), default=None)
-        todo = sorted((r for k, r in results.items() if r.status == "ok" and k not in confirmed),
+        todo = sorted((r for k, r in results.items()
+                       if r.status == "ok" and k not in confirmed and k not in tracks),
                       key=lambda r: r.usd_per_m_tokens)
-        if not todo or (best is not None and todo[0].usd_per_m_tokens >= best):
-            return
-        batch = todo[:max(p.finalists, 1)]
-        tracks = {}
-        for r in batch:
+        for r in todo[:width - len(tracks)]:
+            if best is not None and r.usd_per_m_tokens >= best:
+                break  # (it cannot beat what is confirmed)
             tracks[r.candidate.key] = Track(r.candidate,
                                             s.new_search(r.max_load, 1 + 2 * s.tolerance),
                                             r.usd_per_hour, r.tokens_per_request)
-        while True:
-            proposals = []
-            for t in tracks.values():
-                nxt = _at_least(t.search.next_rate(), t.search, s.required)
-                if nxt is None or (t.search.failed and t.search.failed[0] <= s.required):
-                    continue
-                proposals.append((t, nxt))
-            if not proposals:
-                break
-            guess = runs + len(proposals) + sum(t.search.probes_left() for t, _ in proposals)
-            report = (lambda d, n, r=runs, g=guess: progress(r + d, max(g, r + n))) \
-                if progress else None
-            rows = run_full([(t.cand, load) for t, load in proposals], report)
-            runs += len(proposals)
-            for (t, load), row in zip(proposals, rows):
-                t.record(load, row, s.bounds)
-        for key, t in tracks.items():
-            r = t.result("ok")
-            r.probes += results[key].probes
-            if not t.search.passed or t.search.passed[0] < s.required * (1 - 1e-9):
-                b, v = worst_bound(t.fail_row or {}, s.bounds)
-                r.status = "infeasible"
-                r.note = (f"on the whole workload fails {b.name} at the required load: "
-                          f"{_ms(v)} > {b.limit_ms:g} ms")
-            r.confirmed = True
-            confirmed[key] = r
-            journal.write(r, "confirmed")
+        if not tracks:
+            return
+        proposals = []
+        for key, t in list(tracks.items()):
+            nxt = _at_least(t.search.next_rate(), t.search, s.required)
+            if nxt is None or (t.search.failed and t.search.failed[0] <= s.required):
+                _confirmed(tracks.pop(key), results, confirmed, s, journal)
+                continue
+            proposals.append((t, nxt))
+        if not proposals:
+            continue  # (every track ended: start the next cheapest, or stop)
+        guess = runs + len(proposals) + sum(t.search.probes_left() for t, _ in proposals)
+        report = (lambda d, n, r=runs, g=guess: progress(r + d, max(g, r + n))) \
+            if progress else None
+        rows = run_full([(t.cand, load) for t, load in proposals], report)
+        runs += len(proposals)
+        for (t, load), row in zip(proposals, rows):
+            t.record(load, row, s.bounds)
+
+
+def _confirmed(t: Track, results: dict[str, Result], confirmed: dict[str, Result],
+               s: SearchSettings, journal: Journal) -> None:
+    """A finalist's search on the whole workload ended: its result, confirmed."""
+    key = t.cand.key
+    r = t.result("ok")
+    r.probes += results[key].probes
+    if not t.search.passed or t.search.passed[0] < s.required * (1 - 1e-9):
+        b, v = worst_bound(t.fail_row or {}, s.bounds)
+        r.status = "infeasible"
+        r.note = (f"on the whole workload fails {b.name} at the required load: "
+                  f"{_ms(v)} > {b.limit_ms:g} ms")
+    r.confirmed = True
+    confirmed[key] = r
+    journal.write(r, "confirmed")
 
 
 STATUS_ORDER = {"ok": 0, "pruned": 1, "infeasible": 2, "over-budget": 3, "no-fit": 4}

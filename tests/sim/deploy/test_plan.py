@@ -443,3 +443,29 @@ def test_the_winners_figures_carry_their_regimes_interval(tiny):
     assert (ttft["points"], ttft["low"], ttft["high"]) == \
         (expected["count"], expected["low"], expected["high"])
     assert figures["throughput.output_tokens_per_s"]["points"] == 0  # no claim made
+
+
+def test_finalists_are_confirmed_as_many_at_once_as_there_are_workers():
+    # six candidates the probes found cheap; on the whole workload each carries half as much,
+    # so each confirmed cost leaves the next ones still worth confirming
+    cands = [cand(seqs=64 + i) for i in range(6)]
+    found = {c.key: P.Result(c, "ok", 4.0, max_load=10.0 + i, tokens_per_request=200.0)
+             for i, c in enumerate(cands)}
+    s = P.SearchSettings(BOUNDS, required=1.0, prices=PRICES, tolerance=0.05)
+    p = P.Plan(None, BOUNDS, P.Space(["h100-sxm"]), PRICES, finalists=1)
+    rounds = {}
+    for width in (1, 4):
+        sizes = []
+        ev = toy(lambda c: (10.0 + c.max_num_seqs - 64) / 2)
+
+        def evaluate(probes, progress=None, ev=ev, sizes=sizes):
+            sizes.append(len(probes))
+            return ev(probes)
+        confirmed = {}
+        P.confirm(found, confirmed, p, s, evaluate, P.Journal(None, {}), width=width)
+        assert set(confirmed) == set(found)
+        for key, r in confirmed.items():
+            assert r.confirmed and r.max_load <= found[key].max_load / 2 < r.fail_load
+        assert max(sizes) == width
+        rounds[width] = len(sizes)
+    assert rounds[4] < rounds[1] / 2
