@@ -358,7 +358,10 @@ def as_json(out: P.Outcome, table: dict) -> dict:
                                      for f, reg in P.trust(r.candidate, table).items()}
         return d
     w = out.winner
-    return {"required_load": out.required, "bounds": [b.text() for b in out.bounds],
+    return {"required_load": out.required, "load_unit": out.unit, "skipped": out.skipped,
+            "prices": {g: {"usd_per_gpu_hour": v.usd_per_gpu_hour, "source": v.source}
+                       for g, v in sorted(out.prices.items())},
+            "bounds": [b.text() for b in out.bounds],
             "candidates": out.candidates, "runs": out.probes, "resumed": out.resumed,
             "winner": one(w) if w else None,
             "vllm": P.vllm_command(out.scenario, w.candidate) if w else None,

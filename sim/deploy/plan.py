@@ -1,14 +1,17 @@
 """Deployment planning (`servesim plan`): the cheapest deployment of a scenario's model that
 serves its workload within latency bounds.
 
-A **candidate** is one deployment: GPU type, tensor-parallel degree, replicas and router,
+A **candidate** is one deployment: GPU type, tensor-parallel degree, data-parallel ranks,
+pipeline stages, expert parallelism (a mixture of experts), replicas and router,
 `max_num_seqs`, `max_num_batched_tokens`, policy (`disaggregated` is a prefill/decode pair) and
 prefix caching. For each, the search finds the highest **load** (offered requests per second:
-`workload.rate`, or a trace replayed faster or slower through `workload.time_scale`) at which
-every bound (`ttft_p99 <= 500 ms`, ...) holds, by growing then bisecting as `--find-max-rate`
-does (`sweep.RateSearch`). A candidate is **feasible** when that load reaches the required one
-(the workload's own, or `--rate`) and its price fits the budget; feasible candidates rank by
-dollars per million output tokens at their highest load.
+`workload.rate`, or a trace replayed faster or slower through `workload.time_scale`; in a
+closed loop, `workload.concurrency` users) at which every bound (`ttft_p99 <= 500 ms`, ...)
+holds, by growing then bisecting as `--find-max-rate` does (`sweep.RateSearch`; whole users in
+a closed loop, whose cost divides by the throughput measured there). A candidate is
+**feasible** when that load reaches the required one (the workload's own, `--rate` or
+`--concurrency`) and its price fits the budget; feasible candidates rank by dollars per million
+output tokens at their highest load.
 
 What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer):
 
@@ -369,8 +372,7 @@ def slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
         raise PlanError(f"{sc.source}: [workload]: a plan needs at least 2 requests arriving "
                         f"over time (this workload makes {n}"
                         + (", all at once)" if n >= 2 else ")"))
-    shares = wl.hash_ids is not None or (wl.prefix_group is not None
-                                         and bool((wl.prefix_group >= 0).any()))
+    shares = _shares_prefixes(wl)
     rate = (n - 1) / float(a[-1] - a[0])
     per_request = wl.total_output_tokens / n
     full = Slice([], trace, rate, n, per_request, shares)
@@ -384,12 +386,18 @@ def slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
     return full, probe
 
 
+def _shares_prefixes(wl) -> bool:
+    """Whether any requests of a built workload share prompt prefixes (hash ids, a system
+    prompt)."""
+    return wl.hash_ids is not None or (wl.prefix_group is not None
+                                       and bool((wl.prefix_group >= 0).any()))
+
+
 def _closed_slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
     """`slices` of a closed loop: its rows, the first `probe_requests` of them for the probes."""
     wl = build_workload(sc)
     n = len(wl)
-    shares = wl.hash_ids is not None or (wl.prefix_group is not None
-                                         and bool((wl.prefix_group >= 0).any()))
+    shares = _shares_prefixes(wl)
     full = Slice([], False, 1.0, n, wl.total_output_tokens / n, shares, closed=True)
     if probe_requests is None or probe_requests >= n:
         return full, full
@@ -686,9 +694,11 @@ def _apply_caps(tracks: dict[str, Track], results: dict[str, Result]) -> None:
 
 
 def _rest(c: Candidate) -> tuple:
-    """What two siblings share: everything but their GPU count (and the router of a single
-    replica, which never chooses)."""
-    return (c.gpu, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.prefix_caching)
+    """What two siblings share: everything but their tensor-parallel degree and replicas (and
+    the router of a single replica, which never chooses). Ranks, stages and experts split are
+    kept apart: a pipeline's stages add latency, so more GPUs there may carry less."""
+    return (c.gpu, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.prefix_caching, c.dp,
+            c.pp, c.expert_parallel)
 
 
 # --- running probes on the simulator ------------------------------------------------------------

@@ -167,3 +167,4 @@ def test_the_scenarios_price_is_used_and_the_flag_wins(capsys, tiny):
     assert code == 0, err
     w = json.loads(out)["winner"]
     assert w["usd_per_hour"] == pytest.approx(0.75 * w["gpus"])
+    assert json.loads(out)["prices"]["l40s"]["source"] == "--price"

@@ -82,7 +82,8 @@ def spaces(draw):
     replicas = sorted(draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3,
                                     unique=True)))
     seqs = draw(st.lists(st.sampled_from([64, 256]), min_size=1, max_size=2, unique=True))
-    space = P.Space(gpus, tps, replicas, ["round-robin"], seqs, [2048], ["chunked"], [False])
+    space = P.Space(gpus, tps, replicas, ["round-robin"], seqs, [2048], ["chunked"], [False],
+                    [1], [1], [False])
     base = {(g, s): draw(st.floats(0.2, 20)) for g in gpus for s in seqs}
     tp_gain = {t: draw(st.floats(1.0, 2.0)) for t in tps}
     rep_gain = draw(st.floats(1.0, 1.1))
