@@ -170,6 +170,7 @@ def build_plan(args) -> P.Plan:
 
 def main(args) -> int:
     p = build_plan(args)
+    trust = None if args.no_validation else T.load(Path(args.trust))  # (bad: before the search)
     for path, what in ((args.output, "-o"), (args.winner, "--winner")):
         if path:
             check_writable(path, what)
@@ -184,8 +185,8 @@ def main(args) -> int:
         if bar:
             bar.close()
     table = _regimes(out, args)
-    figures = None if args.no_validation or out.winner is None else P.winner_trust(
-        out, out.winner, T.load(Path(args.trust)))
+    figures = None if trust is None or out.winner is None else P.winner_trust(
+        out, out.winner, trust)
     if args.json:
         print(json.dumps({**as_json(out, table), "trust": figures}, indent=2))
     else:
@@ -275,13 +276,15 @@ def report(out: P.Outcome, table: dict, top: int = 15, figures: dict | None = No
     sc = out.scenario
     model = (out.raw.get("model") or {}).get("preset", sc.model.preset)  # (as the file names it)
     lines = [f"servesim plan: {sc.name}, {model or 'custom model'}; bounds "
-             f"{', '.join(b.text() for b in out.bounds)}; load to serve {out.required:.4g} {out.unit}",
+             f"{', '.join(b.text() for b in out.bounds)}; load to serve {out.required:.4g} "
+             f"{out.unit}",
              f"{out.candidates} candidates: " + ", ".join(f"{n} {k}" for k, n in counts.items())
              + f"; {out.probes:,} runs" + (f"; {out.resumed} read back from the output file"
                                            if out.resumed else ""), ""]
     w = out.winner
     if w is None:
-        lines.append(f"No deployment meets the bounds at {out.required:.4g} {out.unit}. What binds: "
+        lines.append(f"No deployment meets the bounds at {out.required:.4g} {out.unit}. "
+                     "What binds: "
                      f"{P.binding(out)}.")
         lines.append("Nearest misses:")
         head = ["#", "configuration", "GPUs", f"max load {out.unit}", "$/hour", "why"]
@@ -304,7 +307,8 @@ def report(out: P.Outcome, table: dict, top: int = 15, figures: dict | None = No
         lines.append("No two requests share a prompt prefix: prefix caching on and off run "
                      "alike, and the table shows one of the two.")
     lines.append("")
-    lines.append(f"Winner: {w.candidate.label()}: {w.max_load:.4g} {out.unit} within the bounds on "
+    lines.append(f"Winner: {w.candidate.label()}: {w.max_load:.4g} {out.unit} within the "
+                 "bounds on "
                  f"{w.candidate.gpus} GPUs, ${w.usd_per_hour:,.2f}/h, "
                  f"${w.usd_per_m_tokens:.3f} per million output tokens.")
     lines.append("Why not the runner-up: " + P.why_runner_up_lost(out))

@@ -10,7 +10,8 @@ from tui.cli import main
 # `chat` cut to 120 requests, on small spaces
 SPACE = ["--set", "workload.duration_s=0", "--set", "workload.num_requests=120", "--gpus", "h100,a100", "--tp", "1", "--replicas", "1,2", "--routers", "round-robin",
          "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--policies", "chunked",
-         "--prefix-caching", "off", "--dp", "1", "--pp", "1", "--probe-requests", "60", "--tolerance", "0.1",
+         "--prefix-caching", "off", "--dp", "1", "--pp", "1", "--probe-requests", "60",
+         "--tolerance", "0.1",
          "--workers", "1"]
 
 

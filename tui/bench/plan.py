@@ -27,7 +27,7 @@ def small_space() -> P.Space:
     """A space the exhaustive search runs in minutes, around the whole space's answer: H100 and
     H200 x TP 2, 4 x one or four replicas behind least-outstanding x two `max_num_seqs`."""
     return P.Space(["h100-sxm", "h200"], [2, 4], [1, 4], ["least-outstanding"], [128, 256],
-                   [2048], ["chunked"], [False])
+                   [2048], ["chunked"], [False], [1], [1], [False])
 
 
 def _plan(space: P.Space, prune: bool = True) -> P.Plan:

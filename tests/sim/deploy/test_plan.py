@@ -302,7 +302,7 @@ def test_a_confirmed_cost_is_what_a_candidate_must_beat_not_to_be_pruned():
     assert again[cands[1].key].max_load <= 2.0 < again[cands[1].key].fail_load
 
 
-# --- closed loops -----------------------------------------------------------------------------------
+# --- closed loops ------------------------------------------------------------------------------
 CLOSED = P.Slice([], False, 1.0, 101, 200.0, closed=True)
 
 
