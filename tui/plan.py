@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from sim.deploy import plan as P
 from sim.deploy import sweep
 from sim.fileio import check_writable, save_figure, write_atomic, json_loads, read_input_text
 from sim.inputs.scenario import BUNDLED_DIR
+from sim.model import trust as T
 from sim.model import validate as V
 from sim.policies import POLICIES
 from tui import plot
@@ -57,12 +59,24 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         f"(repeatable; metrics: {', '.join(P.BOUND_COLUMNS)})")
     s.add_argument("--rate", type=positive("load"), metavar="R",
                    help="the load to serve, requests/s (default: the scenario's workload's)")
+    s.add_argument("--concurrency", type=_ints_one, metavar="N",
+                   help="the load to serve as N users in a closed loop (each sends its next "
+                        "request when its last completes): the cheapest deployment meeting the "
+                        "bounds at N")
     s.add_argument("--gpus", type=_words, metavar="a100,h100,h200",
                    help="GPU types (default: every GPU in the price table)")
     s.add_argument("--tp", type=_ints, default=d.tp, metavar="1,2,4,8",
                    help="tensor-parallel degrees (default 1,2,4,8; those the model does not "
                         "fit are skipped)")
     s.add_argument("--replicas", type=_ints, default=d.replicas, metavar="1,2,4")
+    s.add_argument("--dp", type=_ints, default=d.dp, metavar="1,2,4",
+                   help="data-parallel ranks of one engine (default 1,2,4; not with replicas)")
+    s.add_argument("--pp", type=_ints, default=d.pp, metavar="1,2",
+                   help="pipeline stages (default 1,2; those that do not divide the layers are "
+                        "skipped)")
+    s.add_argument("--expert-parallel", type=_switches, default=d.expert_parallel,
+                   metavar="off,on", help="a mixture of experts split over the engine's GPUs "
+                                          "(default off,on; dense models: off)")
     s.add_argument("--routers", type=_words, default=d.routers, metavar="R,R",
                    help="routers of replicated deployments (default round-robin,"
                         "least-outstanding)")
@@ -79,7 +93,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--prices", metavar="FILE.toml", help="another price table "
                    "(default: the bundled scenarios/prices/prices.toml)")
     s.add_argument("--price", action="append", default=[], metavar="GPU=USD_PER_HOUR",
-                   help="the price of one GPU-hour (repeatable; overrides the table)")
+                   help="the price of one GPU-hour (repeatable; over the table and the "
+                        "scenario's plan.gpu_price_usd_per_hour)")
     s.add_argument("--probe-requests", type=int, default=1000, metavar="N",
                    help="probes replay the workload's first N requests; the finalists are "
                         "checked on all of it (default 1000; 0: always all of it)")
@@ -106,20 +121,29 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--validation", metavar="FILE.json",
                    help="`servesim validate --json` output to take the regime errors from "
                         "(default: run the bundled points that match the space)")
+    s.add_argument("--trust", metavar="FILE.json", default=str(T.TRUST_FILE),
+                   help="the winner's regime intervals from this trust file (`servesim validate "
+                        "--fit --loo --trust`; default: the bundled one)")
     s.add_argument("--no-validation", action="store_true",
-                   help="leave out the validation errors (faster)")
+                   help="leave out the validation errors and the regime intervals (faster)")
     s.add_argument("--top", type=int, default=15, metavar="N", help="table rows (default 15)")
     s.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
+
+
+def _ints_one(text: str) -> int:
+    v = _ints(text)
+    if len(v) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one whole number")
+    return v[0]
 
 
 def build_plan(args) -> P.Plan:
     """The plan the options describe. Raises PlanError / ScenarioError (one line)."""
     bounds = P.parse_bounds(args.slo)
     prices = P.load_prices(args.prices) if args.prices else P.load_prices()
-    for text in args.price:
-        gpu, price = P.price_override(text)
-        prices[gpu] = price
-    gpus = [P.gpu_preset(g) for g in args.gpus] if args.gpus else sorted(prices)
+    given = dict(P.price_override(text) for text in args.price)
+    # (default: every GPU with a price here; the scenario's own prices add theirs in run_plan)
+    gpus = [P.gpu_preset(g) for g in args.gpus] if args.gpus else sorted({*prices, *given})
     for pol in args.policies:
         if pol not in POLICIES and pol != "disaggregated":
             raise P.PlanError(f"--policies {pol}: unknown policy (known: "
@@ -135,15 +159,18 @@ def build_plan(args) -> P.Plan:
     if args.finalists < 1:
         raise P.PlanError(f"--finalists {args.finalists}: must be at least 1")
     space = P.Space(gpus, args.tp, args.replicas, args.routers, args.max_num_seqs,
-                    args.max_num_batched_tokens, args.policies, args.prefix_caching)
+                    args.max_num_batched_tokens, args.policies, args.prefix_caching, args.dp,
+                    args.pp, args.expert_parallel)
     return P.Plan(args.scenario, bounds, space, prices, overrides=list(args.overrides),
-                  rate=args.rate, budget=args.budget, tolerance=args.tolerance,
+                  rate=args.rate, concurrency=args.concurrency, price_overrides=given,
+                  budget=args.budget, tolerance=args.tolerance,
                   probe_requests=args.probe_requests or None, finalists=args.finalists,
                   prune=not args.exhaustive)
 
 
 def main(args) -> int:
     p = build_plan(args)
+    trust = None if args.no_validation else T.load(Path(args.trust))  # (bad: before the search)
     for path, what in ((args.output, "-o"), (args.winner, "--winner")):
         if path:
             check_writable(path, what)
@@ -158,10 +185,12 @@ def main(args) -> int:
         if bar:
             bar.close()
     table = _regimes(out, args)
+    figures = None if trust is None or out.winner is None else P.winner_trust(
+        out, out.winner, trust)
     if args.json:
-        print(json.dumps(as_json(out, table), indent=2))
+        print(json.dumps({**as_json(out, table), "trust": figures}, indent=2))
     else:
-        print(report(out, table, args.top))
+        print(report(out, table, args.top, figures))
     if out.winner is None:
         return 1
     toml = P.winner_toml(out, out.winner)
@@ -215,7 +244,7 @@ def _err(reg) -> str:
 
 
 # --- the report ----------------------------------------------------------------------------------
-COLUMNS = ["#", "configuration", "GPUs", "max load req/s", "out tok/s", "TTFT p99 ms",
+COLUMNS = ["#", "configuration", "GPUs", "max load", "out tok/s", "TTFT p99 ms",
            "TPOT p99 ms", "$/hour", "$/M tok", "err load/TTFT/TPOT"]
 
 
@@ -240,43 +269,53 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def report(out: P.Outcome, table: dict, top: int = 15) -> str:
+def report(out: P.Outcome, table: dict, top: int = 15, figures: dict | None = None) -> str:
     counts = {}
     for r in out.results:
         counts[r.status] = counts.get(r.status, 0) + 1
     sc = out.scenario
     model = (out.raw.get("model") or {}).get("preset", sc.model.preset)  # (as the file names it)
     lines = [f"servesim plan: {sc.name}, {model or 'custom model'}; bounds "
-             f"{', '.join(b.text() for b in out.bounds)}; load to serve {out.required:.4g} req/s",
+             f"{', '.join(b.text() for b in out.bounds)}; load to serve {out.required:.4g} "
+             f"{out.unit}",
              f"{out.candidates} candidates: " + ", ".join(f"{n} {k}" for k, n in counts.items())
              + f"; {out.probes:,} runs" + (f"; {out.resumed} read back from the output file"
                                            if out.resumed else ""), ""]
     w = out.winner
     if w is None:
-        lines.append(f"No deployment meets the bounds at {out.required:.4g} req/s. What binds: "
+        lines.append(f"No deployment meets the bounds at {out.required:.4g} {out.unit}. "
+                     "What binds: "
                      f"{P.binding(out)}.")
         lines.append("Nearest misses:")
-        head = ["#", "configuration", "GPUs", "max load req/s", "$/hour", "why"]
+        head = ["#", "configuration", "GPUs", f"max load {out.unit}", "$/hour", "why"]
         rows = [[str(i + 1), r.candidate.label(), str(r.candidate.gpus),
                  "-" if r.max_load is None else f"{r.max_load:.3g}", f"{r.usd_per_hour:,.2f}",
                  r.note] for i, r in enumerate(P.nearest_misses(out))]
         lines.append(_table(head, rows))
         return "\n".join(lines)
     shown_rows = out.feasible[:top]
-    lines.append(_table(COLUMNS, [_row(i + 1, r, table) for i, r in enumerate(shown_rows)]))
+    head = [f"{c} {out.unit}" if c == "max load" else c for c in COLUMNS]
+    lines.append(_table(head, [_row(i + 1, r, table) for i, r in enumerate(shown_rows)]))
     lines += ["", "(probe): figures from the probe slice; the others were confirmed on the "
                   "whole workload. err: median |error| of `servesim validate` on the same GPU "
                   "and TP degree (?: never validated there)."]
+    if out.skipped:
+        lines.append(f"A closed loop runs on one engine: {out.skipped} candidates with replicas, "
+                     "a prefill/decode pair, data-parallel ranks or pipeline stages were left "
+                     "out (not modeled).")
     if not out.shares_prefixes:
         lines.append("No two requests share a prompt prefix: prefix caching on and off run "
                      "alike, and the table shows one of the two.")
     lines.append("")
-    lines.append(f"Winner: {w.candidate.label()}: {w.max_load:.4g} req/s within the bounds on "
+    lines.append(f"Winner: {w.candidate.label()}: {w.max_load:.4g} {out.unit} within the "
+                 "bounds on "
                  f"{w.candidate.gpus} GPUs, ${w.usd_per_hour:,.2f}/h, "
                  f"${w.usd_per_m_tokens:.3f} per million output tokens.")
     lines.append("Why not the runner-up: " + P.why_runner_up_lost(out))
     if table is not None:
         lines.append(_trust_text(w, table))
+    if figures is not None:
+        lines += _figures_text(figures)
     lines += ["", "vLLM:", P.vllm_command(sc, w.candidate), "", "SGLang:",
               P.sglang_command(sc, w.candidate)]
     return "\n".join(lines)
@@ -299,6 +338,18 @@ def _trust_text(w: P.Result, table: dict) -> str:
     return text + "."
 
 
+def _figures_text(figures: dict) -> list[str]:
+    """The winner's figures at its highest load, each with the interval of its regime, and a
+    warning for each regime with few or no validated points."""
+    lines = ["The winner's figures at that load, with the out-of-sample error of their regime:"]
+    lines += ["  " + x for x in T.describe(figures)]
+    thin = sorted({f["regime"] for f in figures.values() if f["points"] < P.FEW_POINTS})
+    if thin:
+        lines.append("The winner depends on a regime the model has not been validated in (or "
+                     f"barely: fewer than {P.FEW_POINTS} published points): {', '.join(thin)}.")
+    return lines
+
+
 def as_json(out: P.Outcome, table: dict) -> dict:
     def one(r: P.Result) -> dict:
         d = r.to_json()
@@ -311,7 +362,10 @@ def as_json(out: P.Outcome, table: dict) -> dict:
                                      for f, reg in P.trust(r.candidate, table).items()}
         return d
     w = out.winner
-    return {"required_load": out.required, "bounds": [b.text() for b in out.bounds],
+    return {"required_load": out.required, "load_unit": out.unit, "skipped": out.skipped,
+            "prices": {g: {"usd_per_gpu_hour": v.usd_per_gpu_hour, "source": v.source}
+                       for g, v in sorted(out.prices.items())},
+            "bounds": [b.text() for b in out.bounds],
             "candidates": out.candidates, "runs": out.probes, "resumed": out.resumed,
             "winner": one(w) if w else None,
             "vllm": P.vllm_command(out.scenario, w.candidate) if w else None,
@@ -348,14 +402,14 @@ def text_front(out: P.Outcome, width: int = 64, height: int = 14) -> str:
     for i, r in enumerate(front):
         rr, cc = cell(r.max_load, r.usd_per_hour)
         grid[rr][cc] = letters[i % len(letters)]
-    lines = ["Pareto front: $/hour against the highest load meeting the bounds (req/s)"]
+    lines = ["Pareto front: $/hour against the highest load meeting the bounds ({out.unit})"]
     for i, row in enumerate(grid):
         tick = f"{y_hi:9.4g}" if i == 0 else f"{y_lo:9.4g}" if i == height - 1 else " " * 9
         lines.append(f"{tick} |{''.join(row)}")
     lines.append(" " * 9 + " +" + "-" * width)
     lo, hi = f"{x_lo:.4g}", f"{x_hi:.4g}"
     lines.append(" " * 11 + lo + hi.rjust(width - len(lo)))
-    lines += [f"  {letters[i % len(letters)]}  {r.candidate.label()}: {r.max_load:.3g} req/s, "
+    lines += [f"  {letters[i % len(letters)]}  {r.candidate.label()}: {r.max_load:.3g} {out.unit}, "
               f"${r.usd_per_hour:,.2f}/h, ${r.usd_per_m_tokens:.3f}/M tok"
               for i, r in enumerate(front)]
     return "\n".join(lines)

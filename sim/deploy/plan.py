@@ -1,14 +1,17 @@
 """Deployment planning (`servesim plan`): the cheapest deployment of a scenario's model that
 serves its workload within latency bounds.
 
-A **candidate** is one deployment: GPU type, tensor-parallel degree, replicas and router,
+A **candidate** is one deployment: GPU type, tensor-parallel degree, data-parallel ranks,
+pipeline stages, expert parallelism (a mixture of experts), replicas and router,
 `max_num_seqs`, `max_num_batched_tokens`, policy (`disaggregated` is a prefill/decode pair) and
 prefix caching. For each, the search finds the highest **load** (offered requests per second:
-`workload.rate`, or a trace replayed faster or slower through `workload.time_scale`) at which
-every bound (`ttft_p99 <= 500 ms`, ...) holds, by growing then bisecting as `--find-max-rate`
-does (`sweep.RateSearch`). A candidate is **feasible** when that load reaches the required one
-(the workload's own, or `--rate`) and its price fits the budget; feasible candidates rank by
-dollars per million output tokens at their highest load.
+`workload.rate`, or a trace replayed faster or slower through `workload.time_scale`; in a
+closed loop, `workload.concurrency` users) at which every bound (`ttft_p99 <= 500 ms`, ...)
+holds, by growing then bisecting as `--find-max-rate` does (`sweep.RateSearch`; whole users in
+a closed loop, whose cost divides by the throughput measured there). A candidate is
+**feasible** when that load reaches the required one (the workload's own, `--rate` or
+`--concurrency`) and its price fits the budget; feasible candidates rank by dollars per million
+output tokens at their highest load.
 
 What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer):
 
@@ -48,8 +51,11 @@ from sim.inputs.scenario import (BUNDLED_DIR, Scenario, apply_override, find_sce
                                  scenario_from_dict)
 from sim.inputs.workload import build_workload
 from sim.model import presets
+from sim.model import trust as T
 from sim.model import validate as V
+from sim.deploy.build import build
 from sim.deploy.sweep import METRICS, RateSearch, Runner
+from sim.stats.metrics import summarize
 
 PRICES_FILE = BUNDLED_DIR / "prices" / "prices.toml"
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200": "h200", "l40s": "l40s"}
@@ -227,15 +233,23 @@ class Candidate:
     max_num_batched_tokens: int
     policy: str
     prefix_caching: bool
+    dp: int = 1                    # data-parallel ranks of one engine (model.data_parallel)
+    pp: int = 1                    # pipeline stages (model.pipeline_parallel)
+    expert_parallel: bool = False  # a mixture of experts split over every GPU of the engine
 
     @property
     def disaggregated(self) -> bool:
         return self.policy == "disaggregated"
 
     @property
+    def single(self) -> bool:
+        """One engine on its own (no replicas, pair, ranks or stages): what a closed loop runs."""
+        return self.replicas == 1 and not self.disaggregated and self.dp == 1 and self.pp == 1
+
+    @property
     def gpus(self) -> int:
-        """GPUs it rents: `tp` per instance; a disaggregated pair is two instances."""
-        return self.tp * (2 if self.disaggregated else self.replicas)
+        """GPUs it rents: `tp x dp x pp` per instance; a disaggregated pair is two instances."""
+        return self.tp * self.dp * self.pp * (2 if self.disaggregated else self.replicas)
 
     @property
     def key(self) -> str:
@@ -247,7 +261,9 @@ class Candidate:
         router = f" {self.router}" if self.replicas > 1 else ""
         policy = "" if self.disaggregated else f" {self.policy}"
         cache = " +prefix-cache" if self.prefix_caching else ""
-        return (f"{self.gpu} TP{self.tp} {deploy}{router}{policy} seqs {self.max_num_seqs} "
+        par = (f" DP{self.dp}" if self.dp > 1 else "") + (f" PP{self.pp}" if self.pp > 1 else "")
+        par += f" EP{self.tp * self.dp}" if self.expert_parallel else ""
+        return (f"{self.gpu} TP{self.tp}{par} {deploy}{router}{policy} seqs {self.max_num_seqs} "
                 f"tokens {self.max_num_batched_tokens}{cache}")
 
     def overrides(self) -> list[str]:
@@ -257,7 +273,10 @@ class Candidate:
                 f'cluster.router="{self.router}"', f"scheduler.max_num_seqs={self.max_num_seqs}",
                 f"scheduler.max_num_batched_tokens={self.max_num_batched_tokens}",
                 f'scheduler.policy="{self.policy}"',
-                f"kv.enable_prefix_caching={str(self.prefix_caching).lower()}"]
+                f"kv.enable_prefix_caching={str(self.prefix_caching).lower()}",
+                f"model.data_parallel={self.dp}", f"model.pipeline_parallel={self.pp}",
+                f"model.expert_parallel={self.tp * self.dp if self.expert_parallel else 1}",
+                "model.num_gpus=0"]  # (the product of the degrees above)
 
     def sibling(self, **changes) -> "Candidate":
         return dataclasses.replace(self, **changes)
@@ -276,19 +295,28 @@ class Space:
     max_num_batched_tokens: list[int] = field(default_factory=lambda: [2048, 8192])
     policies: list[str] = field(default_factory=lambda: ["chunked", "disaggregated"])
     prefix_caching: list[bool] = field(default_factory=lambda: [False, True])
+    dp: list[int] = field(default_factory=lambda: [1, 2, 4])
+    pp: list[int] = field(default_factory=lambda: [1, 2])
+    # (expert parallelism on: searched only for a mixture of experts; see check_space)
+    expert_parallel: list[bool] = field(default_factory=lambda: [False, True])
 
     def candidates(self) -> list[Candidate]:
         out = []
-        for g, tp, r, router, seqs, tokens, pol, pc in itertools.product(
+        for g, tp, r, router, seqs, tokens, pol, pc, dp, pp, ep in itertools.product(
                 self.gpus, self.tp, self.replicas, self.routers, self.max_num_seqs,
-                self.max_num_batched_tokens, self.policies, self.prefix_caching):
+                self.max_num_batched_tokens, self.policies, self.prefix_caching, self.dp,
+                self.pp, self.expert_parallel):
+            if (dp > 1 or pp > 1) and (r > 1 or pol == "disaggregated" or (dp > 1 and pp > 1)):
+                continue  # (ranks or stages with replicas, a pair or each other: not modeled)
+            if ep and tp * dp == 1:
+                continue  # (experts over one GPU: no expert parallelism)
             if pol == "disaggregated":  # (one pair, never replicated: not modeled)
                 if r != self.replicas[0] or router != self.routers[0]:
                     continue
                 r = 1
             elif r == 1 and router != self.routers[0]:
                 continue  # (one replica: the router never chooses)
-            out.append(Candidate(g, tp, r, router, seqs, tokens, pol, pc))
+            out.append(Candidate(g, tp, r, router, seqs, tokens, pol, pc, dp, pp, ep))
         return out
 
 
@@ -305,11 +333,14 @@ class Slice:
     tokens_per_request: float  # output tokens, the mean over the whole workload
     shares_prefixes: bool = True  # whether requests share prompt prefixes (hash ids, a system prompt)
     peak: float = 1.0  # the slice's rate over the whole workload's at the same load
+    closed: bool = False  # a closed loop: the load is its users (workload.concurrency)
 
     def at(self, sc: Scenario, load: float) -> Scenario:
         """A copy of a checked scenario of this slice standing for the workload at `load`."""
         sc = copy.deepcopy(sc)
-        if self.trace:
+        if self.closed:
+            sc.workload.concurrency = int(load)
+        elif self.trace:
             sc.workload.time_scale = self.native_rate / (load * self.peak)
         else:
             sc.workload.rate = load * self.peak
@@ -324,6 +355,8 @@ def slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
     from the peaks). Raises PlanError, ScenarioError or TraceError."""
     w = sc.workload
     trace = w.arrival == "trace"
+    if w.concurrency:
+        return _closed_slices(sc, probe_requests)
     if w.arrival == "batch":
         raise PlanError(f"{sc.source}: workload.arrival = \"batch\": a plan needs arrivals over "
                         "time (a trace, or poisson, gamma or constant at a rate)")
@@ -339,8 +372,7 @@ def slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
         raise PlanError(f"{sc.source}: [workload]: a plan needs at least 2 requests arriving "
                         f"over time (this workload makes {n}"
                         + (", all at once)" if n >= 2 else ")"))
-    shares = wl.hash_ids is not None or (wl.prefix_group is not None
-                                         and bool((wl.prefix_group >= 0).any()))
+    shares = _shares_prefixes(wl)
     rate = (n - 1) / float(a[-1] - a[0])
     per_request = wl.total_output_tokens / n
     full = Slice([], trace, rate, n, per_request, shares)
@@ -354,8 +386,29 @@ def slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
     return full, probe
 
 
+def _shares_prefixes(wl) -> bool:
+    """Whether any requests of a built workload share prompt prefixes (hash ids, a system
+    prompt)."""
+    return wl.hash_ids is not None or (wl.prefix_group is not None
+                                       and bool((wl.prefix_group >= 0).any()))
+
+
+def _closed_slices(sc: Scenario, probe_requests: int | None) -> tuple[Slice, Slice]:
+    """`slices` of a closed loop: its rows, the first `probe_requests` of them for the probes."""
+    wl = build_workload(sc)
+    n = len(wl)
+    shares = _shares_prefixes(wl)
+    full = Slice([], False, 1.0, n, wl.total_output_tokens / n, shares, closed=True)
+    if probe_requests is None or probe_requests >= n:
+        return full, full
+    k = max(probe_requests, 2)
+    return full, dataclasses.replace(full, overrides=[f"workload.num_requests={k}"], requests=k)
+
+
 def offered_load(sc: Scenario, full: Slice) -> float:
-    """The load the scenario itself offers (requests/s)."""
+    """The load the scenario itself offers (requests/s; a closed loop's: its users)."""
+    if full.closed:
+        return float(sc.workload.concurrency)
     if full.trace:
         return full.native_rate / sc.workload.time_scale
     return sc.workload.rate
@@ -368,8 +421,22 @@ class LoadSearch(RateSearch):
     probe that passes (galloping up to doubling), instead of doubling at once."""
 
     growth: float = 2.0
+    integer: bool = False  # whole loads only (a closed loop's users): bisect down to a step of 1
 
     def next_rate(self) -> float | None:
+        r = self._next()
+        if r is None or not self.integer:
+            return r
+        lo, hi = self.passed and self.passed[0], self.failed and self.failed[0]
+        if lo and hi:
+            return None if hi - lo <= 1 else float((lo + hi) // 2)
+        if lo:  # growing: at least one more
+            return float(max(math.ceil(r), lo + 1))
+        if hi:  # shrinking: at least one fewer, and never none
+            return None if hi <= 1 else float(max(1, min(math.floor(r), hi - 1)))
+        return float(max(1, round(r)))
+
+    def _next(self) -> float | None:
         if self.passed and not self.failed and self.growth < 2.0:
             if self.passed[0] >= self.start * 2 ** self.max_doublings:
                 return None
@@ -403,15 +470,22 @@ class Result:
 
     tokens_per_request: float = 0.0     # the workload's mean output tokens
     cap: float | None = None            # pruned: the load it cannot reach
+    closed: bool = False                # a closed loop: the load is users, not requests/s
 
     @property
     def usd_per_m_tokens(self) -> float | None:
         """Dollars per million output tokens at its highest load."""
+        if self.closed:
+            tps = self.output_tokens_per_s
+            return self.usd_per_hour / (tps * 3600) * 1e6 if tps else None
         return usd_per_m_tokens(self.usd_per_hour, self.max_load, self.tokens_per_request)
 
     @property
     def output_tokens_per_s(self) -> float | None:
-        """Output tokens per second served at its highest load (what the cost divides by)."""
+        """Output tokens per second served at its highest load (what the cost divides by): an
+        open loop serves its whole offered load; a closed loop what its users drew, measured."""
+        if self.closed:
+            return (self.row or {}).get("throughput_output_tokens_per_s") or None
         return self.max_load * self.tokens_per_request if self.max_load else None
 
     def to_json(self) -> dict:
@@ -430,7 +504,7 @@ class Track:
     def __init__(self, cand: Candidate, search: LoadSearch, usd_per_hour: float,
                  tokens_per_request: float) -> None:
         self.cand, self.search, self.usd_per_hour = cand, search, usd_per_hour
-        self.tokens_per_request = tokens_per_request
+        self.tokens_per_request = tokens_per_request  # (0 in a closed loop: measured instead)
         self.pass_row: dict | None = None
         self.fail_row: dict | None = None
         self.cap: float | None = None  # a load it cannot meet, from a sibling with more GPUs
@@ -452,7 +526,7 @@ class Track:
         s = self.search
         return Result(self.cand, status, self.usd_per_hour, s.passed and s.passed[0],
                       self.pass_row, s.failed and s.failed[0], self.fail_row, s.probes, note,
-                      tokens_per_request=self.tokens_per_request)
+                      tokens_per_request=self.tokens_per_request, closed=s.integer)
 
 
 # Runs probes (candidate, load) and returns their rows in order; reports (done, of) as it goes.
@@ -472,6 +546,13 @@ class SearchSettings:
     first_router: str = "round-robin"  # the router a single replica carries in the space
     confirmed_cost: float | None = None  # the cheapest cost confirmed on the whole workload:
     # when given, the only cost a candidate must beat not to be pruned
+    closed: bool = False  # a closed loop: whole loads (users), costs from measured throughput
+    fixed: bool = False   # the load is given (--concurrency): probe it, search no higher
+
+    def new_search(self, start: float, growth: float = 2.0) -> LoadSearch:
+        """The search of one candidate's highest load, from `start`."""
+        return LoadSearch(start, 1.0, self.tolerance, 0 if self.fixed else self.max_doublings,
+                          growth=growth, integer=self.closed)
 
 
 def usd_per_hour(c: Candidate, prices: dict[str, Price]) -> float:
@@ -511,8 +592,7 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
         if s.confirmed_cost is not None:
             return s.confirmed_cost
         costs = [r.usd_per_m_tokens for r in results.values() if r.status == "ok"]
-        costs += [usd_per_m_tokens(t.usd_per_hour, t.search.passed[0], per_request)
-                  for t in tracks.values()
+        costs += [t.result("ok").usd_per_m_tokens for t in tracks.values()
                   if t.search.passed and t.search.passed[0] >= s.required]
         costs = [c for c in costs if c is not None]
         return min(costs) if costs else None
@@ -535,8 +615,7 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
                     if r1.max_load is not None and r1.max_load * c.replicas > start:
                         start, growth = r1.max_load * c.replicas, 1 + 2 * s.tolerance
             waiting.remove(c)
-            tracks[c.key] = Track(c, LoadSearch(start, 1.0, s.tolerance, s.max_doublings,
-                                                growth=growth), price, per_request)
+            tracks[c.key] = Track(c, s.new_search(start, growth), price, per_request)
         if s.prune:
             _apply_caps(tracks, results)
         best = incumbent() if s.prune else None
@@ -552,7 +631,8 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
                 finish(t.result("ok"))
                 continue
             up = t.upper_load()
-            if best is not None and up is not None:
+            # (a closed loop's throughput at a load is measured, not bounded by it: no floor)
+            if best is not None and up is not None and not s.closed:
                 floor = usd_per_m_tokens(t.usd_per_hour, up, per_request)
                 if floor > best:
                     r = t.result("pruned", f"at most {up:.4g} req/s: no less than "
@@ -614,9 +694,11 @@ def _apply_caps(tracks: dict[str, Track], results: dict[str, Result]) -> None:
 
 
 def _rest(c: Candidate) -> tuple:
-    """What two siblings share: everything but their GPU count (and the router of a single
-    replica, which never chooses)."""
-    return (c.gpu, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.prefix_caching)
+    """What two siblings share: everything but their tensor-parallel degree and replicas (and
+    the router of a single replica, which never chooses). Ranks, stages and experts split are
+    kept apart: a pipeline's stages add latency, so more GPUs there may carry less."""
+    return (c.gpu, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.prefix_caching, c.dp,
+            c.pp, c.expert_parallel)
 
 
 # --- running probes on the simulator ------------------------------------------------------------
@@ -643,7 +725,8 @@ class Probes:
         for c, load in probes:
             k = (same_run(c, self.slice.shares_prefixes), load)
             if k not in self._rows and k not in todo:
-                todo[k] = (f"{c.label()} at {load:.4g} req/s",
+                todo[k] = (f"{c.label()} at {load:.4g} "
+                           f"{'users' if self.slice.closed else 'req/s'}",
                            self.slice.at(self.scenario(c), load))
         rows = self.runner.run(list(todo.values()), progress)
         self.runs += len(rows)
@@ -678,15 +761,14 @@ def load_variant(raw: dict, source: str, base_dir: Path, overrides: list[str]) -
     return scenario_from_dict(raw, source=source, base_dir=base_dir)
 
 
-def fits(raw: dict, source: str, base_dir: Path, c: Candidate) -> str:
-    """'' when the candidate's scenario loads (the model fits its GPUs, the shapes divide),
-    else the reason in a few words."""
+def variant_or_why(raw: dict, source: str, base_dir: Path,
+                   c: Candidate) -> tuple[Scenario | None, str]:
+    """(the candidate's scenario, '') when it loads (the model fits its GPUs, the shapes
+    divide), else (None, the reason in a few words)."""
     try:
-        load_variant(raw, source, base_dir, c.overrides())
+        return load_variant(raw, source, base_dir, c.overrides()), ""
     except ScenarioError as e:
-        text = str(e).removeprefix(f"{source}: ")
-        return cut(text, 120)
-    return ""
+        return None, cut(str(e).removeprefix(f"{source}: "), 120)
 
 
 # --- resuming -------------------------------------------------------------------------------------
@@ -775,6 +857,8 @@ class Plan:
     prices: dict[str, Price]
     overrides: list[str] = field(default_factory=list)
     rate: float | None = None          # the required load; None: the workload's own
+    concurrency: int | None = None     # the users to serve (a closed loop at this many)
+    price_overrides: dict[str, Price] = field(default_factory=dict)  # --price: over all others
     budget: float | None = None
     tolerance: float = 0.03
     probe_requests: int | None = 1000  # None: probe on the whole workload
@@ -795,6 +879,14 @@ class Outcome:
     probes: int
     resumed: int
     shares_prefixes: bool = True
+    closed: bool = False               # a closed loop: loads are users
+    skipped: int = 0                   # candidates a closed loop cannot run (several instances)
+    prices: dict[str, Price] = field(default_factory=dict)  # the prices ranked by
+
+    @property
+    def unit(self) -> str:
+        """What a load counts."""
+        return "users" if self.closed else "req/s"
 
     @property
     def feasible(self) -> list[Result]:
@@ -828,23 +920,42 @@ def check_space(p: Plan, raw: dict, source: str, base_dir: Path) -> tuple[list[C
     missing = [g for g in p.space.gpus if g not in p.prices]
     if missing:
         raise PlanError(f"--gpus {missing[0]}: no price for this GPU in the price table "
-                        f"(give one with --price {missing[0]}=USD_PER_GPU_HOUR)")
+                        f"(give one with --price {missing[0]}=USD_PER_GPU_HOUR, or in the "
+                        "scenario's plan.gpu_price_usd_per_hour)")
     cands = p.space.candidates()
     if not cands:
         raise PlanError("the search space is empty (check --gpus, --tp, --replicas, "
                         "--policies)")
     ok, bad = [], []
-    fit_cache: dict[tuple, str] = {}
-    for c in cands:
-        k = (c.gpu, c.tp, c.policy, c.max_num_seqs, c.max_num_batched_tokens)
+    fit_cache: dict[tuple, tuple[Scenario | None, str]] = {}
+    moe = None  # whether the model is a mixture of experts, from the first variant that loads
+    # (expert parallelism on last: searched only for a mixture of experts; for a dense model
+    # it is a repeat, left out)
+    for c in sorted(cands, key=lambda c: c.expert_parallel):
+        if c.expert_parallel and moe is False:
+            continue
+        k = (c.gpu, c.tp, c.policy, c.max_num_seqs, c.max_num_batched_tokens, c.dp, c.pp,
+             c.expert_parallel)
         if k not in fit_cache:
-            fit_cache[k] = fits(raw, source, base_dir, c)
-        why = fit_cache[k]
+            fit_cache[k] = variant_or_why(raw, source, base_dir, c)
+        sc, why = fit_cache[k]
+        if sc is not None and moe is None:
+            moe = sc.model.num_experts > 0
         if why:
             bad.append(Result(c, "no-fit", usd_per_hour(c, p.prices), note=why))
         else:
             ok.append(c)
-    return ok, bad
+    order = {c.key: i for i, c in enumerate(cands)}
+    return (sorted(ok, key=lambda c: order[c.key]),
+            sorted(bad, key=lambda r: order[r.candidate.key]))
+
+
+def plan_prices(p: Plan, sc: Scenario) -> dict[str, Price]:
+    """The prices a plan ranks by: the table, then the scenario's `plan.gpu_price_usd_per_hour`,
+    then `--price`, each over the one before."""
+    own = {gpu: Price(usd, f"{sc.source}: plan.gpu_price_usd_per_hour", "")
+           for gpu, usd in sc.plan.gpu_price_usd_per_hour.items()}
+    return {**p.prices, **own, **p.price_overrides}
 
 
 def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
@@ -853,24 +964,39 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
     raw, source, base_dir = read_raw(p.spec)
     for o in p.overrides:
         apply_override(raw, o, source)
-    cands, no_fit = check_space(p, raw, source, base_dir)
+    if p.concurrency is not None:
+        if p.rate is not None:
+            raise PlanError("--rate and --concurrency: give one load (requests/s, or users)")
+        apply_override(raw, f"workload.concurrency={p.concurrency}", source)
     # The workload alone (the scenario as given may not fit its model on its GPUs).
     wl = scenario_from_dict({k: v for k, v in copy.deepcopy(raw).items()
-                             if k in ("name", "seed", "workload")},
+                             if k in ("name", "seed", "workload", "plan")},
                             source=source, base_dir=base_dir)
+    closed = bool(wl.workload.concurrency)
+    if closed and p.rate is not None:
+        raise PlanError(f"--rate {p.rate:g}: the workload is a closed loop (workload.concurrency"
+                        f" = {wl.workload.concurrency}): give --concurrency N users instead")
+    p = dataclasses.replace(p, prices=plan_prices(p, wl))
+    cands, no_fit = check_space(p, raw, source, base_dir)
+    # A closed loop runs on one engine only (the simulator refuses it with replicas or a pair,
+    # and its ranks and stages do not run the users): the others are left out, and counted.
+    skipped = sum(1 for c in [*cands, *(r.candidate for r in no_fit)] if closed and not c.single)
+    cands = [c for c in cands if c.single or not closed]
+    no_fit = [r for r in no_fit if r.candidate.single or not closed]
     sc = load_variant(raw, source, base_dir, cands[0].overrides()) if cands else wl
     full, probe = slices(wl, p.probe_requests)
     required = p.rate if p.rate is not None else offered_load(wl, full)
     identity = {"scenario": raw, "source": source, "bounds": [b.text() for b in p.bounds],
                 "required": required, "tolerance": p.tolerance, "probe": probe.requests,
                 "prices": {g: dataclasses.asdict(v) for g, v in sorted(p.prices.items())},
-                "budget": p.budget, "prune": p.prune}
+                "budget": p.budget, "prune": p.prune, "fixed": p.concurrency is not None}
     journal = Journal(journal_path, identity)
     found, confirmed = journal.read()
     wanted = {c.key for c in cands}
     resumed = sum(1 for k in found if k in wanted)
     settings = SearchSettings(p.bounds, required, p.prices, p.tolerance, p.prune, p.budget,
-                              first_router=p.space.routers[0])
+                              first_router=p.space.routers[0], closed=closed,
+                              fixed=p.concurrency is not None)
     run_probe = Probes(raw, source, base_dir, probe, runner)
     run_full = Probes(raw, source, base_dir, full, runner)
     try:
@@ -882,7 +1008,8 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
             if progress:
                 offset = run_probe.runs + run_full.runs
                 report = lambda d, n, o=offset: progress(o + d, o + n)  # noqa: E731
-            confirm(results, confirmed, p, settings, run_full, journal, report)
+            confirm(results, confirmed, p, settings, run_full, journal, report,
+                    width=runner.workers)
             # Pruned against the probe slice's cheapest; the whole workload's may cost more:
             # search again those that could beat it.
             best = min((r.usd_per_m_tokens for k, r in confirmed.items()
@@ -900,58 +1027,68 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
     merged = {**results, **{k: v for k, v in confirmed.items() if k in results}}
     ranked = rank([*merged.values(), *no_fit])
     return Outcome(ranked, required, p.bounds, sc, raw, len(cands) + len(no_fit),
-                   run_probe.runs + run_full.runs, resumed, full.shares_prefixes)
+                   run_probe.runs + run_full.runs, resumed, full.shares_prefixes, closed,
+                   skipped, p.prices)
 
 
 def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
             s: SearchSettings, run_full: Evaluate, journal: Journal,
-            progress: Progress | None = None) -> None:
+            progress: Progress | None = None, width: int = 1) -> None:
     """Search the cheapest candidates again on the whole workload, from the load their probes
     found (growing from there, or bisecting down where it fails), until the cheapest confirmed
-    one is cheaper than every candidate not yet confirmed. `progress(runs done, runs
-    guessed)` as it goes."""
+    one is cheaper than every candidate not yet confirmed. Up to `width` (at least
+    `p.finalists`: the runner's workers) are searched at once, their probes run together, and
+    as one ends the next cheapest starts, so that each round keeps the workers busy.
+    `progress(runs done, runs guessed)` as it goes."""
     runs = 0
+    tracks: dict[str, Track] = {}
+    width = max(p.finalists, width, 1)
     while True:
         best = min((r.usd_per_m_tokens for r in confirmed.values()
                     if r.status == "ok" and r.candidate.key in results), default=None)
-        todo = sorted((r for k, r in results.items() if r.status == "ok" and k not in confirmed),
+        todo = sorted((r for k, r in results.items()
+                       if r.status == "ok" and k not in confirmed and k not in tracks),
                       key=lambda r: r.usd_per_m_tokens)
-        if not todo or (best is not None and todo[0].usd_per_m_tokens >= best):
+        for r in todo[:width - len(tracks)]:
+            if best is not None and r.usd_per_m_tokens >= best:
+                break  # (it cannot beat what is confirmed)
+            tracks[r.candidate.key] = Track(r.candidate,
+                                            s.new_search(r.max_load, 1 + 2 * s.tolerance),
+                                            r.usd_per_hour, r.tokens_per_request)
+        if not tracks:
             return
-        batch = todo[:max(p.finalists, 1)]
-        tracks = {}
-        for r in batch:
-            search_ = LoadSearch(r.max_load, 1.0, s.tolerance, s.max_doublings,
-                                 growth=1 + 2 * s.tolerance)
-            tracks[r.candidate.key] = Track(r.candidate, search_, r.usd_per_hour,
-                                            r.tokens_per_request)
-        while True:
-            proposals = []
-            for t in tracks.values():
-                nxt = _at_least(t.search.next_rate(), t.search, s.required)
-                if nxt is None or (t.search.failed and t.search.failed[0] <= s.required):
-                    continue
-                proposals.append((t, nxt))
-            if not proposals:
-                break
-            guess = runs + len(proposals) + sum(t.search.probes_left() for t, _ in proposals)
-            report = (lambda d, n, r=runs, g=guess: progress(r + d, max(g, r + n))) \
-                if progress else None
-            rows = run_full([(t.cand, load) for t, load in proposals], report)
-            runs += len(proposals)
-            for (t, load), row in zip(proposals, rows):
-                t.record(load, row, s.bounds)
-        for key, t in tracks.items():
-            r = t.result("ok")
-            r.probes += results[key].probes
-            if not t.search.passed or t.search.passed[0] < s.required * (1 - 1e-9):
-                b, v = worst_bound(t.fail_row or {}, s.bounds)
-                r.status = "infeasible"
-                r.note = (f"on the whole workload fails {b.name} at the required load: "
-                          f"{_ms(v)} > {b.limit_ms:g} ms")
-            r.confirmed = True
-            confirmed[key] = r
-            journal.write(r, "confirmed")
+        proposals = []
+        for key, t in list(tracks.items()):
+            nxt = _at_least(t.search.next_rate(), t.search, s.required)
+            if nxt is None or (t.search.failed and t.search.failed[0] <= s.required):
+                _confirmed(tracks.pop(key), results, confirmed, s, journal)
+                continue
+            proposals.append((t, nxt))
+        if not proposals:
+            continue  # (every track ended: start the next cheapest, or stop)
+        guess = runs + len(proposals) + sum(t.search.probes_left() for t, _ in proposals)
+        report = (lambda d, n, r=runs, g=guess: progress(r + d, max(g, r + n))) \
+            if progress else None
+        rows = run_full([(t.cand, load) for t, load in proposals], report)
+        runs += len(proposals)
+        for (t, load), row in zip(proposals, rows):
+            t.record(load, row, s.bounds)
+
+
+def _confirmed(t: Track, results: dict[str, Result], confirmed: dict[str, Result],
+               s: SearchSettings, journal: Journal) -> None:
+    """A finalist's search on the whole workload ended: its result, confirmed."""
+    key = t.cand.key
+    r = t.result("ok")
+    r.probes += results[key].probes
+    if not t.search.passed or t.search.passed[0] < s.required * (1 - 1e-9):
+        b, v = worst_bound(t.fail_row or {}, s.bounds)
+        r.status = "infeasible"
+        r.note = (f"on the whole workload fails {b.name} at the required load: "
+                  f"{_ms(v)} > {b.limit_ms:g} ms")
+    r.confirmed = True
+    confirmed[key] = r
+    journal.write(r, "confirmed")
 
 
 STATUS_ORDER = {"ok": 0, "pruned": 1, "infeasible": 2, "over-budget": 3, "no-fit": 4}
@@ -985,8 +1122,8 @@ def binding(outcome: Outcome) -> str:
     for r in outcome.results:
         if r.status == "infeasible":
             b, _ = worst_bound(r.fail_row or {}, outcome.bounds)
-            counts[f"{b.text()} at {outcome.required:.4g} req/s"] = counts.get(
-                f"{b.text()} at {outcome.required:.4g} req/s", 0) + 1
+            what = f"{b.text()} at {outcome.required:.4g} {outcome.unit}"
+            counts[what] = counts.get(what, 0) + 1
         elif r.status == "over-budget":
             counts["the budget"] = counts.get("the budget", 0) + 1
         elif r.status == "no-fit":
@@ -1015,11 +1152,11 @@ def why_runner_up_lost(outcome: Outcome) -> str:
     elif r.usd_per_hour < w.usd_per_hour:
         parts.append(f"is cheaper per hour (${r.usd_per_hour:,.2f} against "
                      f"${w.usd_per_hour:,.2f}) but carries less: {r.max_load:.3g} against "
-                     f"{w.max_load:.3g} req/s within the bounds")
+                     f"{w.max_load:.3g} {outcome.unit} within the bounds")
     if r.fail_row is not None:
         b, v = worst_bound(r.fail_row, outcome.bounds)
-        parts.append(f"above {r.max_load:.3g} req/s it breaks {b.name} ({_ms(v)} at "
-                     f"{r.fail_load:.3g} req/s)")
+        parts.append(f"above {r.max_load:.3g} {outcome.unit} it breaks {b.name} ({_ms(v)} at "
+                     f"{r.fail_load:.3g} {outcome.unit})")
     if diff:
         parts.append("it differs in " + ", ".join(diff[:4]))
     return "; ".join(parts) + "."
@@ -1073,6 +1210,22 @@ def trust(c: Candidate, table: dict[tuple[str, str, int], Regime]) -> dict[str, 
     return {fig: None if c.disaggregated else table.get((fig, c.gpu, c.tp)) for fig in FIGURES}
 
 
+# The fewest published points of a regime for its interval to carry weight: fewer, and the plan
+# says that the winner rests on a regime the model has (barely) not been validated in.
+FEW_POINTS = 5
+
+
+def winner_trust(outcome: Outcome, r: Result, trust: dict) -> dict:
+    """The winner's headline figures on the whole workload at its highest load, each with the
+    out-of-sample interval of its regime (`trust.attach`: regimes read from the run itself)."""
+    sc = outcome.scenario
+    variant = load_variant(outcome.raw, str(sc.source), sc.base_dir, r.candidate.overrides())
+    engine = build(slices(sc, None)[0].at(variant, r.max_load), record_events=False,
+                   keep_history=False)
+    engine.run()
+    return T.attach(summarize(engine), trust)
+
+
 # --- the winner as something to run --------------------------------------------------------------
 def winner_toml(outcome: Outcome, r: Result) -> str:
     """The winning deployment as a scenario file `servesim sim` runs: the planned scenario
@@ -1083,7 +1236,9 @@ def winner_toml(outcome: Outcome, r: Result) -> str:
         apply_override(raw, o, source)
     w = raw.setdefault("workload", {})
     sc = outcome.scenario
-    if sc.workload.arrival == "trace":
+    if outcome.closed:
+        w["concurrency"] = int(r.max_load)
+    elif sc.workload.arrival == "trace":
         w["time_scale"] = slices(sc, None)[0].native_rate / r.max_load
         w["trace"] = str(sc.resolve_path(sc.workload.trace))
     else:
@@ -1096,7 +1251,7 @@ def winner_toml(outcome: Outcome, r: Result) -> str:
         raw["engine"]["preset"] = str(sc.resolve_path(raw["engine"]["preset"]))
     raw["name"] = f"{raw.get('name', 'scenario')}-plan"
     raw["description"] = (f"servesim plan's winner: {r.candidate.label()} at "
-                          f"{r.max_load:.4g} req/s")
+                          f"{r.max_load:.4g} {outcome.unit}")
     head = [f"# servesim plan's winner for {source}",
             f"# bounds: {', '.join(b.text() for b in outcome.bounds)}",
             f"# ${r.usd_per_hour:,.2f}/h, ${r.usd_per_m_tokens:.3f} per million output tokens"]
@@ -1131,12 +1286,18 @@ def _toml_value(v: Any) -> str:
 def vllm_command(sc: Scenario, c: Candidate) -> str:
     """The `vllm serve` line of a candidate (a pair or replicas: how to run each instance)."""
     model = MODEL_IDS.get(sc.model.preset, "MODEL")
-    args = ["vllm", "serve", model, f"--tensor-parallel-size {c.tp}",
-            f"--max-num-seqs {c.max_num_seqs}",
-            f"--max-num-batched-tokens {c.max_num_batched_tokens}",
-            "--enable-prefix-caching" if c.prefix_caching else "--no-enable-prefix-caching",
-            f"--gpu-memory-utilization {sc.kv.gpu_memory_utilization:g}",
-            f"--block-size {sc.kv.block_size}"]
+    args = ["vllm", "serve", model, f"--tensor-parallel-size {c.tp}"]
+    if c.pp > 1:
+        args.append(f"--pipeline-parallel-size {c.pp}")
+    if c.dp > 1:
+        args.append(f"--data-parallel-size {c.dp}")
+    if c.expert_parallel:
+        args.append("--enable-expert-parallel")
+    args += [f"--max-num-seqs {c.max_num_seqs}",
+             f"--max-num-batched-tokens {c.max_num_batched_tokens}",
+             "--enable-prefix-caching" if c.prefix_caching else "--no-enable-prefix-caching",
+             f"--gpu-memory-utilization {sc.kv.gpu_memory_utilization:g}",
+             f"--block-size {sc.kv.block_size}"]
     if c.policy == "fcfs":
         args.append("--no-enable-chunked-prefill")
     if c.policy == "priority":
@@ -1162,10 +1323,16 @@ def vllm_command(sc: Scenario, c: Candidate) -> str:
 def sglang_command(sc: Scenario, c: Candidate) -> str:
     """The SGLang `launch_server` line of a candidate."""
     model = MODEL_IDS.get(sc.model.preset, "MODEL")
-    args = ["python", "-m", "sglang.launch_server", f"--model-path {model}", f"--tp-size {c.tp}",
-            f"--max-running-requests {c.max_num_seqs}",
-            f"--chunked-prefill-size {c.max_num_batched_tokens}",
-            f"--mem-fraction-static {sc.kv.gpu_memory_utilization:g}"]
+    args = ["python", "-m", "sglang.launch_server", f"--model-path {model}", f"--tp-size {c.tp}"]
+    if c.pp > 1:
+        args.append(f"--pp-size {c.pp}")
+    if c.dp > 1:
+        args.append(f"--dp-size {c.dp}")
+    if c.expert_parallel:
+        args.append(f"--ep-size {c.tp * c.dp}")
+    args += [f"--max-running-requests {c.max_num_seqs}",
+             f"--chunked-prefill-size {c.max_num_batched_tokens}",
+             f"--mem-fraction-static {sc.kv.gpu_memory_utilization:g}"]
     if not c.prefix_caching:
         args.append("--disable-radix-cache")
     if c.policy == "lpm":

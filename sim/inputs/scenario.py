@@ -376,6 +376,15 @@ class ComputeConfig:
     verify_every: int = _f(0, min=0, doc="recompute one request densely every N steps")
 
 
+@dataclass
+class PlanConfig:
+    """What `servesim plan` reads beyond the deployment: prices of this scenario's own."""
+    gpu_price_usd_per_hour: dict = _f({}, kind="prices", unset=True,
+                                      doc="`servesim plan`: US dollars per GPU-hour by hardware "
+                                          "preset (`{h100-sxm = 3.5}`), over the bundled price "
+                                          "table; `--price` overrides these")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "hardware": HardwareConfig,
@@ -387,6 +396,7 @@ SECTIONS: dict[str, type] = {
     "slo": SLOConfig,
     "compute": ComputeConfig,
     "cluster": ClusterConfig,
+    "plan": PlanConfig,
 }
 _CLIENT_FIELDS = {f.name: f for f in dataclasses.fields(ClientConfig)}
 # Each section's fields by name.
@@ -412,6 +422,7 @@ class Scenario:
     slo: SLOConfig = field(default_factory=SLOConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # Where relative paths (traces) resolve; not a field of the file.
     base_dir: Path = field(default=BUNDLED_DIR, repr=False, compare=False)
     source: str = field(default="<scenario>", repr=False, compare=False)
@@ -422,9 +433,10 @@ class Scenario:
                                "seed": self.seed}
         for sec in SECTIONS:
             cfg = getattr(self, sec)
-            out[sec] = {k: v for k, v in dataclasses.asdict(cfg).items()
-                        if not (_FIELDS[sec][k].metadata["unset"]
-                                and v == _FIELDS[sec][k].default)}
+            given = {k: v for k, v in dataclasses.asdict(cfg).items()
+                     if not (_FIELDS[sec][k].metadata["unset"] and v == _default(_FIELDS[sec][k]))}
+            if given or sec != "plan":  # (a plan's prices, only where given)
+                out[sec] = given
         return out
 
     def resolve_path(self, p: str) -> Path:
@@ -651,6 +663,8 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     m = f.metadata
     if m.get("kind") == "clients":
         return _check_clients(where, value)
+    if m.get("kind") == "prices":
+        return _check_prices(where, value)
     if m.get("kind") == "dist":
         return _check_dist(where, value, m.get("max") or INT64_MAX)
     t = {"int": int, "float": float, "str": str, "bool": bool}.get(f.type, None)
@@ -678,6 +692,25 @@ def _check_field(where: str, f: dataclasses.Field, value) -> Any:
     if m.get("pow2") and value and (value < 0 or value & (value - 1)):
         raise ScenarioError(f"{where} = {shown!r}: must be a power of two")
     return value
+
+
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _check_prices(where: str, value) -> dict:
+    """`plan.gpu_price_usd_per_hour`: a table of hardware preset -> positive US dollars."""
+    if not isinstance(value, dict):
+        raise ScenarioError(f"{where} = {shown(value, 80)}: expected a table of GPU = US "
+                            "dollars per GPU-hour ({h100-sxm = 3.5})")
+    for gpu, usd in value.items():
+        if gpu not in presets.HARDWARE:
+            raise ScenarioError(f"{where}.{_key(gpu)}: unknown GPU (known: "
+                                f"{', '.join(presets.HARDWARE)}){_suggest(gpu, presets.HARDWARE)}")
+        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not 0 < usd < 1e6:
+            raise ScenarioError(f"{where}.{gpu} = {shown(usd, 80)}: expected a positive number "
+                                "of US dollars per GPU-hour")
+    return {gpu: float(usd) for gpu, usd in value.items()}
 
 
 def _check_clients(where: str, value) -> list[dict]:
@@ -1078,7 +1111,7 @@ def schema_markdown() -> str:
         out += ["", f"`[{name}]`", "", "| field | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             m = f.metadata
-            d = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            d = _default(f)
             notes = [m.get("doc", "")]
             if m.get("choices"):
                 notes.append("one of " + ", ".join(f"`{c!r}`" if c != "" else '`""`'

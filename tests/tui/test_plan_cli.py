@@ -10,7 +10,8 @@ from tui.cli import main
 # `chat` cut to 120 requests, on small spaces
 SPACE = ["--set", "workload.duration_s=0", "--set", "workload.num_requests=120", "--gpus", "h100,a100", "--tp", "1", "--replicas", "1,2", "--routers", "round-robin",
          "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--policies", "chunked",
-         "--prefix-caching", "off", "--probe-requests", "60", "--tolerance", "0.1",
+         "--prefix-caching", "off", "--dp", "1", "--pp", "1", "--probe-requests", "60",
+         "--tolerance", "0.1",
          "--workers", "1"]
 
 
@@ -99,3 +100,72 @@ def test_a_price_given_on_the_command_line_is_used(capsys, tiny):
     assert code == 0, err
     w = json.loads(out)["winner"]
     assert w["usd_per_hour"] == pytest.approx(1.5 * w["gpus"])
+
+
+def _trust_file(path, regimes):
+    points = {f"{name}{i}": {"regime": name, "ratio": 1.0} for name, n in regimes.items()
+              for i in range(n)}
+    path.write_text(json.dumps({"points": points}))
+    return str(path)
+
+
+def test_plan_warns_when_the_winners_regime_has_few_validated_points(capsys, tiny, tmp_path):
+    # every TTFT regime well covered, decode and throughput not at all
+    trust = _trust_file(tmp_path / "trust.json", {"first token": 6, "queued": 6})
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE, "--gpus", "h100",
+                         "--validation", str(_val(tmp_path)), "--trust", trust)
+    assert code == 0, err
+    assert "ttft_ms.p99" in out and "expected within +0%/+0%" in out
+    assert "The winner depends on a regime the model has not been validated in" in out
+    warning = next(line for line in out.splitlines() if "barely: fewer than 5" in line)
+    assert "throughput" in warning and "decode" in warning and "queued" not in warning
+    trust = _trust_file(tmp_path / "all.json", {"first token": 6, "queued": 6, "throughput": 5,
+                                                "decode, small batch": 5,
+                                                "decode, large batch": 5})
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE, "--gpus", "h100",
+                         "--validation", str(_val(tmp_path)), "--trust", trust, "--json")
+    assert code == 0, err
+    figures = json.loads(out)["trust"]
+    assert figures["ttft_ms.p99"]["points"] == 6 and figures["tpot_ms.p99"]["points"] == 5
+
+
+def _val(tmp_path):
+    val = tmp_path / "val.json"
+    val.write_text(json.dumps({"points": [{"id": "T11", "ratio": 1.10}]}))
+    return val
+
+
+def test_a_closed_loop_plan_reports_users_and_what_it_left_out(capsys, tiny):
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                         "--concurrency", "4", "--no-validation")
+    assert code == 0, err
+    assert "load to serve 4 users" in out and "max load users" in out
+    assert "A closed loop runs on one engine: 2 candidates with replicas" in out
+    assert "concurrency = " in out  # the winner scenario
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("plan.gpu_price_usd_per_hour={h100-sxm=0}",
+     "plan.gpu_price_usd_per_hour.h100-sxm = 0: expected a positive number"),
+    ("plan.gpu_price_usd_per_hour={v100=1}", "plan.gpu_price_usd_per_hour.v100: unknown GPU"),
+])
+def test_a_bad_scenario_price_is_one_line_and_exit_2(capsys, tiny, setting, message):
+    code, _, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE, "--set", setting)
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_scenarios_price_is_used_and_the_flag_wins(capsys, tiny):
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE, "--gpus", "l40s",
+                         "--set", "plan.gpu_price_usd_per_hour={l40s=1.25}", "--no-validation",
+                         "--json")
+    assert code == 0, err
+    w = json.loads(out)["winner"]
+    assert w["usd_per_hour"] == pytest.approx(1.25 * w["gpus"])
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE, "--gpus", "l40s",
+                         "--set", "plan.gpu_price_usd_per_hour={l40s=1.25}", "--price",
+                         "l40s=0.75", "--no-validation", "--json")
+    assert code == 0, err
+    w = json.loads(out)["winner"]
+    assert w["usd_per_hour"] == pytest.approx(0.75 * w["gpus"])
+    assert json.loads(out)["prices"]["l40s"]["source"] == "--price"

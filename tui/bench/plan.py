@@ -1,8 +1,10 @@
 """`servesim bench plan`: `servesim plan` for Llama-3.1-70B on the Azure conversation trace
 (TTFT p99 <= 2 s, TPOT p99 <= 100 ms, the trace's own load): the whole default space (A100,
 H100, H200; TP 1-8; 1-4 replicas and two routers; two `max_num_seqs`, two token budgets;
-chunked and disaggregated; prefix caching off and on) with every local worker, then with
-one (how it scales); and a small space around the answer, pruned and searched exhaustively (no pruning, no bounds carried, every probe on the whole trace: the ground
+chunked and disaggregated; prefix caching off and on; DP 1, 2, 4 and PP 1, 2) with every local
+worker, then with one (how it scales); the small space below with N workers and with one,
+alternating, twice each (the machine may be shared: each run records the load average
+before it); and a small space around the answer, pruned and searched exhaustively (no pruning, no bounds carried, every probe on the whole trace: the ground
 truth), whose answer the pruned search must match: the same winner, or one within 2% of its
 cost per output token.
 """
@@ -25,7 +27,7 @@ def small_space() -> P.Space:
     """A space the exhaustive search runs in minutes, around the whole space's answer: H100 and
     H200 x TP 2, 4 x one or four replicas behind least-outstanding x two `max_num_seqs`."""
     return P.Space(["h100-sxm", "h200"], [2, 4], [1, 4], ["least-outstanding"], [128, 256],
-                   [2048], ["chunked"], [False])
+                   [2048], ["chunked"], [False], [1], [1], [False])
 
 
 def _plan(space: P.Space, prune: bool = True) -> P.Plan:
@@ -35,19 +37,21 @@ def _plan(space: P.Space, prune: bool = True) -> P.Plan:
                   probe_requests=1000 if prune else None)
 
 
-def _timed(plan: P.Plan, workers: int) -> tuple[P.Outcome, float]:
+def _timed(plan: P.Plan, workers: int) -> tuple[P.Outcome, float, float]:
+    """(the outcome, its wall time, the 1-minute load average before it)."""
+    load = os.getloadavg()[0]
     t0 = time.perf_counter()
     with Runner(workers) as runner:
         out = P.run_plan(plan, runner)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, load
 
 
-def _summary(out: P.Outcome, wall: float) -> dict:
+def _summary(out: P.Outcome, wall: float, load: float) -> dict:
     w = out.winner
     counts: dict[str, int] = {}
     for r in out.results:
         counts[r.status] = counts.get(r.status, 0) + 1
-    return {"wall_s": wall, "candidates": out.candidates, "runs": out.probes,
+    return {"wall_s": wall, "load_average": load, "candidates": out.candidates, "runs": out.probes,
             "statuses": counts, "winner": w.candidate.label() if w else None,
             "winner_usd_per_m_tokens": w.usd_per_m_tokens if w else None,
             "winner_max_load": w.max_load if w else None}
@@ -62,6 +66,9 @@ def run(args) -> dict:
     if not args.skip_scaling and workers > 1:
         out["full_1_worker"] = _summary(*_timed(_plan(whole), 1))
     out["small"] = _summary(*_timed(_plan(small_space()), workers))
+    if not args.skip_scaling and workers > 1:
+        out["alternating"] = [_summary(*_timed(_plan(small_space()), n))
+                              for n in (1, workers, 1, workers)]
     out["exhaustive"] = _summary(*_timed(_plan(small_space(), prune=False), workers))
     a, b = out["small"], out["exhaustive"]
     same = a["winner"] == b["winner"]
@@ -90,6 +97,9 @@ def text(r: dict) -> str:
         lines.append(f"  {'speed-up':<22} {r['full_1_worker']['wall_s'] / f['wall_s']:.2f} x "
                      f"with {r['workers']} workers")
     lines.append(line(f"small space, {r['workers']} wkrs", r["small"]))
+    for s, n in zip(r.get("alternating", []), (1, r["workers"], 1, r["workers"])):
+        lines.append(line(f"  small, {n} worker{'s' if n > 1 else ''}", s)
+                     + f"  (load avg {s['load_average']:.2f} before)")
     lines.append(line("small, exhaustive", r["exhaustive"]))
     lines.append(f"  winner (whole space)   {f['winner']}: {f['winner_max_load']:.3g} req/s, "
                  f"${f['winner_usd_per_m_tokens']:.3f}/M tokens" if f["winner"] else

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 from sim.deploy import plan as P
 from sim.deploy.sweep import Runner
 from sim.inputs.scenario import load_scenario
+from sim.model import trust as T
 
 PRICES = {g: P.Price(usd, "test", "2026-01-01")
           for g, usd in {"h100-sxm": 4.0, "a100-80gb": 2.5, "h200": 5.0}.items()}
@@ -81,7 +82,8 @@ def spaces(draw):
     replicas = sorted(draw(st.lists(st.sampled_from([1, 2, 3, 4]), min_size=1, max_size=3,
                                     unique=True)))
     seqs = draw(st.lists(st.sampled_from([64, 256]), min_size=1, max_size=2, unique=True))
-    space = P.Space(gpus, tps, replicas, ["round-robin"], seqs, [2048], ["chunked"], [False])
+    space = P.Space(gpus, tps, replicas, ["round-robin"], seqs, [2048], ["chunked"], [False],
+                    [1], [1], [False])
     base = {(g, s): draw(st.floats(0.2, 20)) for g in gpus for s in seqs}
     tp_gain = {t: draw(st.floats(1.0, 2.0)) for t in tps}
     rep_gain = draw(st.floats(1.0, 1.1))
@@ -137,7 +139,7 @@ def tiny(tmp_path):
 
 def small_plan(spec, **kw):
     space = P.Space(["h100-sxm", "a100-80gb"], [1], [1, 2], ["round-robin"], [64], [2048],
-                    ["chunked"], [False, True])
+                    ["chunked"], [False, True], [1], [1])
     return P.Plan(spec, [P.Bound("ttft_p99", 250.0), P.Bound("tpot_p99", 40.0)], space,
                   P.load_prices(), **{"probe_requests": 60, "tolerance": 0.1, **kw})
 
@@ -298,3 +300,173 @@ def test_a_confirmed_cost_is_what_a_candidate_must_beat_not_to_be_pruned():
                      P.SearchSettings(BOUNDS, 1.0, PRICES, 0.02, confirmed_cost=worse))
     assert again[cands[1].key].status == "ok"
     assert again[cands[1].key].max_load <= 2.0 < again[cands[1].key].fail_load
+
+
+# --- closed loops ------------------------------------------------------------------------------
+CLOSED = P.Slice([], False, 1.0, 101, 200.0, closed=True)
+
+
+def test_closed_loop_bisection_finds_the_most_users_meeting_the_bound():
+    c = cand()
+    for users in (1, 7, 40):
+        ev = toy(lambda _, u=users: u + 0.5)  # meets the bound up to `users` users
+        s = P.SearchSettings(BOUNDS, required=1, prices=PRICES, closed=True)
+        r = P.search([c], ev, CLOSED, s)[c.key]
+        assert r.status == "ok" and r.max_load == users and r.fail_load == users + 1
+        assert all(float(load).is_integer() and load >= 1 for _, load in ev.calls)
+        # the cost divides by the throughput measured at that many users
+        assert r.usd_per_m_tokens == pytest.approx(4.0 / (0.95 * users * 200 * 3600) * 1e6)
+
+
+def test_a_given_concurrency_is_probed_once_and_never_searched_past():
+    c = cand()
+    ev = toy(lambda _: 50.5)
+    s = P.SearchSettings(BOUNDS, required=8, prices=PRICES, closed=True, fixed=True)
+    r = P.search([c], ev, CLOSED, s)[c.key]
+    assert r.status == "ok" and r.max_load == 8 and [load for _, load in ev.calls] == [8.0]
+    s = P.SearchSettings(BOUNDS, required=8, prices=PRICES, closed=True, fixed=True)
+    assert P.search([c], toy(lambda _: 7.5), CLOSED, s)[c.key].status == "infeasible"
+
+
+CLOSED_SCENARIO = SCENARIO.replace("rate = 4.0", "concurrency = 4")
+
+
+def test_a_closed_loop_plan_searches_single_engines_and_says_what_it_left_out(tmp_path):
+    path = tmp_path / "closed.toml"
+    path.write_text(CLOSED_SCENARIO)
+    space = P.Space(["h100-sxm"], [1], [1, 2], ["round-robin"], [64], [2048],
+                    ["chunked", "disaggregated"], [False], [1, 2], [1])
+    p = P.Plan(str(path), [P.Bound("ttft_p99", 400.0)], space, P.load_prices(),
+               probe_requests=None, tolerance=0.1)
+    with Runner(1) as runner:
+        out = P.run_plan(p, runner)
+    # x2 replicas, a pair and DP2 cannot run a closed loop: only the single engine is searched
+    assert out.closed and out.unit == "users" and out.skipped == 3 and out.required == 4
+    assert [r.candidate.single for r in out.results] == [True]
+    w = out.winner
+    assert w is not None and w.max_load >= 4 and float(w.max_load).is_integer()
+    assert w.usd_per_m_tokens == pytest.approx(
+        4 * 3.99 / 4 / (w.row["throughput_output_tokens_per_s"] * 3600) * 1e6)
+    winner = tmp_path / "winner.toml"
+    winner.write_text(P.winner_toml(out, w))
+    assert load_scenario(str(winner)).workload.concurrency == int(w.max_load)
+
+
+def test_concurrency_makes_an_open_workload_a_closed_loop_at_that_load(tiny):
+    p = small_plan(tiny, concurrency=3, probe_requests=None)
+    p.space.replicas = [1]
+    with Runner(1) as runner:
+        out = P.run_plan(p, runner)
+    assert out.closed and out.required == 3
+    assert out.winner is not None and out.winner.max_load == 3
+
+
+# --- data and pipeline parallelism, experts -----------------------------------------------------
+def test_data_and_pipeline_parallel_candidates_are_only_those_modeled():
+    space = P.Space(["h100-sxm"], [1, 2], [1, 2], ["round-robin"], [64], [2048],
+                    ["chunked", "disaggregated"], [False], [1, 2, 4], [1, 2], [False, True])
+    cands = space.candidates()
+    assert {(c.dp, c.pp) for c in cands} == {(1, 1), (2, 1), (4, 1), (1, 2)}
+    for c in cands:
+        if c.dp > 1 or c.pp > 1:
+            assert c.replicas == 1 and not c.disaggregated
+        assert not (c.expert_parallel and c.tp * c.dp == 1)
+    c = next(c for c in cands if c.dp == 4 and c.tp == 2 and not c.expert_parallel)
+    assert c.gpus == 8 and "model.data_parallel=4" in c.overrides()
+
+
+def test_parallel_candidates_carry_their_serving_flags():
+    sc = load_scenario("chat", ['model.preset="llama-3.1-70b"', "model.tensor_parallel=4"])
+    dp = P.Candidate("h100-sxm", 2, 1, "round-robin", 128, 2048, "chunked", False, dp=4,
+                     expert_parallel=True)
+    pp = P.Candidate("h100-sxm", 4, 1, "round-robin", 128, 2048, "chunked", False, pp=2)
+    v, s = P.vllm_command(sc, dp), P.sglang_command(sc, dp)
+    assert "--tensor-parallel-size 2 --data-parallel-size 4 --enable-expert-parallel" in v
+    assert "--tp-size 2 --dp-size 4 --ep-size 8" in s
+    assert "--pipeline-parallel-size 2" in P.vllm_command(sc, pp)
+    assert "--pp-size 2" in P.sglang_command(sc, pp)
+    assert "--data-parallel-size" not in P.vllm_command(sc, pp)
+    assert "model.expert_parallel=8" in dp.overrides()
+
+
+def test_expert_parallelism_is_searched_for_a_mixture_of_experts_only(tiny):
+    space = P.Space(["h200"], [8], [1], ["round-robin"], [64], [2048], ["chunked"], [False],
+                    [1], [1], [False, True])
+    for spec, moe in ((tiny, False), ("moe", True)):
+        raw, source, base = P.read_raw(spec)
+        p = P.Plan(spec, BOUNDS, space, PRICES)
+        ok, bad = P.check_space(p, raw, source, base)
+        assert sorted(c.expert_parallel for c in ok + [r.candidate for r in bad]) == \
+            ([False, True] if moe else [False])
+        if moe:  # the scenario's own expert_parallel = 8 is the candidate's to set
+            off = next(c for c in ok if not c.expert_parallel)
+            assert P.load_variant(raw, source, base, off.overrides()).model.expert_parallel == 1
+
+
+# --- prices -------------------------------------------------------------------------------------
+def test_prices_the_flag_over_the_scenario_over_the_table(tmp_path):
+    path = tmp_path / "priced.toml"
+    path.write_text(SCENARIO + "[plan]\ngpu_price_usd_per_hour = {h100-sxm = 1.25, "
+                               "a100-80gb = 2.0}\n")
+    sc = load_scenario(str(path))
+    p = small_plan(str(path))
+    prices = P.plan_prices(p, sc)
+    table = P.load_prices()
+    assert prices["h100-sxm"].usd_per_gpu_hour == 1.25 and "plan.gpu_price" in \
+        prices["h100-sxm"].source
+    assert prices["h200"] == table["h200"]
+    p.price_overrides = {"h100-sxm": P.Price(0.5, "--price", "")}
+    prices = P.plan_prices(p, sc)
+    assert prices["h100-sxm"].usd_per_gpu_hour == 0.5 and prices["a100-80gb"].usd_per_gpu_hour == 2
+    with Runner(1) as runner:
+        out = P.run_plan(p, runner)
+    for r in out.results:
+        assert r.usd_per_hour == {"h100-sxm": 0.5, "a100-80gb": 2.0}[r.candidate.gpu] * \
+            r.candidate.gpus
+
+
+# --- trust ---------------------------------------------------------------------------------------
+def test_the_winners_figures_carry_their_regimes_interval(tiny):
+    with Runner(1) as runner:
+        out = P.run_plan(small_plan(tiny), runner)
+    w = out.winner
+    assert w.confirmed
+    points = {f"q{i}": {"regime": "queued", "ratio": 1 / (1 + 0.01 * i)} for i in range(6)}
+    points.update({f"f{i}": {"regime": "first token", "ratio": 1 / (1 - 0.02 * i)}
+                   for i in range(3)})
+    trust = {"points": points, "regimes": T.table(points)}
+    figures = P.winner_trust(out, w, trust)
+    ttft = figures["ttft_ms.p99"]
+    # the run at the winner's highest load on the whole workload: the figure the table shows
+    assert ttft["value"] == pytest.approx(w.row["ttft_p99_ms"])
+    assert ttft["regime"] in ("queued", "first token")
+    expected = trust["regimes"][ttft["regime"]]
+    assert (ttft["points"], ttft["low"], ttft["high"]) == \
+        (expected["count"], expected["low"], expected["high"])
+    assert figures["throughput.output_tokens_per_s"]["points"] == 0  # no claim made
+
+
+def test_finalists_are_confirmed_as_many_at_once_as_there_are_workers():
+    # six candidates the probes found cheap; on the whole workload each carries half as much,
+    # so each confirmed cost leaves the next ones still worth confirming
+    cands = [cand(seqs=64 + i) for i in range(6)]
+    found = {c.key: P.Result(c, "ok", 4.0, max_load=10.0 + i, tokens_per_request=200.0)
+             for i, c in enumerate(cands)}
+    s = P.SearchSettings(BOUNDS, required=1.0, prices=PRICES, tolerance=0.05)
+    p = P.Plan(None, BOUNDS, P.Space(["h100-sxm"]), PRICES, finalists=1)
+    rounds = {}
+    for width in (1, 4):
+        sizes = []
+        ev = toy(lambda c: (10.0 + c.max_num_seqs - 64) / 2)
+
+        def evaluate(probes, progress=None, ev=ev, sizes=sizes):
+            sizes.append(len(probes))
+            return ev(probes)
+        confirmed = {}
+        P.confirm(found, confirmed, p, s, evaluate, P.Journal(None, {}), width=width)
+        assert set(confirmed) == set(found)
+        for key, r in confirmed.items():
+            assert r.confirmed and r.max_load <= found[key].max_load / 2 < r.fail_load
+        assert max(sizes) == width
+        rounds[width] = len(sizes)
+    assert rounds[4] < rounds[1] / 2

@@ -1,7 +1,7 @@
 import pytest
 
 from sim.errors import ScenarioError, TraceError
-from sim.inputs.scenario import bundled_scenarios, load_scenario
+from sim.inputs.scenario import bundled_scenarios, load_scenario, scenario_from_dict
 from tui.cli import main
 
 
@@ -380,6 +380,19 @@ def test_an_unset_closed_loop_round_trips_through_the_dict():
     assert "concurrency" not in sc.to_dict()["workload"]
     closed = load_scenario("chat", ["workload.concurrency=3", "workload.num_requests=5"])
     assert closed.to_dict()["workload"]["concurrency"] == 3
+
+
+def test_plan_prices_are_checked_and_kept_out_of_the_dict_unless_given():
+    assert "plan" not in load_scenario("chat").to_dict()  # (logs of unpriced runs unchanged)
+    sc = load_scenario("chat", ["plan.gpu_price_usd_per_hour={h100-sxm=2.5, l40s=1}"])
+    assert sc.plan.gpu_price_usd_per_hour == {"h100-sxm": 2.5, "l40s": 1.0}
+    again = scenario_from_dict(sc.to_dict())
+    assert again.plan.gpu_price_usd_per_hour == sc.plan.gpu_price_usd_per_hour
+    for bad, message in (("{h100-sxm=true}", "h100-sxm = True: expected a positive number"),
+                         ("{h100=2}", "h100: unknown GPU"),
+                         ("3", "expected a table of GPU")):
+        with pytest.raises(ScenarioError, match=message):
+            load_scenario("chat", [f"plan.gpu_price_usd_per_hour={bad}"])
 # --- model.config ---------------------------------------------------------------------------------
 def test_a_config_replaces_the_preset_and_a_size_given_overrides_it():
     sc = load_scenario("chat", ['model.config="mixtral-8x7b"', "model.tensor_parallel=2",
