@@ -1029,13 +1029,28 @@ def _check_closed_loop(sc: Scenario) -> None:
         raise ScenarioError(f"{src}: workload.concurrency = {w.concurrency}: a closed loop "
                             "times its own arrivals; arrival = \"trace\" cannot go with it "
                             "(lengths from a file: {dist = \"empirical\", file = ...})")
-    if sc.cluster.replicas > 1 or sc.scheduler.policy in DEPLOYMENT_POLICIES:
+    several = _several_instances(sc)
+    if several:
         raise ScenarioError(f"{src}: workload.concurrency = {w.concurrency}: a closed loop "
-                            "is not modeled across several instances (cluster.replicas > 1 "
-                            "or disaggregated)")
+                            f"is not modeled across several instances ({several})")
     if w.num_samples > 1:
         raise ScenarioError(f"{src}: workload.num_samples = {w.num_samples}: parallel "
                             "sampling is not modeled in a closed loop (workload.concurrency)")
+
+
+def _several_instances(sc: Scenario) -> str:
+    """What makes the scenario a deployment of several engines (replicas, a disaggregated
+    pair, data-parallel ranks, pipeline virtual engines), as `key = value`; "" for one."""
+    m = sc.model
+    for key, value, several in (("cluster.replicas", sc.cluster.replicas, sc.cluster.replicas > 1),
+                                ("scheduler.policy", sc.scheduler.policy,
+                                 sc.scheduler.policy in DEPLOYMENT_POLICIES),
+                                ("model.data_parallel", m.data_parallel, m.data_parallel > 1),
+                                ("model.pipeline_parallel", m.pipeline_parallel,
+                                 m.pipeline_parallel > 1)):
+        if several:
+            return f"{key} = {value!r}"
+    return ""
 
 
 def _check_cluster(sc: Scenario) -> None:
@@ -1044,9 +1059,10 @@ def _check_cluster(sc: Scenario) -> None:
     policies on that many replicas and the pair on its two instances.)"""
     src, cl = sc.source, sc.cluster
     disagg = sc.scheduler.policy == "disaggregated"
-    if (disagg or cl.replicas > 1) and sc.workload.clients:
+    several = _several_instances(sc)
+    if several and sc.workload.clients:
         raise ScenarioError(f"{src}: workload.clients: a client mix is not modeled across "
-                            "several instances (cluster.replicas > 1 or disaggregated)")
+                            f"several instances ({several})")
     if (disagg or cl.replicas > 1) and sc.workload.num_samples > 1:
         raise ScenarioError(
             f"{src}: workload.num_samples = {sc.workload.num_samples}: parallel sampling is not "

@@ -366,13 +366,26 @@ def test_closed_loop_dataset_and_admission_bad_input_is_one_line_exit_2(override
     (["workload.turns=3"], "workload.turns = 3: applies to a closed loop"),
     (["workload.concurrency=4"], "a closed loop needs workload.num_requests"),
     (["workload.concurrency=4", "workload.num_requests=9", "cluster.replicas=2"],
-     "not modeled across several instances"),
+     "not modeled across several instances .cluster.replicas = 2"),
+    (["workload.concurrency=4", "workload.num_requests=9", "model.tensor_parallel=2",
+      "model.data_parallel=2"], "not modeled across several instances .model.data_parallel = 2"),
+    (["workload.concurrency=4", "workload.num_requests=9", "model.preset=\"llama-3.1-70b\"",
+      "hardware.preset=\"h200\"", "model.pipeline_parallel=2"],
+     "several instances .model.pipeline_parallel = 2"),
     (["workload.concurrency=4", "workload.num_requests=9", "workload.arrival=\"trace\"",
       "workload.trace=\"traces/AzureLLMInferenceTrace_conv.csv\""], "times its own arrivals"),
 ])
 def test_closed_loop_keys_that_cannot_go_together_are_refused(overrides, message):
     with pytest.raises(ScenarioError, match=message):
         load_scenario("chat", ["workload.duration_s=0", *overrides])
+
+
+def test_a_client_mix_is_refused_on_data_parallel_ranks():
+    clients = ('workload.clients=[{name="a", share=0.5}, {name="b", share=0.5}]')
+    assert load_scenario("chat", [clients]).workload.clients
+    with pytest.raises(ScenarioError, match="client mix is not modeled across several "
+                                            "instances .model.data_parallel = 2"):
+        load_scenario("chat", [clients, "model.tensor_parallel=2", "model.data_parallel=2"])
 
 
 def test_an_unset_closed_loop_round_trips_through_the_dict():
