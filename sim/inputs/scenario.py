@@ -905,6 +905,10 @@ def _check_model(sc: Scenario) -> None:
                 raise ScenarioError(f"{src}: model.{key} = {getattr(m, key)}: needs "
                                     "model.num_experts (a mixture of experts)")
     ep, tp = m.expert_parallel, m.tensor_parallel
+    if m.num_experts and m.data_parallel > 1 and ep not in (1, m.data_parallel * tp):
+        raise ScenarioError(f"{src}: model.expert_parallel = {ep}: with model.data_parallel = "
+                            f"{m.data_parallel} the experts span data_parallel x tensor_parallel"
+                            f" = {m.data_parallel * tp} GPUs (leave it at 1 or give that)")
     if ep > 1 and not m.num_experts:
         raise ScenarioError(f"{src}: model.expert_parallel = {ep}: needs model.num_experts "
                             "(a mixture of experts)")

@@ -54,8 +54,9 @@ token in t_elem). A mixed step pays prefill and decode attention both, as the se
 Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
 experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
 what every token passes through (attention, dense MLPs, shared experts, routers: `ModelShape`);
-`ep = expert_parallel` GPUs hold the experts, `r = max(ep / tp, 1)` data-parallel ranks send
-them tokens, `s = expert_skew`. The busiest GPU's (expert, token) assignments and the experts it
+`ep` GPUs hold the experts (`data_parallel x tensor_parallel` with data-parallel ranks, else
+`expert_parallel`: `ModelShape.expert_parallel`), `r = max(ep / tp, 1)` data-parallel ranks send
+them tokens, each taken to send a batch like the one being timed, `s = expert_skew`. The busiest GPU's (expert, token) assignments and the experts it
 touches:
 
     N = min(T r min(k, E/ep),  T r (k/ep + s k/E) + z_ep sqrt(T r k/ep (1 - 1/ep) (E-k)/(E-1)))
@@ -154,7 +155,7 @@ class CostModel:
         # (whole experts over expert_parallel groups, each sharded over the rest), the other
         # weights over tensor_parallel.
         self._weight_bytes_gpu = (self.weight_bytes - shape.p_experts * qb) / tp \
-            + shape.p_experts * qb / max(m.expert_parallel, tp)
+            + shape.p_experts * qb / max(shape.expert_parallel, tp)
         self._idle = tp * h.idle_w
         self._dyn = tp * max(0.0, h.tdp_w - h.idle_w)
         self.pcie_bytes_per_s = h.pcie_gbps * 1e9
@@ -255,7 +256,7 @@ class CostModel:
         self._moe_sd = self._moe_lam = 0.0
         if not self._moe:
             return
-        tp, E, k, ep = self.tp, m.num_experts, m.experts_per_token, m.expert_parallel
+        tp, E, k, ep = self.tp, m.num_experts, m.experts_per_token, self.shape.expert_parallel
         n_moe = self.shape.moe_layers
         # one expert, all MoE layers: over the GPUs one expert is split across (tp / ep when
         # the experts are split inside the engine's GPUs; whole when over more)
@@ -263,8 +264,9 @@ class CostModel:
         split = max(tp / ep, 1.0)
         self._moe_c = 2.0 * p_exp / (split * gemm / tp)
         self._moe_m = self.block_weight_bytes * p_exp / (split * stream / tp) * (E / ep)
-        # With expert_parallel > tensor_parallel the experts span ep / tp data-parallel ranks,
-        # each sending a batch like this one: the GPU's experts see ep / tp times the tokens.
+        # With ep > tensor_parallel the experts span ep / tp data-parallel ranks (model.
+        # data_parallel's, or implicit ones beside this engine), each taken to send a batch like
+        # this one: the GPU's experts see ep / tp times the tokens.
         ranks = max(ep / tp, 1.0)
         share = k / ep  # expected (expert, token) assignments per token on one GPU
         self._moe_cap = min(k, E / ep) * ranks
@@ -406,6 +408,11 @@ class ModelShape:
         p_head = float(m.vocab_size * hid)
         self.p_embed = (1.0 if m.tie_word_embeddings else 2.0) * p_head
         self.moe_layers = m.num_layers - m.dense_layers if m.num_experts else 0
+        # GPUs the experts span: with data_parallel ranks the MoE layers are expert-parallel
+        # over all of them (EP = data_parallel x tensor_parallel), else model.expert_parallel
+        dp_ep = m.data_parallel * m.tensor_parallel
+        self.expert_parallel = (dp_ep if m.num_experts and m.data_parallel > 1
+                                else m.expert_parallel)
         per_expert = mlp_params(hid, m.moe_intermediate_size)
         self.p_experts = self.moe_layers * m.num_experts * per_expert
         self.p_blocks = max(m.num_params - self.p_embed - self.p_experts, 0.0)

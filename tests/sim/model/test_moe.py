@@ -169,3 +169,25 @@ def test_a_format_without_tensor_cores_is_emulated_with_the_unpacking_cost():
 
 def test_dtype_bytes_alone_still_works():
     assert cost("model.dtype_bytes=1").weight_bytes == 8.03e9
+
+
+def test_data_parallel_ranks_make_the_experts_span_dp_x_tp():
+    """data_parallel D x tensor_parallel T: the MoE layers are expert-parallel over D T GPUs
+    (by default, or given so), as the explicit expert_parallel would make them."""
+    base = ('model.config="qwen3-235b-a22b"', 'hardware.preset="h200"',
+            "model.tensor_parallel=2")
+    dp4 = cost(*base, "model.data_parallel=4")
+    assert dp4.shape.expert_parallel == 8
+    same = cost(*base, "model.data_parallel=4", "model.expert_parallel=8")
+    assert dp4.weight_bytes_per_gpu() == same.weight_bytes_per_gpu()
+    assert dp4.step(0, 0, 0, 64, 64 * 1000, 64, 64) == same.step(0, 0, 0, 64, 64 * 1000, 64, 64)
+    one = cost(*base)
+    assert one.shape.expert_parallel == 1
+    assert dp4.weight_bytes_per_gpu() < one.weight_bytes_per_gpu()
+
+
+def test_contradictory_expert_parallel_with_data_parallel_is_one_line():
+    with pytest.raises(ScenarioError, match=r"expert_parallel = 2: with model.data_parallel = 4 "
+                                            r"the experts span .* = 8 GPUs"):
+        cost('model.config="qwen3-30b-a3b"', "model.tensor_parallel=2",
+             "model.data_parallel=4", "model.expert_parallel=2")
