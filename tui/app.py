@@ -370,6 +370,9 @@ class Dashboard(App[int]):
                     self._event_at[stream] = max(0, self._event_at[stream] - n)
             self.driver.lock.release()
 
+    def on_request_table_want_rows(self, message: RequestTable.WantRows) -> None:
+        self.refresh_frame()
+
     @guarded
     def on_request_table_highlighted(self, message: RequestTable.Highlighted) -> None:
         # Only the user's moves arrive here (see RequestTable): that request is the selection.

@@ -119,6 +119,10 @@ class RequestTable(ScrollView, can_focus=True):
             self.table = table
             self.req_id = req_id
 
+    class WantRows(Message):
+        """The table needs more of the queue than its last update brought (`end`): the app
+        updates it at once rather than at the next frame."""
+
     def __init__(self, kind: str, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id or kind, classes=classes)
         self.kind = kind
@@ -220,6 +224,7 @@ class RequestTable(ScrollView, can_focus=True):
     def action_cursor_to(self, index: int) -> None:
         if index < 0 and len(self.rows) < self.total:
             self._to_end = True  # the next update brings the whole queue, then moves there
+            self.post_message(self.WantRows())
             return
         self._move_to(index if index >= 0 else len(self.rows) - 1)
 
