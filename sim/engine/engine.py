@@ -628,21 +628,6 @@ class Engine(EngineState):
                 args["settled"] = self.settled
             self.events.append(ev.UserAction(self.now, self.step_count, action, args))
 
-    def _emit_steps(self, e: ev.Steps) -> None:
-        """Record steps, extending the previous `steps` event when the two are one run of
-        identical decode steps, so the event stream does not depend on how a caller sliced
-        time (a live screen's ticks, a stale cancellation) and a replay can match it."""
-        events = self.events
-        last = events[-1] if events else None
-        if (type(last) is ev.Steps and not last.prefill and not e.prefill
-                and last.decode == e.decode and last.tokens is None and e.tokens is None
-                and e.durs is None and last.durs is None
-                and e.step == last.step + len(last.ends) and e.t == last.ends[-1]):
-            last.ends = np.concatenate((last.ends, e.ends))
-            last.kv_used = e.kv_used
-        else:
-            events.append(e)
-
     def _next_external(self) -> float:
         """When the next arrival or client cancellation is due (math.inf: none)."""
         return stepping.next_external(self)

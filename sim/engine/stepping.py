@@ -394,6 +394,23 @@ def drop(e: Any, req: Request) -> None:
         s.requests.pop(req.req_id, None)
 
 
+def emit_steps(e: Any, steps: ev.Steps) -> None:
+    """Record steps, extending the previous `steps` event when the two are one run of
+    identical decode steps, so the event stream does not depend on how a caller sliced
+    time (a live screen's ticks, a stale cancellation) and a replay can match it."""
+    s: EngineState = e
+    events = s.events
+    last: Any = events[-1] if events else None
+    if (type(last) is ev.Steps and not last.prefill and not steps.prefill
+            and last.decode == steps.decode and last.tokens is None and steps.tokens is None
+            and steps.durs is None and last.durs is None
+            and steps.step == last.step + len(last.ends) and steps.t == last.ends[-1]):
+        last.ends = np.concatenate((last.ends, steps.ends))
+        last.kv_used = steps.kv_used
+    else:
+        events.append(steps)
+
+
 def run_loop(e: Any, t: float, budget: int) -> None:
     """`Engine.run_until`'s loop: decisions while the clock is before `t`, work is left and
     fewer than `budget` steps have run."""
@@ -648,7 +665,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     s.step_count += 1
     s.counts["output_tokens"] += sampled
     if s.record_events:
-        e._emit_steps(ev.Steps(start, g, np.array([end]), tuple(prefill_chunks),
+        emit_steps(e, ev.Steps(start, g, np.array([end]), tuple(prefill_chunks),
                                   tuple(decodes),
                                   tokens_out if sampled_ids is not None else None,
                                   kv.num_used_blocks,
@@ -780,7 +797,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
         if r.num_output_tokens >= r.max_output_tokens:
             finished.append(r)
     if s.record_events:
-        e._emit_steps(ev.Steps(s.now, g, np.asarray(ends) if at < 0
+        emit_steps(e, ev.Steps(s.now, g, np.asarray(ends) if at < 0
                                else tl._s_end[at:at + k].copy(), (),
                                tuple([r.req_id for r in reqs]), None, used_last))
     if at >= 0:

@@ -23,6 +23,8 @@ MODULES = {
     "sim.engine.timeline": "sim/engine/timeline.py",
     "sim.engine.stepping": "sim/engine/stepping.py",
     "sim.policies.batch": "sim/policies/batch.py",
+    "sim.policies.base": "sim/policies/base.py",
+    "sim.policies.chunked": "sim/policies/chunked.py",
     "sim.stats.quantiles": "sim/stats/quantiles.py",
 }
 # C extension modules built beside them (the same arithmetic as the Python they stand in for;

@@ -13,23 +13,27 @@ import math
 
 import weakref
 from collections import deque
+from typing import Any, ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from sim.policies import batch
 from sim.policies.batch import PolicyState, SchedulerOutput
 from sim.engine.request import Request, RequestState
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Policy(PolicyState):
     """Base scheduler: FCFS queue order, most recently admitted request as preemption victim."""
 
-    name = "base"
-    description = ""
+    name: ClassVar[str] = "base"
+    description: ClassVar[str] = ""
     # Whether a decode-only step stays the policy's choice until the next arrival, finish,
     # cancel or block shortage (true when admission depends only on those).
-    skip_ahead_safe = True
+    skip_ahead_safe: ClassVar[bool] = True
     # Whether the policy models vLLM V1's scheduler: it then takes `scheduler.async_scheduling`,
     # `reserve_full_sequence` and the watermark as vLLM V1 applies them.
-    models_v1 = False
+    models_v1: ClassVar[bool] = False
 
     def __init__(self, engine) -> None:
         # A proxy, not a reference: no engine <-> policy cycle, so a dropped engine is freed
@@ -112,7 +116,7 @@ class Policy(PolicyState):
         return math.inf
 
     # --- helpers for subclasses -----------------------------------------------------------------
-    def plan_waiting(self, req: Request, budget: float) -> tuple[int, list[int]]:
+    def plan_waiting(self, req: Request, budget: Any) -> tuple[Any, list[int]]:
         """For a queued request: the tokens to compute within `budget` after the prefix the
         cache already holds, and the cached blocks of that prefix (see `allocate_slots`)."""
         hits = self.kv.match_prefix(req)
@@ -161,7 +165,7 @@ class Policy(PolicyState):
         """A preempted request goes back to the front of the queue."""
         self.waiting.appendleft(req)
 
-    def schedule_running(self, out: SchedulerOutput, budget: float) -> float:
+    def schedule_running(self, out: SchedulerOutput, budget: Any) -> Any:
         """Advance the running batch in order within `budget` tokens: one decode token each, or
         the next prefill chunk of a request still prefilling. While blocks run short, preempt a
         victim (possibly the request itself, which ends the pass unless

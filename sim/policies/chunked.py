@@ -12,13 +12,19 @@ anything runs; the first request that does not fit ends admission for the step.
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+from mypy_extensions import mypyc_attr
+
 from sim.policies.base import Policy, SchedulerOutput
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ChunkedPolicy(Policy):
-    name = "chunked"
-    description = "vLLM V1 / Sarathi-Serve: decodes first, prefill chunks fill the token budget"
-    models_v1 = True
+    name: ClassVar[str] = "chunked"
+    description: ClassVar[str] = ("vLLM V1 / Sarathi-Serve: decodes first, prefill chunks fill "
+                                  "the token budget")
+    models_v1: ClassVar[bool] = True
 
     def schedule(self) -> SchedulerOutput:
         """Running requests first within the token budget, then admissions from the queue
@@ -36,7 +42,7 @@ class ChunkedPolicy(Policy):
     def decodes_alone(self) -> bool:
         return len(self.running) <= self.cfg.max_num_batched_tokens  # (one token each)
 
-    def admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def admit_waiting(self, out: SchedulerOutput, budget: Any) -> None:
         """Admit from the queue, in the policy's order (`next_waiting`), within what is left
         of the token budget and `max_num_seqs`, while blocks for each fit and leave the
         watermark free (`watermark_blocks`, while anything runs); the first that does not fit

@@ -496,9 +496,10 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("rule,policies", [("watermark", WATERMARKED), ("victim", BASE_VICTIM)])
 def test_an_edit_of_a_rule_in_the_policies_source_takes_effect(rule, policies, tmp_path):
-    """As a contributor would: edit one rule in `sim/policies/base.py` and run again (with the
-    compiled hot path, where the install built it: the policies are not part of it, so the
-    edit is what runs). Every policy that applies the rule moves."""
+    """As a contributor would: edit one rule in `sim/policies/base.py` and run again, without
+    reinstalling (where the install compiled the policies, the edited source no longer matches
+    the build, so the whole engine runs from its sources). Every policy that applies the rule
+    moves."""
     import json
     import shutil
     import subprocess
