@@ -185,16 +185,17 @@ class BlockPool:
         self.num_free += len(table)
 
     def _release(self, table: list[int]) -> None:
-        """`table`'s reference counts from 1 to 0, tail first; AssertionError, nothing
-        changed, on a block not held once."""
+        """`table`'s reference counts from 1 to 0; AssertionError, nothing changed, on a
+        block not held once."""
         ref = self.ref_cnt
-        for i in range(len(table) - 1, -1, -1):
-            b = table[i]
+        i = 0
+        for b in table:
             if ref[b] != 1:
-                for b2 in table[i + 1:]:  # (nothing freed: the pool stays as it was)
+                for b2 in table[:i]:  # (nothing freed: the pool stays as it was)
                     ref[b2] = 1
                 raise AssertionError(f"block {b} freed twice")
             ref[b] = 0
+            i += 1
 
     def enable_sharing(self) -> None:
         """Switch a pool made without sharing to the mode that tracks queue positions."""

@@ -744,7 +744,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
         cm: CostModel = cost
         n = kmax if kmax < s._scalar_steps else s._scalar_steps
         at = tl.reserve(n)
-        k, first_end, end = _decode_rows(tl._s_end, tl._s_dur, tl._s_energy, at, n, s.now,
+        k, first_end, end = _decode_rows(tl._m_end, tl._m_dur, tl._m_energy, at, n, s.now,
                                          t_ext, b, c0, cm.kernel_coefficients)
         if k == n < kmax and end < t_ext:
             at = -1  # (a run longer than the scalar part: timed as a whole below)
@@ -765,7 +765,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     # tables had beyond its tokens, plus the blocks taken, less the tokens computed.
     kv_used: list[int] = []
     if at >= 0:
-        used_end: int = _used_rows(tl._s_used, at, steps, k, bs, used, used_first)
+        used_end: int = _used_rows(tl._m_used, at, steps, k, bs, used, used_first)
     else:
         kv_used = _used_by_step(e, steps, k, bs, used) if steps else [used] * k
         used_end = kv_used[-1]
