@@ -97,7 +97,9 @@ _KERNELS = dict(
     fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
     elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_efficiency=0.7,
 )
-_ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1)
+_ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
+                 frontend_request_us=0.0, frontend_prompt_token_us=0.0,
+                 frontend_output_token_us=0.0)
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2).
