@@ -1,10 +1,11 @@
 """The API server in front of an engine, as a benchmark's client meets it.
 
-A request the client sends at `sent_time` reaches the engine (its `arrival_time`) once the API
-server has handled it: a fixed time per request (HTTP, checks, the hand-off to the engine) plus
-tokenisation per prompt token. The server does this for one request at a time, in the order they
-were sent (vLLM's API server and SGLang's tokenizer manager are each one process whose event
-loop tokenises), so a request sent while another is being handled waits for it. Each output
+A request the client sends at `sent_time` reaches the engine (its `arrival_time`) after
+tokenisation per prompt token and a fixed time per request. The server tokenises one request at
+a time, in the order they were sent (vLLM's API server and SGLang's tokenizer manager are each
+one process whose event loop tokenises), so a request sent while another is tokenised waits for
+it; the time per request (HTTP, checks, the hand-offs between processes) is latency, which
+requests spend side by side, so it delays each request without holding the server. Each output
 token reaches the client `stream_delay` after the engine samples it (detokenisation and
 streaming), so the client's TTFT and E2E are the engine's plus the time in and the time out,
 and its ITL and TPOT are the engine's. The server runs apart from the engine's own process in
@@ -30,7 +31,7 @@ class FrontEnd:
         self.request_s = request_us * 1e-6
         self.prompt_token_s = prompt_token_us * 1e-6
         self.stream_delay = output_token_us * 1e-6
-        self.free = 0.0  # when the server has handled every request sent so far
+        self.free = 0.0  # when the server has tokenised every request sent so far
 
     @classmethod
     def of(cls, engine_cfg: Any) -> FrontEnd | None:
@@ -42,10 +43,10 @@ class FrontEnd:
 
     def intake(self, sent: float, prompt_len: int) -> float:
         """When a request of `prompt_len` tokens sent at `sent` reaches the engine. Calls must
-        come in the order the requests were sent."""
+        come in the order the requests were sent (the arrivals are then in that order too)."""
         start = sent if sent > self.free else self.free
-        self.free = start + self.request_s + prompt_len * self.prompt_token_s
-        return self.free
+        self.free = start + prompt_len * self.prompt_token_s
+        return self.free + self.request_s
 
     def mark(self, req: Any, sent: float) -> None:
         """`req`, sent at `sent`, came through this front end."""

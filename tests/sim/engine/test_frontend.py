@@ -28,10 +28,11 @@ def run(*overrides):
     return e
 
 
-def test_the_server_handles_one_request_at_a_time_in_the_order_sent():
+def test_the_server_tokenises_one_request_at_a_time_in_the_order_sent():
     fe = FrontEnd(1000.0, 10.0, 0.0)  # 1 ms + 10 us per token
     assert fe.intake(0.0, 100) == pytest.approx(0.002)
-    assert fe.intake(0.001, 100) == pytest.approx(0.004)  # sent while the first is handled
+    assert fe.intake(0.0005, 100) == pytest.approx(0.003)  # sent while the first is tokenised
+    assert fe.intake(0.0025, 100) == pytest.approx(0.0045)  # the 1 ms latency holds nobody
     assert fe.intake(1.0, 0) == pytest.approx(1.001)      # the server was idle
     assert FrontEnd.of(load_scenario("chat").engine) is None  # the default profile: none
 
