@@ -611,10 +611,14 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         if req.num_output_tokens == 1:
             req.first_token_time = end_obj
             if req.parent_id is None:
-                s.ttft.add(end - req.arrival_time)
-                recent(e, s.recent_ttfts, end, end - req.arrival_time)
-                if s.frontend is not None:
-                    s.client_ttft.add(req.client_ttft)
+                ttft: float = end - req.arrival_time
+                s.ttft.add(ttft)
+                if s.frontend is not None:  # (the rolling figure is the client's too)
+                    seen = req.client_ttft
+                    assert seen is not None  # (it has its first token)
+                    ttft = seen
+                    s.client_ttft.add(ttft)
+                recent(e, s.recent_ttfts, end, ttft)
             first.append(req)
             req.open_run(g, 1)
             # (preempted before its first token: counted as re-prefilling until the next)

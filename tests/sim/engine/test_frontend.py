@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim import Engine, load_scenario, summarize
+from sim import Engine, load_scenario, rolling, summarize
 from sim.engine.frontend import FrontEnd
 from sim.engine.request import RequestState
 from sim.errors import ScenarioError
@@ -66,6 +66,15 @@ def test_the_summary_gives_the_clients_ttft_and_e2e_and_the_engines_beside_them(
     table = format_table({"fcfs": s})
     assert "engine-side TTFT p50 (ms)" in table
     assert "engine-side" not in format_table({"fcfs": plain})
+
+
+def test_the_rolling_ttft_is_the_clients():
+    e = Engine(load_scenario("chat", [*OPEN, *FE]), keep_history=True)
+    e.run_until(20.0)
+    seen = {(r.first_token_time, r.client_ttft) for r in e.requests.values()
+            if r.first_token_time is not None}
+    assert e.recent_ttfts and all(x in seen for x in e.recent_ttfts)
+    assert rolling(e, 10.0)["ttft_p50_ms"] > 4.0
 
 
 def test_the_slo_is_judged_on_what_the_client_sees():
