@@ -22,6 +22,10 @@ from typing import Any
 import numpy as np
 
 
+# Its terms, as `[engine]` names them.
+TERMS = ("frontend_request_us", "frontend_prompt_token_us", "frontend_output_token_us")
+
+
 class FrontEnd:
     """The API server of an engine profile (`engine.frontend_*`), and when it is next free."""
 
@@ -37,8 +41,7 @@ class FrontEnd:
     def of(cls, engine_cfg: Any) -> FrontEnd | None:
         """The front end an `[engine]` section describes; None when all its terms are zero
         (the engine's times are the client's)."""
-        terms = (engine_cfg.frontend_request_us, engine_cfg.frontend_prompt_token_us,
-                 engine_cfg.frontend_output_token_us)
+        terms = [getattr(engine_cfg, k) for k in TERMS]
         return cls(*terms) if any(terms) else None
 
     def intake(self, sent: float, prompt_len: int) -> float:

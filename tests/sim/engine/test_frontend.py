@@ -10,8 +10,10 @@ from sim import Engine, load_scenario, rolling, summarize
 from sim.engine.frontend import FrontEnd
 from sim.engine.request import RequestState
 from sim.errors import ScenarioError
+from sim.engine.frontend import TERMS
 from sim.session.log import read_log, write_log
 from sim.session.replay import verify
+from tests.logcraft import pack_log, unpack_log
 from tui.cli import format_table, main
 
 # 4 ms per request, 2 us per prompt token, 150 us per output token
@@ -113,6 +115,18 @@ def test_a_ramp_up_user_does_not_hold_a_request_sent_before_it():
 def test_runs_behind_a_front_end_replay_exactly(tmp_path, overrides):
     e = run(*overrides, *FE)
     _, divergence = verify(read_log(write_log(tmp_path / "fe.msgpack", e)))
+    assert divergence is None
+
+
+def test_a_log_written_before_the_terms_replays_without_them(tmp_path):
+    # an SGLang session as it ran when no profile had an API server
+    e = run(*OPEN, "engine.preset=sglang", *[f"engine.{k}=0" for k in TERMS])
+    path = tmp_path / "old.msgpack"
+    objs = unpack_log(write_log(path, e).read_bytes())
+    for k in TERMS:
+        del objs[0]["scenario"]["engine"][k]
+    path.write_bytes(pack_log(objs))
+    _, divergence = verify(read_log(path))
     assert divergence is None
 
 
