@@ -13,7 +13,10 @@ from sim.errors import ScenarioError
 from sim.engine.frontend import TERMS
 from sim.session.log import read_log, write_log
 from sim.session.replay import verify
+from tests.helpers import small_scenario
 from tests.logcraft import pack_log, unpack_log
+from tests.sim.engine.test_step_invariance import (CLOSED_LOOP, PRESSURE, events_of, scripted,
+                                                   session_script, state_of)
 from tui.cli import format_table, main
 
 # 4 ms per request, 2 us per prompt token, 150 us per output token
@@ -143,3 +146,21 @@ def test_a_negative_or_non_finite_term_is_refused_in_one_line(value, capsys):
     assert main(["sim", "chat", "-q", "--set", f"engine.frontend_output_token_us={value}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "engine.frontend_output_token_us" in err[0]
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_runs_behind_a_front_end_agree_however_time_is_sliced(closed):
+    # the sends are events of their own (closed loop); decode runs must stop at them
+    sc = small_scenario('scheduler.policy="chunked"', *PRESSURE[1:3],
+                        *(CLOSED_LOOP if closed else PRESSURE[3:]), *FE)
+    script = [a for a in session_script("chunked") if a[1] != "switch_policy"]
+    runs = {m: scripted(Engine(sc), m, script) for m in ("whole", "sliced", "stepped")}
+    runs["unskipped"] = scripted(Engine(sc, skip_ahead=False), "whole", script)
+    whole = runs["whole"]
+    assert whole.counts["finished"] > 25
+    for m, e in runs.items():
+        assert events_of(e) == events_of(whole), m
+        assert state_of(e) == state_of(whole), m
+    a, b = summarize(whole), summarize(runs["stepped"])
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b and "engine_side" in a
