@@ -131,14 +131,27 @@ ROWS = [
 ]
 
 
+# Behind an API server (sim.engine.frontend) the TTFT and E2E rows are the client's; these
+# follow them with the engine's (a run without one: "-").
+ENGINE_SIDE_ROWS = [
+    (f"engine-side {name} (ms)", lambda s, k=key, q=q: s["engine_side"][k][q]
+     if "engine_side" in s else None)
+    for name, key, q in (("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
+                         ("E2E p50", "e2e_ms", "p50"))]
+
+
 def format_table(summaries: dict[str, dict]) -> str:
     """A text table with one column per run (policy)."""
     names = list(summaries)
-    width = max(len(r[0]) for r in ROWS)
+    rows = list(ROWS)
+    if any("engine_side" in s for s in summaries.values()):
+        at = next(i for i, (label, _) in enumerate(rows) if label == "E2E p99 (ms)") + 1
+        rows[at:at] = ENGINE_SIDE_ROWS
+    width = max(len(r[0]) for r in rows)
     cols = [max(10, len(n)) for n in names]
     head = " " * width + "  " + "  ".join(n.rjust(c) for n, c in zip(names, cols))
     lines = [head]
-    for label, get in ROWS:
+    for label, get in rows:
         cells = []
         for n, c in zip(names, cols):
             v = get(summaries[n])

@@ -54,6 +54,7 @@ from sim.gcpause import paused_gc
 from sim.stats.metrics import KVPeak
 from sim.policies import POLICIES
 from sim.stats.quantiles import Samples
+from sim.engine.frontend import FrontEnd
 from sim.engine.request import Request, RequestState
 from sim.deploy.routers import ROUTERS
 from sim.inputs.workload import Workload, build_workload
@@ -211,8 +212,12 @@ class Cluster:
         self.routed = [0] * n  # requests sent to each instance (routed, or handed off)
         self.wall_s = 0.0
         self.focus = 0  # the instance whose block map a snapshot carries
-        # The workload, routed here (the instances' own workloads are empty).
-        self._w_arrival = w.arrival.tolist()
+        # The workload, routed here (the instances' own workloads are empty): when each
+        # request reaches the deployment, after the API server in front of it (sim.engine.frontend).
+        self.frontend = FrontEnd.of(scenario.engine)
+        self._w_sent = None if self.frontend is None else w.arrival.tolist()
+        self._w_arrival = (w.arrival if self.frontend is None
+                           else self.frontend.arrivals(w.arrival, w.prompt)).tolist()
         self._w_next = 0
         self._next_id = len(w)
         self._injected = 0
@@ -710,6 +715,8 @@ class Cluster:
                       cancel_at=None if c != c else c)
         if w.prefix_group is not None:
             req.shared_prefix = (int(w.prefix_group[i]), w.prefix_tokens)
+        if self._w_sent is not None:
+            self.frontend.mark(req, self._w_sent[i])
         self._route(req)
 
     def _route(self, req: Request) -> None:

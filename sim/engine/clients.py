@@ -29,7 +29,7 @@ class ClientFigures(StepObserver):
         counts[req.state.value] += 1
         if req.state is not RequestState.FINISHED:
             return
-        ttft, e2e = req.ttft, req.e2e
+        ttft, e2e = req.client_ttft, req.client_e2e  # (the client's, behind a front end)
         assert ttft is not None and e2e is not None  # (a finished request has both)
         self.ttft[req.tag].add(ttft)
         self.e2e[req.tag].add(e2e)

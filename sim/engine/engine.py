@@ -39,6 +39,7 @@ from sim.engine.stepping import EngineState
 from sim.engine.observer import StepObserver
 from sim.engine.timeline import Timeline
 from sim.engine.users import ClosedLoop
+from sim.engine.frontend import FrontEnd
 from sim.engine.admission import Admission
 from sim.engine.clients import ClientFigures
 from sim.engine.tokens import prompt_token_ids
@@ -224,6 +225,14 @@ class Engine(EngineState):
         self.record_events = record_events
         self.events: list[ev.Event] = []
         w = self.workload
+        # The API server in front (None: the engine's times are the client's). An open-loop
+        # workload's arrival column holds when its clients send; _w_times holds when each
+        # request reaches the engine, and _w_sent the sent times (None without a front end).
+        self.frontend = FrontEnd.of(scenario.engine)
+        self._w_times, self._w_sent = w.arrival, None
+        if self.frontend is not None and not scenario.workload.concurrency:
+            self._w_sent = memoryview(np.ascontiguousarray(w.arrival, dtype=np.float64))
+            self._w_times = self.frontend.arrivals(w.arrival, w.prompt)
         # The next arrival times as a Python list (scalar reads in the hot loop are several
         # times faster than from an array), a window of them at a time so that the list does
         # not hold 32 bytes for every request of a long run; _w_next indexes the window, which
@@ -234,7 +243,7 @@ class Engine(EngineState):
         # Closed loop: the users' arrival list, which they extend as requests end.
         self._feed = ClosedLoop(self) if scenario.workload.concurrency else None
         self._w_arrival = (self._feed.arrivals if self._feed is not None
-                           else w.arrival[:self.ARRIVAL_WINDOW].tolist())
+                           else self._w_times[:self.ARRIVAL_WINDOW].tolist())
         self._w_cols = tuple(memoryview(np.ascontiguousarray(col, dtype=t)) for col, t in (
             (w.prompt, np.int64), (w.output, np.int64), (w.priority, np.int64),
             (w.cancel_at, np.float64)))
@@ -280,6 +289,10 @@ class Engine(EngineState):
         self.tpot = Samples()  # of finished requests with at least two tokens
         self.e2e = Samples()   # of finished requests
         self.itl_extra = Samples()  # ITL gaps across non-adjacent steps (the timeline has the rest)
+        # As the client measures them, with a front end (TTFT of first tokens, E2E of finished
+        # requests; without one they are ttft and e2e)
+        self.client_ttft = Samples()
+        self.client_e2e = Samples()
         self.finished_prompt_tokens = 0  # of finished requests and samples
         self.finished_output_tokens = 0  # of finished requests
         self.slo_met = 0  # finished requests that met every SLO
@@ -720,6 +733,7 @@ class Engine(EngineState):
             self._next_id += 1
             child.parent_id = parent.req_id
             child.shared_prefix = parent.shared_prefix
+            child.sent_time, child.stream_delay = parent.sent_time, parent.stream_delay
             child._timeline = self.timeline
             self.requests[child.req_id] = child
             if self.record_events:

@@ -66,7 +66,8 @@ class Request:
         "run_start", "run_len",
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
-        "cached_upto", "block_keys", "parent_id", "tag", "session",
+        "cached_upto", "block_keys", "parent_id", "tag", "session", "sent_time",
+        "stream_delay",
     )
 
     def __init__(
@@ -93,6 +94,10 @@ class Request:
         self.injected = injected
         self.replica = 0
         self.tag: str | None = None  # who sent it (servesim serve: the client's address)
+        # The client's side of the API server (sim.engine.frontend): when it sent the request,
+        # and how long each token takes from the engine to it.
+        self.sent_time = arrival_time
+        self.stream_delay = 0.0
 
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0
@@ -184,11 +189,25 @@ class Request:
 
     @property
     def ttft(self) -> float | None:
+        """At the engine: from its arrival to the sampling of its first token."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def e2e(self) -> float | None:
+        """At the engine: from its arrival to its end."""
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def client_ttft(self) -> float | None:
+        """TTFT as the client measures it: from sending to receiving the first token."""
+        first = self.first_token_time
+        return None if first is None else first + self.stream_delay - self.sent_time
+
+    @property
+    def client_e2e(self) -> float | None:
+        """E2E as the client measures it: from sending to receiving the end of the response."""
+        end = self.finish_time
+        return None if end is None else end + self.stream_delay - self.sent_time
 
     @property
     def tpot(self) -> float | None:

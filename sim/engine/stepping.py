@@ -90,11 +90,14 @@ class EngineState:
     _w_base: int
     _w_next: int
     _w_arrival: list[float]
+    _w_times: Any  # every workload row's arrival time at the engine (an array)
     _w_cols: tuple
     _w_tags: Any  # a client mix: each workload row's client name (Request.tag), else None
     _slo_of: Any  # a client mix: its SLO classes, {client name: (ttft_ms, tpot_ms, e2e_ms)}
     _slo: tuple  # [slo]'s (ttft_ms, tpot_ms, e2e_ms)
     _feed: Any  # closed loop (sim.engine.users.ClosedLoop), or None: arrivals from the workload
+    frontend: Any  # the API server in front (sim.engine.frontend.FrontEnd), or None
+    _w_sent: Any  # an open loop behind a front end: each workload row's sent time, else None
     _admission: Any  # admission control (sim.engine.admission.Admission), or None
     _cancels: list[tuple[float, int]]
     # the step being scheduled and the ones before it
@@ -117,6 +120,8 @@ class EngineState:
     tpot: Samples
     e2e: Samples
     itl_extra: Samples
+    client_ttft: Samples
+    client_e2e: Samples
     finished_prompt_tokens: int
     finished_output_tokens: int
     slo_met: int
@@ -276,11 +281,13 @@ def arrive(e: Any, now: float) -> None:
         t = arr[s._w_next]
         s._w_next += 1
         if feed is not None:  # closed loop: the users make the request (and extend `arr`)
-            on_arrival(e, feed.request(e, t))
+            req = feed.request(e, t)
+            if req is not None:  # (None: a request sent to the front end)
+                on_arrival(e, req)
             continue
         if s._w_next == len(arr) and i + 1 < len(w):  # the window's end: the next one
             s._w_base = i + 1
-            s._w_arrival = arr = w.arrival[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
+            s._w_arrival = arr = s._w_times[i + 1:i + 1 + e.ARRIVAL_WINDOW].tolist()
             s._w_next = 0
         c = cancel_at[i]
         req = Request(i, t, prompt[i], output[i], priority=priority[i],
@@ -290,6 +297,9 @@ def arrive(e: Any, now: float) -> None:
             req.shared_prefix = (w.prefix_group[i].item(), w.prefix_tokens)
         if tags is not None:
             req.tag = tags[i]
+        if s._w_sent is not None:
+            fe: Any = s.frontend
+            fe.mark(req, s._w_sent[i])
         on_arrival(e, req)
     while s._cancels and s._cancels[0][0] <= now:
         _, rid = heapq.heappop(s._cancels)
@@ -435,15 +445,16 @@ def run_loop(e: Any, t: float, budget: int) -> None:
 def fold_finished(e: Any, req: Request, t: float) -> None:
     """Add a finished request (not a further sample) to the run's latency figures."""
     s: EngineState = e
-    first = req.first_token_time
-    assert first is not None  # (a finished request has sampled)
-    ttft = first - req.arrival_time
-    e2e = t - req.arrival_time
     tpot = req.tpot
-    s.e2e.add(e2e)
+    s.e2e.add(t - req.arrival_time)
     if tpot is not None:
         s.tpot.add(tpot)
     s.finished_output_tokens += req.num_output_tokens
+    # (the SLO is the client's: behind a front end, its TTFT and E2E)
+    ttft, e2e = req.client_ttft, req.client_e2e
+    assert ttft is not None and e2e is not None  # (a finished request has sampled)
+    if s.frontend is not None:
+        s.client_e2e.add(e2e)
     if meets_slo(slo_bounds(e, req), ttft, tpot, e2e):
         s.slo_met += 1
 
@@ -617,8 +628,14 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         if req.num_output_tokens == 1:
             req.first_token_time = end_obj
             if req.parent_id is None:
-                s.ttft.add(end - req.arrival_time)
-                recent(e, s.recent_ttfts, end, end - req.arrival_time)
+                ttft: float = end - req.arrival_time
+                s.ttft.add(ttft)
+                if s.frontend is not None:  # (the rolling figure is the client's too)
+                    seen = req.client_ttft
+                    assert seen is not None  # (it has its first token)
+                    ttft = seen
+                    s.client_ttft.add(ttft)
+                recent(e, s.recent_ttfts, end, ttft)
             first.append(req)
             req.open_run(g, 1)
             # (preempted before its first token: counted as re-prefilling until the next)

@@ -7,7 +7,9 @@ The requests' lengths, priorities and cancellation delays are the workload's row
 the run (sim.inputs.workload: arrival times all 0, `cancel_at` the delay after the request's
 own arrival); a row is given to each arrival in arrival order, so request ids are rows as in an
 open-loop run. Arrival times depend only on when requests end, so a replay that regenerates the
-same completions regenerates the same arrivals.
+same completions regenerates the same arrivals. Behind an API server (sim.engine.frontend) a user
+sends when the end of its last response has reached it, and a row goes to each request as it is
+sent, in that order.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from sim.engine.tokens import SESSION_STREAM, prompt_token_ids
 
 
 class _User:
-    __slots__ = ("session", "turn", "history", "history_ids", "group")
+    __slots__ = ("session", "turn", "history", "history_ids", "group", "row", "sent")
 
     def __init__(self) -> None:
         self.session = -1   # the conversation under way (-1: none)
@@ -32,6 +34,10 @@ class _User:
         self.history = 0    # its tokens so far: every earlier turn's prompt and output
         self.history_ids: np.ndarray | None = None  # those tokens, with real compute
         self.group = -1     # its system prompt (workload.shared_prefix_groups)
+        # Behind a front end: the row and sent time of its request on its way to the engine
+        # (-1: none; its next entry in the arrival list is when it sends).
+        self.row = -1
+        self.sent = 0.0
 
 
 class ClosedLoop(StepObserver):
@@ -48,6 +54,13 @@ class ClosedLoop(StepObserver):
         self.turns = cfg.turns
         self.stop = cfg.duration_s or np.inf  # no request is sent from this time on
         self.seed = engine.scenario.seed
+        self.workload = w
+        # The API server in front (sim.engine.frontend), or None. Without one the arrival list
+        # holds when requests reach the engine, each taking its row then. With one it holds
+        # when they are sent, then, once a send is due, when that request reaches the engine:
+        # a request takes its row when it is sent, and passes the server in the order sent.
+        self.frontend = engine.frontend
+        self.next_row = 0
         # (user u starts at u x ramp_up_s / concurrency: sorted as the users are)
         ramp = cfg.ramp_up_s / cfg.concurrency
         self.pending = [(u * ramp, u, u) for u in range(len(self.users))
@@ -55,30 +68,41 @@ class ClosedLoop(StepObserver):
         self.arrivals = [t for t, _, _ in self.pending]
         self.sent = len(self.pending)   # arrivals scheduled so far (rows they will take)
         self.seq = len(self.pending)    # ties in time go in the order they were scheduled
-        self.next_row = 0
         self.sessions = 0
         self.user_of: dict[int, int] = {}  # live requests -> the user that sent them
 
-    def request(self, e: Any, t: float) -> Request:
-        """The request arriving at `t`, the earliest pending arrival."""
+    def request(self, e: Any, t: float) -> Request | None:
+        """The request arriving at `t`, the earliest pending arrival; None when that is a
+        request sent to the front end, which now schedules its arrival at the engine."""
         _, _, u = heapq.heappop(self.pending)
         user = self.users[u]
-        i = self.next_row
-        self.next_row += 1
+        fe = self.frontend
+        if fe is None:
+            i, sent = self.next_row, t
+            self.next_row += 1
+        elif user.row < 0:  # sent now: through the front end to the engine
+            user.row, user.sent = self.next_row, t
+            self.next_row += 1
+            prompt = user.history + self._new_tokens(
+                user, int(self.workload.prompt[user.row]))
+            self._schedule(e, fe.intake(t, prompt), u)
+            return None
+        else:
+            i, sent = user.row, user.sent
+            user.row = -1
         w = e.workload
         prompt, output, priority, cancel_at = e._w_cols
         c = cancel_at[i]
         group = -1 if w.prefix_group is None else w.prefix_group[i].item()
-        new = prompt[i]
-        if self.turns > 1:
-            if user.turn == 0:
-                user.session, user.group = self.sessions, group
-                self.sessions += 1
-            elif w.prefix_group is not None:  # the system prompt came with the first turn
-                new -= w.prefix_tokens
+        new = self._new_tokens(user, prompt[i])
+        if self.turns > 1 and user.turn == 0:
+            user.session, user.group = self.sessions, group
+            self.sessions += 1
         req = Request(i, t, user.history + new, output[i], priority=priority[i],
                       hash_ids=w.hash_ids[i] if w.hash_ids else None,
-                      cancel_at=None if c != c else t + c)
+                      cancel_at=None if c != c else sent + c)
+        if fe is not None:
+            fe.mark(req, sent)
         if w.prefix_group is not None:
             req.shared_prefix = ((group if user.turn == 0 else user.group), w.prefix_tokens)
         if e._w_tags is not None:
@@ -113,10 +137,15 @@ class ClosedLoop(StepObserver):
                         (user.history_ids, np.asarray(req.output_token_ids, dtype=np.int32)))
             else:  # the conversation is over (or cut short): the next request starts another
                 user.turn, user.history, user.history_ids = 0, 0, None
-        t = float(req.finish_time) + self.think
+        # (the user sends again once it has seen the end of the response, and thought)
+        t = float(req.finish_time) + req.stream_delay + self.think
         if self.sent >= self.rows or not t < self.stop:
             return
         self.sent += 1
+        self._schedule(engine, t, u)
+
+    def _schedule(self, engine: Any, t: float, u: int) -> None:
+        """User `u`'s next entry in the arrival list is at `t`."""
         heapq.heappush(self.pending, (t, self.seq, u))
         self.seq += 1
         arr, k = self.arrivals, engine._w_next
@@ -124,3 +153,10 @@ class ClosedLoop(StepObserver):
             del arr[:k]
             engine._w_next = k = 0
         bisect.insort(arr, t, lo=k)
+
+    def _new_tokens(self, user: _User, prompt: int) -> int:
+        """The tokens a turn adds to the conversation, given its row's prompt length: all of
+        them, less the system prompt after a conversation's first turn (it came with that)."""
+        if self.turns > 1 and user.turn > 0 and self.workload.prefix_group is not None:
+            return prompt - self.workload.prefix_tokens
+        return prompt

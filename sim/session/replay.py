@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim.engine import frontend
 from sim.engine.engine import Engine
 from sim.errors import LogError, ServesimError
 from sim.gcpause import paused_gc
@@ -37,6 +38,10 @@ class Replayer:
         if isinstance(raw, dict) and "engine" not in raw:
             # written before engine profiles: its clock was the single roofline
             raw = {**raw, "engine": {"preset": "roofline"}}
+        engine = raw.get("engine") if isinstance(raw, dict) else None
+        if isinstance(engine, dict) and not any(k in engine for k in frontend.TERMS):
+            # written before profiles had an API server: its clients met the engine itself
+            raw = {**raw, "engine": {**engine, **dict.fromkeys(frontend.TERMS, 0.0)}}
         try:
             sc = scenario_from_dict(raw, source=log.path, check_workload=False)
         except ServesimError as e:

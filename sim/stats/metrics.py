@@ -6,6 +6,9 @@ Definitions (times in seconds inside, milliseconds in the output):
 - ITL = the gaps between consecutive output tokens of a request, all requests pooled;
 - TPOT = (last token - first token) / (n - 1), over finished requests with n >= 2;
 - E2E = completion - arrival, over finished requests.
+Behind an API server (sim.engine.frontend) TTFT and E2E are the client's: from when it sent the
+request to when it received the first token or the end; `engine_side` holds the engine's, from
+the request's arrival at the engine to the token's sampling. ITL and TPOT are the same on both.
 Percentiles are of the observed values (inverted CDF: p99 is the smallest value with at least
 99% of the values at or below it), weighted where ITL gaps are pooled by count.
 """
@@ -78,6 +81,7 @@ def _summary(whole, parts: list) -> dict:
     nb = sum(e.kv.num_blocks for e in parts)
     hit = sum(e.kv.hit_tokens for e in parts)
     query = sum(e.kv.query_tokens for e in parts)
+    fe = parts[0].frontend is not None  # (TTFT and E2E are the client's)
     return {
         "scenario": sc.name,
         "policy": whole.policy.name,
@@ -93,11 +97,14 @@ def _summary(whole, parts: list) -> dict:
             "total_tokens_per_s": per_s(
                 finished_prompt + float(sum(e.finished_output_tokens for e in parts))),
         },
-        "ttft_ms": pooled_distribution_ms([e.ttft for e in parts]),
+        "ttft_ms": pooled_distribution_ms([e.client_ttft if fe else e.ttft for e in parts]),
         "itl_ms": itl,
         "tpot_ms": pooled_distribution_ms([e.tpot for e in parts]),
-        "e2e_ms": pooled_distribution_ms([e.e2e for e in parts]),
+        "e2e_ms": pooled_distribution_ms([e.client_e2e if fe else e.e2e for e in parts]),
         "queue_ms": pooled_distribution_ms([e.queue_wait for e in parts]),
+        **({"engine_side": {"ttft_ms": pooled_distribution_ms([e.ttft for e in parts]),
+                            "e2e_ms": pooled_distribution_ms([e.e2e for e in parts])}}
+           if fe else {}),
         "kv": {
             "total_blocks": nb,
             "block_size": whole.block_size,

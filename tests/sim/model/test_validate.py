@@ -4,7 +4,7 @@ import shutil
 import pytest
 
 from sim.inputs.scenario import BUNDLED_DIR
-from sim.model.validate import Metric, engine_preset_for, load_points, parse_metric
+from sim.model.validate import Metric, engine_preset_for, load_points, parse_metric, run_point
 from tui.cli import main
 
 POINTS = BUNDLED_DIR / "fidelity"
@@ -210,3 +210,14 @@ def test_leave_one_out_of_an_engines_only_row_uses_its_priors():
         mp.setitem(shipped, "gemm_efficiency", shipped["gemm_efficiency"] / 2)
         mp.setitem(shipped, "cpu_base_us", shipped["cpu_base_us"] * 3)
         assert v1_ratio() == want
+
+
+def test_sglangs_online_ttft_rows_are_compared_with_what_its_clients_measured():
+    # V5 fitted SGLang's API server time; S1 (held out) is the same deployment at twice the rate
+    points = {p.id: p for p in load_points(POINTS) if p.id in ("V5", "S1")}
+    v5, s1 = run_point(points["V5"]), run_point(points["S1"])
+    assert v5["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert s1["ratio"] == pytest.approx(1.0, abs=0.05)
+    # without the server the engine's TTFT is about 0.8 of the published one
+    bare = ["engine.frontend_request_us=0", "engine.frontend_prompt_token_us=0"]
+    assert run_point(points["V5"], overrides=bare)["ratio"] < 0.85

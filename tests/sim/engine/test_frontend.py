@@ -1,0 +1,166 @@
+"""The API server in front of the engine (`engine.frontend_*`): requests reach the engine after
+it, tokens reach the client after it, and the client's TTFT and E2E are reported beside the
+engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import Engine, load_scenario, rolling, summarize
+from sim.engine.frontend import FrontEnd
+from sim.engine.request import RequestState
+from sim.errors import ScenarioError
+from sim.engine.frontend import TERMS
+from sim.session.log import read_log, write_log
+from sim.session.replay import verify
+from tests.helpers import small_scenario
+from tests.logcraft import pack_log, unpack_log
+from tests.sim.engine.test_step_invariance import (CLOSED_LOOP, PRESSURE, events_of, scripted,
+                                                   session_script, state_of)
+from tui.cli import format_table, main
+
+# 4 ms per request, 2 us per prompt token, 150 us per output token
+FE = ["engine.frontend_request_us=4000", "engine.frontend_prompt_token_us=2",
+      "engine.frontend_output_token_us=150"]
+OPEN = ["workload.duration_s=0", "workload.num_requests=150", "workload.rate=4"]
+CLOSED = ["workload.concurrency=4", "workload.num_requests=80", "workload.think_time_s=0.25",
+          "kv.num_blocks=3000"]
+
+
+def run(*overrides):
+    e = Engine(load_scenario("chat", list(overrides)))
+    e.run()
+    return e
+
+
+def test_the_server_tokenises_one_request_at_a_time_in_the_order_sent():
+    fe = FrontEnd(1000.0, 10.0, 0.0)  # 1 ms + 10 us per token
+    assert fe.intake(0.0, 100) == pytest.approx(0.002)
+    assert fe.intake(0.0005, 100) == pytest.approx(0.003)  # sent while the first is tokenised
+    assert fe.intake(0.0025, 100) == pytest.approx(0.0045)  # the 1 ms latency holds nobody
+    assert fe.intake(1.0, 0) == pytest.approx(1.001)      # the server was idle
+    assert FrontEnd.of(load_scenario("chat").engine) is None  # the default profile: none
+
+
+def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_sees_later():
+    e = run(*OPEN, *FE)
+    finished = [r for r in e.requests.values() if r.state is RequestState.FINISHED]
+    assert len(finished) == 150
+    sent_before = -1.0
+    for r in sorted(finished, key=lambda r: r.req_id):
+        assert r.sent_time >= sent_before  # (rows stay in the order sent)
+        sent_before = r.sent_time
+        assert r.arrival_time >= r.sent_time + 0.004 + r.prompt_len * 2e-6 - 1e-12
+        assert r.client_ttft == pytest.approx(r.first_token_time + 150e-6 - r.sent_time)
+        assert r.client_e2e == pytest.approx(r.finish_time + 150e-6 - r.sent_time)
+        assert r.client_ttft > r.ttft and r.client_e2e > r.e2e
+    # the workload's arrival column stays the sent times
+    assert [r.sent_time for r in sorted(finished, key=lambda r: r.req_id)] == \
+        e.workload.arrival.tolist()
+
+
+def test_the_summary_gives_the_clients_ttft_and_e2e_and_the_engines_beside_them():
+    s = summarize(run(*OPEN, *FE))
+    plain = summarize(run(*OPEN))
+    assert "engine_side" in s and "engine_side" not in plain
+    assert s["ttft_ms"]["count"] == s["engine_side"]["ttft_ms"]["count"] == 150
+    assert s["ttft_ms"]["p50"] > s["engine_side"]["ttft_ms"]["p50"] + 4.0
+    assert s["e2e_ms"]["mean"] > s["engine_side"]["e2e_ms"]["mean"] + 4.0
+    # ITL and TPOT are the same on both sides: they are not repeated
+    assert set(s["engine_side"]) == {"ttft_ms", "e2e_ms"}
+    table = format_table({"fcfs": s})
+    assert "engine-side TTFT p50 (ms)" in table
+    assert "engine-side" not in format_table({"fcfs": plain})
+
+
+def test_the_rolling_ttft_is_the_clients():
+    e = Engine(load_scenario("chat", [*OPEN, *FE]), keep_history=True)
+    e.run_until(20.0)
+    seen = {(r.first_token_time, r.client_ttft) for r in e.requests.values()
+            if r.first_token_time is not None}
+    assert e.recent_ttfts and all(x in seen for x in e.recent_ttfts)
+    assert rolling(e, 10.0)["ttft_p50_ms"] > 4.0
+
+
+def test_the_slo_is_judged_on_what_the_client_sees():
+    # a TTFT bound just above the engine's worst: met at the engine, missed by some clients
+    bound = summarize(run(*OPEN, *FE))["engine_side"]["ttft_ms"]["max"] + 1.0
+    slo = [f"slo.ttft_ms={bound}", "slo.tpot_ms=0", "slo.e2e_ms=0"]
+    s = summarize(run(*OPEN, *FE, "engine.frontend_request_us=50000", *slo))
+    assert s["engine_side"]["ttft_ms"]["max"] < bound < s["ttft_ms"]["max"]
+    assert s["slo_attainment"] < 1.0
+    assert summarize(run(*OPEN, *slo))["slo_attainment"] == 1.0
+
+
+def test_a_closed_loop_user_sends_again_when_it_has_seen_the_end():
+    e = run(*CLOSED, *FE)
+    reqs = sorted(e.requests.values(), key=lambda r: r.sent_time)
+    assert len(reqs) == 80 and all(r.state.is_done for r in reqs)
+    # every later request is sent when an earlier one's end reached its client, plus thinking
+    seen = sorted(r.finish_time + 150e-6 + 0.25 for r in reqs)[:80 - 4]
+    assert [r.sent_time for r in reqs[4:]] == pytest.approx(seen, abs=1e-12)
+    for r in reqs:
+        assert r.arrival_time >= r.sent_time + 0.004 + r.prompt_len * 2e-6 - 1e-12
+    # the rows go to the requests in the order sent
+    assert [r.req_id for r in reqs] == sorted(r.req_id for r in reqs)
+
+
+def test_a_ramp_up_user_does_not_hold_a_request_sent_before_it():
+    e = Engine(load_scenario("chat", [*CLOSED, *FE, "workload.ramp_up_s=40"]))
+    e.run_until(30.0)
+    reqs = list(e.requests.values())
+    assert len(reqs) > 4  # users sent again before the last user's start (30 s)
+    for r in reqs:  # none waited at the server for a user not yet started
+        assert r.arrival_time < r.sent_time + 0.1
+
+
+@pytest.mark.parametrize("overrides", [OPEN, CLOSED + ["workload.turns=3"]])
+def test_runs_behind_a_front_end_replay_exactly(tmp_path, overrides):
+    e = run(*overrides, *FE)
+    _, divergence = verify(read_log(write_log(tmp_path / "fe.msgpack", e)))
+    assert divergence is None
+
+
+def test_a_log_written_before_the_terms_replays_without_them(tmp_path):
+    # an SGLang session as it ran when no profile had an API server
+    e = run(*OPEN, "engine.preset=sglang", *[f"engine.{k}=0" for k in TERMS])
+    path = tmp_path / "old.msgpack"
+    objs = unpack_log(write_log(path, e).read_bytes())
+    for k in TERMS:
+        del objs[0]["scenario"]["engine"][k]
+    path.write_bytes(pack_log(objs))
+    _, divergence = verify(read_log(path))
+    assert divergence is None
+
+
+def test_replicas_take_the_requests_after_the_server():
+    s = summarize(run(*OPEN, *FE, "cluster.replicas=2"))
+    assert s["ttft_ms"]["count"] == 150
+    assert s["ttft_ms"]["p50"] > s["engine_side"]["ttft_ms"]["p50"] + 4.0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf"])
+def test_a_negative_or_non_finite_term_is_refused_in_one_line(value, capsys):
+    with pytest.raises(ScenarioError, match="engine.frontend_prompt_token_us"):
+        load_scenario("chat", [f"engine.frontend_prompt_token_us={value}"])
+    assert main(["sim", "chat", "-q", "--set", f"engine.frontend_output_token_us={value}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "engine.frontend_output_token_us" in err[0]
+
+
+@pytest.mark.parametrize("closed", [False, True])
+def test_runs_behind_a_front_end_agree_however_time_is_sliced(closed):
+    # the sends are events of their own (closed loop); decode runs must stop at them
+    sc = small_scenario('scheduler.policy="chunked"', *PRESSURE[1:3],
+                        *(CLOSED_LOOP if closed else PRESSURE[3:]), *FE)
+    script = [a for a in session_script("chunked") if a[1] != "switch_policy"]
+    runs = {m: scripted(Engine(sc), m, script) for m in ("whole", "sliced", "stepped")}
+    runs["unskipped"] = scripted(Engine(sc, skip_ahead=False), "whole", script)
+    whole = runs["whole"]
+    assert whole.counts["finished"] > 25
+    for m, e in runs.items():
+        assert events_of(e) == events_of(whole), m
+        assert state_of(e) == state_of(whole), m
+    a, b = summarize(whole), summarize(runs["stepped"])
+    a.pop("wall_s"), b.pop("wall_s")
+    assert a == b and "engine_side" in a
