@@ -25,7 +25,9 @@ What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer
   load cap allows) cannot beat the cheapest deployment found so far stops probing (`pruned`);
   one that fails at the required load stops at once (`infeasible`);
 - the probes of every active candidate run together, a round at a time, on the sweep's
-  `Runner` (local processes or Ray).
+  `Runner` (local processes or Ray); a worker that a round's last probes would leave idle runs
+  ahead what the search will likely ask next (`Scheduler`), and decisions wait for whole
+  rounds, so the answer does not depend on the workers.
 
 Results go to a JSON-lines file as each candidate ends, so a plan interrupted and run again
 with the same file picks up where it stopped (`Journal`).
@@ -533,8 +535,7 @@ class Track:
             t = copy.deepcopy(snap)
             t.record(load, row, bounds)
             return then(t)
-        return Step(self.cand, load, self.parent,
-                    after)
+        return Step(self.cand, load, self.parent, after)
 
     def upper_load(self) -> float | None:
         loads = [x for x in (self.search.failed and self.search.failed[0], self.cap) if x]
