@@ -367,6 +367,7 @@ def as_json(out: P.Outcome, table: dict) -> dict:
                        for g, v in sorted(out.prices.items())},
             "bounds": [b.text() for b in out.bounds],
             "candidates": out.candidates, "runs": out.probes, "resumed": out.resumed,
+            "work": out.work,
             "winner": one(w) if w else None,
             "vllm": P.vllm_command(out.scenario, w.candidate) if w else None,
             "sglang": P.sglang_command(out.scenario, w.candidate) if w else None,

@@ -25,7 +25,9 @@ What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer
   load cap allows) cannot beat the cheapest deployment found so far stops probing (`pruned`);
   one that fails at the required load stops at once (`infeasible`);
 - the probes of every active candidate run together, a round at a time, on the sweep's
-  `Runner` (local processes or Ray).
+  `Runner` (local processes or Ray); a worker that a round's last probes would leave idle runs
+  ahead what the search will likely ask next (`Scheduler`), and decisions wait for whole
+  rounds, so the answer does not depend on the workers.
 
 Results go to a JSON-lines file as each candidate ends, so a plan interrupted and run again
 with the same file picks up where it stopped (`Journal`).
@@ -36,11 +38,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import heapq
 import itertools
 import json
 import math
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -54,7 +58,7 @@ from sim.model import presets
 from sim.model import trust as T
 from sim.model import validate as V
 from sim.deploy.build import build
-from sim.deploy.sweep import METRICS, RateSearch, Runner
+from sim.deploy.sweep import METRICS, RUN_ONLY, RateSearch, Runner, SweepError
 from sim.stats.metrics import summarize
 
 PRICES_FILE = BUNDLED_DIR / "prices" / "prices.toml"
@@ -508,8 +512,11 @@ class Track:
         self.pass_row: dict | None = None
         self.fail_row: dict | None = None
         self.cap: float | None = None  # a load it cannot meet, from a sibling with more GPUs
+        # the probe whose result chose its next load: (candidate, load; None: its last)
+        self.parent: tuple[Candidate, float | None] | None = None
 
     def record(self, load: float, row: dict, bounds: list[Bound]) -> None:
+        self.parent = (self.cand, load)
         ok = meets(row, bounds)
         before = (self.search.passed, self.search.failed)
         self.search.record(load, 1.0 if ok else 0.0)
@@ -517,6 +524,18 @@ class Track:
             self.pass_row = row
         if self.search.failed is not before[1] and not ok:
             self.fail_row = row
+
+    def step(self, load: float, bounds: list[Bound],
+             then: Callable[["Track"], list[Step]]) -> Step:
+        """Its probe at `load` as a Step: `then(the track with that row recorded)` is what
+        follows (the track is copied now: the search goes on changing it)."""
+        snap = copy.deepcopy(self)
+
+        def after(row: dict) -> list[Step]:
+            t = copy.deepcopy(snap)
+            t.record(load, row, bounds)
+            return then(t)
+        return Step(self.cand, load, self.parent, after)
 
     def upper_load(self) -> float | None:
         loads = [x for x in (self.search.failed and self.search.failed[0], self.cap) if x]
@@ -529,8 +548,10 @@ class Track:
                       tokens_per_request=self.tokens_per_request, closed=s.integer)
 
 
-# Runs probes (candidate, load) and returns their rows in order; reports (done, of) as it goes.
-Evaluate = Callable[[list[tuple[Candidate, float]], "Progress | None"], list[dict]]
+# Runs probes (candidate, load) and returns their rows in order; reports (done, of) as it goes;
+# keywords `steps` (the probes as Steps: what each leads to) and `spare` (Steps likely asked for
+# later) let it run ahead (Probes).
+Evaluate = Callable[..., list[dict]]
 Progress = Callable[[int, int], None]
 
 
@@ -588,6 +609,12 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
         if on_result:
             on_result(r)
 
+    def dependents(r: Result) -> list[Track]:
+        """The replicated candidates waiting for single replica `r`, their searches started."""
+        return [_track(c, r, s, per_request) for c in waiting
+                if _base(c, s.first_router) == r.candidate
+                and (s.budget is None or usd_per_hour(c, s.prices) <= s.budget)]
+
     def incumbent() -> float | None:
         if s.confirmed_cost is not None:
             return s.confirmed_cost
@@ -605,24 +632,22 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
                 finish(Result(c, "over-budget", price, note=f"${price:,.2f}/h > budget "
                                                             f"${s.budget:,.2f}/h"))
                 continue
-            start, growth = s.required, 2.0
+            r1 = None
             if s.prune:
                 base = _base(c, s.first_router)
                 if base is not None and base.key in keys:
                     if base.key not in results:
                         continue  # wait for the single replica's answer
                     r1 = results[base.key]
-                    if r1.max_load is not None and r1.max_load * c.replicas > start:
-                        start, growth = r1.max_load * c.replicas, 1 + 2 * s.tolerance
             waiting.remove(c)
-            tracks[c.key] = Track(c, s.new_search(start, growth), price, per_request)
+            tracks[c.key] = _track(c, r1, s, per_request)
         if s.prune:
             _apply_caps(tracks, results)
         best = incumbent() if s.prune else None
         proposals = []
         for key, t in list(tracks.items()):
-            nxt = _at_least(t.search.next_rate(), t.search, s.required)
-            if t.search.failed and t.search.failed[0] <= s.required * (1 + 1e-9):
+            nxt = _next_load(t, s)
+            if _fails_required(t, s):
                 b, v = worst_bound(t.fail_row or {}, s.bounds)
                 finish(t.result("infeasible", f"fails {b.name} at the required load: "
                                               f"{_ms(v)} > {b.limit_ms:g} ms"))
@@ -647,11 +672,56 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
             t.search.probes_left() for t, _ in proposals) + 4 * len(waiting)
         report = (lambda d, n: progress(probes_done + d, max(total_guess, probes_done + n))) \
             if progress else None
-        rows = evaluate([(t.cand, load) for t, load in proposals], report)
+        rows = evaluate([(t.cand, load) for t, load in proposals], report,
+                        steps=[t.step(load, s.bounds, lambda t: _forecast(t, s, dependents))
+                               for t, load in proposals])
         probes_done += len(proposals)
         for (t, load), row in zip(proposals, rows):
             t.record(load, row, s.bounds)
     return results
+
+
+def _track(c: Candidate, r1: Result | None, s: SearchSettings, per_request: float) -> Track:
+    """A candidate's search: from the required load, or from `replicas x` the highest load of
+    its single replica (`r1`, when known and higher), growing in small steps from there."""
+    start, growth = s.required, 2.0
+    if r1 is not None and r1.max_load is not None and r1.max_load * c.replicas > start:
+        start, growth = r1.max_load * c.replicas, 1 + 2 * s.tolerance
+    t = Track(c, s.new_search(start, growth), usd_per_hour(c, s.prices), per_request)
+    t.parent = (r1.candidate, None) if r1 is not None else None
+    return t
+
+
+def _fails_required(t: Track, s: SearchSettings) -> bool:
+    return bool(t.search.failed) and t.search.failed[0] <= s.required * (1 + 1e-9)
+
+
+def _next_load(t: Track, s: SearchSettings) -> float | None:
+    """The load a track probes next; None when its search has ended (a failure at the required
+    load, or a bracket within the tolerance)."""
+    if _fails_required(t, s):
+        return None
+    return _at_least(t.search.next_rate(), t.search, s.required)
+
+
+def _forecast(t: Track, s: SearchSettings,
+              after: Callable[[Result], list[Track]] | None) -> list[Step]:
+    """What a track (its last probe recorded) runs next were it never pruned: its next probe,
+    or when its search ends feasible, the first probes of `after(its result)`."""
+    def then(t: Track) -> list[Step]:
+        return _forecast(t, s, after)
+    nxt = _next_load(t, s)
+    if nxt is not None:
+        return [t.step(nxt, s.bounds, then)]
+    if _fails_required(t, s) or after is None:
+        return []
+    out = []
+    for d in after(t.result("ok")):
+        load = _next_load(d, s)
+        if load is not None:
+            d.parent = t.parent  # (its start was chosen from that run)
+            out.append(d.step(load, s.bounds, then))
+    return out
 
 
 def _at_least(load: float | None, search: LoadSearch, required: float) -> float | None:
@@ -702,17 +772,186 @@ def _rest(c: Candidate) -> tuple:
 
 
 # --- running probes on the simulator ------------------------------------------------------------
+@dataclass
+class Step:
+    """A probe to run (`cand` at `load`), the probe whose result chose it (`parent`: (candidate,
+    load), load None for that candidate's last run, None at a phase's start), and `then(row)`:
+    the probes its row would lead to if the search went on with that candidate (nothing
+    pruned), for running ahead."""
+
+    cand: Candidate
+    load: float
+    parent: tuple[Candidate, float | None] | None = None
+    then: Callable[[dict], list["Step"]] | None = None
+
+
+@dataclass
+class Run:
+    """One simulator run a plan started, and what it cost."""
+
+    slice: str                 # "probe" or "whole"
+    key: tuple[str, float]     # (same_run key, load)
+    ahead: int                 # 0: a probe the search asked for; n: started n probes ahead
+    instances: int             # engine instances it simulates (for the size guess)
+    used: bool = False         # whether the search used its result
+    cpu_s: float = 0.0         # CPU seconds of the worker (load does not stretch it)
+    wall_s: float = 0.0
+    worker: int = 0            # the process that ran it
+    chain_s: float = 0.0       # cpu_s plus its parent's chain: the critical path to its end
+
+
+class Scheduler:
+    """Keeps a Runner's workers busy for the search while every decision stays the search's.
+
+    The search decides in rounds (each active candidate's next probe), on whole rounds, so its
+    answer does not depend on the number of workers or on which run ends first. What would
+    leave workers idle, a round's last probes, is filled by running ahead: as a probe ends,
+    the probe its candidate's search would run next (and, when its search ends there, the first
+    probes of the replicated candidates waiting for it) is started on any worker left free,
+    up to `depth` probes ahead, and its row kept for the round that asks for it. Probes the
+    search waits for start first, the largest (most engine instances, then the most CPU
+    time a run of that candidate took) first. A run started ahead for a candidate the search
+    then prunes is wasted; `runs` records each run, its CPU time and its worker."""
+
+    def __init__(self, runner: Runner, depth: int = 3) -> None:
+        self.runner = runner
+        self.slots = runner.slots
+        self.depth = depth if self.slots > 1 else 0  # (one worker is never idle)
+        self.runs: dict[tuple, Run] = {}
+        self._flight: dict[Any, tuple["Probes", Run, Step]] = {}
+        self._cpu: dict[tuple[str, str], float] = {}  # (slice, candidate) -> CPU s of its last run
+        self._base = 0.0  # the critical path up to the current phase's start
+        self._t0 = time.perf_counter()
+        self._n = 0
+
+    def barrier(self) -> None:
+        """A new phase starts: its first probes were chosen from everything before them."""
+        self._base = max((r.chain_s for r in self.runs.values() if r.used), default=0.0)
+
+    def evaluate(self, probes: "Probes", steps: list[Step], progress: Progress | None,
+                 extra: list[Step] = ()) -> None:
+        """Run `steps` of `probes`' slice until each has its row (in `probes.rows`), and while
+        workers would idle, what they lead to and `extra`, one probe ahead."""
+        need: dict[tuple, Step] = {}
+        for st in steps:
+            need.setdefault(probes.run_key(st.cand, st.load), st)
+        spare: list[tuple] = []  # heap of (ahead, -size, n, probes, step)
+        for st in extra if self.depth else ():
+            self._queue(spare, 1, probes, st)
+        todo = []
+        for k, st in need.items():
+            run = self.runs.get((probes.name, k))
+            if run is None:
+                todo.append(st)
+            else:
+                run.used, run.ahead = True, 0
+                if k in probes.rows:
+                    self._ahead(probes, run, st, spare)
+        todo.sort(key=lambda st: -self._size(probes, st.cand))
+        done = sum(1 for k in need if k in probes.rows)
+        while done < len(need):
+            while len(self._flight) < self.slots and (todo or spare):
+                if todo:
+                    self._start(probes, todo.pop(0), 0)
+                    continue
+                ahead, _, _, pr, st = heapq.heappop(spare)
+                run = self.runs.get((pr.name, pr.run_key(st.cand, st.load)))
+                if run is None:
+                    self._start(pr, st, ahead)
+                elif run.key in pr.rows:  # (already run: what it leads to may not be)
+                    self._ahead(pr, run, st, spare)
+            for h in self.runner.wait(list(self._flight)):
+                pr, run, st = self._flight.pop(h)
+                ok, value = self.runner.outcome(h)
+                if ok:
+                    run.wall_s, run.cpu_s, run.worker = (value.pop(k, 0) for k in
+                                                         ("wall_s", *RUN_ONLY))
+                    self._cpu[(pr.name, st.cand.key)] = run.cpu_s
+                    run.chain_s = run.cpu_s + self._chain(pr, st.parent)
+                pr.rows[run.key] = (ok, value)
+                if pr is probes and run.key in need:
+                    done += 1
+                    if progress:
+                        progress(done, len(need))
+                if ok:
+                    self._ahead(pr, run, st, spare)
+
+    def _chain(self, probes: "Probes", parent: tuple | None) -> float:
+        """The critical path to the end of a run's parent (a candidate's last: its longest)."""
+        if parent is None:
+            return self._base
+        c, load = parent
+        if load is not None:
+            run = self.runs.get((probes.name, probes.run_key(c, load)))
+            return run.chain_s if run else self._base
+        same = same_run(c, probes.slice.shares_prefixes)
+        return max((r.chain_s for (name, (k, _)), r in self.runs.items()
+                    if name == probes.name and k == same and r.used), default=self._base)
+
+    def _start(self, probes: "Probes", st: Step, ahead: int) -> None:
+        key = probes.run_key(st.cand, st.load)
+        run = Run(probes.name, key, ahead, st.cand.gpus // st.cand.tp, used=ahead == 0)
+        self.runs[(probes.name, key)] = run
+        self._flight[self.runner.submit(probes.at(st.cand, st.load))] = (probes, run, st)
+
+    def _ahead(self, probes: "Probes", run: Run, st: Step, spare: list) -> None:
+        """Queue what a run's row leads to, within `depth` probes ahead."""
+        if st.then is None or run.ahead >= self.depth or not probes.rows[run.key][0]:
+            return
+        for nxt in st.then(probes.rows[run.key][1]):
+            self._queue(spare, run.ahead + 1, probes, nxt)
+
+    def _queue(self, spare: list, ahead: int, probes: "Probes", st: Step) -> None:
+        self._n += 1  # (ties: first queued first)
+        heapq.heappush(spare, (ahead, -self._size(probes, st.cand), self._n, probes, st))
+
+    def _size(self, probes: "Probes", c: Candidate) -> float:
+        """How long a run of `c` is guessed to take: its last run's CPU time, else its engine
+        instances times the mean CPU time per instance of this slice's runs so far."""
+        last = self._cpu.get((probes.name, c.key))
+        if last is not None:
+            return last
+        runs = [r for r in self.runs.values() if r.slice == probes.name and r.cpu_s]
+        per = sum(r.cpu_s for r in runs) / sum(r.instances for r in runs) if runs else 1.0
+        return per * (c.gpus // c.tp)
+
+    def figures(self) -> dict:
+        """What the runs cost: the runs used and run ahead in vain, CPU time, each worker's busy
+        time over `wall_s` (its utilisation), and the critical path (the longest chain of runs
+        each chosen from the one before, phases one after another: no number of workers ends
+        the plan sooner)."""
+        wall_s = time.perf_counter() - self._t0
+        runs = list(self.runs.values())
+        busy: dict[int, float] = {}
+        for r in runs:
+            busy[r.worker] = busy.get(r.worker, 0.0) + r.wall_s
+        return {"runs": sum(r.used for r in runs), "runs_ahead_unused": sum(not r.used for r in runs),
+                "cpu_s": sum(r.cpu_s for r in runs),
+                "cpu_s_unused": sum(r.cpu_s for r in runs if not r.used),
+                "critical_path_s": max((r.chain_s for r in runs if r.used), default=0.0),
+                "workers": self.slots, "wall_s": wall_s,
+                "utilisation": [b / wall_s for b in sorted(busy.values(), reverse=True)]}
+
+
 class Probes:
-    """Runs (candidate, load) probes of one slice on a sweep Runner: each candidate's scenario
-    is loaded and checked once, each probe a copy at its load."""
+    """Runs (candidate, load) probes of one slice: each candidate's scenario is loaded and
+    checked once, each probe a copy at its load, on the plan's Scheduler."""
 
     def __init__(self, raw: dict, source: str, base_dir: Path, slice_: Slice,
-                 runner: Runner) -> None:
+                 scheduler: Scheduler, name: str) -> None:
         self.raw, self.source, self.base_dir = raw, source, base_dir
-        self.slice, self.runner = slice_, runner
+        self.slice, self.scheduler, self.name = slice_, scheduler, name
         self._scenarios: dict[str, Scenario] = {}
-        self._rows: dict[tuple[str, float], dict] = {}  # (same run, load) -> its row
-        self.runs = 0  # probes run so far
+        self.rows: dict[tuple[str, float], tuple[bool, Any]] = {}  # (same run, load) -> row
+        self._used: set[tuple[str, float]] = set()
+
+    @property
+    def runs(self) -> int:
+        """Runs whose rows the search used (those run ahead in vain aside)."""
+        return len(self._used)
+
+    def run_key(self, c: Candidate, load: float) -> tuple[str, float]:
+        return same_run(c, self.slice.shares_prefixes), load
 
     def scenario(self, c: Candidate) -> Scenario:
         if c.key not in self._scenarios:
@@ -720,19 +959,26 @@ class Probes:
                                                   c.overrides() + self.slice.overrides)
         return self._scenarios[c.key]
 
-    def __call__(self, probes: list[tuple[Candidate, float]], progress=None) -> list[dict]:
-        todo = {}
+    def at(self, c: Candidate, load: float) -> Scenario:
+        return self.slice.at(self.scenario(c), load)
+
+    def __call__(self, probes: list[tuple[Candidate, float]], progress=None,
+                 steps: list[Step] | None = None, spare: list[Step] = ()) -> list[dict]:
+        """Rows of `probes` in order (`steps`: the same probes with what they lead to; `spare`:
+        probes likely asked for later). Raises SweepError naming the first probe whose run
+        failed."""
+        steps = steps or [Step(c, load) for c, load in probes]
+        self.scheduler.evaluate(self, steps, progress, spare)
+        out = []
         for c, load in probes:
-            k = (same_run(c, self.slice.shares_prefixes), load)
-            if k not in self._rows and k not in todo:
-                todo[k] = (f"{c.label()} at {load:.4g} "
-                           f"{'users' if self.slice.closed else 'req/s'}",
-                           self.slice.at(self.scenario(c), load))
-        rows = self.runner.run(list(todo.values()), progress)
-        self.runs += len(rows)
-        self._rows.update(zip(todo, rows))
-        return [self._rows[(same_run(c, self.slice.shares_prefixes), load)]
-                for c, load in probes]
+            k = self.run_key(c, load)
+            self._used.add(k)
+            ok, value = self.rows[k]
+            if not ok:
+                raise SweepError(f"{c.label()} at {load:.4g} "
+                                 f"{'users' if self.slice.closed else 'req/s'}: {value}")
+            out.append(value)
+        return out
 
 
 def same_run(c: Candidate, shares_prefixes: bool) -> str:
@@ -882,6 +1128,7 @@ class Outcome:
     closed: bool = False               # a closed loop: loads are users
     skipped: int = 0                   # candidates a closed loop cannot run (several instances)
     prices: dict[str, Price] = field(default_factory=dict)  # the prices ranked by
+    work: dict = field(default_factory=dict)  # what the runs cost (Scheduler.figures)
 
     @property
     def unit(self) -> str:
@@ -984,7 +1231,7 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
     cands = [c for c in cands if c.single or not closed]
     no_fit = [r for r in no_fit if r.candidate.single or not closed]
     sc = load_variant(raw, source, base_dir, cands[0].overrides()) if cands else wl
-    full, probe = slices(wl, p.probe_requests)
+    full, probe = slices(wl, p.probe_requests if p.prune else None)  # (exhaustive: whole)
     required = p.rate if p.rate is not None else offered_load(wl, full)
     identity = {"scenario": raw, "source": source, "bounds": [b.text() for b in p.bounds],
                 "required": required, "tolerance": p.tolerance, "probe": probe.requests,
@@ -997,8 +1244,9 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
     settings = SearchSettings(p.bounds, required, p.prices, p.tolerance, p.prune, p.budget,
                               first_router=p.space.routers[0], closed=closed,
                               fixed=p.concurrency is not None)
-    run_probe = Probes(raw, source, base_dir, probe, runner)
-    run_full = Probes(raw, source, base_dir, full, runner)
+    scheduler = Scheduler(runner)
+    run_probe = Probes(raw, source, base_dir, probe, scheduler, "probe")
+    run_full = Probes(raw, source, base_dir, full, scheduler, "whole")
     try:
         results = search(cands, run_probe, probe, settings,
                          done={k: v for k, v in found.items() if k in wanted},
@@ -1008,8 +1256,8 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
             if progress:
                 offset = run_probe.runs + run_full.runs
                 report = lambda d, n, o=offset: progress(o + d, o + n)  # noqa: E731
-            confirm(results, confirmed, p, settings, run_full, journal, report,
-                    width=runner.workers)
+            scheduler.barrier()
+            confirm(results, confirmed, p, settings, run_full, journal, report)
             # Pruned against the probe slice's cheapest; the whole workload's may cost more:
             # search again those that could beat it.
             best = min((r.usd_per_m_tokens for k, r in confirmed.items()
@@ -1019,6 +1267,7 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
             if not reopen:
                 break
             settings = dataclasses.replace(settings, confirmed_cost=best)
+            scheduler.barrier()
             results = search(cands, run_probe, probe, settings,
                              done={k: v for k, v in results.items() if k not in reopen},
                              on_result=journal.write, progress=progress)
@@ -1028,7 +1277,7 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
     ranked = rank([*merged.values(), *no_fit])
     return Outcome(ranked, required, p.bounds, sc, raw, len(cands) + len(no_fit),
                    run_probe.runs + run_full.runs, resumed, full.shares_prefixes, closed,
-                   skipped, p.prices)
+                   skipped, p.prices, scheduler.figures())
 
 
 def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
@@ -1037,8 +1286,9 @@ def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
     """Search the cheapest candidates again on the whole workload, from the load their probes
     found (growing from there, or bisecting down where it fails), until the cheapest confirmed
     one is cheaper than every candidate not yet confirmed. Up to `width` (at least
-    `p.finalists`: the runner's workers) are searched at once, their probes run together, and
-    as one ends the next cheapest starts, so that each round keeps the workers busy.
+    `p.finalists`) are searched at once, their probes run together, and as one ends the next
+    cheapest starts; the next cheapest's first probes are offered to run ahead (idle workers
+    run them; how many workers there are never changes which are confirmed).
     `progress(runs done, runs guessed)` as it goes."""
     runs = 0
     tracks: dict[str, Track] = {}
@@ -1049,18 +1299,15 @@ def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
         todo = sorted((r for k, r in results.items()
                        if r.status == "ok" and k not in confirmed and k not in tracks),
                       key=lambda r: r.usd_per_m_tokens)
-        for r in todo[:width - len(tracks)]:
-            if best is not None and r.usd_per_m_tokens >= best:
-                break  # (it cannot beat what is confirmed)
-            tracks[r.candidate.key] = Track(r.candidate,
-                                            s.new_search(r.max_load, 1 + 2 * s.tolerance),
-                                            r.usd_per_hour, r.tokens_per_request)
+        todo = [r for r in todo if best is None or r.usd_per_m_tokens < best]
+        for r in todo[:width - len(tracks)]:  # (the others cannot beat what is confirmed)
+            tracks[r.candidate.key] = _finalist(r, s)
         if not tracks:
             return
         proposals = []
         for key, t in list(tracks.items()):
-            nxt = _at_least(t.search.next_rate(), t.search, s.required)
-            if nxt is None or (t.search.failed and t.search.failed[0] <= s.required):
+            nxt = _next_load(t, s)
+            if nxt is None:
                 _confirmed(tracks.pop(key), results, confirmed, s, journal)
                 continue
             proposals.append((t, nxt))
@@ -1069,10 +1316,23 @@ def confirm(results: dict[str, Result], confirmed: dict[str, Result], p: Plan,
         guess = runs + len(proposals) + sum(t.search.probes_left() for t, _ in proposals)
         report = (lambda d, n, r=runs, g=guess: progress(r + d, max(g, r + n))) \
             if progress else None
-        rows = run_full([(t.cand, load) for t, load in proposals], report)
+        # (ahead: the next finalists' first probes, were these to end now)
+        nxt = [(f, _next_load(f, s)) for f in (_finalist(r, s) for r in todo
+                                                if r.candidate.key not in tracks)][:width]
+        then = lambda t: _forecast(t, s, None)  # noqa: E731
+        rows = run_full([(t.cand, load) for t, load in proposals], report,
+                        steps=[t.step(load, s.bounds, then) for t, load in proposals],
+                        spare=[f.step(load, s.bounds, then) for f, load in nxt
+                               if load is not None])
         runs += len(proposals)
         for (t, load), row in zip(proposals, rows):
             t.record(load, row, s.bounds)
+
+
+def _finalist(r: Result, s: SearchSettings) -> Track:
+    """A finalist's search on the whole workload, from the load its probes found."""
+    return Track(r.candidate, s.new_search(r.max_load, 1 + 2 * s.tolerance), r.usd_per_hour,
+                 r.tokens_per_request)
 
 
 def _confirmed(t: Track, results: dict[str, Result], confirmed: dict[str, Result],

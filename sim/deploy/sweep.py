@@ -213,16 +213,23 @@ def flatten(summary: dict) -> dict[str, Any]:
 
 
 def run_scenario(sc: Scenario) -> dict[str, Any]:
-    """Run one scenario headless: its metric columns plus `wall_s` (build, run and summary).
+    """Run one scenario headless: its metric columns plus `wall_s` and `cpu_s` (build, run and
+    summary) and the `worker` process that ran it (RUN_ONLY).
 
     Raises ServesimError when the run fails (an engine that stalls, an unreadable trace)."""
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine = build(sc, record_events=False, keep_history=False)
     engine.run()
     row = flatten(summarize(engine))
     row["wall_s"] = time.perf_counter() - t0
+    row["cpu_s"] = time.process_time() - c0  # (what load cannot stretch, unlike wall_s)
+    row["worker"] = os.getpid()
     return row
+
+
+# What a run's row says of the run alone (`Runner.submit`'s rows; `Runner.run` leaves them out).
+RUN_ONLY = ("cpu_s", "worker")
 
 
 def _run_task(sc: Scenario) -> tuple[bool, Any]:
@@ -287,9 +294,53 @@ class Runner:
         for (label, _), (ok, value) in zip(tasks, results):
             if not ok:
                 raise SweepError(f"{label}: {value}")
-        return [value for _, value in results]
+        # (a sweep's rows differ between executors in wall_s alone)
+        return [{k: v for k, v in value.items() if k not in RUN_ONLY} for _, value in results]
 
-    def _run_pool(self, scenarios: list[Scenario], progress: Progress | None) -> list:
+    # --- one run at a time: the caller keeps at most `slots` in flight and picks the next
+    @property
+    def slots(self) -> int:
+        """How many runs make every worker busy (Ray: the cluster's CPUs)."""
+        if self.ray_address is not None:
+            if self._remote is None:
+                self._start_ray()
+            return max(1, int(self._ray.cluster_resources().get("CPU", self.workers)))
+        return self.workers
+
+    def submit(self, sc: Scenario):
+        """Start one run; a handle for `wait` and `outcome`. With one local worker the run
+        happens here, now."""
+        if self.ray_address is not None:
+            if self._remote is None:
+                self._start_ray()
+            return self._remote.remote(sc)
+        if self.workers == 1:
+            return _Ran(_run_task(sc))
+        with _signals_held():
+            return self._local_pool().submit(_run_task, sc)
+
+    def wait(self, handles) -> list:
+        """Block until at least one of `handles` has ended; those that have."""
+        ran = [h for h in handles if isinstance(h, _Ran)]
+        if ran:
+            return ran
+        if self.ray_address is not None:
+            return self._ray.wait(list(handles), num_returns=1)[0]
+        try:
+            done = wait(handles, return_when=FIRST_COMPLETED)[0]
+            for h in done:
+                h.result()
+        except BrokenProcessPool as e:
+            raise SweepError(f"--workers {self.workers}: a worker process died: {e}") from None
+        return list(done)
+
+    def outcome(self, handle) -> tuple[bool, Any]:
+        """(True, row with RUN_ONLY) or (False, why) of an ended run."""
+        if isinstance(handle, _Ran):
+            return handle.value
+        return self._ray.get(handle) if self.ray_address is not None else handle.result()
+
+    def _local_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             # forkserver: workers are forked from a clean process that has imported the engine,
             # never from this one's threads (a Ray driver), and start faster than spawned ones.
@@ -302,8 +353,12 @@ class Runner:
             self._pool = ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx,
                                              initializer=_worker_init,
                                              initargs=(os.getpid(),))
+        return self._pool
+
+    def _run_pool(self, scenarios: list[Scenario], progress: Progress | None) -> list:
+        pool = self._local_pool()
         with _signals_held():  # workers start inside submit(): none may escape the clean-up
-            index = {self._pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
+            index = {pool.submit(_run_task, sc): i for i, sc in enumerate(scenarios)}
         try:
             return _collect(index, len(scenarios), progress,
                             lambda pending: wait(pending, return_when=FIRST_COMPLETED)[0],
@@ -339,6 +394,13 @@ class Runner:
         index = {self._remote.remote(sc): i for i, sc in enumerate(scenarios)}
         return _collect(index, len(scenarios), progress,
                         lambda pending: ray.wait(list(pending), num_returns=1)[0], ray.get)
+
+
+@dataclass(eq=False)
+class _Ran:
+    """A run that has already ended (one local worker runs in the caller's process)."""
+
+    value: tuple[bool, Any]
 
 
 @contextmanager

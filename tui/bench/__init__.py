@@ -116,6 +116,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--workers", type=count, help="local workers (default: the CPU count)")
     s.add_argument("--skip-scaling", action="store_true",
                    help="leave out the whole space's run with 1 worker")
+    s.add_argument("--exhaustive", action="store_true",
+                   help="check the answer against the exhaustive search of the whole space "
+                        "(hours), not of a small space around it")
+    s.add_argument("-o", "--output", metavar="FILE",
+                   help="the exhaustive search's results (JSON lines): run again with the same "
+                        "file to resume it")
     s.add_argument("--json", action="store_true")
 
 

@@ -23,7 +23,7 @@ def toy(capacity):
     candidate's capacity."""
     calls = []
 
-    def evaluate(probes, progress=None):
+    def evaluate(probes, progress=None, **_):
         calls.extend(probes)
         rows = []
         for c, load in probes:
@@ -243,14 +243,23 @@ def test_the_bundled_prices_are_attributed_and_dated():
 
 
 class CountingRunner:
-    """A Runner stand-in: counts the runs asked for and answers each with its label."""
+    """A Runner stand-in of one worker: counts the runs started and answers each with its
+    scenario's prefix-caching setting."""
+
+    slots = 1
 
     def __init__(self):
         self.runs = []
 
-    def run(self, tasks, progress=None):
-        self.runs += [label for label, _ in tasks]
-        return [{"label": label} for label, _ in tasks]
+    def submit(self, sc):
+        self.runs.append(sc)
+        return len(self.runs) - 1
+
+    def wait(self, handles):
+        return list(handles)
+
+    def outcome(self, h):
+        return True, {"prefix_caching": self.runs[h].kv.enable_prefix_caching}
 
 
 @pytest.mark.parametrize("shares, expected_runs", [(False, 1), (True, 2)])
@@ -259,7 +268,7 @@ def test_candidates_whose_runs_are_identical_share_them(tiny, shares, expected_r
     full, _ = P.slices(load_scenario(tiny), None)
     full.shares_prefixes = shares
     runner = CountingRunner()
-    probes = P.Probes(raw, source, base, full, runner)
+    probes = P.Probes(raw, source, base, full, P.Scheduler(runner), "whole")
     off, on = cand(seqs=64), cand(seqs=64, pc=True)
     rows = probes([(off, 2.0), (on, 2.0)])
     assert len(runner.runs) == expected_runs and probes.runs == expected_runs
@@ -459,7 +468,7 @@ def test_finalists_are_confirmed_as_many_at_once_as_there_are_workers():
         sizes = []
         ev = toy(lambda c: (10.0 + c.max_num_seqs - 64) / 2)
 
-        def evaluate(probes, progress=None, ev=ev, sizes=sizes):
+        def evaluate(probes, progress=None, ev=ev, sizes=sizes, **_):
             sizes.append(len(probes))
             return ev(probes)
         confirmed = {}
@@ -470,3 +479,105 @@ def test_finalists_are_confirmed_as_many_at_once_as_there_are_workers():
         assert max(sizes) == width
         rounds[width] = len(sizes)
     assert rounds[4] < rounds[1] / 2
+
+
+# --- scheduling: workers kept busy, the answer the same ------------------------------------------
+class ClockRunner:
+    """A Runner stand-in with `slots` workers on a simulated clock: a run of a scenario takes
+    as many time units as it has engine instances (replicas, or 2 for a pair), plus 1, and
+    its row is the simulator's (run here, at once) with that as its CPU time (and twice that
+    as its wall time). `order` picks which of the runs ending together is reported first
+    (adversarial orders must not change the answer)."""
+
+    def __init__(self, slots, order=min):
+        self.slots, self.order = slots, order
+        self.now = 0.0
+        self.busy = 0.0
+        self.ends = {}  # handle -> (end time, outcome)
+        self.started = 0
+
+    def submit(self, sc):
+        from sim.deploy.sweep import _run_task  # (the stand-in runs what a worker runs)
+        cost = 1.0 + (2 if sc.scheduler.policy == "disaggregated" else sc.cluster.replicas)
+        self.started += 1
+        h = self.started
+        ok, row = _run_task(sc)
+        self.ends[h] = (self.now + cost, (ok, {**row, "cpu_s": cost, "wall_s": 2 * cost}))
+        self.busy += cost
+        return h
+
+    def wait(self, handles):
+        first = min(self.ends[h][0] for h in handles)
+        self.now = first
+        done = [h for h in handles if self.ends[h][0] == first]
+        return [self.order(done)]
+
+    def outcome(self, h):
+        return self.ends[h][1]
+
+
+def scheduled_plan(spec, **kw):
+    space = P.Space(["h100-sxm", "a100-80gb"], [1], [1, 2, 4], ["round-robin"], [64, 256],
+                    [2048], ["chunked", "disaggregated"], [False], [1], [1])
+    return P.Plan(spec, [P.Bound("ttft_p99", 250.0), P.Bound("tpot_p99", 40.0)], space,
+                  P.load_prices(), **{"probe_requests": 60, "tolerance": 0.1, **kw})
+
+
+def _answer(out):
+    return [(r.candidate, r.status, r.max_load, r.fail_load, r.row, r.confirmed)
+            for r in out.results]
+
+
+def test_the_answer_does_not_depend_on_the_workers_or_which_run_ends_first(tiny):
+    answers, spans = [], {}
+    for slots, order in ((1, min), (2, min), (2, max), (4, max)):
+        runner = ClockRunner(slots, order)
+        out = P.run_plan(scheduled_plan(tiny), runner)
+        answers.append(_answer(out))
+        spans[(slots, order)] = runner.now
+        work = out.work
+        assert work["runs"] == out.probes and work["cpu_s"] == runner.busy
+        # the critical path: no shorter than any candidate's chain of probes, no longer than all
+        cost = {r.candidate: 1.0 + (2 if r.candidate.disaggregated else r.candidate.replicas)
+                for r in out.results}
+        longest = max(r.probes * cost[r.candidate] for r in out.results)
+        assert longest <= work["critical_path_s"] <= work["cpu_s"] - work["cpu_s_unused"]
+    assert all(a == answers[0] for a in answers[1:])
+    assert spans[(2, min)] < spans[(1, min)]
+
+
+def test_running_ahead_keeps_the_workers_busy(tiny, monkeypatch):
+    # the same plan on two simulated workers, with and without running ahead: ahead, a
+    # round's last probes leave no worker idle, and the plan ends sooner
+    span, util = {}, {}
+    for depth in (0, 3):
+        monkeypatch.setattr(P.Scheduler, "__init__", _depth_init(depth))
+        runner = ClockRunner(2)
+        out = P.run_plan(scheduled_plan(tiny), runner)
+        span[depth] = runner.now
+        util[depth] = runner.busy / (2 * runner.now)
+        assert out.winner is not None
+    assert span[3] < span[0]
+    assert util[3] > util[0]
+
+
+def _depth_init(depth):
+    init = P.Scheduler.__init__
+
+    def __init__(self, runner, depth_=depth):
+        init(self, runner, depth_)
+    return __init__
+
+
+def test_the_pruned_answer_agrees_with_the_exhaustive_search(tiny):
+    # the exhaustive search bisects every candidate on the whole workload, nothing pruned or
+    # carried between candidates: the pruned plan's winner is its winner, or within 2% of cost
+    with Runner(1) as runner:
+        pruned = P.run_plan(scheduled_plan(tiny), runner)
+        exhaustive = P.run_plan(scheduled_plan(tiny, prune=False), runner)
+    assert not any(r.status == "pruned" for r in exhaustive.results)
+    assert all(r.row["requests_finished"] == 120 for r in exhaustive.results  # the whole
+               if r.status == "ok")
+    w, e = pruned.winner, exhaustive.winner
+    assert w is not None and e is not None
+    assert w.candidate == e.candidate or w.usd_per_m_tokens <= e.usd_per_m_tokens * 1.02
