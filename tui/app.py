@@ -48,30 +48,36 @@ INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
 
 
 class FrozenHeap:
-    """Keeps Python's full collections short while the dashboard runs.
+    """Keeps Python's cyclic collections out of the dashboard's frames.
 
-    Drawing makes about a thousand cyclic garbage objects a second (Textual's strips cache
-    themselves), so a full collection comes every second or so, and it scans every live object:
-    with the engine's history and Textual's caches, ~60 ms, a frame that long. So after each
-    full collection, what survived it is frozen (`gc.freeze`): the next one scans only what came
-    since. A frozen object that later dies in a cycle is not reclaimed while frozen, so every
-    RECLAIM_S everything is unfrozen, collected once, and frozen again: that memory is held at
-    most that long, and the whole heap is scanned once a RECLAIM_S instead of once a second.
+    Drawing makes thousands of cyclic garbage objects a second (Textual's strips cache
+    themselves), and the engine's thread allocates too. Left automatic, a collection starts
+    wherever an allocation crosses a threshold: inside a frame, or in the engine's thread while
+    the UI thread waits for the GIL, so a frame that happens to pay for one runs 10-50 ms longer.
+    So automatic collection is off (threshold 0: the engine thread's `paused_gc` toggles
+    `gc.enable`, not the thresholds) and the UI thread collects at each frame tick, before it
+    draws (`between_frames`): the youngest generation every tick, the middle one every
+    GEN1_EVERY ticks. What survives those is not scanned again until `reclaim`, every RECLAIM_S:
+    everything is unfrozen, collected once, and what survives is frozen (`gc.freeze`), so the
+    next full pass scans only what came since. Cyclic garbage is held at most that long.
     """
 
     RECLAIM_S = 60.0
-    # Young collections: a frame makes some ten of Python's default 700-object batches, so by
-    # default a second-generation pass comes every frame and moves to the oldest generation
-    # every strip a panel still shows, to die there a frame later. One every ~5 frames lets
-    # most of them die first and be collected young (`servesim bench tui`'s frame p99 falls).
-    GEN1_EVERY = 50
+    GEN1_EVERY = 5  # frame ticks between collections of the middle generation
+
+    def __init__(self) -> None:
+        self._ticks = 0
 
     def start(self) -> None:
         self._thresholds = gc.get_threshold()
-        gc.set_threshold(self._thresholds[0], self.GEN1_EVERY, self._thresholds[2])
+        gc.set_threshold(0, *self._thresholds[1:])
         gc.collect()  # (start-up's garbage is not frozen)
         gc.freeze()
         gc.callbacks.append(self._collected)
+
+    def between_frames(self) -> None:
+        self._ticks += 1
+        gc.collect(1 if self._ticks % self.GEN1_EVERY == 0 else 0)
 
     def _collected(self, phase: str, info: dict) -> None:
         if phase == "stop" and info["generation"] == 2:
@@ -284,6 +290,7 @@ class Dashboard(App[int]):
 
     def _frame_tick(self) -> None:
         self._frames += 1
+        self.heap.between_frames()
         if self.driver.lag > self.LAGGING_S and self._frames % self.LAGGING_FRAME_DIVISOR:
             return
         self.refresh_frame()

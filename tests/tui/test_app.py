@@ -651,7 +651,12 @@ def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
     before = gc.get_threshold()
     heap.start()
     try:
-        assert gc.get_threshold()[1] == FrozenHeap.GEN1_EVERY
+        assert gc.get_threshold()[0] == 0  # no automatic collection: only between frames
+        young = Cycle()
+        gone_young = weakref.ref(young)
+        del young
+        heap.between_frames()  # the youngest generation, at a frame tick
+        assert gone_young() is None
         alive = Cycle()
         gone = weakref.ref(alive)
         gc.collect()  # a full collection: what survives is frozen, later ones do not scan it

@@ -5,6 +5,7 @@ A frame is all the UI thread's work for one refresh tick: the refresh callback (
 the engine lock, queue tables, block map, event log), a chart sample when one is due, and the
 compositor's render of what changed, encoded to terminal bytes as a real terminal would get
 them. The engine runs in its worker thread meanwhile, so frame times include sharing the GIL.
+The cyclic collector's work at each tick, before the frame (`FrozenHeap`), is timed apart.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ class _TimedDashboard(Dashboard):
         self.frames: list[float] = []   # seconds of UI work per frame
         self.updates: list[float] = []  # of which the refresh callback
         self.waiting_seen: list[int] = []
+        self.collects: list[float] = []  # seconds of garbage collection at each frame tick
+        collect = self.heap.between_frames
+
+        def timed() -> None:
+            t0 = time.perf_counter()
+            collect()
+            self.collects.append(time.perf_counter() - t0)
+
+        self.heap.between_frames = timed
 
     def _add(self, seconds: float) -> None:
         if self.frames:
@@ -84,6 +94,7 @@ async def _drive(app: _TimedDashboard, sim_seconds: float) -> float:
         app.time_rendering()
         app.frames.clear()
         app.updates.clear()
+        app.collects.clear()
         t0 = time.perf_counter()
         while app.engine.now < sim_seconds:
             await pilot.pause(0.05)
@@ -124,6 +135,9 @@ def run(args) -> dict:
         "frame_ms_max": max(frames) * 1e3 if frames else float("nan"),
         "update_ms_mean": _ms(app.updates[1:]),
         "update_ms_p99": _ms(app.updates[1:], 99),
+        # (the collector's work at the frame tick, before drawing: not part of a frame)
+        "gc_ms_mean": _ms(app.collects),
+        "gc_ms_p99": _ms(app.collects, 99),
         "steps": engine.step_count - steps0,
         "steps_per_s": (engine.step_count - steps0) / wall if wall else 0.0,
     }
