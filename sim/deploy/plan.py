@@ -924,7 +924,8 @@ class Scheduler:
         runs = list(self.runs.values())
         busy: dict[int, float] = {}
         for r in runs:
-            busy[r.worker] = busy.get(r.worker, 0.0) + r.wall_s
+            if r.worker:  # (a run still going as the plan ends has no figures yet)
+                busy[r.worker] = busy.get(r.worker, 0.0) + r.wall_s
         return {"runs": sum(r.used for r in runs), "runs_ahead_unused": sum(not r.used for r in runs),
                 "cpu_s": sum(r.cpu_s for r in runs),
                 "cpu_s_unused": sum(r.cpu_s for r in runs if not r.used),
