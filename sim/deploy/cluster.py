@@ -54,7 +54,7 @@ from sim.gcpause import paused_gc
 from sim.stats.metrics import KVPeak
 from sim.policies import POLICIES
 from sim.stats.quantiles import Samples
-from sim.engine.frontend import FrontEnd
+from sim.engine.frontend import FrontEnd, open_loop
 from sim.engine.request import Request, RequestState
 from sim.deploy.routers import ROUTERS
 from sim.inputs.workload import Workload, build_workload
@@ -215,9 +215,9 @@ class Cluster:
         # The workload, routed here (the instances' own workloads are empty): when each
         # request reaches the deployment, after the API server in front of it (sim.engine.frontend).
         self.frontend = FrontEnd.of(scenario.engine)
-        self._w_sent = None if self.frontend is None else w.arrival.tolist()
-        self._w_arrival = (w.arrival if self.frontend is None
-                           else self.frontend.arrivals(w.arrival, w.prompt)).tolist()
+        times, sent = open_loop(self.frontend, w.arrival, w.prompt)
+        self._w_arrival = times.tolist()
+        self._w_sent = None if sent is None else sent.tolist()
         self._w_next = 0
         self._next_id = len(w)
         self._injected = 0

@@ -39,7 +39,7 @@ from sim.engine.stepping import EngineState
 from sim.engine.observer import StepObserver
 from sim.engine.timeline import Timeline
 from sim.engine.users import ClosedLoop
-from sim.engine.frontend import FrontEnd
+from sim.engine.frontend import FrontEnd, open_loop
 from sim.engine.admission import Admission
 from sim.engine.clients import ClientFigures
 from sim.engine.tokens import prompt_token_ids
@@ -228,11 +228,12 @@ class Engine(EngineState):
         # The API server in front (None: the engine's times are the client's). An open-loop
         # workload's arrival column holds when its clients send; _w_times holds when each
         # request reaches the engine, and _w_sent the sent times (None without a front end).
+        # (a closed loop's users send through the front end themselves: sim.engine.users)
         self.frontend = FrontEnd.of(scenario.engine)
-        self._w_times, self._w_sent = w.arrival, None
-        if self.frontend is not None and not scenario.workload.concurrency:
-            self._w_sent = memoryview(np.ascontiguousarray(w.arrival, dtype=np.float64))
-            self._w_times = self.frontend.arrivals(w.arrival, w.prompt)
+        self._w_times, sent = open_loop(None if scenario.workload.concurrency else self.frontend,
+                                        w.arrival, w.prompt)
+        self._w_sent = (None if sent is None
+                        else memoryview(np.ascontiguousarray(sent, dtype=np.float64)))
         # The next arrival times as a Python list (scalar reads in the hot loop are several
         # times faster than from an array), a window of them at a time so that the list does
         # not hold 32 bytes for every request of a long run; _w_next indexes the window, which

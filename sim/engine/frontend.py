@@ -61,3 +61,13 @@ class FrontEnd:
         arrival times at the engine, in the same order."""
         return np.array([self.intake(t, n) for t, n in zip(sent.tolist(), prompt.tolist())],
                         dtype=np.float64)
+
+
+def open_loop(front: FrontEnd | None, sent: np.ndarray,
+              prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """An open-loop workload (its arrival column `sent`: when its clients send) behind `front`
+    (None: none): when each request reaches the engine, and when it was sent (None without a
+    front end: the engine's times are the client's)."""
+    if front is None:
+        return sent, None
+    return front.arrivals(sent, prompt), sent
