@@ -606,8 +606,8 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
     """For each point, the highest `workload.rate` whose mean SLO attainment over the seeds is
     at least `target`. Probes of different points run together, one round at a time.
 
-    Raises ScenarioError when the grid sets `workload.rate`, a point has no SLO or replays a
-    trace, or `target` / `tolerance` are out of range."""
+    Raises ScenarioError when the grid sets `workload.rate`, a point has no SLO, replays a
+    trace or is a closed loop, or `target` / `tolerance` are out of range."""
     if not 0 < target <= 1:
         raise ScenarioError(f"--attainment {target}: must be in (0, 1]")
     if not 1e-3 <= tolerance < 1:  # (finer would bisect for ever at no gain)
@@ -622,6 +622,11 @@ def find_max_rate(p: Plan, runner: Runner, *, target: float = 0.9, tolerance: fl
         if sc.workload.arrival == "trace":
             raise ScenarioError(f"{sc.source}: workload.arrival = \"trace\": --find-max-rate "
                                 "needs synthetic arrivals (poisson, gamma, constant)")
+        if sc.workload.concurrency:  # the users set the load; workload.rate is not read
+            raise ScenarioError(f"{sc.source}: workload.concurrency = {sc.workload.concurrency}: "
+                                "a closed loop ignores the rate --find-max-rate varies; search "
+                                "the users with `servesim plan --slo ...` or "
+                                "--grid workload.concurrency=...")
     searches = [RateSearch(pt.scenario.workload.rate, target, tolerance) for pt in p.points]
     done = 0
     probe_rows = []

@@ -174,6 +174,10 @@ def test_find_max_rate_needs_an_slo_and_no_rate_axis():
     p = sweep.plan("chat", sweep.parse_grid(["workload.rate=1,2"]), overrides=SHORT)
     with pytest.raises(ScenarioError, match="searches the rate itself"):
         sweep.find_max_rate(p, runner)
+    p = sweep.plan("chat", [], overrides=[*SHORT, "workload.concurrency=8", "workload.num_requests=50",
+                                          *sweep.slo_overrides("ttft_ms=500")])
+    with pytest.raises(ScenarioError, match="workload.concurrency = 8: a closed loop"):
+        sweep.find_max_rate(p, runner)
 
 
 def test_ray_missing_is_one_line_naming_the_extra(monkeypatch):
