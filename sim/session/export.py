@@ -24,6 +24,7 @@ CSV_COLUMNS = [
     "req_id", "state", "priority", "injected", "prompt_tokens", "max_output_tokens",
     "output_tokens", "arrival_s", "admitted_s", "first_token_s", "last_token_s", "finish_s",
     "queue_ms", "ttft_ms", "tpot_ms", "e2e_ms", "preemptions", "cancelled_in", "reject_reason",
+    "sent_s", "client_ttft_ms", "client_e2e_ms",
 ]
 
 
@@ -51,6 +52,9 @@ def request_rows(engine) -> list[dict]:
             "preemptions": r.num_preemptions,
             "cancelled_in": r.cancelled_in.value if r.cancelled_in else "",
             "reject_reason": r.reject_reason or "",
+            # the client's side of the API server (the engine's times without a front end)
+            "sent_s": _s(r.sent_time), "client_ttft_ms": _ms(r.client_ttft),
+            "client_e2e_ms": _ms(r.client_e2e) if r.state.value == "finished" else "",
         })
     return rows
 

@@ -4,6 +4,9 @@ engine's."""
 
 from __future__ import annotations
 
+import csv
+import io
+
 import pytest
 
 from sim import Engine, load_scenario, rolling, summarize
@@ -12,7 +15,8 @@ from sim.engine.request import RequestState
 from sim.errors import ScenarioError
 from sim.engine.frontend import TERMS
 from sim.session.log import read_log, write_log
-from sim.session.replay import verify
+from sim.session.export import to_csv
+from sim.session.replay import Replayer, verify
 from tests.helpers import small_scenario
 from tests.logcraft import pack_log, unpack_log
 from tests.sim.engine.test_step_invariance import (CLOSED_LOOP, PRESSURE, events_of, scripted,
@@ -119,6 +123,20 @@ def test_runs_behind_a_front_end_replay_exactly(tmp_path, overrides):
     e = run(*overrides, *FE)
     _, divergence = verify(read_log(write_log(tmp_path / "fe.msgpack", e)))
     assert divergence is None
+
+
+def test_the_csv_export_of_a_replayed_log_has_the_clients_figures(tmp_path):
+    e = run(*OPEN, *FE)
+    r = Replayer(read_log(write_log(tmp_path / "fe.msgpack", e)))
+    r.run()
+    rows = list(csv.DictReader(io.StringIO(to_csv(r.engine))))
+    assert len(rows) == 150
+    for row in rows:
+        req = e.requests[int(row["req_id"])]
+        assert float(row["sent_s"]) == req.sent_time < float(row["arrival_s"])
+        assert float(row["client_ttft_ms"]) == pytest.approx(req.client_ttft * 1e3)
+        assert float(row["client_e2e_ms"]) == pytest.approx(req.client_e2e * 1e3)
+        assert float(row["client_ttft_ms"]) > float(row["ttft_ms"])
 
 
 def test_a_log_written_before_the_terms_replays_without_them(tmp_path):
