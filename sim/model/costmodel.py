@@ -221,7 +221,7 @@ class CostModel:
             self._ar_tok = (2.0 * L * 2.0 * (tp - 1) / tp * hid * ab / link) if link > 0 else 0.0
         else:
             self._ar_fix = self._ar_tok = 0.0
-        self._moe_init(m, e, gemm, stream, link)
+        self._moe_init(m, h, e, gemm, stream)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
         self._cpu1 = e.cpu_per_seq_us * 1e-6
@@ -248,7 +248,7 @@ class CostModel:
             return tp * peak * 1e12 * e.fp8_gemm_efficiency
         return tp * f16 * e.gemm_efficiency / (1.0 + DEQUANT)
 
-    def _moe_init(self, m, e, gemm, stream, link) -> None:
+    def _moe_init(self, m, h, e, gemm, stream) -> None:
         """The routed experts' coefficients (the module docstring's t_moe, t_a2a); all 0 for
         a dense model."""
         self._moe = m.num_experts > 0
@@ -259,9 +259,10 @@ class CostModel:
         tp, E, k, ep = self.tp, m.num_experts, m.experts_per_token, self.shape.expert_parallel
         n_moe = self.shape.moe_layers
         # one expert, all MoE layers: over the GPUs one expert is split across (tp / ep when
-        # the experts are split inside the engine's GPUs; whole when over more)
+        # the experts are split inside the engine's GPUs; whole when over more), at the grouped
+        # GEMMs' share of the dense linear layers' rates
         p_exp = n_moe * mlp_params(m.hidden_size, m.moe_intermediate_size)
-        split = max(tp / ep, 1.0)
+        split = max(tp / ep, 1.0) * e.moe_gemm_efficiency
         self._moe_c = 2.0 * p_exp / (split * gemm / tp)
         self._moe_m = self.block_weight_bytes * p_exp / (split * stream / tp) * (E / ep)
         # With ep > tensor_parallel the experts span ep / tp data-parallel ranks (model.
@@ -274,9 +275,12 @@ class CostModel:
         var = share * (1.0 - 1.0 / ep) * ((E - k) / (E - 1) if E > 1 else 0.0)
         self._moe_sd = expected_max_normal(ep) * math.sqrt(var * ranks)
         self._moe_lam = (-math.log1p(-k / E) if k < E else 1e6) * ranks
-        if ep > tp:  # dispatch and combine: all-to-all per MoE layer
-            a2a = 2.0 * n_moe * k * m.hidden_size * m.act_dtype_bytes * (ep - 1) / ep / tp
-            self._ar_tok += a2a / link if link > 0 else 0.0
+        link = h.interconnect_gbps * 1e9 * e.moe_comm_efficiency
+        if ep > tp and link > 0:
+            # dispatch and combine per MoE layer: every GPU gathers the other ranks' tokens
+            # (whatever their experts) and reduce-scatters the outputs back
+            self._ar_tok += 2.0 * n_moe * (ranks - 1.0) * m.hidden_size * m.act_dtype_bytes / link
+        if ep > tp:
             self._ar_fix += 2.0 * n_moe * e.allreduce_latency_us * 1e-6
 
     def weight_bytes_per_gpu(self) -> float:

@@ -56,6 +56,9 @@ POINT_SPREAD = 0.1
 # API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
 # executor; TensorRT-LLM 0.7 on shares K/V across a GQA group (XQA kernels).
 DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_overlap": True}),
+           # (its CPU time per sequence fitted apart, on a held-out row: presets.ENGINES)
+           "tensorrt-llm-pytorch": ("tensorrt-llm", {
+               "cpu_per_seq_us": presets.ENGINES["tensorrt-llm-pytorch"]["cpu_per_seq_us"]}),
            "sglang": ("sglang-0.3", {"cpu_overlap": True}),
            "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True}),
            "vllm-0.6": ("vllm-0.6-multistep", {"num_scheduler_steps": 1}),

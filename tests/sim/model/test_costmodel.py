@@ -236,6 +236,22 @@ def test_engines_differ_in_cpu_and_multi_step():
     assert ENGINES["sglang"]["cpu_overlap"]
 
 
+def test_tensorrt_llm_pytorch_backend_is_its_kernels_with_pythons_host_time():
+    """The PyTorch backend: TensorRT-LLM's coefficients but the CPU time per sequence, which
+    a large enough batch makes the step's (overlapped: the longer of the two)."""
+    from sim.model.presets import ENGINES
+
+    cpp, py = ENGINES["tensorrt-llm"], ENGINES["tensorrt-llm-pytorch"]
+    assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_per_seq_us"}
+    m = model('engine.preset="tensorrt-llm-pytorch"', 'model.quantization="fp8"',
+              'hardware.preset="b200"')
+    b = 1500
+    assert decode(m, b, 100) == pytest.approx(m._cpu0 + b * py["cpu_per_seq_us"] * 1e-6)
+    assert decode(m, b, 100) > 1.5 * decode(model('engine.preset="tensorrt-llm"',
+                                                  'model.quantization="fp8"',
+                                                  'hardware.preset="b200"'), b, 100)
+
+
 def test_presets_change_speed():
     h100 = decode(model("hardware.preset=\"h100-sxm\""), 32, 1000)
     a100 = decode(model("hardware.preset=\"a100-80gb\""), 32, 1000)

@@ -35,7 +35,8 @@ def moe_time(m, T):
 # --- mixture of experts ----------------------------------------------------------------------------
 def test_a_moe_reads_only_the_experts_its_tokens_use():
     m = cost('model.config="qwen3-30b-a3b"', 'hardware.preset="h100-sxm"')
-    stream = 3350e9 * load_scenario("chat").engine.bandwidth_efficiency
+    e = load_scenario("chat").engine
+    stream = 3350e9 * e.bandwidth_efficiency * e.moe_gemm_efficiency
     expert_bytes = 48 * 128 * 3 * 2048 * 768 * 2
     # one token: 8 assignments, 8 of the 128 experts read per layer (1 - e^-x, x = -ln(1 - 8/128))
     assert moe_time(m, 1) == pytest.approx(math.hypot(m._moe_c * 8,
@@ -68,14 +69,15 @@ def test_skew_slows_expert_parallel_steps():
 
 def test_top_k_of_all_experts_is_a_dense_mlp_of_the_same_weights():
     """Every token to every expert: each expert gets all T tokens and every weight is read,
-    the work of one dense MLP holding all the experts (whatever the skew)."""
+    the work of one dense MLP holding all the experts (whatever the skew), at the grouped
+    GEMMs' efficiency (1 here: the dense layers' rates)."""
     for skew in ("0", "3"):
         m = cost('model.preset=""', "model.num_params=10e9", "model.num_layers=32",
                  "model.hidden_size=4096", "model.num_heads=32", "model.num_kv_heads=8",
                  "model.head_dim=128", "model.vocab_size=32000", "model.max_model_len=4096",
                  "model.num_experts=8",
                  "model.experts_per_token=8", "model.moe_intermediate_size=1024",
-                 f"model.expert_skew={skew}")
+                 f"model.expert_skew={skew}", "engine.moe_gemm_efficiency=1")
         p = 32 * 8 * 3 * 4096 * 1024
         gemm = 2 * m.shape.p_blocks / m._blk_c  # FLOP/s of the block GEMMs
         stream = 2 * m.shape.p_blocks / m._blk_m  # bytes/s streaming weights
@@ -84,16 +86,59 @@ def test_top_k_of_all_experts_is_a_dense_mlp_of_the_same_weights():
                                                    rel=1e-9)
 
 
-def test_expert_parallel_splits_the_expert_weights_and_adds_all_to_all():
+def test_expert_parallel_splits_the_expert_weights_and_adds_the_gather():
     tp1 = cost('model.config="qwen3-235b-a22b"', 'hardware.preset="h200"')
     ep8 = cost('model.config="qwen3-235b-a22b"', 'hardware.preset="h200"',
                "model.expert_parallel=8")
     experts = tp1.shape.p_experts * 2
     assert tp1.weight_bytes_per_gpu() - ep8.weight_bytes_per_gpu() == pytest.approx(
         experts * 7 / 8)
-    # dispatch and combine: 2 per MoE layer, 8 copies of the hidden state, 7/8 leaving the GPU
-    a2a = 2 * 94 * 8 * 4096 * 2 * 7 / 8 / (450e9 * 0.7)
-    assert ep8._ar_tok - tp1._ar_tok == pytest.approx(a2a)
+    # dispatch and combine, 2 per MoE layer: each GPU receives the hidden states of the 7 other
+    # ranks' tokens (each rank taken to send a batch like this one), then reduce-scatters
+    e = load_scenario("chat").engine
+    gather = 2 * 94 * 7 * 4096 * 2 / (450e9 * e.moe_comm_efficiency)
+    assert ep8._ar_tok - tp1._ar_tok == pytest.approx(gather)
+    assert ep8._fixed - tp1._fixed == pytest.approx(2 * 94 * e.allreduce_latency_us * 1e-6)
+
+
+def test_the_gather_moves_every_token_whatever_its_experts():
+    """The MoE layers of data-parallel ranks gather every rank's tokens on every GPU: the bytes
+    grow with the ranks, not with the experts a token uses (top-1 Llama 4 moves as much per
+    token as top-8 Qwen3 of the same hidden size), and the link's efficiency is the MoE's own."""
+    def gather(*o):
+        m = cost('model.config="qwen3-235b-a22b"', 'hardware.preset="h200"', *o)
+        return m._ar_tok
+
+    assert gather("model.data_parallel=8", "model.experts_per_token=1") == pytest.approx(
+        gather("model.data_parallel=8"))
+    assert gather("model.data_parallel=8") == pytest.approx(7 / 3 * gather("model.data_parallel=4"))
+    slow = gather("model.data_parallel=8", "engine.moe_comm_efficiency=0.2")
+    assert slow == pytest.approx(gather("model.data_parallel=8", "engine.moe_comm_efficiency=0.4")
+                                 * 2)
+    # the tensor-parallel all-reduce is not the MoE's link: its efficiency leaves the gather
+    assert gather("model.data_parallel=8", "engine.allreduce_efficiency=0.1") == gather(
+        "model.data_parallel=8")
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_grouped_gemm_efficiency_scales_the_experts_time_only(T):
+    """t_moe (compute and weight reads both) is the dense rates' time over
+    moe_gemm_efficiency; the rest of the step does not move."""
+    base = ('model.config="qwen3-30b-a3b"', 'hardware.preset="h100-sxm"')
+    full, half = cost(*base, "engine.moe_gemm_efficiency=1"), cost(
+        *base, "engine.moe_gemm_efficiency=0.5")
+    assert moe_time(half, T) == pytest.approx(2 * moe_time(full, T), rel=1e-12)
+    full._moe = half._moe = False
+    assert full.step(T, T, 0, 0, 0, 1, 0) == half.step(T, T, 0, 0, 0, 1, 0)
+
+
+def test_a_dense_model_pays_no_moe_term():
+    """The MoE coefficients change nothing for a dense model."""
+    a = cost("model.tensor_parallel=2", "model.data_parallel=4")
+    b = cost("model.tensor_parallel=2", "model.data_parallel=4", "engine.moe_gemm_efficiency=0.1",
+             "engine.moe_comm_efficiency=0.1")
+    assert a.kernel_coefficients == b.kernel_coefficients
+    assert a.step(100, 5050, 0, 30, 30000, 31, 31) == b.step(100, 5050, 0, 30, 30000, 31, 31)
 
 
 @pytest.mark.parametrize("sets, needle", [

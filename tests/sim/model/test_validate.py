@@ -44,6 +44,8 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("TensorRT-LLM v0.5/v0.6.1 gptSessionBenchmark", "tensorrt-llm-0.6"),
     ("TensorRT-LLM 0.9.0", "tensorrt-llm"),
     ("TRT-LLM", "tensorrt-llm"),
+    ("TensorRT-LLM v1.0 trtllm-bench (PyTorch backend)", "tensorrt-llm-pytorch"),
+    ("TensorRT-LLM trtllm-bench (PyTorch backend)", "tensorrt-llm-pytorch"),
     ("vLLM 0.6.0 (--num-scheduler-steps 10)", "vllm-0.6-multistep"),
     ("vLLM 0.5.3", "vllm-0.5"),
     ("vLLM v0.6.3", "vllm-0.6"),
