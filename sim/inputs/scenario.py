@@ -163,6 +163,10 @@ class EngineConfig:
     fp8_gemm_efficiency: float = _f(_ENGINE["fp8_gemm_efficiency"], gt=0, max=1,
                                     doc="linear layers of 1-byte weights: achieved / "
                                         "hardware.fp8_tflops at large token counts")
+    fp4_gemm_efficiency: float = _f(_ENGINE["fp4_gemm_efficiency"], gt=0, max=1,
+                                    doc="linear layers of FP4 weights (nvfp4, mxfp4) on FP4 "
+                                        "tensor cores: achieved / hardware.fp4_tflops at large "
+                                        "token counts")
     bandwidth_efficiency: float = _f(_ENGINE["bandwidth_efficiency"], gt=0, max=1,
                                      doc="streaming the weights: achieved / peak bandwidth")
     kv_bandwidth_efficiency: float = _f(_ENGINE["kv_bandwidth_efficiency"], gt=0, max=1,

@@ -17,10 +17,12 @@ P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through; P
 tied embeddings), the MLP width I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP).
 Bytes per element: wb weights (`model.dtype_bytes`; qb the blocks', wb unless quantized), kvb KV
 cache (`model.kv_dtype_bytes`), ab activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
-weights when the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency), F16 =
+weights when the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency; a quantized
+format's own tensor cores at fp8_gemm_efficiency, FP4's at fp4_gemm_efficiency), F16 =
 peak_tflops * 1e12 (attention), B = mem_bandwidth_gbps * 1e9, N = interconnect_gbps * 1e9.
 Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n
-all-reduce efficiencies.
+all-reduce efficiencies; e_x the experts' grouped GEMMs (a share of e_g and e_b), e_d the MoE
+dispatch and combine's link efficiency.
 
     linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = qb P_blocks / (tp B e_b)
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
@@ -31,7 +33,7 @@ all-reduce efficiencies.
     kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
     all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
-    all-to-all t_a2a   = 2 Lx (allreduce_latency + k h ab (ep-1)/ep T / (tp N e_n))  (ep > tp)
+    dispatch  t_a2a    = 2 Lx (allreduce_latency + (r - 1) h ab T / (N e_d))           (ep > tp)
     GPU       t_gpu    = busy + (t_layer + t_ar)
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
@@ -56,15 +58,17 @@ experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, 
 what every token passes through (attention, dense MLPs, shared experts, routers: `ModelShape`);
 `ep` GPUs hold the experts (`data_parallel x tensor_parallel` with data-parallel ranks, else
 `expert_parallel`: `ModelShape.expert_parallel`), `r = max(ep / tp, 1)` data-parallel ranks send
-them tokens, each taken to send a batch like the one being timed, `s = expert_skew`. The busiest GPU's (expert, token) assignments and the experts it
-touches:
+them tokens, each taken to send a batch like the one being timed, `s = expert_skew`. The busiest
+GPU's (expert, token) assignments and the experts it touches:
 
     N = min(T r min(k, E/ep),  T r (k/ep + s k/E) + z_ep sqrt(T r k/ep (1 - 1/ep) (E-k)/(E-1)))
     U = E/ep (1 - 1 / (1 + x + x^2/2 + x^3/6)),  x = -T r ln(1 - k/E)   (~ 1 - (1 - k/E)^(T r))
-    c_x = 2 Lx P_x / (F e_g / (tp/ep)),  m_x = qb Lx P_x / (B e_b / (tp/ep))
+    c_x = 2 Lx P_x / (F e_g e_x / (tp/ep)),  m_x = qb Lx P_x / (B e_b e_x / (tp/ep))
 
-with `z_ep` the expected largest of `ep` standard normal draws. `t_a2a` is folded into `_ar_tok`
-and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
+with `z_ep` the expected largest of `ep` standard normal draws. The dispatch gathers every
+rank's tokens on every GPU of the experts (whatever experts they use) and the combine
+reduce-scatters the outputs back, so its bytes grow with the ranks, not with k. `t_a2a` is
+folded into `_ar_tok` and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
 decode attention `2 L nh (2 r + dr)` FLOPs per position (the absorbed form), prefill `2 L nh
 (2 hd + dr)`, `g = 1`. Quantized blocks (`model.quantization`): `qb` bytes per weight in place of
 `wb` in t_blocks and t_moe, F the format's tensor cores, else `F16 e_g / (1 + DEQUANT)`.
@@ -244,8 +248,9 @@ class CostModel:
             return tp * f16 * e.gemm_efficiency
         cores = QUANTIZATIONS[m.quantization][1]
         peak = {"fp8": h.fp8_tflops, "int8": h.int8_tops, "fp4": h.fp4_tflops}.get(cores, 0.0)
-        if peak > 0:
-            return tp * peak * 1e12 * e.fp8_gemm_efficiency
+        if peak > 0:  # (FP4 with its block scales reaches less of its peak than FP8)
+            eff = e.fp4_gemm_efficiency if cores == "fp4" else e.fp8_gemm_efficiency
+            return tp * peak * 1e12 * eff
         return tp * f16 * e.gemm_efficiency / (1.0 + DEQUANT)
 
     def _moe_init(self, m, h, e, gemm, stream) -> None:

@@ -96,7 +96,7 @@ DEQUANT = 8.0 / 128.0
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
     elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_efficiency=0.7,
-    moe_gemm_efficiency=0.41, moe_comm_efficiency=0.45,
+    moe_gemm_efficiency=0.41, moe_comm_efficiency=0.45, fp4_gemm_efficiency=0.327,
 )
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
                  frontend_request_us=0.0, frontend_prompt_token_us=0.0,

@@ -208,8 +208,19 @@ def test_a_format_without_tensor_cores_is_emulated_with_the_unpacking_cost():
                                         / (312e12 * e.gemm_efficiency))
     b200 = cost('model.quantization="nvfp4"', 'hardware.preset="b200"')
     h200 = cost('model.quantization="nvfp4"', 'hardware.preset="h200"')
-    assert b200._blk_c == pytest.approx(2 * b200.shape.p_blocks / (9000e12 * e.fp8_gemm_efficiency))
+    assert b200._blk_c == pytest.approx(2 * b200.shape.p_blocks / (9000e12 * e.fp4_gemm_efficiency))
     assert h200._blk_c > 4 * b200._blk_c
+
+
+def test_fp4_tensor_cores_have_their_own_efficiency():
+    """FP4 weights on FP4 tensor cores run at fp4_gemm_efficiency of fp4_tflops; FP8 weights
+    and the BF16 LM head do not move with it."""
+    fp4 = ('model.quantization="nvfp4"', 'hardware.preset="b200"')
+    lo, hi = cost(*fp4, "engine.fp4_gemm_efficiency=0.2"), cost(*fp4, "engine.fp4_gemm_efficiency=0.4")
+    assert lo._blk_c == pytest.approx(2 * hi._blk_c)
+    assert lo._head_c == hi._head_c
+    fp8 = ('model.quantization="fp8"', 'hardware.preset="b200"')
+    assert cost(*fp8, "engine.fp4_gemm_efficiency=0.2")._blk_c == cost(*fp8)._blk_c
 
 
 def test_dtype_bytes_alone_still_works():
