@@ -26,7 +26,8 @@ dispatch and combine's link efficiency.
 
     linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = qb P_blocks / (tp B e_b)
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
-    elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp) / (B e_e)
+    elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp
+                            + Lx a_x ROUTED_PASSES h ab) / (B e_e)   (a_x: MoE only, below)
     prefill   t_pa     = max(4 L nh hd Ap / (tp F16 e_a),  kv (Kp + Tp) / (B e_k))
     decode    t_da     = max(4 L nh hd (Kd + D) / (tp F16 e_a),  kv (g Kd + D) / (B e_k))
     experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
@@ -65,7 +66,9 @@ GPU's (expert, token) assignments and the experts it touches:
     U = E/ep (1 - 1 / (1 + x + x^2/2 + x^3/6)),  x = -T r ln(1 - k/E)   (~ 1 - (1 - k/E)^(T r))
     c_x = 2 Lx P_x / (F e_g e_x / (tp/ep)),  m_x = qb Lx P_x / (B e_b e_x / (tp/ep))
 
-with `z_ep` the expected largest of `ep` standard normal draws. The dispatch gathers every
+with `z_ep` the expected largest of `ep` standard normal draws, and `a_x = min(k/ep + s k/E,
+min(k, E/ep)) r` the GPU's (token, expert) assignments per token, each passed over
+`ROUTED_PASSES` times by the routing's elementwise kernels. The dispatch gathers every
 rank's tokens on every GPU of the experts (whatever experts they use) and the combine
 reduce-scatters the outputs back, so its bytes grow with the ranks, not with k. `t_a2a` is
 folded into `_ar_tok` and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
@@ -280,6 +283,11 @@ class CostModel:
         var = share * (1.0 - 1.0 / ep) * ((E - k) / (E - 1) if E > 1 else 0.0)
         self._moe_sd = expected_max_normal(ep) * math.sqrt(var * ranks)
         self._moe_lam = (-math.log1p(-k / E) if k < E else 1e6) * ranks
+        # the routing's passes over each (token, expert) assignment's hidden state on the GPU,
+        # per token of the step: in t_elem
+        per_token = min(self._moe_mean, self._moe_cap)  # assignments on the GPU per token
+        self._elem += n_moe * per_token * ROUTED_PASSES * m.hidden_size * m.act_dtype_bytes \
+            / (h.mem_bandwidth_gbps * 1e9 * e.elementwise_efficiency)
         link = h.interconnect_gbps * 1e9 * e.moe_comm_efficiency
         if ep > tp and link > 0:
             # dispatch and combine per MoE layer: every GPU gathers the other ranks' tokens
@@ -392,6 +400,13 @@ class CostModel:
         if self.pcie_bytes_per_s <= 0:
             return 0.0
         return num_blocks * self.kv_bytes_per_block_gpu() / self.pcie_bytes_per_s
+
+
+# Elementwise passes over each routed (token, expert) assignment's hidden state, beyond the
+# token's own: the permute writes the copy, the grouped GEMM's input quantization reads and
+# writes it (one pass, as the activations are cast), the second GEMM writes the expert's
+# output and the finalize reads it back for the weighted sum.
+ROUTED_PASSES = 4.0
 
 
 def mlp_params(hidden: int, width: int) -> float:

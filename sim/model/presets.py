@@ -96,7 +96,7 @@ DEQUANT = 8.0 / 128.0
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
     elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_efficiency=0.7,
-    moe_gemm_efficiency=0.41, moe_comm_efficiency=0.45, fp4_gemm_efficiency=0.327,
+    moe_gemm_efficiency=0.40, moe_comm_efficiency=0.56, fp4_gemm_efficiency=0.33,
 )
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
                  frontend_request_us=0.0, frontend_prompt_token_us=0.0,
@@ -126,7 +126,7 @@ ENGINES: dict[str, dict] = {
 ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 (sim/README.md), the one published row where it binds.
-ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=35.7)
+ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=35.0)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True)
 # V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.
