@@ -210,7 +210,8 @@ class CostModel:
         self._head_c = 2.0 * p_head / head_gemm  # per sampled row
         self._head_m = wb * p_head / stream
         elem = L * ab * (8.0 * hid + (3.0 * inter + 2.0 * (nh + nkv) * hd) / tp) + wb * hid / tp
-        self._elem = elem / (bw * e.elementwise_efficiency)
+        elem_rate = bw * e.elementwise_efficiency  # bytes/s of the elementwise kernels
+        self._elem = elem / elem_rate
         attn = tp * f16 * e.attention_efficiency
         if m.kv_lora_rank:  # MLA: decode in the absorbed form, prefill with K/V expanded
             r, dr = m.kv_lora_rank, m.rope_head_dim
@@ -228,7 +229,7 @@ class CostModel:
             self._ar_tok = (2.0 * L * 2.0 * (tp - 1) / tp * hid * ab / link) if link > 0 else 0.0
         else:
             self._ar_fix = self._ar_tok = 0.0
-        self._moe_init(m, h, e, gemm, stream)
+        self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
         self._cpu1 = e.cpu_per_seq_us * 1e-6
@@ -256,7 +257,7 @@ class CostModel:
             return tp * peak * 1e12 * eff
         return tp * f16 * e.gemm_efficiency / (1.0 + DEQUANT)
 
-    def _moe_init(self, m, h, e, gemm, stream) -> None:
+    def _moe_init(self, m, h, e, gemm, stream, elem_rate) -> None:
         """The routed experts' coefficients (the module docstring's t_moe, t_a2a); all 0 for
         a dense model."""
         self._moe = m.num_experts > 0
@@ -287,7 +288,7 @@ class CostModel:
         # per token of the step: in t_elem
         per_token = min(self._moe_mean, self._moe_cap)  # assignments on the GPU per token
         self._elem += n_moe * per_token * ROUTED_PASSES * m.hidden_size * m.act_dtype_bytes \
-            / (h.mem_bandwidth_gbps * 1e9 * e.elementwise_efficiency)
+            / elem_rate
         link = h.interconnect_gbps * 1e9 * e.moe_comm_efficiency
         if ep > tp and link > 0:
             # dispatch and combine per MoE layer: every GPU gathers the other ranks' tokens
