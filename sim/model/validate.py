@@ -135,9 +135,8 @@ def engine_preset_for(engine: str) -> str | None:
     its PyTorch backend -> tensorrt-llm-pytorch; later -> tensorrt-llm. SGLang up to 0.3 ->
     sglang-0.3; later (its overlap scheduler) or of no stated version -> sglang. vLLM with
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
-    V1, or 0.8 and later
-    (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine (`VLLM_USE_V1=0`) ->
-    vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
+    V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
+    (`VLLM_USE_V1=0`) -> vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
     """
     t = engine.lower()
     if re.search(r"tensorrt|trt[ -]?llm", t):
