@@ -184,13 +184,15 @@ class EngineConfig:
     allreduce_efficiency: float = _f(_ENGINE["allreduce_efficiency"], gt=0, max=1,
                                      doc="all-reduce: achieved / interconnect bandwidth")
     moe_gemm_efficiency: float = _f(_ENGINE["moe_gemm_efficiency"], gt=0, max=1,
-                                    doc="mixtures of experts: the routed experts' grouped "
-                                        "GEMMs' FLOP/s and weight streaming, achieved / the "
-                                        "linear layers' (gemm and bandwidth efficiencies)")
+                                    doc="mixtures of experts: the grouped GEMMs of the routed "
+                                        "experts (FLOP/s and weight streaming), achieved / "
+                                        "those of the linear layers (gemm_efficiency and "
+                                        "bandwidth_efficiency)")
     moe_comm_efficiency: float = _f(_ENGINE["moe_comm_efficiency"], gt=0, max=1,
                                     doc="mixtures of experts over data-parallel ranks: the "
-                                        "tokens' gather and the outputs' reduce-scatter per "
-                                        "MoE layer, achieved / interconnect bandwidth")
+                                        "gather of the tokens and the reduce-scatter of the "
+                                        "outputs per MoE layer, achieved / interconnect "
+                                        "bandwidth")
     cpu_base_us: float = _f(_ENGINE["cpu_base_us"], min=0,
                             doc="CPU time per step (scheduling, input preparation, sampling)")
     cpu_per_seq_us: float = _f(_ENGINE["cpu_per_seq_us"], min=0,
