@@ -24,7 +24,8 @@ from sim.model import presets
 from sim.model.costmodel import CostModel, ModelShape
 from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
-from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_deployment
+from sim.limits import (INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE,
+                        USD_PER_GPU_HOUR_RANGE, check_deployment, usd_per_gpu_hour_ok)
 
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 DEFAULT_SCENARIO = "chat"
@@ -590,9 +591,13 @@ def _check_type(where: str, value, t) -> Any:
     elif t is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok:
-            value = float(value)
+            given = value
+            try:
+                value = float(value)
+            except OverflowError:  # an integer past the largest float (a long hex literal)
+                value = math.inf
             if not math.isfinite(value):
-                raise ScenarioError(f"{where} = {value!r}: must be finite")
+                raise ScenarioError(f"{where} = {shown(given, 80)}: must be finite")
     else:
         ok = isinstance(value, t)
     if not ok:
@@ -716,9 +721,9 @@ def _check_prices(where: str, value) -> dict:
         if gpu not in presets.HARDWARE:
             raise ScenarioError(f"{where}.{_key(gpu)}: unknown GPU (known: "
                                 f"{', '.join(presets.HARDWARE)}){_suggest(gpu, presets.HARDWARE)}")
-        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not 0 < usd < 1e6:
-            raise ScenarioError(f"{where}.{gpu} = {shown(usd, 80)}: expected a positive number "
-                                "of US dollars per GPU-hour")
+        if not usd_per_gpu_hour_ok(usd):
+            raise ScenarioError(f"{where}.{gpu} = {shown(usd, 80)}: expected US dollars per "
+                                "GPU-hour, from {:g} to {:g}".format(*USD_PER_GPU_HOUR_RANGE))
     return {gpu: float(usd) for gpu, usd in value.items()}
 
 
@@ -890,7 +895,9 @@ def _from_config(sc: Scenario) -> dict:
     quant = got.pop("quantization", "")
     if not m.quantization and m.dtype_bytes == 2:
         m.quantization = quant
-    return got
+    # Each size meets its [model] field's bounds, as if the scenario had written it.
+    where = f"{sc.source}: model.config = {shown(m.config)} gives model"
+    return {k: _check_field(f"{where}.{k}", _FIELDS["model"][k], v) for k, v in got.items()}
 
 
 def _check_model(sc: Scenario) -> None:
