@@ -139,6 +139,11 @@ def read_kernel_csv(path: Path) -> list[Row]:
         for col, default in OPTIONAL[kind].items():
             values[col] = (_number(path, line, col, raw[col], TOP[col]) if raw.get(col, "") != ""
                            else default)
+        unused = [c for c in TOP if raw.get(c, "") != "" and c not in values]
+        if unused:  # a value the fit would drop without a word (the row is likely mistyped)
+            raise MeasurementError(f"{path}:{line}: {unused[0]}: {shown(raw[unused[0]])}: a "
+                                   f"{kind} row does not read it (it reads "
+                                   f"{', '.join([*KINDS[kind], *OPTIONAL[kind]])})")
         seconds = _number(path, line, tcol, raw.get(tcol, "")) * UNITS[tcol]
         if seconds <= 0:
             raise MeasurementError(f"{path}:{line}: {tcol}: {raw.get(tcol)!r} must be positive")
