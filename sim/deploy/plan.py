@@ -1060,8 +1060,11 @@ class Journal:
             try:
                 d = json_loads(line)
             except ValueError:
-                if i == len(lines) - 1 and not complete:
+                if i == len(lines) - 1 and not complete and (i or self.header().startswith(line)):
                     break  # the line being written when the plan stopped
+                if i == 0:  # (never truncate a file that is not this plan's)
+                    raise PlanError(f"{self.path}: not a servesim plan file (give another -o)"
+                                    ) from None
                 raise PlanError(f"{self.path}: line {i + 1}: not a plan record") from None
             if i == 0:
                 if not isinstance(d, dict) or d.get("servesim_plan") != self.VERSION:
@@ -1087,12 +1090,16 @@ class Journal:
             new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
             self._fh = open(self.path, "a", encoding="utf-8")
             if new:
-                self._line({"servesim_plan": self.VERSION, "fingerprint": self.fingerprint,
-                            "plan": self.identity})
-        self._line({"kind": kind, "result": r.to_json()})
+                self._write(self.header())
+        self._write(json.dumps({"kind": kind, "result": r.to_json()}, default=str))
 
-    def _line(self, d: dict) -> None:
-        self._fh.write(json.dumps(d, default=str) + "\n")
+    def header(self) -> str:
+        """The file's first line, naming the plan."""
+        return json.dumps({"servesim_plan": self.VERSION, "fingerprint": self.fingerprint,
+                           "plan": self.identity}, default=str)
+
+    def _write(self, line: str) -> None:
+        self._fh.write(line + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
 

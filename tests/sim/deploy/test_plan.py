@@ -251,6 +251,22 @@ def test_an_output_file_that_is_not_text_is_refused(tmp_path):
         P.Journal(str(out), {}).read()
 
 
+@pytest.mark.parametrize("text", ["my notes, no line break at the end", '{"kind": "plan", "sce'])
+def test_a_one_line_file_that_is_not_a_plan_is_refused_not_truncated(tmp_path, text):
+    out = tmp_path / "notes.txt"
+    out.write_text(text)
+    with pytest.raises(P.PlanError, match="not a servesim plan file"):
+        P.Journal(str(out), {"a": 1}).read()
+    assert out.read_text() == text
+
+
+def test_a_torn_header_of_this_plan_is_written_again(tmp_path):
+    out = tmp_path / "plan.jsonl"
+    journal = P.Journal(str(out), {"a": 1})
+    out.write_text(journal.header()[:30])
+    assert journal.read() == ({}, {})
+
+
 def test_the_bundled_prices_are_attributed_and_dated():
     for gpu, price in P.load_prices().items():
         assert price.source.startswith("https://") and price.date[:4].isdigit(), gpu
