@@ -126,7 +126,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "--fit --loo --trust`; default: the bundled one)")
     s.add_argument("--no-validation", action="store_true",
                    help="leave out the validation errors and the regime intervals (faster)")
-    s.add_argument("--top", type=int, default=15, metavar="N", help="table rows (default 15)")
+    s.add_argument("--top", type=_ints_one, default=15, metavar="N", help="table rows (default 15)")
     s.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
 
 

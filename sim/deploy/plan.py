@@ -215,7 +215,7 @@ def price_override(text: str) -> tuple[str, Price]:
     except ValueError:
         usd = math.nan
     if not eq or not usd_per_gpu_hour_ok(usd):
-        raise PlanError(f"--price {shown(text, 80)}: expected GPU=USD_PER_GPU_HOUR with a price "
+        raise PlanError(f"--price {cut(text, 80)}: expected GPU=USD_PER_GPU_HOUR with a price "
                         f"{_USD_RANGE}")
     return gpu_preset(gpu.strip(), "--price"), Price(usd, "--price", "")
 
