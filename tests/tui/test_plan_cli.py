@@ -97,6 +97,23 @@ def test_bad_option_values_are_one_line_usage_errors(capsys, tiny, argv, message
     assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("text, message", [
+    (None, "cannot read as JSON: No such file"),
+    ('{"points": [{}]}', "points[0] = {}: expected an object with a text id"),
+    ('{"points": [{"id": "T1", "ratio": "x"}]}', "points[0] = {'id': 'T1', 'ratio': 'x'}"),
+    ("[" * 100_000, "cannot read as JSON: a value nested too deeply"),
+])
+def test_a_bad_validation_file_is_refused_before_the_search(capsys, tiny, tmp_path, text,
+                                                            message):
+    val = tmp_path / "val.json"
+    if text is not None:
+        val.write_text(text)
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                         "--validation", str(val))
+    assert code == 2 and out == "", out  # (no table: nothing was searched)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_price_table_with_a_bad_row(capsys, tiny, tmp_path):
     prices = tmp_path / "prices.toml"
     prices.write_text('[gpu.h100-sxm]\nusd_per_gpu_hour = "cheap"\nsource = "x"\ndate = "2026"\n')
