@@ -23,8 +23,9 @@ Two kinds of measurements:
 
 Every fitted coefficient keeps the prior of `sim.model.profiles.FIT`, so a coefficient the
 measurements do not constrain stays at its physical value. A file with a missing column, an
-unknown unit or kind, a negative or non-numeric time, too few points, or rows that contradict
-each other raises MeasurementError naming the file, line and field.
+unknown unit or kind, a negative or non-numeric time, a value in a column its row's kind does
+not read, too few points, or rows that contradict each other raises MeasurementError naming the
+file, line and field.
 """
 
 from __future__ import annotations
