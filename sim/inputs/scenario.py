@@ -633,8 +633,8 @@ def _check_dist(where: str, value, top: float) -> Any:
     dist = value.get("dist")
     if not isinstance(dist, str) or dist not in DIST_KEYS:
         raise ScenarioError(
-            f"{where}.dist = {dist!r}: expected one of {', '.join(DIST_KEYS)}{_suggest(str(dist), DIST_KEYS)}"
-        )
+            f"{where}.dist = {shown(dist, 80)}: expected one of {', '.join(DIST_KEYS)}"
+            f"{_suggest(dist, DIST_KEYS) if isinstance(dist, str) else ''}")
     allowed = DIST_KEYS[dist] | {"dist"}
     for k, v in value.items():
         if k not in allowed:
@@ -648,7 +648,8 @@ def _check_dist(where: str, value, top: float) -> Any:
             if not isinstance(v, list) or not v or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
             ):
-                raise ScenarioError(f"{where}.{k} = {v!r}: expected a non-empty list of numbers")
+                raise ScenarioError(f"{where}.{k} = {shown(v, 80)}: expected a non-empty list of "
+                                    "numbers")
             for i, x in enumerate(v):
                 number(f"{where}.{k}[{i}]", x, top if k == "values" else INT64_MAX)
             if k == "weights" and not sum(v) > 0:
@@ -757,7 +758,7 @@ def _check_clients(where: str, value) -> list[dict]:
 
 def _section(source: str, name: str, cls: type, raw: Any):
     if not isinstance(raw, dict):
-        raise ScenarioError(f"{source}: [{name}] must be a table, got {raw!r}")
+        raise ScenarioError(f"{source}: [{name}] must be a table, got {shown(raw, 80)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
@@ -828,7 +829,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
                             "servesim calibrate)")
     base = table.get("preset", presets.DEFAULT_ENGINE)
     if base not in presets.ENGINES:
-        raise ScenarioError(f"{path}: engine.preset = {base!r}: must name a built-in engine "
+        raise ScenarioError(f"{path}: engine.preset = {shown(base, 80)}: must name a built-in engine "
                             f"({', '.join(presets.ENGINES)})")
     return {**presets.ENGINES[base], **{k: v for k, v in table.items() if k != "preset"}}
 

@@ -343,7 +343,12 @@ def test_absurd_rates_and_control_characters_are_one_line(override, message):
                                       "in 64 bits"),
     ("workload.rate=0x" + "f" * 5000, "workload.rate = <an integer of 20000 bits>: must be "
                                       "finite"),
-], ids=["integer-field", "float-field"])
+    ("kv=0x" + "f" * 5000, "[kv] must be a table, got <an integer of 20000 bits>"),
+    ("workload.prompt_tokens={dist=0x" + "f" * 5000 + "}",
+     "workload.prompt_tokens.dist = <an integer of 20000 bits>: expected one of"),
+    ('workload.prompt_tokens={dist="choice", values=[0x' + "f" * 5000 + ', "x"]}',
+     "workload.prompt_tokens.values = <a list holding an integer too long to show>"),
+], ids=["integer-field", "float-field", "section", "dist", "list"])
 def test_integers_too_long_to_print_or_convert_are_one_line_exit_2(override, message, capsys):
     assert main(["sim", "chat", "-q", "--set", override]) == 2
     err = capsys.readouterr().err
