@@ -14,7 +14,12 @@ def cut(text: str, n: int) -> str:
 
 def shown(v, n: int = 40) -> str:
     """A value as a message shows it: its repr (one line whatever it holds), cut to n."""
-    return cut(repr(v), n)
+    try:
+        return cut(repr(v), n)
+    except ValueError:  # an integer of more digits than Python converts to text (in v)
+        if isinstance(v, int):
+            return f"<an integer of {v.bit_length()} bits>"
+        return f"<a {type(v).__name__} holding an integer too long to show>"
 
 
 class ServesimError(Exception):

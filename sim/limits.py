@@ -28,6 +28,18 @@ PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 # What a one-token decode step may take under the service-time model: shorter is below what
 # the clock resolves, longer is a model or hardware no engine could serve with.
 MIN_STEP_S, MAX_STEP_S = 1e-9, 3600.0
+# A GPU-hour's price in US dollars (`servesim plan`): a cost per million tokens divides by it, so
+# a price too small to divide by (1e-320) is refused with the absurdly large.
+USD_PER_GPU_HOUR_RANGE = (1e-6, 1e6)
+
+
+def usd_per_gpu_hour_ok(v) -> bool:
+    """Whether `v` is a price of one GPU-hour servesim takes: a number (not a bool) within
+    USD_PER_GPU_HOUR_RANGE (NaN is not)."""
+    lo, hi = USD_PER_GPU_HOUR_RANGE
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and lo <= v <= hi
+
+
 # Energy sums stay finite: the deployment's power over MAX_TIME_S must stay far from 1e308 J.
 MAX_ENERGY_J = 1e300
 

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 from sim.deploy import plan as P
 from sim.deploy import sweep
-from sim.fileio import check_writable, save_figure, write_atomic, json_loads, read_input_text
+from sim.errors import shown
+from sim.fileio import (check_writable, json_loads, read_input_text, reason, save_figure,
+                        write_atomic)
 from sim.inputs.scenario import BUNDLED_DIR
 from sim.model import trust as T
 from sim.model import validate as V
@@ -126,7 +129,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "--fit --loo --trust`; default: the bundled one)")
     s.add_argument("--no-validation", action="store_true",
                    help="leave out the validation errors and the regime intervals (faster)")
-    s.add_argument("--top", type=int, default=15, metavar="N", help="table rows (default 15)")
+    s.add_argument("--top", type=_ints_one, default=15, metavar="N", help="table rows (default 15)")
     s.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
 
 
@@ -171,6 +174,8 @@ def build_plan(args) -> P.Plan:
 def main(args) -> int:
     p = build_plan(args)
     trust = None if args.no_validation else T.load(Path(args.trust))  # (bad: before the search)
+    if args.validation and not args.no_validation:
+        read_validation(args.validation)  # (read again after the search: it is small)
     for path, what in ((args.output, "-o"), (args.winner, "--winner")):
         if path:
             check_writable(path, what)
@@ -220,23 +225,35 @@ def _regimes(out: P.Outcome, args) -> dict:
     points = V.load_points(BUNDLED_DIR / "fidelity")
     wanted = {(r.candidate.gpu, r.candidate.tp) for r in out.results if r.status == "ok"}
     if args.validation:
-        try:
-            data = json_loads(read_input_text(args.validation))
-            results = data["points"]
-            if not isinstance(results, list) or not all(isinstance(r, dict) for r in results):
-                raise TypeError
-        except ValueError as e:
-            raise P.PlanError(f"--validation {args.validation}: not JSON: {e}") from None
-        except (KeyError, TypeError):
-            raise P.PlanError(f"--validation {args.validation}: not the output of "
-                              "servesim validate --json (no points list)") from None
-        return P.regimes(points, results)
+        return P.regimes(points, read_validation(args.validation))
     chosen = []
     for pt in points:
         sc = V.point_scenario(pt)
         if (sc.hardware.preset, sc.model.tensor_parallel) in wanted:
             chosen.append(pt)
     return P.regimes(chosen, [V.run_point(pt) for pt in chosen])
+
+
+def read_validation(path: str) -> list[dict]:
+    """The rows of a `servesim validate --json` output, each with a text `id` and a `ratio`
+    that is a finite number or null. Raises PlanError naming the file."""
+    where = f"--validation {path}"
+    try:
+        data = json_loads(read_input_text(path))
+    except (OSError, ValueError) as e:  # (ValueError: invalid JSON or UTF-8)
+        raise P.PlanError(f"{where}: cannot read as JSON: {reason(e)}") from None
+    rows = data.get("points") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise P.PlanError(f"{where}: not the output of servesim validate --json (no points "
+                          "list)")
+    for i, r in enumerate(rows):
+        ratio = r.get("ratio") if isinstance(r, dict) else None
+        if not (isinstance(r, dict) and isinstance(r.get("id"), str)
+                and (ratio is None or (isinstance(ratio, (int, float))
+                                       and not isinstance(ratio, bool) and math.isfinite(ratio)))):
+            raise P.PlanError(f"{where}: points[{i}] = {shown(r, 80)}: expected an object with "
+                              "a text id and a finite ratio (or null)")
+    return rows
 
 
 def _err(reg) -> str:

@@ -54,6 +54,7 @@ from sim.fileio import json_loads, read_input_text, reason, toml_loads
 from sim.inputs.scenario import (BUNDLED_DIR, Scenario, apply_override, find_scenario,
                                  scenario_from_dict)
 from sim.inputs.workload import build_workload
+from sim.limits import USD_PER_GPU_HOUR_RANGE, usd_per_gpu_hour_ok
 from sim.model import presets
 from sim.model import trust as T
 from sim.model import validate as V
@@ -156,6 +157,9 @@ class Price:
     date: str
 
 
+_USD_RANGE = "from {:g} to {:g}".format(*USD_PER_GPU_HOUR_RANGE)
+
+
 def load_prices(path: str | Path = PRICES_FILE) -> dict[str, Price]:
     """The price table: `[gpu.PRESET]` tables of `usd_per_gpu_hour`, `source` and `date`.
     Raises PlanError naming the file, field and value of the first bad row."""
@@ -188,9 +192,9 @@ def load_prices(path: str | Path = PRICES_FILE) -> dict[str, Price]:
                 raise PlanError(f"{where}.{k}: unknown field (usd_per_gpu_hour, source, "
                                 "date, offer)")
         usd = row.get("usd_per_gpu_hour")
-        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not 0 < usd < 1e6:
-            raise PlanError(f"{where}.usd_per_gpu_hour = {shown(usd)}: expected a positive "
-                            "number of US dollars per GPU-hour")
+        if not usd_per_gpu_hour_ok(usd):
+            raise PlanError(f"{where}.usd_per_gpu_hour = {shown(usd)}: expected US dollars "
+                            f"per GPU-hour, {_USD_RANGE}")
         for k in ("source", "date"):
             v = row.get(k)
             if k == "date" and hasattr(v, "isoformat"):
@@ -210,8 +214,9 @@ def price_override(text: str) -> tuple[str, Price]:
         usd = float(value)
     except ValueError:
         usd = math.nan
-    if not eq or not 0 < usd < 1e6:
-        raise PlanError(f"--price {text}: expected GPU=USD_PER_GPU_HOUR with a positive price")
+    if not eq or not usd_per_gpu_hour_ok(usd):
+        raise PlanError(f"--price {cut(text, 80)}: expected GPU=USD_PER_GPU_HOUR with a price "
+                        f"{_USD_RANGE}")
     return gpu_preset(gpu.strip(), "--price"), Price(usd, "--price", "")
 
 
@@ -1040,7 +1045,11 @@ class Journal:
         confirmed: dict[str, Result] = {}
         if not self.path or not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
             return found, confirmed
-        text = read_input_text(self.path)
+        try:
+            text = read_input_text(self.path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"{self.path}: cannot read: {reason(e)} (not a servesim plan file: "
+                            "give another -o)") from None
         lines = text.split("\n")
         complete = text.endswith("\n")
         if not complete:  # the next line written replaces the torn one
@@ -1051,8 +1060,11 @@ class Journal:
             try:
                 d = json_loads(line)
             except ValueError:
-                if i == len(lines) - 1 and not complete:
+                if i == len(lines) - 1 and not complete and (i or self.header().startswith(line)):
                     break  # the line being written when the plan stopped
+                if i == 0:  # (never truncate a file that is not this plan's)
+                    raise PlanError(f"{self.path}: not a servesim plan file (give another -o)"
+                                    ) from None
                 raise PlanError(f"{self.path}: line {i + 1}: not a plan record") from None
             if i == 0:
                 if not isinstance(d, dict) or d.get("servesim_plan") != self.VERSION:
@@ -1078,12 +1090,16 @@ class Journal:
             new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
             self._fh = open(self.path, "a", encoding="utf-8")
             if new:
-                self._line({"servesim_plan": self.VERSION, "fingerprint": self.fingerprint,
-                            "plan": self.identity})
-        self._line({"kind": kind, "result": r.to_json()})
+                self._write(self.header())
+        self._write(json.dumps({"kind": kind, "result": r.to_json()}, default=str))
 
-    def _line(self, d: dict) -> None:
-        self._fh.write(json.dumps(d, default=str) + "\n")
+    def header(self) -> str:
+        """The file's first line, naming the plan."""
+        return json.dumps({"servesim_plan": self.VERSION, "fingerprint": self.fingerprint,
+                           "plan": self.identity}, default=str)
+
+    def _write(self, line: str) -> None:
+        self._fh.write(line + "\n")
         self._fh.flush()
         os.fsync(self._fh.fileno())
 

@@ -24,7 +24,8 @@ from sim.model import presets
 from sim.model.costmodel import CostModel, ModelShape
 from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
-from sim.limits import INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE, check_deployment
+from sim.limits import (INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE,
+                        USD_PER_GPU_HOUR_RANGE, check_deployment, usd_per_gpu_hour_ok)
 
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 DEFAULT_SCENARIO = "chat"
@@ -604,9 +605,13 @@ def _check_type(where: str, value, t) -> Any:
     elif t is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         if ok:
-            value = float(value)
+            given = value
+            try:
+                value = float(value)
+            except OverflowError:  # an integer past the largest float (a long hex literal)
+                value = math.inf
             if not math.isfinite(value):
-                raise ScenarioError(f"{where} = {value!r}: must be finite")
+                raise ScenarioError(f"{where} = {shown(given, 80)}: must be finite")
     else:
         ok = isinstance(value, t)
     if not ok:
@@ -642,8 +647,8 @@ def _check_dist(where: str, value, top: float) -> Any:
     dist = value.get("dist")
     if not isinstance(dist, str) or dist not in DIST_KEYS:
         raise ScenarioError(
-            f"{where}.dist = {dist!r}: expected one of {', '.join(DIST_KEYS)}{_suggest(str(dist), DIST_KEYS)}"
-        )
+            f"{where}.dist = {shown(dist, 80)}: expected one of {', '.join(DIST_KEYS)}"
+            f"{_suggest(dist, DIST_KEYS) if isinstance(dist, str) else ''}")
     allowed = DIST_KEYS[dist] | {"dist"}
     for k, v in value.items():
         if k not in allowed:
@@ -657,7 +662,8 @@ def _check_dist(where: str, value, top: float) -> Any:
             if not isinstance(v, list) or not v or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) for x in v
             ):
-                raise ScenarioError(f"{where}.{k} = {v!r}: expected a non-empty list of numbers")
+                raise ScenarioError(f"{where}.{k} = {shown(v, 80)}: expected a non-empty list of "
+                                    "numbers")
             for i, x in enumerate(v):
                 number(f"{where}.{k}[{i}]", x, top if k == "values" else INT64_MAX)
             if k == "weights" and not sum(v) > 0:
@@ -730,9 +736,9 @@ def _check_prices(where: str, value) -> dict:
         if gpu not in presets.HARDWARE:
             raise ScenarioError(f"{where}.{_key(gpu)}: unknown GPU (known: "
                                 f"{', '.join(presets.HARDWARE)}){_suggest(gpu, presets.HARDWARE)}")
-        if isinstance(usd, bool) or not isinstance(usd, (int, float)) or not 0 < usd < 1e6:
-            raise ScenarioError(f"{where}.{gpu} = {shown(usd, 80)}: expected a positive number "
-                                "of US dollars per GPU-hour")
+        if not usd_per_gpu_hour_ok(usd):
+            raise ScenarioError(f"{where}.{gpu} = {shown(usd, 80)}: expected US dollars per "
+                                "GPU-hour, from {:g} to {:g}".format(*USD_PER_GPU_HOUR_RANGE))
     return {gpu: float(usd) for gpu, usd in value.items()}
 
 
@@ -766,7 +772,7 @@ def _check_clients(where: str, value) -> list[dict]:
 
 def _section(source: str, name: str, cls: type, raw: Any):
     if not isinstance(raw, dict):
-        raise ScenarioError(f"{source}: [{name}] must be a table, got {raw!r}")
+        raise ScenarioError(f"{source}: [{name}] must be a table, got {shown(raw, 80)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in raw.items():
@@ -837,7 +843,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
                             "servesim calibrate)")
     base = table.get("preset", presets.DEFAULT_ENGINE)
     if base not in presets.ENGINES:
-        raise ScenarioError(f"{path}: engine.preset = {base!r}: must name a built-in engine "
+        raise ScenarioError(f"{path}: engine.preset = {shown(base, 80)}: must name a built-in engine "
                             f"({', '.join(presets.ENGINES)})")
     return {**presets.ENGINES[base], **{k: v for k, v in table.items() if k != "preset"}}
 
@@ -904,7 +910,9 @@ def _from_config(sc: Scenario) -> dict:
     quant = got.pop("quantization", "")
     if not m.quantization and m.dtype_bytes == 2:
         m.quantization = quant
-    return got
+    # Each size meets its [model] field's bounds, as if the scenario had written it.
+    where = f"{sc.source}: model.config = {shown(m.config)} gives model"
+    return {k: _check_field(f"{where}.{k}", _FIELDS["model"][k], v) for k, v in got.items()}
 
 
 def _check_model(sc: Scenario) -> None:

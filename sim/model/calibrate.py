@@ -23,8 +23,9 @@ Two kinds of measurements:
 
 Every fitted coefficient keeps the prior of `sim.model.profiles.FIT`, so a coefficient the
 measurements do not constrain stays at its physical value. A file with a missing column, an
-unknown unit or kind, a negative or non-numeric time, too few points, or rows that contradict
-each other raises MeasurementError naming the file, line and field.
+unknown unit or kind, a negative or non-numeric time, a value in a column its row's kind does
+not read, too few points, or rows that contradict each other raises MeasurementError naming the
+file, line and field.
 """
 
 from __future__ import annotations
@@ -139,6 +140,11 @@ def read_kernel_csv(path: Path) -> list[Row]:
         for col, default in OPTIONAL[kind].items():
             values[col] = (_number(path, line, col, raw[col], TOP[col]) if raw.get(col, "") != ""
                            else default)
+        unused = [c for c in TOP if raw.get(c, "") != "" and c not in values]
+        if unused:  # a value the fit would drop without a word (the row is likely mistyped)
+            raise MeasurementError(f"{path}:{line}: {unused[0]}: {shown(raw[unused[0]])}: a "
+                                   f"{kind} row does not read it (it reads "
+                                   f"{', '.join([*KINDS[kind], *OPTIONAL[kind]])})")
         seconds = _number(path, line, tcol, raw.get(tcol, "")) * UNITS[tcol]
         if seconds <= 0:
             raise MeasurementError(f"{path}:{line}: {tcol}: {raw.get(tcol)!r} must be positive")

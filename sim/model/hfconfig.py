@@ -114,6 +114,17 @@ class _Cfg:
                                 f"least {min_}")
         return v
 
+    def layers(self, key: str, num_layers: int) -> list[int]:
+        """A list of layer indices (absent or null: none), each from 0 to num_layers - 1."""
+        v = self.t.get(key)
+        if v is None:
+            return []
+        if not isinstance(v, list) or not all(
+                type(i) is int and 0 <= i < num_layers for i in v):
+            raise ScenarioError(f"{self.where}: {key} = {shown(v)}: expected a list of layer "
+                                f"indices from 0 to {num_layers - 1} (num_hidden_layers - 1)")
+        return v
+
     def flag(self, key: str, default: bool) -> bool:
         v = self.t.get(key, default)
         if v is None:
@@ -129,13 +140,16 @@ def find_config(spec: str, base_dir: Path) -> Path:
     p = Path(spec).expanduser()
     if not p.is_absolute():
         p = base_dir / p
-    if p.is_dir() and (p / "config.json").is_file():
-        return p / "config.json"
-    if p.is_file():
-        return p
-    bundled = MODELS_DIR / f"{spec}.json"
-    if re.fullmatch(r"[\w.-]+", spec) and bundled.is_file():
-        return bundled
+    try:
+        if p.is_dir() and (p / "config.json").is_file():
+            return p / "config.json"
+        if p.is_file():
+            return p
+        bundled = MODELS_DIR / f"{spec}.json"
+        if re.fullmatch(r"[\w.-]+", spec) and bundled.is_file():
+            return bundled
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, a link loop
+        raise ScenarioError(f"model.config = {shown(spec)}: cannot read: {reason(e)}") from None
     names = ", ".join(bundled_configs())
     raise ScenarioError(f"model.config = {shown(spec)}: no such file, folder with a config.json, "
                         f"or bundled model (bundled: {names})")
@@ -284,13 +298,11 @@ def _dense_layers(c: _Cfg, L: int, family: str) -> int:
             raise ScenarioError(f"{c.where}: moe_layer_freq = {c.t['moe_layer_freq']}: only 1 "
                                 "(every layer after the dense ones) is modeled")
         return min(c.num("first_k_dense_replace", min_=0), L)
-    if c.has("moe_layers") and isinstance(c.t["moe_layers"], list):
-        return L - len(set(c.t["moe_layers"]))
+    if c.has("moe_layers"):
+        return L - len(set(c.layers("moe_layers", L)))
     step = c.num("interleave_moe_layer_step" if family.startswith("Llama4")
                  else "decoder_sparse_step", 1)
-    only = c.t.get("mlp_only_layers") or []
-    if not isinstance(only, list):
-        raise ScenarioError(f"{c.where}: mlp_only_layers = {shown(only)}: expected a list")
+    only = c.layers("mlp_only_layers", L)
     moe = [i for i in range(L) if i not in only and (i + 1) % step == 0]
     return L - len(moe)
 
@@ -298,7 +310,11 @@ def _dense_layers(c: _Cfg, L: int, family: str) -> int:
 def _sliding(c: _Cfg, L: int, family: str) -> tuple[int, int]:
     """(window, how many layers attend within it); (0, 0) for none."""
     types = c.t.get("layer_types")
-    if isinstance(types, list):
+    if types is not None and not (isinstance(types, list)
+                                  and all(isinstance(t, str) for t in types)):
+        raise ScenarioError(f"{c.where}: layer_types = {shown(types)}: expected a list of "
+                            "strings (one per layer)")
+    if types is not None:
         n = sum(1 for t in types if t == "sliding_attention")
         return (c.num("sliding_window") if n else 0), n
     if family.startswith("Llama4") and c.has("attention_chunk_size"):

@@ -23,14 +23,13 @@ one as a published point does:
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
 from sim.errors import ServesimError
-from sim.fileio import read_input_text, reason
+from sim.fileio import json_loads, read_input_text, reason
 
 TRUST_FILE = Path(__file__).resolve().parents[2] / "scenarios" / "fidelity" / "trust.json"
 
@@ -87,7 +86,7 @@ def load(path: Path = TRUST_FILE) -> dict:
     """A trust file written by `validate --fit --loo --trust`: its points and their table.
     Raises TrustError naming the file and what is wrong."""
     try:
-        data = json.loads(read_input_text(path))
+        data = json_loads(read_input_text(path))
     except (OSError, UnicodeDecodeError) as e:
         raise TrustError(f"{path}: cannot read: {reason(e)}") from None
     except ValueError as e:

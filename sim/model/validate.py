@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.errors import ServesimError
+from sim.errors import ServesimError, shown
 from sim.deploy.build import build
 from sim.fileio import read_input_text, reason, save_figure, toml_loads
 from sim.inputs.scenario import load_scenario
@@ -182,6 +182,9 @@ class Point:
 
 
 REQUIRED = ("id", "engine", "metric", "published")
+# The least published figure taken (ms, tokens/s or requests/s): a prediction is divided by it,
+# and a subnormal one (1e-320) would make every ratio infinite.
+MIN_PUBLISHED = 1e-9
 
 
 def points_file(spec: str | Path) -> Path:
@@ -227,11 +230,11 @@ def load_points(spec: str | Path) -> list[Point]:
         try:
             value = float(row["published"].replace(",", ""))
         except ValueError:
-            raise ValidationError(f"{path}:{line}: published: {row['published']!r} is not a "
-                                  "number") from None
-        if not math.isfinite(value) or value <= 0:
-            raise ValidationError(f"{path}:{line}: published: {row['published']!r} must be a "
-                                  "positive number")
+            raise ValidationError(f"{path}:{line}: published: {shown(row['published'])} is not "
+                                  "a number") from None
+        if not (math.isfinite(value) and MIN_PUBLISHED <= value):
+            raise ValidationError(f"{path}:{line}: published: {shown(row['published'])} must be "
+                                  f"a positive number of at least {MIN_PUBLISHED:g}")
         use = row.get("use", "") or "validate"
         if use not in ("fit", "holdout", "validate"):
             raise ValidationError(f"{path}:{line}: use: {use!r}: expected fit or holdout")

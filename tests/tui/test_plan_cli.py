@@ -84,6 +84,36 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tiny, argv, message):
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    # numbers too small to divide by (subnormal), and a table of fewer than no rows
+    (["--rate", "1e-320"], "argument --rate: '1e-320': expected a positive load"),
+    (["--budget", "1e-320"], "argument --budget: '1e-320': expected a positive price"),
+    (["--top", "-1"], "argument --top: '-1': expected whole numbers of at least 1"),
+])
+def test_bad_option_values_are_one_line_usage_errors(capsys, tiny, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", tiny, "--slo", "ttft_p99=1", *SPACE, *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "cannot read as JSON: No such file"),
+    ('{"points": [{}]}', "points[0] = {}: expected an object with a text id"),
+    ('{"points": [{"id": "T1", "ratio": "x"}]}', "points[0] = {'id': 'T1', 'ratio': 'x'}"),
+    ("[" * 100_000, "cannot read as JSON: a value nested too deeply"),
+])
+def test_a_bad_validation_file_is_refused_before_the_search(capsys, tiny, tmp_path, text,
+                                                            message):
+    val = tmp_path / "val.json"
+    if text is not None:
+        val.write_text(text)
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                         "--validation", str(val))
+    assert code == 2 and out == "", out  # (no table: nothing was searched)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_price_table_with_a_bad_row(capsys, tiny, tmp_path):
     prices = tmp_path / "prices.toml"
     prices.write_text('[gpu.h100-sxm]\nusd_per_gpu_hour = "cheap"\nsource = "x"\ndate = "2026"\n')
@@ -146,7 +176,7 @@ def test_a_closed_loop_plan_reports_users_and_what_it_left_out(capsys, tiny):
 
 @pytest.mark.parametrize("setting, message", [
     ("plan.gpu_price_usd_per_hour={h100-sxm=0}",
-     "plan.gpu_price_usd_per_hour.h100-sxm = 0: expected a positive number"),
+     "plan.gpu_price_usd_per_hour.h100-sxm = 0: expected US dollars per GPU-hour"),
     ("plan.gpu_price_usd_per_hour={v100=1}", "plan.gpu_price_usd_per_hour.v100: unknown GPU"),
 ])
 def test_a_bad_scenario_price_is_one_line_and_exit_2(capsys, tiny, setting, message):

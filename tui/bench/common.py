@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from sim.native import compiled
-from sim.errors import ServesimError
+from sim.errors import ServesimError, shown
 from sim.policies import POLICIES
 
 
@@ -28,14 +28,16 @@ def count(text: str) -> int:
 
 
 def positive(what: str):
-    """A parser of a positive, finite number (argparse turns the error into one line)."""
+    """A parser of a positive, finite number (argparse turns the error into one line): not
+    subnormal either (1e-320), which the arithmetic after it overflows dividing by."""
     def parse(text: str) -> float:
         try:
             v = float(text)
         except ValueError:
             v = math.nan
-        if not 0 < v < math.inf:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a positive {what}")
+        if not sys.float_info.min <= v < math.inf:
+            raise argparse.ArgumentTypeError(f"{shown(text)}: expected a positive {what} "
+                                             f"(at least {sys.float_info.min:g})")
         return v
     return parse
 

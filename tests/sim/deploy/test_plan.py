@@ -237,6 +237,36 @@ def test_a_bad_price_row_names_file_field_and_value(tmp_path):
         P.load_prices(path)
 
 
+@pytest.mark.parametrize("text", ["h100-sxm=1e-320", "h100-sxm=abc", "h100-sxm=2e6",
+                                  "h100-sxm=-0.0"])
+def test_a_price_too_small_to_divide_by_or_absurd_is_refused(text):
+    with pytest.raises(P.PlanError, match="with a price from 1e-06 to 1e\\+06"):
+        P.price_override(text)
+
+
+def test_an_output_file_that_is_not_text_is_refused(tmp_path):
+    out = tmp_path / "plan.jsonl"
+    out.write_bytes(b"\x00\x01\xff")
+    with pytest.raises(P.PlanError, match="plan.jsonl: cannot read: .*give another -o"):
+        P.Journal(str(out), {}).read()
+
+
+@pytest.mark.parametrize("text", ["my notes, no line break at the end", '{"kind": "plan", "sce'])
+def test_a_one_line_file_that_is_not_a_plan_is_refused_not_truncated(tmp_path, text):
+    out = tmp_path / "notes.txt"
+    out.write_text(text)
+    with pytest.raises(P.PlanError, match="not a servesim plan file"):
+        P.Journal(str(out), {"a": 1}).read()
+    assert out.read_text() == text
+
+
+def test_a_torn_header_of_this_plan_is_written_again(tmp_path):
+    out = tmp_path / "plan.jsonl"
+    journal = P.Journal(str(out), {"a": 1})
+    out.write_text(journal.header()[:30])
+    assert journal.read() == ({}, {})
+
+
 def test_the_bundled_prices_are_attributed_and_dated():
     for gpu, price in P.load_prices().items():
         assert price.source.startswith("https://") and price.date[:4].isdigit(), gpu

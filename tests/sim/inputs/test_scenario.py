@@ -1,7 +1,10 @@
+import json
+
 import pytest
 
 from sim.errors import ScenarioError, TraceError
 from sim.inputs.scenario import bundled_scenarios, load_scenario, scenario_from_dict
+from sim.model.hfconfig import MODELS_DIR
 from tui.cli import main
 
 
@@ -334,6 +337,24 @@ def test_absurd_rates_and_control_characters_are_one_line(override, message):
         load_scenario("chat", [override])
 
 
+@pytest.mark.parametrize("override, message", [
+    # a hex literal: Python's digit limit does not apply, so TOML gives the integer itself
+    ("kv.block_size=0x" + "f" * 5000, "kv.block_size = <an integer of 20000 bits>: must fit "
+                                      "in 64 bits"),
+    ("workload.rate=0x" + "f" * 5000, "workload.rate = <an integer of 20000 bits>: must be "
+                                      "finite"),
+    ("kv=0x" + "f" * 5000, "[kv] must be a table, got <an integer of 20000 bits>"),
+    ("workload.prompt_tokens={dist=0x" + "f" * 5000 + "}",
+     "workload.prompt_tokens.dist = <an integer of 20000 bits>: expected one of"),
+    ('workload.prompt_tokens={dist="choice", values=[0x' + "f" * 5000 + ', "x"]}',
+     "workload.prompt_tokens.values = <a list holding an integer too long to show>"),
+], ids=["integer-field", "float-field", "section", "dist", "list"])
+def test_integers_too_long_to_print_or_convert_are_one_line_exit_2(override, message, capsys):
+    assert main(["sim", "chat", "-q", "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
 def test_a_description_may_hold_line_breaks_and_tabs():
     assert load_scenario("chat", ['description="two\\nlines\\tand a tab"']).description == \
         "two\nlines\tand a tab"
@@ -401,7 +422,9 @@ def test_plan_prices_are_checked_and_kept_out_of_the_dict_unless_given():
     assert sc.plan.gpu_price_usd_per_hour == {"h100-sxm": 2.5, "l40s": 1.0}
     again = scenario_from_dict(sc.to_dict())
     assert again.plan.gpu_price_usd_per_hour == sc.plan.gpu_price_usd_per_hour
-    for bad, message in (("{h100-sxm=true}", "h100-sxm = True: expected a positive number"),
+    for bad, message in (("{h100-sxm=true}", "h100-sxm = True: expected US dollars"),
+                         ("{h100-sxm=1e-320}", "h100-sxm = 1e-320: expected US dollars per "
+                                               "GPU-hour, from 1e-06"),
                          ("{h100=2}", "h100: unknown GPU"),
                          ("3", "expected a table of GPU")):
         with pytest.raises(ScenarioError, match=message):
@@ -444,3 +467,12 @@ def test_a_resolved_model_table_does_not_read_its_config_again(tmp_path):
 def test_a_config_model_too_big_for_its_gpus_names_the_config():
     with pytest.raises(ScenarioError, match=r"model.config = 'deepseek-v3' \(672.9 GB of weights"):
         load_scenario("chat", ['model.config="deepseek-v3"'])
+
+
+def test_a_configs_sizes_meet_the_model_fields_bounds(tmp_path):
+    raw = json.loads((MODELS_DIR / "llama-3.1-8b.json").read_text())
+    raw["max_position_embeddings"] = 10**30
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ScenarioError, match=r"gives model.max_model_len = 10{30}: must fit in "
+                                            "64 bits"):
+        load_scenario("chat", [f'model.config="{tmp_path}"'])

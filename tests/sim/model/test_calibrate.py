@@ -185,6 +185,10 @@ BAD_CSV = [
     ("kind,bytes,gpus,time_ms\nallreduce,1e30,4,3\n", ":2: bytes: '1e30' is more than 1e+15"),
     ("kind,batch,context,time_ms\ndecode,1,2,1e-300\n", ":2: time_ms: 1e-303 s is outside"),
     ("kind,batch,context,time_s\ndecode,1,2,1e12\n", ":2: time_s: 1e+12 s is outside"),
+    # a column the row's kind does not read: refused, not dropped (whatever it holds)
+    ("kind,batch,context,tokens,time_ms\ndecode,1,2,abc,3\n",
+     ":2: tokens: 'abc': a decode row does not read it (it reads batch, context)"),
+    ("kind,batch,context,gpus,time_ms\ndecode,1,2,1e309,3\n", ":2: gpus: '1e309': a decode row"),
 ]
 
 

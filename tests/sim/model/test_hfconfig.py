@@ -78,6 +78,12 @@ def _raw(name="mixtral-8x7b"):
     (lambda c: c.pop("num_local_experts"), "num_experts: missing"),
     (lambda c: c.update(quantization_config={"quant_method": "hqq"}), "quant_method = 'hqq'"),
     (lambda c: c.update(quantization_config={"quant_method": "awq", "bits": 3}), "bits = 3"),
+    # layer lists: indices of real layers, or refused (not counted as whatever they hold)
+    (lambda c: c.update(moe_layers=["a", None]), "moe_layers = ['a', None]: expected a list"),
+    (lambda c: c.update(moe_layers=list(range(40))), "indices from 0 to 31"),
+    (lambda c: c.update(mlp_only_layers=["x"]), "mlp_only_layers = ['x']"),
+    (lambda c: c.update(mlp_only_layers=[32]), "indices from 0 to 31"),
+    (lambda c: c.update(layer_types="sliding_attention"), "layer_types = 'sliding_attention'"),
 ])
 def test_bad_configs_are_refused_naming_the_field(edit, needle):
     raw = _raw()
@@ -121,3 +127,9 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path):
 def test_no_such_config_names_the_bundled_ones(tmp_path):
     with pytest.raises(ScenarioError, match="bundled: deepseek-v3"):
         read_config("nope", tmp_path)
+
+
+def test_a_config_path_the_system_cannot_look_up_is_one_line(tmp_path):
+    with pytest.raises(ScenarioError, match="model.config = 'aaaa.*: cannot read: File name "
+                                            "too long"):
+        read_config("a" * 5000, tmp_path)

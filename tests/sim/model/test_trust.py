@@ -75,7 +75,10 @@ def test_the_bundled_trust_file_covers_every_out_of_sample_point():
 
 @pytest.mark.parametrize("text,why", [("{", "not JSON"), ('{"points": 3}', "points"),
                                       ('{"points": {"x": {"regime": "fast", "ratio": 1}}}',
-                                       "points.x")])
+                                       "points.x"),
+                                      # json's recursive parser ran out of stack
+                                      ("[" * 100_000 + "]" * 100_000, "not JSON: a value nested "
+                                                                      "too deeply")])
 def test_a_bad_trust_file_is_one_line(tmp_path, text, why):
     p = tmp_path / "t.json"
     p.write_text(text)
