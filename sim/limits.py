@@ -31,6 +31,7 @@ MIN_STEP_S, MAX_STEP_S = 1e-9, 3600.0
 # A GPU-hour's price in US dollars (`servesim plan`): a cost per million tokens divides by it, so
 # a price too small to divide by (1e-320) is refused with the absurdly large.
 USD_PER_GPU_HOUR_RANGE = (1e-6, 1e6)
+USD_PER_GPU_HOUR_TEXT = "from {:g} to {:g}".format(*USD_PER_GPU_HOUR_RANGE)  # (in messages)
 
 
 def usd_per_gpu_hour_ok(v) -> bool:

@@ -174,8 +174,8 @@ def build_plan(args) -> P.Plan:
 def main(args) -> int:
     p = build_plan(args)
     trust = None if args.no_validation else T.load(Path(args.trust))  # (bad: before the search)
-    if args.validation and not args.no_validation:
-        read_validation(args.validation)  # (read again after the search: it is small)
+    validation = (read_validation(args.validation) if args.validation
+                  and not args.no_validation else None)  # (bad: before the search)
     for path, what in ((args.output, "-o"), (args.winner, "--winner")):
         if path:
             check_writable(path, what)
@@ -189,7 +189,7 @@ def main(args) -> int:
     finally:
         if bar:
             bar.close()
-    table = _regimes(out, args)
+    table = _regimes(out, args, validation)
     figures = None if trust is None or out.winner is None else P.winner_trust(
         out, out.winner, trust)
     if args.json:
@@ -217,15 +217,15 @@ def main(args) -> int:
 
 
 # --- trust ---------------------------------------------------------------------------------------
-def _regimes(out: P.Outcome, args) -> dict:
-    """(figure, gpu, tp) -> Regime, from a validate JSON or the bundled points that match the
-    candidates ranked (run here); empty with --no-validation."""
+def _regimes(out: P.Outcome, args, validation: list[dict] | None) -> dict:
+    """(figure, gpu, tp) -> Regime, from a validate JSON's rows (`validation`) or the bundled
+    points that match the candidates ranked (run here); empty with --no-validation."""
     if args.no_validation:
         return {}
     points = V.load_points(BUNDLED_DIR / "fidelity")
     wanted = {(r.candidate.gpu, r.candidate.tp) for r in out.results if r.status == "ok"}
-    if args.validation:
-        return P.regimes(points, read_validation(args.validation))
+    if validation is not None:
+        return P.regimes(points, validation)
     chosen = []
     for pt in points:
         sc = V.point_scenario(pt)

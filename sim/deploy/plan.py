@@ -54,7 +54,7 @@ from sim.fileio import json_loads, read_input_text, reason, toml_loads
 from sim.inputs.scenario import (BUNDLED_DIR, Scenario, apply_override, find_scenario,
                                  scenario_from_dict)
 from sim.inputs.workload import build_workload
-from sim.limits import USD_PER_GPU_HOUR_RANGE, usd_per_gpu_hour_ok
+from sim.limits import USD_PER_GPU_HOUR_TEXT, usd_per_gpu_hour_ok
 from sim.model import presets
 from sim.model import trust as T
 from sim.model import validate as V
@@ -157,9 +157,6 @@ class Price:
     date: str
 
 
-_USD_RANGE = "from {:g} to {:g}".format(*USD_PER_GPU_HOUR_RANGE)
-
-
 def load_prices(path: str | Path = PRICES_FILE) -> dict[str, Price]:
     """The price table: `[gpu.PRESET]` tables of `usd_per_gpu_hour`, `source` and `date`.
     Raises PlanError naming the file, field and value of the first bad row."""
@@ -194,7 +191,7 @@ def load_prices(path: str | Path = PRICES_FILE) -> dict[str, Price]:
         usd = row.get("usd_per_gpu_hour")
         if not usd_per_gpu_hour_ok(usd):
             raise PlanError(f"{where}.usd_per_gpu_hour = {shown(usd)}: expected US dollars "
-                            f"per GPU-hour, {_USD_RANGE}")
+                            f"per GPU-hour, {USD_PER_GPU_HOUR_TEXT}")
         for k in ("source", "date"):
             v = row.get(k)
             if k == "date" and hasattr(v, "isoformat"):
@@ -216,7 +213,7 @@ def price_override(text: str) -> tuple[str, Price]:
         usd = math.nan
     if not eq or not usd_per_gpu_hour_ok(usd):
         raise PlanError(f"--price {cut(text, 80)}: expected GPU=USD_PER_GPU_HOUR with a price "
-                        f"{_USD_RANGE}")
+                        f"{USD_PER_GPU_HOUR_TEXT}")
     return gpu_preset(gpu.strip(), "--price"), Price(usd, "--price", "")
 
 

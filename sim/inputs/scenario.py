@@ -25,7 +25,7 @@ from sim.model.costmodel import CostModel, ModelShape
 from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
 from sim.limits import (INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE,
-                        USD_PER_GPU_HOUR_RANGE, check_deployment, usd_per_gpu_hour_ok)
+                        USD_PER_GPU_HOUR_TEXT, check_deployment, usd_per_gpu_hour_ok)
 
 BUNDLED_DIR = Path(__file__).resolve().parents[2] / "scenarios"
 DEFAULT_SCENARIO = "chat"
@@ -738,7 +738,7 @@ def _check_prices(where: str, value) -> dict:
                                 f"{', '.join(presets.HARDWARE)}){_suggest(gpu, presets.HARDWARE)}")
         if not usd_per_gpu_hour_ok(usd):
             raise ScenarioError(f"{where}.{gpu} = {shown(usd, 80)}: expected US dollars per "
-                                "GPU-hour, from {:g} to {:g}".format(*USD_PER_GPU_HOUR_RANGE))
+                                f"GPU-hour, {USD_PER_GPU_HOUR_TEXT}")
     return {gpu: float(usd) for gpu, usd in value.items()}
 
 

@@ -290,11 +290,12 @@ class CostModel:
         self._elem += n_moe * per_token * ROUTED_PASSES * m.hidden_size * m.act_dtype_bytes \
             / elem_rate
         link = h.interconnect_gbps * 1e9 * e.moe_comm_efficiency
-        if ep > tp and link > 0:
+        if ep > tp:
             # dispatch and combine per MoE layer: every GPU gathers the other ranks' tokens
             # (whatever their experts) and reduce-scatters the outputs back
-            self._ar_tok += 2.0 * n_moe * (ranks - 1.0) * m.hidden_size * m.act_dtype_bytes / link
-        if ep > tp:
+            if link > 0:
+                self._ar_tok += 2.0 * n_moe * (ranks - 1.0) * m.hidden_size \
+                    * m.act_dtype_bytes / link
             self._ar_fix += 2.0 * n_moe * e.allreduce_latency_us * 1e-6
 
     def weight_bytes_per_gpu(self) -> float:
