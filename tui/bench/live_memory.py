@@ -34,7 +34,8 @@ def run(args) -> dict:
     """The dashboard as `servesim run chat` opens it (its own engine, the session log kept for
     export: its events spooled to disk), headless at 200x60, with real compute (`auto`: NumPy
     here) and without, and with real compute and every event kept in memory: resident memory
-    against simulated time, each in a fresh process (Linux: /proc/self/status)."""
+    against simulated time, each in a fresh process (Linux: /proc/self/status); with
+    `--no-compare` the first alone. `--set` overrides the scenario (an hour of arrivals)."""
     kinds = (("auto", True), ("auto", False), ("none", True)) if args.compare else (
         ("auto", True),)
     runs = [run_in_child("tui.bench.live_memory", "child", args.scenario, backend,
