@@ -575,6 +575,15 @@ class Dashboard(App[int]):
         self.exit(0)
 
 
+def live_engine(scenario, make_executor=None):
+    """The engine (or deployment) a live dashboard runs on `scenario`: one that keeps no
+    history (`keep_history=False`), so its memory follows what is in flight and the last
+    `Engine.ROLLING_S` simulated seconds the charts read, not how long the session has run.
+    The panels read only live requests, the engine's `recent` ones and `sim.rolling`; the
+    summary an export carries is the same either way. Raises ScenarioError (`sim.build`)."""
+    return build(scenario, make_executor=make_executor, keep_history=False)
+
+
 def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
                   make_executor=None) -> int:
     """Open the dashboard on `scenario` (or play the session log `replay` back). Returns the
@@ -583,7 +592,7 @@ def run_dashboard(scenario, *, speed: float = 1.0, replay: str | None = None,
         app = Dashboard(replayer=Replayer(read_log(replay)), replay_name=Path(replay).name,
                         speed=speed)
     else:
-        app = Dashboard(build(scenario, make_executor=make_executor), speed=speed)
+        app = Dashboard(live_engine(scenario, make_executor), speed=speed)
     try:
         app.run()
     finally:

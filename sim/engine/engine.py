@@ -136,11 +136,14 @@ def checked_injection(prompt_len: int | None, max_output_tokens: int,
     return prompt_len, prompt_text
 
 
-def cancellable(requests: dict, req_id: int) -> Request:
-    """The live request `req_id` a user asked to cancel.
+def cancellable(requests: dict, req_id: int, recent=()) -> Request:
+    """The live request `req_id` a user asked to cancel (`recent`: requests that have ended,
+    where `requests` may have forgotten them).
 
     Raises UnknownRequestError for an id never seen, EngineError for one already ended."""
     req = requests.get(req_id)
+    if req is None:
+        req = next((r for r in recent if r.req_id == req_id), None)
     if req is None:
         raise UnknownRequestError(f"cancel: no request with id {req_id}")
     if req.state.is_done:
@@ -187,8 +190,9 @@ class Engine(EngineState):
 
         `keep_history=False` bounds memory by what is in flight: a request is dropped when it
         ends (`requests` and `get` know only live ones; the last RECENT stay in `recent`) and
-        timeline rows once folded into the summary's totals (`rolling`, the token times of
-        ended requests and the exports need the default). The summary is the same either way.
+        timeline rows once folded into the summary's totals, but for the last ROLLING_S
+        simulated seconds that `rolling` reads (the token times of ended requests and the
+        exports need the default). The summary is the same either way.
 
         `cost` is the service-time model that times each step (a `sim.model.costmodel.ServiceTime`;
         default the scenario's `CostModel`); `observers` are told what each step scheduled."""
@@ -270,7 +274,8 @@ class Engine(EngineState):
         self.now = 0.0
         self.step_count = 0
         self.idle_time = 0.0
-        self.timeline = Timeline(keep=keep_history, pinned=self._first_token_row)
+        self.timeline = Timeline(keep=keep_history, pinned=self._first_token_row,
+                                 window_s=self.ROLLING_S)
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
         self._freed: list[int] = []
@@ -444,7 +449,7 @@ class Engine(EngineState):
             self._action("cancel", req_id=req_id)
             self._release_now(req)
             return
-        req = cancellable(self.requests, req_id)
+        req = cancellable(self.requests, req_id, self.recent)
         self._action("cancel", req_id=req_id)
         self._cancel(req, by="user")
 
@@ -453,8 +458,9 @@ class Engine(EngineState):
         ids = [r.req_id for r in self.policy.waiting_in_order()]
         self._action("cancel_waiting")
         for i in ids:
-            if not self.requests[i].state.is_done:  # (a sample goes with its request)
-                self._cancel(self.requests[i], by="user")
+            req = self.requests.get(i)  # (a sample goes with its request, and may be forgotten)
+            if req is not None and not req.state.is_done:
+                self._cancel(req, by="user")
         return ids
 
     def switch_policy(self, name: str) -> None:

@@ -13,9 +13,11 @@ Python lists.
 When a chunk fills it is sealed: its sums (energy, KV use and empty slots over time, batch sizes)
 are added to running totals and its ITL gaps go to a `sim.stats.quantiles.Samples`. The summary reads
 the totals plus the unsealed rows, so it never needs the sealed rows again. A timeline with
-`keep=False` (a headless run) then drops them: it holds only the `end` times that live requests'
-token times still point into (and, for a deployment, the KV use its peak has not merged yet),
-so its memory is bounded by what is in flight, not by the length of the run.
+`keep=False` (a run that keeps no history) then drops them: it holds only the `end` times that
+live requests' token times still point into (and, for a deployment, the KV use its peak has not
+merged yet), and the columns `sim.rolling` reads (ROLLING) of the rows of the last `window_s`
+simulated seconds, so its memory is bounded by what is in flight and by that window, not by the
+length of the run.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ _STAGE = 1 << 14
 # sim/native/_rows.c with the compiled build (the flush's per-row columns in one pass), else None
 _ROWS: Any = compiled.c_module("sim.native._rows")
 ITL_EXACT_ROWS = 1 << 19  # steps whose ITL gaps are held exactly (then: sim.stats.quantiles' sketch)
+# The columns `sim.stats.metrics.rolling` reads: sealed rows of the rolling window keep these
+# (keep=False)
+ROLLING = ("end", "itl_count", "sampled", "batch")
 
 
 def _ints(values: list[int]) -> np.ndarray:
@@ -104,12 +109,15 @@ class Timeline:
     """Append-only columns, one entry per engine step.
 
     `keep=False` drops sealed rows that no reader needs (see the module docstring); `pinned()`
-    then names the first row whose end time a live request still needs (math.inf: none).
+    then names the first row whose end time a live request still needs (math.inf: none); with
+    a `window_s`, the ROLLING columns of the rows ending within it of the last sealed row are
+    kept too, and the end time of the row before them.
     """
 
-    def __init__(self, keep: bool = True, pinned=None) -> None:
+    def __init__(self, keep: bool = True, pinned=None, window_s: float | None = None) -> None:
         self.keep = keep
         self.pinned = pinned
+        self.window_s = window_s
         self.hold_kv = False  # keep (end, kv_used) of sealed rows until `release_kv` (a cluster)
         self.on_seal: Callable[[], None] | None = None  # called after a write that sealed chunks
         self._stage_columns(_STAGE + 1024)
@@ -326,17 +334,19 @@ class Timeline:
         gaps, counts = self._gaps(c["end"], c["itl_count"])
         self.itl.extend(gaps, counts)
         self._last_end = float(c["end"][-1])
-        if self.keep:
-            self._chunks.append(c)
-        else:
-            held = {"end": c["end"]}
-            if self.hold_kv:
-                held["kv_used"] = c["kv_used"]
-            self._chunks.append(held)
+        self._chunks.append(c if self.keep else self._held(
+            c, ("end",) if self.window_s is None else ROLLING))
         self._tail = {k: np.zeros(CHUNK, dtype=t) for k, t in COLUMNS.items()}
         self._tail_n = 0
         if not self.keep:
             self._trim()
+
+    def _held(self, c: dict, names: tuple) -> dict:
+        """The columns `names` of chunk `c`, and its KV use while a deployment needs it."""
+        held = {name: c[name] for name in names}
+        if self.hold_kv:
+            held["kv_used"] = c["kv_used"]
+        return held
 
     def _gaps(self, ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ITL gaps of rows (end times `ends`, following the last sealed row) from row 1 on,
@@ -346,12 +356,26 @@ class Timeline:
         return np.diff(ends, prepend=self._last_end), counts
 
     def _trim(self) -> None:
-        """Drop the sealed chunks (oldest first) whose rows no reader needs any more."""
+        """Drop the sealed chunks (oldest first) whose rows no reader needs any more, and the
+        ROLLING columns of those the rolling window has left. (The window only moves on:
+        `sim.rolling` reads the rows ending at or after its start, and the end time of the
+        row before them.)"""
         keep_from = min(self.pinned() if self.pinned is not None else math.inf,
                         self._kv_from if self.hold_kv else math.inf)
-        while self._chunks and self._first + CHUNK <= keep_from:
-            self._chunks.pop(0)
+        chunks = self._chunks
+        if self.window_s is None:
+            while chunks and self._first + CHUNK <= keep_from:
+                chunks.pop(0)
+                self._first += CHUNK
+            return
+        since = self._last_end - self.window_s
+        while (len(chunks) > 1 and self._first + CHUNK <= keep_from
+               and chunks[1]["end"][0] < since):
+            chunks.pop(0)
             self._first += CHUNK
+        for i, c in enumerate(chunks):
+            if "sampled" in c and c["end"][-1] < since:
+                chunks[i] = self._held(c, ("end",))
 
     def release_kv(self, row: int) -> None:
         """A cluster has merged the KV use of rows before `row` (with `hold_kv`)."""
@@ -379,16 +403,17 @@ class Timeline:
         lo, hi = max(lo, 0), min(hi, self.n)
         if hi <= lo:
             return np.zeros(0, dtype=COLUMNS[name])
-        if lo < self._first or (self._chunks and name not in self._chunks[0]
-                                and lo < self.sealed.rows):
-            raise EngineError(f"timeline: rows {lo}..{hi} of {name!r} were folded into the "
-                              "summary (a run that keeps no history)")
         pieces = []
         start = self._first
         for c in self._chunks:
             if start + CHUNK > lo and start < hi:
+                if name not in c:
+                    break
                 pieces.append(c[name][max(lo - start, 0):min(hi - start, CHUNK)])
             start += CHUNK
+        if lo < self._first or start < min(hi, self.sealed.rows):
+            raise EngineError(f"timeline: rows {lo}..{hi} of {name!r} were folded into the "
+                              "summary (a run that keeps no history)")
         if hi > start:
             pieces.append(self._tail[name][max(lo - start, 0):hi - start])
         v = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import gc
+import math
 import weakref
 
 import numpy as np
 import pytest
 
-from sim import POLICIES, Engine, build, load_scenario
+from sim import POLICIES, Engine, build, load_scenario, summarize
 from sim.session.log import decode, read_log, write_log
 from sim.session.replay import Replayer, verify
 from sim.session.spool import KEEP
@@ -710,3 +711,78 @@ async def test_a_session_whose_events_went_to_disk_exports_whole_and_replays(tmp
     assert len(log.records) > n and log.footer["step"] == step
     assert verify(log)[1] is None
 
+
+
+def test_the_live_dashboards_engine_holds_what_is_in_flight_not_the_session(monkeypatch):
+    # `servesim run` builds an engine that keeps no history: after N simulated seconds it
+    # holds the live requests and the timeline rows of the charts' window, however large N.
+    from sim.engine import timeline
+    from tui import app as app_module
+    monkeypatch.setattr(timeline, "CHUNK", 1024)
+    built = []
+    monkeypatch.setattr(Dashboard, "run", lambda self: built.append(self.engine))
+    app_module.run_dashboard(load_scenario("chat", ["workload.duration_s=600"]))
+    [engine] = built
+    for t in (100.0, 200.0, 400.0):
+        engine.run_until(t)
+        tl = engine.timeline
+        window_rows = tl.n - tl.index(engine.now - Engine.ROLLING_S)
+        assert tl.n - tl.first <= window_rows + 2 * 1024, t
+        live = (len(engine.policy.running) + len(engine.policy.waiting)
+                + len(engine._releasing))
+        assert len(engine.requests) <= live, t
+    assert engine.counts["arrived"] > 1000 and tl.n > 20 * 1024
+
+
+@pilot_test
+async def test_the_charts_read_a_live_engine_across_many_sealed_chunks(monkeypatch):
+    from sim.engine import timeline
+    from tui.app import live_engine
+    monkeypatch.setattr(timeline, "CHUNK", 256)
+    monkeypatch.setattr(Engine, "ROLLING_S", Dashboard.CHART_WINDOW_S)  # (rows go sooner)
+    engine = live_engine(load_scenario("chat", ["kv.num_blocks=1500", "workload.duration_s=60"]))
+    app = Dashboard(engine, paused=True)
+    async with app.run_test(size=SIZE):
+        for k in range(1, 41):
+            with app.driver.lock:
+                engine.run_until(k * 1.5)
+            app.sample_charts()
+            app.refresh_frame()
+        assert app._failures == 0 and engine.timeline.first > 0
+        assert not math.isnan(app.charts.history["ttft_p50_ms"][-1])
+
+
+@pilot_test
+async def test_a_live_session_exports_the_log_and_summary_a_full_history_would(tmp_path,
+                                                                               monkeypatch):
+    # The dashboard's engine keeps no history; its export is still the whole session (its
+    # events partly spooled), it replays exactly, and its summary is the one an engine that
+    # keeps every request and step computes over the same session.
+    from sim.engine import timeline
+    from tui.app import live_engine
+    monkeypatch.setattr(timeline, "CHUNK", 256)
+    monkeypatch.setattr(Engine, "ROLLING_S", Dashboard.CHART_WINDOW_S)
+    engine = live_engine(load_scenario("chat", ["kv.num_blocks=1500", "workload.duration_s=60"]))
+    app = Dashboard(engine, paused=True, log_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        for k, key in enumerate(("i", "b", "p", "i")):
+            with app.driver.lock:
+                engine.run_until(10.0 * (k + 1))
+            app.spool.keep = 50
+            app.spool_events()
+            await pilot.press(key)
+        with app.driver.lock:
+            engine.run_until(70.0)
+        await pilot.press("e")
+        await pilot.pause()
+        [path] = list(tmp_path.glob("*.msgpack"))
+        step, now = engine.step_count, engine.now
+    assert engine.timeline.first > 0 and app.spool.spooled[None] > 0
+    log = read_log(path)
+    assert verify(log)[1] is None
+    full = Replayer(log)  # (an engine that keeps its history, through the same session)
+    full.run_until(now + 1.0)
+    assert full.engine.keep_history and (full.engine.step_count, full.engine.now) == (step, now)
+    recorded, replayed = dict(log.footer["summary"]), summarize(full.engine)
+    recorded.pop("wall_s"), replayed.pop("wall_s")
+    assert recorded == replayed

@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speed", type=speed, default=4.0, help="dashboard speed (default x4)")
     s.add_argument("--sim-seconds", type=seconds, default=300.0,
                    help="simulated seconds to run (default 300)")
+    s.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE",
+                   help="scenario overrides (workload.duration_s=3600: arrivals for an hour)")
+    s.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run with the events in memory and without compute (default; "
+                        "--no-compare: the real-compute run with its events on disk only)")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("compute", help="engine steps per second with real attention")
     s.add_argument("--scenario", default="chat")

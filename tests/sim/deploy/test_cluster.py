@@ -502,6 +502,8 @@ def test_a_deployment_without_history_has_the_same_summary(monkeypatch, override
     # (small chunks: the instances seal and drop rows, and the KV peak is merged as the run
     # goes, ties between instances included)
     monkeypatch.setattr(Cluster, "PRUNE_AT", 16)
+    # (a rolling window of a few seconds: the rows of the last ROLLING_S seconds are held)
+    monkeypatch.setattr(Engine, "ROLLING_S", 2.0)
     full, bounded, a, b = run_with_and_without_history(
         monkeypatch, small_scenario(*overrides), chunk=128, itl_rows=600, exact=30)
     assert a == b and a["kv"]["peak_used_blocks"] > 0

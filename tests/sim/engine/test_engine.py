@@ -149,6 +149,36 @@ def test_cancel_errors_are_clear():
         e.cancel(rid)
 
 
+def test_a_request_that_ended_lately_is_named_so_without_history():
+    # (the dashboard's engine keeps no history: a request picked from its recent table has
+    # been forgotten, and a cancel of it says what happened to it)
+    e = Engine(small_scenario(), keep_history=False)
+    e.run_until(3.0)
+    ended = e.recent[-1]
+    assert ended.req_id not in e.requests
+    with pytest.raises(EngineError, match=f"request {ended.req_id} is already finished"):
+        e.cancel(ended.req_id)
+    with pytest.raises(UnknownRequestError, match="no request with id 999999"):
+        e.cancel(999999)
+
+
+def test_cancel_waiting_takes_a_requests_samples_with_it_without_history():
+    # A preempted request waits ahead of its own waiting samples: cancelling it cancels them,
+    # and a run that keeps no history forgets them at once.
+    sc = small_scenario("workload.num_samples=3", "kv.num_blocks=400", "workload.duration_s=10")
+    e = Engine(sc, keep_history=False)
+    while True:
+        e.step()
+        order = {r.req_id: k for k, r in enumerate(e.policy.waiting_in_order())}
+        if any(r.parent_id in order and order[r.parent_id] < order[r.req_id]
+               for r in e.policy.waiting_in_order()):
+            break
+    ids = e.cancel_waiting()
+    assert not e.policy.waiting and all(i not in e.requests for i in ids)
+    assert all(r.state is S.CANCELLED for r in e.recent if r.req_id in ids)
+    check_invariants(e)
+
+
 def test_inject_arrives_now_and_is_recorded():
     e = Engine(small_scenario())
     e.run_until(2.0)
@@ -342,6 +372,8 @@ def test_skip_ahead_beside_finishing_requests_equals_step_by_step():
     ("workload.cancel_fraction=0.3", "kv.num_blocks=400", "scheduler.preemption=\"swap\""),
 ])
 def test_a_run_without_history_has_the_same_summary_in_bounded_memory(monkeypatch, overrides):
+    # (a rolling window of a few seconds: the rows of the last ROLLING_S seconds are held)
+    monkeypatch.setattr(Engine, "ROLLING_S", 2.0)
     full, bounded, a, b = run_with_and_without_history(
         monkeypatch, small_scenario(*overrides), chunk=256, itl_rows=1000, exact=20)
     assert a == b

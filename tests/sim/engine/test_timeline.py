@@ -107,6 +107,30 @@ def test_without_history_rows_are_dropped_unless_pinned(small_chunks):
     assert all(getattr(a, k) == getattr(b, k) for k in tlmod.TOTALS)
 
 
+def test_without_history_the_rolling_window_stays_readable_and_bounded(small_chunks):
+    # Rows end every 0.01-0.05 s: a 3 s window spans 60-300 rows, a few chunks of 64. At each
+    # point, what `sim.rolling` reads (the ROLLING columns of the rows ending in the window,
+    # the end time of the row before) is there, and what is held does not grow with the run.
+    n, window = 4000, 3.0
+    cols = _rows(n)
+    tl = Timeline(keep=False, pinned=lambda: float("inf"), window_s=window)
+    held = []
+    for upto in range(200, n + 1, 200):
+        _fill(tl, {c: v[upto - 200:] for c, v in cols.items()}, 200)
+        now = cols["end"][upto - 1]
+        lo = tl.index(now - window, "left")
+        assert lo == np.searchsorted(cols["end"], now - window, "left")
+        for c in tlmod.ROLLING:
+            assert np.array_equal(tl.rows(c, lo, upto), cols[c][lo:upto]), (upto, c)
+        assert tl.ends(lo - 1, 1)[0] == cols["end"][lo - 1]
+        held.append(upto - tl.first)
+    assert max(held) <= 320 + 3 * 64  # (the window's rows, and the chunks they straddle)
+    with pytest.raises(EngineError, match="folded"):
+        tl.rows("batch", 0, 10)
+    with pytest.raises(EngineError, match="folded"):
+        tl.rows("kv_used", n - 100, n)  # (a sealed chunk keeps only what rolling reads)
+
+
 def test_a_run_with_the_collector_paused_makes_no_garbage_cycles(monkeypatch):
     # Runs pause the cyclic collector (sim/gcpause.py), so a reference cycle made per flush
     # or per step stays, with whatever it holds, until the run ends: compiled nested functions
