@@ -23,6 +23,7 @@ from tui.cli import main
 from tui.compute import make_executor
 
 DISAGG = 'scheduler.policy="disaggregated"'
+P2D3 = (DISAGG, "cluster.prefill_instances=2", "cluster.decode_instances=3")
 
 
 def streams(c) -> list:
@@ -220,6 +221,14 @@ def test_real_compute_matches_the_plain_engine_and_the_kv_really_moves(monkeypat
     assert len(c.transfers) == len(rows)
     for rid in range(len(rows)):
         assert c.get(rid).output_token_ids == ref.get(rid).output_token_ids, rid
+    # two prefill and three decode instances: each hand-off copies into its own decode
+    # instance's pool
+    c = build(small_scenario('compute.backend="numpy"', "compute.verify_every=2", *P2D3),
+              workload=workload_of(rows), make_executor=make_executor)
+    step_all(c)
+    assert min(c.routed) > 0 and len(c.transfers) == len(rows)
+    for rid in range(len(rows)):
+        assert c.get(rid).output_token_ids == ref.get(rid).output_token_ids, rid
     # replicas, each with its own executor, give the same tokens too
     rsc = small_scenario('compute.backend="numpy"', "cluster.replicas=2")
     c = build(rsc, workload=workload_of(rows), make_executor=make_executor)
@@ -238,9 +247,6 @@ def test_real_compute_matches_the_plain_engine_and_the_kv_really_moves(monkeypat
 
 
 # ================================================================ other prefill:decode ratios
-P2D3 = (DISAGG, "cluster.prefill_instances=2", "cluster.decode_instances=3")
-
-
 def test_each_arrival_goes_to_the_decode_instance_with_the_fewest_outstanding_requests():
     # Six at once: the decode instances take turns (ties: lowest index). Later, the two short
     # ones on instance 2 have ended and the others still decode: the next goes to 2.
