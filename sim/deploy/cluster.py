@@ -19,10 +19,11 @@ boundary at or after the arrival's time (an idle one simply jumps there). An ins
 finds nothing it can schedule (its blocks held by hand-offs) idles until the next thing that
 can reach it, and the others go meanwhile; with more than two instances, what can reach it
 includes what a third may set off (a transfer started on one decode instance frees a prefill
-instance's blocks, which then hands a request to another decode instance). Where an instance's boundaries fall does not depend
-on how a caller slices time, so sliced and unsliced runs give the same event streams; a session
-log records where each instance stood at each user action, and a replay brings every instance
-there before applying it.
+instance's blocks, which then hands a request to another decode instance). Where an
+instance's boundaries fall does not depend on how a caller slices time, so sliced and unsliced
+runs give the same event streams; a session log records where each instance stood at each
+user action and whether it had applied there what it found, and a replay brings every instance
+there, applying that as it arrives, before applying the action.
 
 Disaggregation. Every instance schedules as `chunked`. An arrival goes to a prefill instance
 (by `cluster.router` when there are several) and, at the same moment, is given its decode
@@ -373,10 +374,16 @@ class Cluster:
         mine = self.settled
         for i in sorted(range(len(engines)), key=lambda i: (engines[i].now, i)):
             if settled[i + 1] and not mine[i + 1]:
-                self._prologue(i)
-                engines[i].settle()  # (its decision, which ran no step)
+                self._settle_one(i)
                 if settled[0]:
                     self._global()
+
+    def _settle_one(self, i: int) -> bool:
+        """Instance `i` applies what its decision would first, and runs no step (a replay, at
+        a recorded position). Returns whether anything was delivered."""
+        delivered = self._prologue(i)
+        self.instances[i].settle()  # (its decision, which ran no step)
+        return delivered
 
     def get(self, req_id: int) -> Request:
         try:
@@ -405,9 +412,10 @@ class Cluster:
         return n
 
     def run_until(self, t: float, max_steps: int | None = None, *,
-                  caps: list | None = None) -> int:
+                  caps: list | None = None, settled: list | None = None) -> int:
         """Run every instance to its first step boundary at or after `t` (idle ones to `t`).
-        `caps` ([steps, clock] per instance, a replay's) are positions no instance passes.
+        `caps` ([steps, clock] per instance, a replay's) are positions no instance passes, and
+        `settled` (the recorded `settled` there) says which had applied there what it found.
         Returns the engine steps taken."""
         start = self.step_count
         budget = max_steps if max_steps is not None else 1 << 62
@@ -416,7 +424,7 @@ class Cluster:
         with paused_gc():
             n = 0
             while self.step_count - start < budget:
-                n = self._decide(t, budget - (self.step_count - start), caps)
+                n = self._decide(t, budget - (self.step_count - start), caps, settled)
                 if n is None:
                     break
                 key = (self.step_count, tuple(e.now for e in self.instances), self._w_next,
@@ -454,14 +462,15 @@ class Cluster:
         raise EngineError(f"deployment stalled at t={self.now:.6f}: {len(self._handoffs)} "
                           "requests between instances, nothing can move")
 
-    def advance_to(self, at: list) -> None:
-        """Bring every instance to exactly `at` ([steps, clock] each; a recorded action's).
+    def advance_to(self, at: list, settled: list | None = None) -> None:
+        """Bring every instance to exactly `at` ([steps, clock] each; a recorded action's;
+        `settled`, the recorded `settled` there).
         Raises EngineError if the run cannot land there. Already there, nothing runs (as a
         single engine's `advance_to`): a log exported before the first step has routed none
         of the arrivals due at t = 0, and its replay must not either."""
         if self.position() == [list(p) for p in at]:
             return
-        self.run_until(INF, caps=at)
+        self.run_until(INF, caps=at, settled=settled)
         for (step, t), e in zip(at, self.instances):
             if e.step_count == step and e.now < t and not e.policy.has_work():
                 e.idle_until(t)
@@ -709,10 +718,11 @@ class Cluster:
                 if h is not None and not h.joined:  # (once joined, its instance cancels it)
                     self._cancel_handoff(h, t, "client")
 
-    def _decide(self, until: float, max_steps: int, caps: list | None = None) -> int | None:
+    def _decide(self, until: float, max_steps: int, caps: list | None = None,
+                settled: list | None = None) -> int | None:
         """One decision of the instance furthest behind that may decide: its steps (0 for an
         idle advance), or None when no instance has anything to do before `until` (or within
-        `caps`)."""
+        `caps`; `settled` as `run_until`'s)."""
         self._global()
         self._routed = False  # (whatever this decision does may let more be routed)
         engines = self.instances
@@ -724,11 +734,21 @@ class Cluster:
             if e.step_count > step or (e.step_count == step and e.now >= t)}
         for i in sorted(range(len(engines)), key=lambda i: (engines[i].now, i)):
             e = engines[i]
-            if e.now >= until or not self._busy(i) or i in frozen:
+            if e.now >= until or not self._busy(i):
                 continue
             if any(self._busy(j) and j not in frozen and self._horizon(j, i, frozen) < e.now
                    for j in self._senders(i)):
                 continue  # another may still send it something from before its clock
+            if i in frozen:
+                # It decides no more, but what the session had applied where it stands, its
+                # decision there applied before the others went on (what it delivered may
+                # let an arrival be routed to another, whose recorded position needs it).
+                if (type(settled) is list and len(settled) == len(engines) + 1
+                        and settled[i + 1] and self._settled[i] != (e.step_count, e.now)
+                        and [e.step_count, e.now] == list(caps[i])):
+                    self._settle_one(i)
+                    delivered = True
+                continue
             steps, idle_cap = max_steps, INF
             if caps is not None:
                 cap_step, cap_now = caps[i]

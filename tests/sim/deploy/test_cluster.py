@@ -291,6 +291,18 @@ def test_two_prefill_and_three_decode_instances_lose_no_block_and_replay(tmp_pat
     assert streams(whole) == streams(c) == streams(sliced)
 
 
+def test_a_replay_lets_an_instance_at_its_recorded_position_deliver_what_it_had(tmp_path):
+    """Prefill instance 0 stood at its recorded position with its transfer's end due there,
+    its blocks freed when the session routed the next arrival to instance 2 by least-kv; the
+    replay, holding it there, never routed that arrival (instance 2 could not reach its
+    recorded position) until the instances at their positions apply what the session had."""
+    sc = small_scenario(DISAGG, "cluster.prefill_instances=3", "kv.num_blocks=400",
+                        "seed=817969", 'cluster.router="least-kv"')
+    c = interactive_session(sc)
+    path = write_log(tmp_path / "c.msgpack", c)
+    assert verify(read_log(path))[1] is None
+
+
 @pytest.mark.parametrize("value, why", [
     ("0", "at least 1"), ("65", "at most 64"), ("1.5", "an integer"), ('"two"', "an integer"),
     ("1e9", "an integer"), ("true", "an integer")])
