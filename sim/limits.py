@@ -125,7 +125,10 @@ def check_deployment(sc, cost, num_blocks: int) -> None:
         if not t <= MAX_STEP_S:
             raise ScenarioError(f"{src}: scheduler.kv_link_gbps = {sc.scheduler.kv_link_gbps:g}: "
                                 f"one block's K/V would take {t:.3g} s to hand off")
-    watts = max(h.tdp_w, h.idle_w) * sc.model.tensor_parallel * max(1, sc.cluster.replicas)
+    cl = sc.cluster
+    instances = (cl.prefill_instances + cl.decode_instances
+                 if sc.scheduler.policy == "disaggregated" else max(1, cl.replicas))
+    watts = max(h.tdp_w, h.idle_w) * sc.model.tensor_parallel * instances
     if not watts * 2 * MAX_TIME_S < MAX_ENERGY_J:
         raise ScenarioError(f"{src}: hardware.tdp_w = {h.tdp_w:g}, idle_w = {h.idle_w:g}: "
                             "energies this large overflow")

@@ -86,9 +86,9 @@ def check_invariants(engine: Engine, held=(), releasing_elsewhere=()) -> None:
 def check_cluster_invariants(cluster) -> None:
     """`check_invariants` on every instance, each block held for a hand-off counted once on
     its side, and every live request in exactly one place: an instance's queue or batch, or
-    between the two instances of a disaggregated pair."""
+    between a prefill and a decode instance of a disaggregated deployment."""
     inside = {}
-    for rid, src, dst in cluster.handoff_blocks():
+    for rid, src, dst, _, _ in cluster.handoff_blocks():
         r = cluster.requests[rid]
         if r.state is RequestState.TRANSFERRING:
             inside[rid] = "handoff"
@@ -98,13 +98,13 @@ def check_cluster_invariants(cluster) -> None:
             assert len(src) in (0, need) and len(dst) in (0, need), (r, src, dst)
         else:  # it joined the decode batch; the prefill side has not freed its blocks yet
             assert r.state is not RequestState.WAITING and not dst, r
-    holds = [[], []]
-    for rid, src, dst in cluster.handoff_blocks():
-        holds[0] += src
-        holds[1] += dst
+    holds = [[] for _ in cluster.instances]
+    for rid, src, dst, p, d in cluster.handoff_blocks():
+        holds[p] += src
+        holds[d] += dst
     for i, e in enumerate(cluster.instances):
         others = [r for x in cluster.instances if x is not e for r in x._releasing]
-        check_invariants(e, holds[i] if cluster.disaggregated else (), others)
+        check_invariants(e, holds[i], others)
         for r in list(e.policy.running) + list(e.policy.waiting):
             assert r.req_id not in inside, r
             inside[r.req_id] = i

@@ -84,10 +84,15 @@ def build_engine(scenario, policy: str | None = None, **kw):
 def summary_columns(summary: dict, name: str) -> dict[str, dict]:
     """Table columns for one run: the run itself, and each instance of a deployment."""
     out = {name: summary}
-    for r in summary.get("replicas", ()):
-        # (a disaggregated pair's instances by role; others by index)
+    parts = summary.get("replicas", ())
+    roles = [r["role"] for r in parts]
+    for r in parts:
+        # (a disaggregated pair's instances by role, several of a role by role and index;
+        # others by index)
         prefix = {"replica": "r", "rank": "rank ", "virtual-engine": "ve "}.get(r["role"])
-        label = r["role"] if prefix is None else f"{prefix}{r['instance']}"
+        label = (f"{prefix}{r['instance']}" if prefix is not None
+                 else r["role"] if roles.count(r["role"]) == 1
+                 else f"{r['role']} {r['instance']}")
         out[label] = r
     return out
 
@@ -241,8 +246,9 @@ def cmd_compare(args) -> int:
     out = {}
     with _progress(args) as progress:
         for k, n in enumerate(names, start=1):
-            # A disaggregated pair is one prefill and one decode instance whatever
-            # cluster.replicas says, so that it compares with that many replicas of another.
+            # A disaggregated deployment counts its instances in cluster.prefill_instances and
+            # decode_instances whatever cluster.replicas says, so that it compares with that
+            # many replicas of another.
             run_sc = _one_pair(sc) if n == "disaggregated" else sc
             engine = build_engine(run_sc, policy=n, workload=workload, record_events=False,
                                   keep_history=False)

@@ -36,6 +36,25 @@ def _ints(text: str) -> list[int]:
     return v
 
 
+def _ratios(text: str) -> list[tuple[int, int]]:
+    """`1:1,2:1`: prefill:decode instance counts, each 1 to 64 (the scenario's limit)."""
+    out = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        p, _, d = x.partition(":")
+        try:
+            pair = (int(p), int(d))
+        except ValueError:
+            pair = (0, 0)
+        if not all(1 <= n <= 64 for n in pair):
+            raise argparse.ArgumentTypeError(
+                f"{x!r}: expected prefill:decode instance counts from 1 to 64, such as 2:1")
+        out.append(pair)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected prefill:decode ratios, such as "
+                                         "1:1,2:1")
+    return out
+
+
 def _words(text: str) -> list[str]:
     v = [x.strip() for x in text.split(",") if x.strip()]
     if not v:
@@ -87,8 +106,11 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-batched-tokens", type=_ints, default=d.max_num_batched_tokens,
                    metavar="N,N")
     s.add_argument("--policies", type=_words, default=d.policies, metavar="P,P",
-                   help="scheduling policies; disaggregated is a prefill/decode pair "
+                   help="scheduling policies; disaggregated is prefill and decode instances "
                         "(default chunked,disaggregated)")
+    s.add_argument("--pd-ratios", type=_ratios, default=d.pd_ratios, metavar="P:D,P:D",
+                   help="disaggregated: prefill:decode instance counts (default 1:1,1:2,2:1,"
+                        "1:3; the GPUs and the price follow P + D)")
     s.add_argument("--prefix-caching", type=_switches, default=d.prefix_caching,
                    metavar="off,on")
     s.add_argument("--budget", type=positive("price"), metavar="USD_PER_HOUR",
@@ -163,7 +185,7 @@ def build_plan(args) -> P.Plan:
         raise P.PlanError(f"--finalists {args.finalists}: must be at least 1")
     space = P.Space(gpus, args.tp, args.replicas, args.routers, args.max_num_seqs,
                     args.max_num_batched_tokens, args.policies, args.prefix_caching, args.dp,
-                    args.pp, args.expert_parallel)
+                    args.pp, args.expert_parallel, args.pd_ratios)
     return P.Plan(args.scenario, bounds, space, prices, overrides=list(args.overrides),
                   rate=args.rate, concurrency=args.concurrency, price_overrides=given,
                   budget=args.budget, tolerance=args.tolerance,
@@ -348,7 +370,7 @@ def _trust_text(w: P.Result, table: dict) -> str:
              f"({len(reg.errors)} points)" for f, reg in t.items() if reg is not None]
     text = "Trust: " + ("; ".join(known) if known else "no validated figure")
     if missing:
-        where = "a disaggregated pair" if w.candidate.disaggregated else \
+        where = "a disaggregated deployment" if w.candidate.disaggregated else \
             f"{w.candidate.gpu} at TP{w.candidate.tp}"
         text += (f". The winner depends on regimes the model has not been validated in: "
                  f"{', '.join(missing)} on {where} (servesim validate has no measurement there)")

@@ -1,10 +1,11 @@
-"""Deployments of several engines: replicas behind a router (`[cluster]`), or a prefill/decode
-pair (`scheduler.policy = "disaggregated"`, as in DistServe and Splitwise).
+"""Deployments of several engines: replicas behind a router (`[cluster]`), or prefill and
+decode instances (`scheduler.policy = "disaggregated"`, as in DistServe and Splitwise:
+`cluster.prefill_instances` of one, `decode_instances` of the other, 1 and 1 by default).
 
 Each instance is a whole `Engine` (one modeled GPU, or `tensor_parallel` of them) with its own
 clock, block pool, policy, timeline and event stream. The instances interact only here: the
-router sends each arrival to one replica, and a disaggregated request is handed from the
-prefill instance to the decode instance after its first token.
+router sends each arrival to one replica (or prefill instance), and a disaggregated request is
+handed from its prefill instance to its decode instance after its first token.
 
 Lockstep. Every instance advances one scheduling decision at a time (a step, a run of identical
 decode steps, or an idle advance), and the one whose clock is furthest behind goes next, so that
@@ -16,21 +17,29 @@ after it, and a delivery lands there, as a request reaching a real instance mid-
 the step to end. An arrival is routed once every busy replica has reached its first step
 boundary at or after the arrival's time (an idle one simply jumps there). An instance that
 finds nothing it can schedule (its blocks held by hand-offs) idles until the next thing that
-can reach it, and the other goes meanwhile. Where an instance's boundaries fall does not depend
-on how a caller slices time, so sliced and unsliced runs give the same event streams; a session
-log records where each instance stood at each user action, and a replay brings every instance
-there before applying it.
+can reach it, and the others go meanwhile; with more than two instances, what can reach it
+includes what a third may set off (a transfer started on one decode instance frees a prefill
+instance's blocks, which then hands a request to another decode instance). Where an
+instance's boundaries fall does not depend on how a caller slices time, so sliced and unsliced
+runs give the same event streams; a session log records where each instance stood at each
+user action and whether it had applied there what it found, and a replay brings every instance
+there, applying that as it arrives, before applying the action.
 
-Disaggregation. The prefill instance schedules as `chunked`. A request that samples its first
-token leaves its batch (TRANSFERRING) and waits, holding its prefill blocks, until the decode
-instance has room for it (an empty queue there, free blocks for its context above the
-watermark when it is running anything, a free sequence slot). Then the decode instance allocates those blocks and the K/V
-travels for `context tokens * kv_bytes_per_token_gpu / (kv_link_gbps * 1e9)`
+Disaggregation. Every instance schedules as `chunked`. An arrival goes to a prefill instance
+(by `cluster.router` when there are several) and, at the same moment, is given its decode
+instance: the one with the fewest outstanding requests (in its batch or queue, or on their
+way to it; ties: the lowest index). So do SGLang's PD router (a prefill and a decode worker
+chosen together for each request, each by its own policy), llm-d's scheduler and Dynamo; the
+decode instances' loads are read where they stand at the arrival. A request that samples its
+first token leaves its prefill batch (TRANSFERRING) and waits, holding its prefill blocks,
+until its decode instance has room for it (an empty queue there, free blocks for its context
+above the watermark when it is running anything, a free sequence slot). Then the decode
+instance allocates those blocks and the K/V travels for `context tokens * kv_bytes_per_token_gpu / (kv_link_gbps * 1e9)`
 seconds (each transfer has the whole link; concurrent transfers are not modeled as sharing it).
 When it has arrived, the decode instance takes the request into its batch at its next step
 boundary and the prefill instance frees its blocks at its own; a cancellation in between frees
-both sides. With real compute the K/V is copied from the prefill executor's pool to the decode
-executor's (`export_kv` / `import_kv`).
+both sides. Each hand-off is costed alone, whatever the ratio. With real compute the K/V is
+copied from the prefill executor's pool to the decode executor's (`export_kv` / `import_kv`).
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ INF = math.inf
 
 # ================================================================================ disaggregation
 class _FirstTokens(StepObserver):
-    """The prefill instance's observer in a disaggregated pair: a request that samples its
+    """A prefill instance's observer in a disaggregated deployment: a request that samples its
     first token leaves the batch at once for the decode instance (`on_first_token`)."""
 
     def __init__(self, on_first_token) -> None:
@@ -80,11 +89,13 @@ class _FirstTokens(StepObserver):
 
 @dataclass(slots=True, eq=False)
 class Handoff:
-    """One request on its way from the prefill instance to the decode instance."""
+    """One request on its way from a prefill instance to a decode instance."""
 
     req: Request
     ready: float                     # its first token's time: it left the prefill batch
     src: list[int]                   # its blocks on the prefill instance, held until `end`
+    p: int                           # the prefill instance (index) it leaves
+    d: int                           # the decode instance it goes to (chosen at its arrival)
     start: float | None = None       # the decode instance allocated `dst`; the K/V is on the link
     end: float | None = None
     dst: list[int] = field(default_factory=list)
@@ -111,20 +122,22 @@ class InstanceView:
 
 
 ROLES = ("replica", "prefill", "decode", "rank", "virtual-engine")
-# A deployment's mode and the role of each of its instances (but a disaggregated pair's).
+# A deployment's mode and the role of each of its instances (but a disaggregated deployment's).
 MODES = {"replicas": "replica", "disaggregated": None, "data-parallel": "rank",
          "pipeline": "virtual-engine"}
 
 
 def deployment_header(policy: str, router: str | None, replicas: int,
-                      mode: str = "replicas") -> dict:
-    """A deployment as its session log's header describes it (`cluster`): the disaggregated
-    pair (prefill, decode, both chunked, no router) for policy "disaggregated", else `replicas`
-    instances of `policy` in `mode` (replicas, data-parallel ranks, pipeline virtual engines)
-    behind `router`. The log reader checks a header against this."""
+                      mode: str = "replicas", prefill: int = 1, decode: int = 1) -> dict:
+    """A deployment as its session log's header describes it (`cluster`): for policy
+    "disaggregated", `prefill` prefill then `decode` decode instances, all chunked, behind
+    `router` when there are several prefill instances (else none); else `replicas` instances
+    of `policy` in `mode` (replicas, data-parallel ranks, pipeline virtual engines) behind
+    `router`. The log reader checks a header against this."""
     if policy == "disaggregated":
-        return {"mode": "disaggregated", "router": None,
-                "instances": [{"role": r, "policy": "chunked"} for r in ROLES[1:3]]}
+        return {"mode": "disaggregated", "router": router if prefill > 1 else None,
+                "instances": [{"role": r, "policy": "chunked"}
+                              for r in ["prefill"] * prefill + ["decode"] * decode]}
     return {"mode": mode, "router": router,
             "instances": [{"role": MODES[mode], "policy": policy} for _ in range(replicas)]}
 
@@ -136,7 +149,7 @@ class ClusterSnapshot(EngineSnapshot):
 
     instances: list = field(default_factory=list)
     focus: int = 0
-    transferring: int = 0    # requests between the prefill and the decode instance
+    transferring: int = 0    # requests between a prefill and a decode instance
 
 
 # ======================================================================================= cluster
@@ -157,12 +170,16 @@ class Cluster:
         """`keep_history=False` bounds memory by what is in flight, as for an Engine."""
         name = policy or scenario.scheduler.policy
         self.disaggregated = name == "disaggregated"
-        n = 2 if self.disaggregated else self._size(scenario)
-        if self.disaggregated and scenario.cluster.replicas > 1:
+        cl = scenario.cluster
+        # Disaggregation: instances [0, num_prefill) prefill, the rest decode.
+        self.num_prefill = cl.prefill_instances if self.disaggregated else 0
+        n = (cl.prefill_instances + cl.decode_instances if self.disaggregated
+             else self._size(scenario))
+        if self.disaggregated and cl.replicas > 1:
             raise ScenarioError(
-                f"{scenario.source}: cluster.replicas = {scenario.cluster.replicas}: "
-                "scheduler.policy = \"disaggregated\" runs one prefill and one decode instance;"
-                " set cluster.replicas = 1")
+                f"{scenario.source}: cluster.replicas = {cl.replicas}: scheduler.policy = "
+                "\"disaggregated\" counts its instances in cluster.prefill_instances and "
+                "decode_instances; set cluster.replicas = 1")
         if scenario.workload.num_samples > 1:
             raise ScenarioError("workload.num_samples > 1: parallel sampling is not modeled "
                                 "across several instances")
@@ -184,7 +201,7 @@ class Cluster:
                       executor=make_executor(scenario) if make_executor else None,
                       record_events=record_events, skip_ahead=skip_ahead, clock=clock,
                       keep_history=keep_history)
-            if self.disaggregated and i == 0:
+            if i < self.num_prefill:
                 kw["observers"] = [_FirstTokens(me._on_first_token)]
             e = self._instance(i, scenario, kw)
             e.records_settled = False  # (this deployment's actions say it for each instance)
@@ -193,9 +210,13 @@ class Cluster:
         # the same on each (the router compares them, a hand-off carries them).
         for e in self.instances[1:]:
             e.kv._chains = self.instances[0].kv._chains
-        self.roles = list(ROLES[1:3]) if self.disaggregated else [MODES[self.mode]] * n
-        self.router = None if self.disaggregated else ROUTERS[self._router_name(scenario)](
-            scenario.cluster)
+        # The instances an arrival is routed to: the prefill ones of a disaggregated deployment.
+        self._entry = self.instances[:self.num_prefill] if self.disaggregated else self.instances
+        self.roles = ([ROLES[1]] * self.num_prefill + [ROLES[2]] * (n - self.num_prefill)
+                      if self.disaggregated else [MODES[self.mode]] * n)
+        # (a disaggregated deployment routes arrivals over its prefill instances, if several)
+        self.router = (ROUTERS[self._router_name(scenario)](cl)
+                       if not self.disaggregated or self.num_prefill > 1 else None)
         self.clock = self.instances[0].clock
         self.executor = self.instances[0].executor
         self.block_size = scenario.kv.block_size
@@ -221,12 +242,14 @@ class Cluster:
         self._w_next = 0
         self._next_id = len(w)
         self._injected = 0
-        # Disaggregation: hand-offs waiting for room on the decode instance (in order), in
-        # flight toward it (end, id) and not yet freed on the prefill instance (end, id).
+        # Disaggregation, by instance index: hand-offs waiting for room on a decode instance
+        # (in order), in flight toward it (end, id), and not yet freed on a prefill instance
+        # (end, id); the requests routed to a decode instance that have not joined it yet.
         self._handoffs: dict[int, Handoff] = {}
-        self._ready: deque[Handoff] = deque()
-        self._inbound: list[tuple[float, int]] = []
-        self._unsent: list[tuple[float, int]] = []
+        self._ready: list[deque[Handoff]] = [deque() for _ in range(n)]
+        self._inbound: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+        self._unsent: list[list[tuple[float, int]]] = [[] for _ in range(n)]
+        self._bound_for: list[dict[int, Request]] = [{} for _ in range(n)]
         self._cancels: list[tuple[float, int]] = []  # client cancels of requests in hand-off
         # (ready, start, end) of each transfer (kept with the history); its figures
         self.transfers: list[tuple[float, float, float]] = []
@@ -252,7 +275,7 @@ class Cluster:
     mode = "replicas"
 
     def _size(self, scenario) -> int:
-        """How many instances (a disaggregated pair aside)."""
+        """How many instances (a disaggregated deployment aside)."""
         return scenario.cluster.replicas
 
     def _router_name(self, scenario) -> str:
@@ -274,11 +297,13 @@ class Cluster:
     # ============================================================================ public API
     @property
     def prefill(self) -> Engine:
+        """The (first) prefill instance of a disaggregated deployment."""
         return self.instances[0]
 
     @property
     def decode(self) -> Engine:
-        return self.instances[1]
+        """The (first) decode instance of a disaggregated deployment."""
+        return self.instances[self.num_prefill]
 
     @property
     def policy(self):
@@ -289,7 +314,10 @@ class Cluster:
     def policy_label(self) -> str:
         p = self.instances[0].policy.name
         if self.disaggregated:
-            return "disaggregated" if p == "chunked" else f"disaggregated ({p})"
+            n = len(self.instances)
+            label = "disaggregated" + (f" {self.num_prefill}:{n - self.num_prefill}"
+                                       if n > 2 else "")
+            return label if p == "chunked" else f"{label} ({p})"
         return f"{p} x{len(self.instances)} ({self.router.name})"
 
     @property
@@ -346,10 +374,16 @@ class Cluster:
         mine = self.settled
         for i in sorted(range(len(engines)), key=lambda i: (engines[i].now, i)):
             if settled[i + 1] and not mine[i + 1]:
-                self._prologue(i)
-                engines[i].settle()  # (its decision, which ran no step)
+                self._settle_one(i)
                 if settled[0]:
                     self._global()
+
+    def _settle_one(self, i: int) -> bool:
+        """Instance `i` applies what its decision would first, and runs no step (a replay, at
+        a recorded position). Returns whether anything was delivered."""
+        delivered = self._prologue(i)
+        self.instances[i].settle()  # (its decision, which ran no step)
+        return delivered
 
     def get(self, req_id: int) -> Request:
         try:
@@ -378,9 +412,10 @@ class Cluster:
         return n
 
     def run_until(self, t: float, max_steps: int | None = None, *,
-                  caps: list | None = None) -> int:
+                  caps: list | None = None, settled: list | None = None) -> int:
         """Run every instance to its first step boundary at or after `t` (idle ones to `t`).
-        `caps` ([steps, clock] per instance, a replay's) are positions no instance passes.
+        `caps` ([steps, clock] per instance, a replay's) are positions no instance passes, and
+        `settled` (the recorded `settled` there) says which had applied there what it found.
         Returns the engine steps taken."""
         start = self.step_count
         budget = max_steps if max_steps is not None else 1 << 62
@@ -389,11 +424,12 @@ class Cluster:
         with paused_gc():
             n = 0
             while self.step_count - start < budget:
-                n = self._decide(t, budget - (self.step_count - start), caps)
+                n = self._decide(t, budget - (self.step_count - start), caps, settled)
                 if n is None:
                     break
                 key = (self.step_count, tuple(e.now for e in self.instances), self._w_next,
-                       len(self._ready), len(self._inbound), len(self._unsent))
+                       *map(len, self._ready), *map(len, self._inbound),
+                       *map(len, self._unsent))
                 stalls = stalls + 1 if key == before else 0
                 before = key
                 if stalls > 3:
@@ -426,14 +462,15 @@ class Cluster:
         raise EngineError(f"deployment stalled at t={self.now:.6f}: {len(self._handoffs)} "
                           "requests between instances, nothing can move")
 
-    def advance_to(self, at: list) -> None:
-        """Bring every instance to exactly `at` ([steps, clock] each; a recorded action's).
+    def advance_to(self, at: list, settled: list | None = None) -> None:
+        """Bring every instance to exactly `at` ([steps, clock] each; a recorded action's;
+        `settled`, the recorded `settled` there).
         Raises EngineError if the run cannot land there. Already there, nothing runs (as a
         single engine's `advance_to`): a log exported before the first step has routed none
         of the arrivals due at t = 0, and its replay must not either."""
         if self.position() == [list(p) for p in at]:
             return
-        self.run_until(INF, caps=at)
+        self.run_until(INF, caps=at, settled=settled)
         for (step, t), e in zip(at, self.instances):
             if e.step_count == step and e.now < t and not e.policy.has_work():
                 e.idle_until(t)
@@ -518,7 +555,7 @@ class Cluster:
             if h.req.req_id in listed:  # (the decode instance has it in its batch already)
                 continue
             v = _view(h.req, with_tokens)
-            v.replica = 1 if h.start is not None else 0
+            v.replica = h.d if h.start is not None else h.p
             v.num_blocks = len(h.src) + len(h.dst)
             running.append(v)
         recent = sorted((v for s in snaps for v in s.recent),
@@ -526,8 +563,8 @@ class Cluster:
         f = snaps[self.focus]
         owner = f.block_owner
         for h in self._handoffs.values():  # blocks held for a hand-off are its request's
-            held = (h.src if self.focus == 0 and not h.sent else []) + (
-                h.dst if self.focus == 1 and not h.joined else [])
+            held = (h.src if self.focus == h.p and not h.sent else []) + (
+                h.dst if self.focus == h.d and not h.joined else [])
             if held:
                 owner[held] = h.req.req_id
         views = [InstanceView(i, self.roles[i], e.policy.name, e.now, e.step_count,
@@ -559,7 +596,9 @@ class Cluster:
 
     def log_header(self) -> dict:
         router = self.router.name if self.router is not None else None
-        return deployment_header(self.initial_policy, router, len(self.instances), self.mode)
+        n = len(self.instances)
+        return deployment_header(self.initial_policy, router, n, self.mode,
+                                 self.num_prefill, n - self.num_prefill)
 
     # ============================================================================== lockstep
     def _action(self, action: str, **args) -> None:
@@ -576,22 +615,51 @@ class Cluster:
             return True
         if not self.disaggregated:
             return False
-        return bool(self._unsent) if i == 0 else bool(self._ready or self._inbound)
+        return bool(self._unsent[i] or self._ready[i] or self._inbound[i])
 
-    def _horizon(self, i: int) -> float:
-        """A time before which instance `i` cannot send another instance anything."""
+    def _senders(self, i: int) -> range:
+        """The instances that can send instance `i` something directly: for a prefill
+        instance the decode instances (a transfer's start), for a decode instance the prefill
+        instances (a hand-off); none between replicas."""
+        if not self.disaggregated:
+            return range(0)
+        p = self.num_prefill
+        return range(p, len(self.instances)) if i < p else range(p)
+
+    def _horizon(self, i: int, to: int, frozen=()) -> float:
+        """A time before which instance `i` cannot send instance `to` anything (`frozen`
+        instances send nothing more)."""
+        h = self._own_horizon(i)
+        if h > self.instances[i].now and len(self.instances) > 2:
+            # Idle or stuck, it may be woken by a third, busy instance: a decode instance
+            # starting a transfer frees a prefill instance's blocks, which then hands a request
+            # to another decode instance. (`to` sends nothing while it runs: it starts
+            # transfers and takes hand-offs only at a decision's start. An idle one is woken
+            # by an arrival, or by a busy one, no earlier.)
+            for k in range(len(self.instances)):
+                if k != i and k != to and k not in frozen and self._busy(k):
+                    h = min(h, max(self._own_horizon(k), self.instances[i].now))
+        return h
+
+    def _own_horizon(self, i: int) -> float:
+        """A time before which instance `i` cannot send another instance anything unless a
+        third sends it something first."""
         e = self.instances[i]
         if e.policy.has_work() and self._stuck[i] != (e.step_count, e.now):
             return e.now
-        # Idle, or stuck (nothing fits until blocks come back): it acts again when something
-        # reaches it.
+        if not self._busy(i):
+            # Nothing to act on: it sends nothing before an arrival reaches it (a client
+            # cancellation left in its engine concerns a request that has ended there).
+            return max(self._next_arrival(), e.now)
+        # Stuck (nothing fits until blocks come back), or waiting on a hand-off: it acts again
+        # when something reaches it.
         nxt = min(self._next_arrival(), e.next_event(),
                   self._cancels[0][0] if self._cancels else INF)
-        if i == 0:
-            nxt = min(nxt, self._unsent[0][0] if self._unsent else INF)
+        if i < self.num_prefill:
+            nxt = min(nxt, self._unsent[i][0][0] if self._unsent[i] else INF)
         else:  # it starts transfers when hand-offs reach it, or room frees up
-            nxt = min(nxt, self._ready[0].ready if self._ready else INF,
-                      self._inbound[0][0] if self._inbound else INF)
+            nxt = min(nxt, self._ready[i][0].ready if self._ready[i] else INF,
+                      self._inbound[i][0][0] if self._inbound[i] else INF)
         return max(nxt, e.now)  # at its next boundary, at the earliest where it is
 
     def _next_arrival(self) -> float:
@@ -601,20 +669,23 @@ class Cluster:
         """How far instance `i` may run before something can reach it (`frozen` instances, at
         a replay's recorded position, send nothing more before it)."""
         b = min(until, self._cancels[0][0] if self._cancels else INF)
-        if i == 0 or not self.disaggregated:
+        p = self.num_prefill
+        # (several decode instances: an arrival's decode instance is chosen from their loads
+        # where they stand at its arrival)
+        if i < p or not self.disaggregated or len(self.instances) - p > 1:
             b = min(b, self._next_arrival())
         if self.disaggregated:
-            other = 1 - i
             # (an idle prefill instance too: an arrival at its horizon may be handed off here
             # one prefill step later, and step by step this instance would be there to take it)
-            if other not in frozen:
-                b = min(b, self._horizon(other))
-            if i == 0:
-                b = min(b, self._unsent[0][0] if self._unsent else INF)
+            for j in self._senders(i):
+                if j not in frozen:
+                    b = min(b, self._horizon(j, i, frozen))
+            if i < p:
+                b = min(b, self._unsent[i][0][0] if self._unsent[i] else INF)
             else:
-                b = min(b, self._inbound[0][0] if self._inbound else INF)
-                e = self.instances[1]
-                for h in self._ready:  # the next hand-off not yet due here
+                b = min(b, self._inbound[i][0][0] if self._inbound[i] else INF)
+                e = self.instances[i]
+                for h in self._ready[i]:  # the next hand-off not yet due here
                     if h.ready > e.now:
                         b = min(b, h.ready)
                         break
@@ -623,7 +694,11 @@ class Cluster:
     def _global(self) -> None:
         """Route the arrivals and apply the client cancellations (of requests between two
         instances) that every instance concerned has reached, in time order."""
-        routes = range(1) if self.disaggregated else range(len(self.instances))
+        # (arrivals: the instances whose state the routing reads: a disaggregated deployment's
+        # prefill instances, and its decode instances when it chooses among several)
+        routes = range(len(self.instances))
+        if self.disaggregated and len(self.instances) - self.num_prefill == 1:
+            routes = range(self.num_prefill)
         while True:
             ta = self._next_arrival()
             tc = self._cancels[0][0] if self._cancels else INF
@@ -643,10 +718,11 @@ class Cluster:
                 if h is not None and not h.joined:  # (once joined, its instance cancels it)
                     self._cancel_handoff(h, t, "client")
 
-    def _decide(self, until: float, max_steps: int, caps: list | None = None) -> int | None:
+    def _decide(self, until: float, max_steps: int, caps: list | None = None,
+                settled: list | None = None) -> int | None:
         """One decision of the instance furthest behind that may decide: its steps (0 for an
         idle advance), or None when no instance has anything to do before `until` (or within
-        `caps`)."""
+        `caps`; `settled` as `run_until`'s)."""
         self._global()
         self._routed = False  # (whatever this decision does may let more be routed)
         engines = self.instances
@@ -658,12 +734,21 @@ class Cluster:
             if e.step_count > step or (e.step_count == step and e.now >= t)}
         for i in sorted(range(len(engines)), key=lambda i: (engines[i].now, i)):
             e = engines[i]
-            if e.now >= until or not self._busy(i) or i in frozen:
+            if e.now >= until or not self._busy(i):
                 continue
-            j = 1 - i
-            if (self.disaggregated and self._busy(j) and j not in frozen
-                    and self._horizon(j) < e.now):
-                continue  # the other may still send it something from before its clock
+            if any(self._busy(j) and j not in frozen and self._horizon(j, i, frozen) < e.now
+                   for j in self._senders(i)):
+                continue  # another may still send it something from before its clock
+            if i in frozen:
+                # It decides no more, but what the session had applied where it stands, its
+                # decision there applied before the others went on (what it delivered may
+                # let an arrival be routed to another, whose recorded position needs it).
+                if (type(settled) is list and len(settled) == len(engines) + 1
+                        and settled[i + 1] and self._settled[i] != (e.step_count, e.now)
+                        and [e.step_count, e.now] == list(caps[i])):
+                    self._settle_one(i)
+                    delivered = True
+                continue
             steps, idle_cap = max_steps, INF
             if caps is not None:
                 cap_step, cap_now = caps[i]
@@ -675,8 +760,8 @@ class Cluster:
             delivered |= self._prologue(i)
             bound = min(self._bound(i, until, frozen), idle_cap)
             if e.policy.has_work():
-                if (self.disaggregated and i == 1 and self._ready
-                        and self._ready[0].ready <= e.now and e.has_finishing()):
+                if (self._ready[i] and self._ready[i][0].ready <= e.now
+                        and e.has_finishing()):
                     steps = 1  # finishing requests give blocks back after it: room for a hand-off
                 before = (e.step_count, e.now, e.counts["preemptions"], e.counts["cancelled"])
                 n = e.decide(bound, steps)
@@ -727,7 +812,11 @@ class Cluster:
         if self.router is None:
             k, why = 0, "prefill"
         else:
-            k, why = self.router.choose(req, self.instances)
+            k, why = self.router.choose(req, self._entry)
+        if len(self.instances) - self.num_prefill > 1 and self.disaggregated:
+            d, load = self._choose_decode()
+            self._bound_for[d][req.req_id] = req
+            why += f"; decode {d} (least outstanding {load})"
         req.replica = k
         self.routed[k] += 1
         if self.record_events:
@@ -738,12 +827,34 @@ class Cluster:
         self._unstick()
 
     # ========================================================================= disaggregation
+    def _choose_decode(self) -> tuple[int, int]:
+        """The decode instance for an arriving request, and its load: the one with the fewest
+        outstanding requests (in its batch or queue, or routed to it and not yet joined it;
+        ties: lowest index). As SGLang's PD router, llm-d and Dynamo do, the decode instance
+        is chosen with the prefill instance when the request arrives."""
+        loads = []
+        for d in range(self.num_prefill, len(self.instances)):
+            bound = self._bound_for[d]
+            for rid in [rid for rid, r in bound.items() if r.state.is_done]:
+                del bound[rid]  # (ended before it joined: cancelled or rejected)
+            e = self.instances[d]
+            loads.append(len(bound) + len(e.policy.running) + len(e.policy.waiting))
+        i = loads.index(min(loads))
+        return self.num_prefill + i, loads[i]
+
+    def _decode_for(self, req: Request) -> int:
+        """The decode instance chosen for `req` at its arrival."""
+        for d in range(self.num_prefill, len(self.instances) - 1):
+            if req.req_id in self._bound_for[d]:
+                return d
+        return len(self.instances) - 1
+
     def _on_first_token(self, req: Request) -> None:
-        """The prefill instance sampled `req`'s first token: it leaves for the decode side."""
-        p = self.prefill
-        h = Handoff(req, p.now, p.hand_off(req))
+        """A prefill instance sampled `req`'s first token: it leaves for its decode instance."""
+        p = self.instances[req.replica]
+        h = Handoff(req, p.now, p.hand_off(req), req.replica, self._decode_for(req))
         self._handoffs[req.req_id] = h
-        self._ready.append(h)
+        self._ready[h.d].append(h)
         if req.cancel_at is not None:
             # A cancellation due while its last prefill step ran applies at that step's end,
             # as a single engine's would, not before its first token.
@@ -752,42 +863,45 @@ class Cluster:
             p.events.append(ev.Handoff(p.now, req.req_id, "ready", len(h.src)))
 
     def _deliver(self, i: int) -> bool:
-        """What instance `i` finds at its step boundary: transfers that ended, and (the decode
+        """What instance `i` finds at its step boundary: transfers that ended, and (a decode
         instance) hand-offs it now has room for. Returns whether there was any."""
         if not self.disaggregated:
             return False
         e = self.instances[i]
         done = False
-        if i == 0:
-            while self._unsent and self._unsent[0][0] <= e.now:
-                _, rid = heapq.heappop(self._unsent)
+        if i < self.num_prefill:
+            unsent = self._unsent[i]
+            while unsent and unsent[0][0] <= e.now:
+                _, rid = heapq.heappop(unsent)
                 self._send(self._handoffs[rid])
                 done = True
             if done:
                 self._unstick()
             return done
-        while self._inbound and self._inbound[0][0] <= e.now:
+        inbound, ready = self._inbound[i], self._ready[i]
+        while inbound and inbound[0][0] <= e.now:
             done = True
-            _, rid = heapq.heappop(self._inbound)
+            _, rid = heapq.heappop(inbound)
             h = self._handoffs[rid]
             h.joined = True
             req = h.req
-            req.replica = 1
-            self.routed[1] += 1
+            req.replica = i
+            self.routed[i] += 1
+            self._bound_for[i].pop(rid, None)
             e.take_over(req, h.dst)
             if self.record_events:
                 e.events.append(ev.Handoff(e.now, req.req_id, "joined", len(h.dst)))
             self._forget(h)
         cfg = self.scenario.scheduler
-        while self._ready and self._ready[0].ready <= e.now:
-            h = self._ready[0]
-            busy = len(e.policy.running) + len(self._inbound)
+        while ready and ready[0].ready <= e.now:
+            h = ready[0]
+            busy = len(e.policy.running) + len(inbound)
             # (the watermark keeps room for the batch to grow; an empty instance takes any)
             reserve = self._reserve if busy else 0
             if (e.policy.waiting or e.kv.num_free_blocks - len(h.src) < reserve
                     or busy >= cfg.max_num_seqs):
                 break
-            self._ready.popleft()
+            ready.popleft()
             self._start(h, e)
             done = True
         if done:
@@ -802,11 +916,11 @@ class Cluster:
         h.dst = d.kv.pool.allocate(len(h.src))
         h.start = d.now
         h.end = d.now + req.num_computed_tokens * self._s_per_token
-        p = self.prefill
+        p = self.instances[h.p]
         if p.executor is not None:  # the K/V really moves
             d.executor.import_kv(req.req_id, h.dst, p.executor.export_kv(req.req_id, h.src))
-        heapq.heappush(self._inbound, (h.end, req.req_id))
-        heapq.heappush(self._unsent, (h.end, req.req_id))
+        heapq.heappush(self._inbound[h.d], (h.end, req.req_id))
+        heapq.heappush(self._unsent[h.p], (h.end, req.req_id))
         if self.keep_history:
             self.transfers.append((h.ready, h.start, h.end))
         self.transfer_wait.add(h.start - h.ready)
@@ -816,7 +930,7 @@ class Cluster:
 
     def _send(self, h: Handoff) -> None:
         """The prefill side of a finished transfer: free its blocks."""
-        p = self.prefill
+        p = self.instances[h.p]
         h.sent = True
         p.handed_off(h.req, h.src)
         if self.record_events:
@@ -828,23 +942,24 @@ class Cluster:
             del self._handoffs[h.req.req_id]
 
     def _cancel_handoff(self, h: Handoff, t: float, by: str) -> None:
-        """Cancel a request between the two instances: free its blocks on both sides. It ends
+        """Cancel a request between two instances: free its blocks on both sides. It ends
         at `t`, or where it got to if later (a user's, at the deployment's clock, may be behind
         the instance that handed it off)."""
         req = h.req
         rid = req.req_id
         t = max(t, h.ready, h.ready if h.start is None else h.start)
         if h.start is None:
-            self._ready.remove(h)
+            self._ready[h.d].remove(h)
         else:
-            self._inbound = [x for x in self._inbound if x[1] != rid]
-            heapq.heapify(self._inbound)
-            self.decode.kv.pool.free(reversed(h.dst))
+            self._inbound[h.d] = [x for x in self._inbound[h.d] if x[1] != rid]
+            heapq.heapify(self._inbound[h.d])
+            self.instances[h.d].kv.pool.free(reversed(h.dst))
         if not h.sent:
-            self._unsent = [x for x in self._unsent if x[1] != rid]
-            heapq.heapify(self._unsent)
-            self.prefill.handed_off(req, h.src)
+            self._unsent[h.p] = [x for x in self._unsent[h.p] if x[1] != rid]
+            heapq.heapify(self._unsent[h.p])
+            self.instances[h.p].handed_off(req, h.src)
         del self._handoffs[rid]
+        self._bound_for[h.d].pop(rid, None)
         self._cancels = [x for x in self._cancels if x[1] != rid]
         heapq.heapify(self._cancels)
         self._unstick()
@@ -855,8 +970,9 @@ class Cluster:
         if self.record_events:
             self.events.append(ev.Cancel(t, rid, RS.TRANSFERRING.value, by))
 
-    def handoff_blocks(self) -> list[tuple[int, list[int], list[int]]]:
-        """(request id, prefill blocks still held, decode blocks held before it joined) of every
-        request between the two instances (for invariant checks)."""
-        return [(rid, [] if h.sent else h.src, [] if h.joined else h.dst)
+    def handoff_blocks(self) -> list[tuple[int, list[int], list[int], int, int]]:
+        """(request id, prefill blocks still held, decode blocks held before it joined, prefill
+        instance, decode instance) of every request between two instances (for invariant
+        checks)."""
+        return [(rid, [] if h.sent else h.src, [] if h.joined else h.dst, h.p, h.d)
                 for rid, h in self._handoffs.items()]

@@ -119,9 +119,11 @@ class DataParallel(Cluster):
             dummies = len(self.instances) > len(self._times)
             self._lock = max(self._times + ([self._dummy] if dummies else []), default=0.0)
 
-    def _decide(self, until: float, max_steps: int, caps: list | None = None) -> int | None:
+    def _decide(self, until: float, max_steps: int, caps: list | None = None,
+                settled: list | None = None) -> int | None:
         """One lockstep step of every rank (0 for an idle advance), or None when there is
-        nothing to do before `until` (or a replay's `caps` is reached)."""
+        nothing to do before `until` (or a replay's `caps` is reached; the ranks settle
+        together, after it, so `settled` is not needed here)."""
         self._global()
         self._routed = False
         engines = self.instances

@@ -3,12 +3,13 @@ serves its workload within latency bounds.
 
 A **candidate** is one deployment: GPU type, tensor-parallel degree, data-parallel ranks,
 pipeline stages, expert parallelism (a mixture of experts), replicas and router,
-`max_num_seqs`, `max_num_batched_tokens`, policy (`disaggregated` is a prefill/decode pair) and
-prefix caching. For each, the search finds the highest **load** (offered requests per second:
-`workload.rate`, or a trace replayed faster or slower through `workload.time_scale`; in a
-closed loop, `workload.concurrency` users) at which every bound (`ttft_p99 <= 500 ms`, ...)
-holds, by growing then bisecting as `--find-max-rate` does (`sweep.RateSearch`; whole users in
-a closed loop, whose cost divides by the throughput measured there). A candidate is
+`max_num_seqs`, `max_num_batched_tokens`, policy (`disaggregated`: prefill and decode
+instances, at each prefill:decode ratio of the space) and prefix caching. For each, the
+search finds the highest **load** (offered requests per second: `workload.rate`, or a trace
+replayed faster or slower through `workload.time_scale`; in a closed loop,
+`workload.concurrency` users) at which every bound (`ttft_p99 <= 500 ms`, ...) holds, by
+growing then bisecting as `--find-max-rate` does (`sweep.RateSearch`; whole users in a closed
+loop, whose cost divides by the throughput measured there). A candidate is
 **feasible** when that load reaches the required one (the workload's own, `--rate` or
 `--concurrency`) and its price fits the budget; feasible candidates rank by dollars per million
 output tokens at their highest load.
@@ -242,10 +243,17 @@ class Candidate:
     dp: int = 1                    # data-parallel ranks of one engine (model.data_parallel)
     pp: int = 1                    # pipeline stages (model.pipeline_parallel)
     expert_parallel: bool = False  # a mixture of experts split over every GPU of the engine
+    prefill: int = 1               # disaggregated: prefill instances (cluster.prefill_instances)
+    decode: int = 1                # disaggregated: decode instances (cluster.decode_instances)
 
     @property
     def disaggregated(self) -> bool:
         return self.policy == "disaggregated"
+
+    @property
+    def instances(self) -> int:
+        """Engine instances: the replicas, or the prefill and decode instances."""
+        return self.prefill + self.decode if self.disaggregated else self.replicas
 
     @property
     def single(self) -> bool:
@@ -254,8 +262,8 @@ class Candidate:
 
     @property
     def gpus(self) -> int:
-        """GPUs it rents: `tp x dp x pp` per instance; a disaggregated pair is two instances."""
-        return self.tp * self.dp * self.pp * (2 if self.disaggregated else self.replicas)
+        """GPUs it rents: `tp x dp x pp` per instance."""
+        return self.tp * self.dp * self.pp * self.instances
 
     @property
     def key(self) -> str:
@@ -263,8 +271,8 @@ class Candidate:
 
     def label(self) -> str:
         """A short description for tables: `h100-sxm TP4 x2 least-outstanding, chunked ...`."""
-        deploy = "P/D pair" if self.disaggregated else f"x{self.replicas}"
-        router = f" {self.router}" if self.replicas > 1 else ""
+        deploy = f"P:D {self.prefill}:{self.decode}" if self.disaggregated else f"x{self.replicas}"
+        router = f" {self.router}" if self.replicas > 1 or self.prefill > 1 else ""
         policy = "" if self.disaggregated else f" {self.policy}"
         cache = " +prefix-cache" if self.prefix_caching else ""
         par = (f" DP{self.dp}" if self.dp > 1 else "") + (f" PP{self.pp}" if self.pp > 1 else "")
@@ -282,7 +290,9 @@ class Candidate:
                 f"kv.enable_prefix_caching={str(self.prefix_caching).lower()}",
                 f"model.data_parallel={self.dp}", f"model.pipeline_parallel={self.pp}",
                 f"model.expert_parallel={self.tp * self.dp if self.expert_parallel else 1}",
-                "model.num_gpus=0"]  # (the product of the degrees above)
+                "model.num_gpus=0",  # (the product of the degrees above)
+                *([f"cluster.prefill_instances={self.prefill}",
+                   f"cluster.decode_instances={self.decode}"] if self.disaggregated else [])]
 
     def sibling(self, **changes) -> "Candidate":
         return dataclasses.replace(self, **changes)
@@ -291,7 +301,8 @@ class Candidate:
 @dataclass
 class Space:
     """The axes searched; `candidates()` is their product, less the combinations not modeled
-    (a disaggregated pair with replicas) and the repeats (a router of one replica)."""
+    (disaggregation with replicas) and the repeats (a router of one replica or prefill
+    instance; a prefill:decode ratio for another policy)."""
 
     gpus: list[str]
     tp: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
@@ -305,24 +316,28 @@ class Space:
     pp: list[int] = field(default_factory=lambda: [1, 2])
     # (expert parallelism on: searched only for a mixture of experts; see check_space)
     expert_parallel: list[bool] = field(default_factory=lambda: [False, True])
+    # disaggregated: (prefill, decode) instances
+    pd_ratios: list[tuple[int, int]] = field(
+        default_factory=lambda: [(1, 1), (1, 2), (2, 1), (1, 3)])
 
     def candidates(self) -> list[Candidate]:
         out = []
-        for g, tp, r, router, seqs, tokens, pol, pc, dp, pp, ep in itertools.product(
+        for g, tp, r, router, seqs, tokens, pol, pc, dp, pp, ep, (pf, dc) in itertools.product(
                 self.gpus, self.tp, self.replicas, self.routers, self.max_num_seqs,
                 self.max_num_batched_tokens, self.policies, self.prefix_caching, self.dp,
-                self.pp, self.expert_parallel):
+                self.pp, self.expert_parallel, self.pd_ratios):
             if (dp > 1 or pp > 1) and (r > 1 or pol == "disaggregated" or (dp > 1 and pp > 1)):
                 continue  # (ranks or stages with replicas, a pair or each other: not modeled)
             if ep and tp * dp == 1:
                 continue  # (experts over one GPU: no expert parallelism)
-            if pol == "disaggregated":  # (one pair, never replicated: not modeled)
-                if r != self.replicas[0] or router != self.routers[0]:
-                    continue
+            if pol == "disaggregated":  # (never replicated: not modeled)
+                if r != self.replicas[0] or (pf == 1 and router != self.routers[0]):
+                    continue  # (one prefill instance: the router never chooses)
                 r = 1
-            elif r == 1 and router != self.routers[0]:
-                continue  # (one replica: the router never chooses)
-            out.append(Candidate(g, tp, r, router, seqs, tokens, pol, pc, dp, pp, ep))
+            elif (r == 1 and router != self.routers[0]) or (pf, dc) != self.pd_ratios[0]:
+                continue  # (one replica: the router never chooses; no ratio but a pair's)
+            out.append(Candidate(g, tp, r, router, seqs, tokens, pol, pc, dp, pp, ep,
+                                 *((pf, dc) if pol == "disaggregated" else (1, 1))))
         return out
 
 
@@ -767,10 +782,11 @@ def _apply_caps(tracks: dict[str, Track], results: dict[str, Result]) -> None:
 
 def _rest(c: Candidate) -> tuple:
     """What two siblings share: everything but their tensor-parallel degree and replicas (and
-    the router of a single replica, which never chooses). Ranks, stages and experts split are
-    kept apart: a pipeline's stages add latency, so more GPUs there may carry less."""
+    the router of a single replica, which never chooses). Ranks, stages, experts split and
+    prefill:decode ratios are kept apart: a pipeline's stages add latency, so more GPUs there
+    may carry less, and more decode instances do nothing for a prefill-bound load."""
     return (c.gpu, c.max_num_seqs, c.max_num_batched_tokens, c.policy, c.prefix_caching, c.dp,
-            c.pp, c.expert_parallel)
+            c.pp, c.expert_parallel, c.prefill, c.decode)
 
 
 # --- running probes on the simulator ------------------------------------------------------------
@@ -1558,7 +1574,8 @@ def _toml_value(v: Any) -> str:
 
 
 def vllm_command(sc: Scenario, c: Candidate) -> str:
-    """The `vllm serve` line of a candidate (a pair or replicas: how to run each instance)."""
+    """The `vllm serve` line of a candidate (disaggregated or replicas: how to run each
+    instance)."""
     model = MODEL_IDS.get(sc.model.preset, "MODEL")
     args = ["vllm", "serve", model, f"--tensor-parallel-size {c.tp}"]
     if c.pp > 1:
@@ -1582,10 +1599,15 @@ def vllm_command(sc: Scenario, c: Candidate) -> str:
         args.append("--kv-cache-dtype fp8")
     line = " ".join(args)
     if c.disaggregated:
-        return (f"# a prefill instance and a decode instance, {c.tp} GPU(s) each, joined by a "
-                "KV connector (vLLM's --kv-transfer-config, kv_role kv_producer / kv_consumer):\n"
+        return (f"# {_instances(c.prefill, 'prefill')} and {_instances(c.decode, 'decode')}, "
+                f"{c.tp} GPU(s) each, joined by a KV connector (vLLM's --kv-transfer-config, "
+                "kv_role kv_producer / kv_consumer); a proxy in front sends each request to a "
+                "prefill instance, then to a decode instance (vLLM's disaggregated serving "
+                "examples).\n"
+                f"# each prefill instance runs:\n"
                 f"{line} --kv-transfer-config '{{\"kv_connector\":\"NixlConnector\","
                 f"\"kv_role\":\"kv_producer\"}}'\n"
+                f"# each decode instance runs:\n"
                 f"{line} --kv-transfer-config '{{\"kv_connector\":\"NixlConnector\","
                 f"\"kv_role\":\"kv_consumer\"}}'")
     if c.replicas > 1:
@@ -1618,6 +1640,17 @@ def sglang_command(sc: Scenario, c: Candidate) -> str:
         args.append("--quantization fp8")
     line = " ".join(args)
     if c.disaggregated:
-        return (f"{line} --disaggregation-mode prefill\n{line} --disaggregation-mode decode\n"
-                "# and a router in front: python -m sglang_router.launch_router --pd-disaggregation")
+        return (f"# {_instances(c.prefill, 'prefill')} and {_instances(c.decode, 'decode')}; "
+                "each prefill instance runs:\n"
+                f"{line} --disaggregation-mode prefill\n# each decode instance runs:\n"
+                f"{line} --disaggregation-mode decode\n"
+                "# and a router in front, with one --prefill URL per prefill instance and one "
+                "--decode URL per decode instance:\n"
+                "python -m sglang_router.launch_router --pd-disaggregation"
+                + " --prefill http://PREFILL_HOST:PORT" * c.prefill
+                + " --decode http://DECODE_HOST:PORT" * c.decode)
     return line
+
+
+def _instances(n: int, role: str) -> str:
+    return f"{'a' if n == 1 else n} {role} instance{'s' if n > 1 else ''}"

@@ -244,7 +244,8 @@ class KVConfig:
 @dataclass
 class SchedulerConfig:
     policy: str = _f("chunked", kind="policy",
-                     doc="or `disaggregated`: a prefill and a decode instance (2 GPUs)")
+                     doc="or `disaggregated`: prefill and decode instances "
+                         "(`cluster.prefill_instances`, `decode_instances`; 1 and 1: 2 GPUs)")
     max_num_seqs: int = _f(256, min=1)
     max_num_batched_tokens: int = _f(2048, min=1)
     preemption: str = _f("recompute", choices=["recompute", "swap"],
@@ -372,6 +373,13 @@ class ClusterConfig:
                                  "prefix-affinity", "queue-length"],
                         doc="model.data_parallel > 1: which rank an arriving request goes to "
                             "(queue-length: the DP load balancing of vLLM, 4 x waiting + running)")
+    prefill_instances: int = _f(1, min=1, max=64,
+                                doc="scheduler.policy = \"disaggregated\": prefill instances "
+                                    "(arrivals spread over them by `router`)")
+    decode_instances: int = _f(1, min=1, max=64,
+                               doc="scheduler.policy = \"disaggregated\": decode instances (an "
+                                   "arrival goes to the one with the fewest outstanding "
+                                   "requests)")
     affinity_max_imbalance: int = _f(16, min=0,
                                      doc="prefix-affinity: route by load instead when the "
                                          "preferred replica has this many more outstanding "
@@ -1098,6 +1106,11 @@ def _check_cluster(sc: Scenario) -> None:
     if several and sc.workload.clients:
         raise ScenarioError(f"{src}: workload.clients: a client mix is not modeled across "
                             f"several instances ({several})")
+    for key in ("prefill_instances", "decode_instances"):
+        if getattr(cl, key) != 1 and not disagg:
+            raise ScenarioError(f"{src}: cluster.{key} = {getattr(cl, key)}: only a "
+                                "disaggregated deployment (scheduler.policy = "
+                                "\"disaggregated\") has prefill and decode instances")
     if (disagg or cl.replicas > 1) and sc.workload.num_samples > 1:
         raise ScenarioError(
             f"{src}: workload.num_samples = {sc.workload.num_samples}: parallel sampling is not "

@@ -439,8 +439,9 @@ def _made(scenario: dict) -> tuple[str, str, str, str]:
 def _check_cluster(path: str, header: dict) -> None:
     """The header's description of a deployment (`Cluster.log_header`): known modes, router,
     roles and policies, and the deployment the header's policy and scenario make: a
-    disaggregated pair (prefill, decode; both chunked; no router), or `cluster.replicas`
-    replicas of the header's policy behind the scenario's router."""
+    disaggregated one (`cluster.prefill_instances` prefill then `decode_instances` decode
+    instances, all chunked, behind the scenario's router if several prefill), or
+    `cluster.replicas` replicas of the header's policy behind the scenario's router."""
 
     cluster = header["cluster"]
 
@@ -473,9 +474,20 @@ def _check_cluster(path: str, header: dict) -> None:
     # The deployment the replay builds from the header's policy and scenario (as the cluster
     # itself writes it).
     policy, scenario = header["policy"], header["scenario"]
+    prefill = decode = 1
     if policy == "disaggregated":
-        count, what, scenario_router = 2, "a disaggregated pair (prefill, decode)", None
-        counted = f"{what} has 2"
+        prefill, decode = (_scenario_value(scenario, "cluster", k)
+                           for k in ("prefill_instances", "decode_instances"))
+        if not all(type(n) is int and n >= 1 for n in (prefill, decode)):
+            raise LogError(f"{path}: header: the scenario's cluster.prefill_instances = "
+                           f"{shown(prefill)}, decode_instances = {shown(decode)}: expected "
+                           "counts of 1 or more")
+        count = prefill + decode
+        what = (f"a disaggregated deployment ({prefill} prefill, {decode} decode)"
+                if count > 2 else "a disaggregated pair (prefill, decode)")
+        scenario_router = (_scenario_value(scenario, "cluster", "router") if prefill > 1
+                           else None)
+        counted = f"{what} has {count}"
     else:
         made, what, section, field = _made(scenario)
         scenario_router = (_scenario_value(scenario, "cluster", "dp_router")
@@ -488,11 +500,12 @@ def _check_cluster(path: str, header: dict) -> None:
         counted = (f"the scenario's {section} is not a table" if count is _MISSING
                    else f"the scenario's {section}.{field} = {shown(count)}")
     want = deployment_header(policy, None if scenario_router is _MISSING else scenario_router,
-                             len(instances), made if policy != "disaggregated" else "replicas")
+                             len(instances), made if policy != "disaggregated" else "replicas",
+                             prefill, decode)
     if mode != want["mode"]:
         bad("mode", f"expected {want['mode']!r} for policy = {policy!r}", mode)
     if scenario_router is not _MISSING and router != want["router"]:
-        bad("router", "expected None (a disaggregated pair has no router)" if want["router"] is None
+        bad("router", "expected None (one prefill instance has no router)" if want["router"] is None
             else f"differs from the scenario's cluster.router = {shown(want['router'])}", router)
     if type(count) is not int or count != len(instances):
         raise LogError(f"{path}: header: cluster.instances: {len(instances)} of them, but "

@@ -138,7 +138,7 @@ class Replayer:
         """Bring the engine to where action `a` took effect, with what was due there applied
         if it had been (`Engine.settled`)."""
         if self.end_at is not None:
-            self.engine.advance_to(a.args["at"])
+            self.engine.advance_to(a.args["at"], a.args.get("settled"))
             self.engine.settle(a.args.get("settled"))
             return
         self.engine.advance_to(a.step, a.t)
@@ -156,11 +156,12 @@ class Replayer:
             self._bring(a)
             c.apply_action(a.action, a.args)
             self._next += 1
-        caps = (self.actions[self._next].args["at"] if self._next < len(self.actions)
-                else self.end_at)
+        nxt = self.actions[self._next].args if self._next < len(self.actions) else None
+        caps = nxt["at"] if nxt is not None else self.end_at
+        settled = nxt.get("settled") if nxt is not None else self.end_settled
         left = None if max_steps is None else max(0, max_steps - (c.step_count - start))
         if left != 0:
-            c.run_until(t, left, caps=caps)
+            c.run_until(t, left, caps=caps, settled=settled)
         within = max_steps is None or c.step_count - start < max_steps
         if self._next >= len(self.actions) and t >= self.end_time and within:
             self._cluster_to_end()
@@ -168,7 +169,7 @@ class Replayer:
 
     def _cluster_to_end(self) -> None:
         """The instances' last idle stretches, and what was due there applied if it had been."""
-        self.engine.advance_to(self.end_at)
+        self.engine.advance_to(self.end_at, self.end_settled)
         self.engine.settle(self.end_settled)
 
     def step(self) -> int:

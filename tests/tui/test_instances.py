@@ -80,6 +80,27 @@ async def test_disaggregated_pair_shows_hand_offs():
 
 
 @pilot_test
+async def test_two_prefill_and_three_decode_instances_each_get_a_row_and_r_visits_each():
+    c = deployment('scheduler.policy="disaggregated"', "cluster.prefill_instances=2",
+                   "cluster.decode_instances=3")
+    app = Dashboard(c, paused=True)
+    async with app.run_test(size=SIZE) as pilot:
+        rows = app.instance_rows._text.plain.splitlines()
+        assert [r.lstrip("▶ ").split()[:2] for r in rows] == [
+            ["P0", "prefill"], ["P1", "prefill"], ["D2", "decode"], ["D3", "decode"],
+            ["D4", "decode"]]
+        assert "disaggregated 2:3" in app.instance_rows.border_title
+        for row, e in zip(rows, c.instances):
+            assert f"run {len(e.policy.running):>3} wait {len(e.policy.waiting):>3}" in row
+        assert all(e.counts["finished"] for e in c.instances[2:])  # each decode one serves
+        for i in range(1, 6):
+            await pilot.press("r")
+            assert c.focus == i % 5
+            marked = [r for r in app.instance_rows._text.plain.splitlines() if r.startswith("▶")]
+            assert marked == [app.instance_rows._text.plain.splitlines()[i % 5]]
+
+
+@pilot_test
 async def test_a_deployment_log_plays_back(tmp_path):
     c = deployment("cluster.replicas=2", until=5.0)
     c.inject(200, 20)

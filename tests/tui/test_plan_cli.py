@@ -114,6 +114,32 @@ def test_a_bad_validation_file_is_refused_before_the_search(capsys, tiny, tmp_pa
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_disaggregated_ratios_are_ranked_and_the_winner_runs(capsys, tiny, tmp_path):
+    winner = tmp_path / "winner.toml"
+    code, out, err = run(capsys, "plan", tiny, "--slo", "ttft_p99=1000", *SPACE,
+                         "--gpus", "h100", "--replicas", "1", "--policies", "disaggregated",
+                         "--pd-ratios", "1:1,2:1", "--no-validation", "--winner", str(winner),
+                         "--exhaustive")
+    assert code == 0, err
+    rows = [line.split("P:D ")[1].split() for line in out.splitlines() if "P:D " in line
+            and line[:1].isdigit()]
+    gpus = {r[0]: [x for x in r[r.index("2048") + 1:] if x != "(probe)"][0] for r in rows}
+    assert gpus == {"1:1": "2", "2:1": "3"}  # both ratios in the ranked table, with their GPUs
+    code, sim_out, err = run(capsys, "sim", str(winner), "--json", "-q")
+    assert code == 0, err
+    d = json.loads(sim_out)
+    assert d["requests"]["finished"] == 120 and d["deployment"]["mode"] == "disaggregated"
+
+
+@pytest.mark.parametrize("value", ["1:0", "2", "1.5:1", "1:99", ",", "a:b"])
+def test_a_bad_ratio_is_one_line_and_exit_2(capsys, tiny, value):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", tiny, *SPACE, "--slo", "ttft_p99=1", "--pd-ratios", value])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "--pd-ratios" in err and "expected prefill:decode" in err, err
+
+
 def test_a_price_table_with_a_bad_row(capsys, tiny, tmp_path):
     prices = tmp_path / "prices.toml"
     prices.write_text('[gpu.h100-sxm]\nusd_per_gpu_hour = "cheap"\nsource = "x"\ndate = "2026"\n')

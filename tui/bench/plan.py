@@ -1,7 +1,8 @@
 """`servesim bench plan`: `servesim plan` for Llama-3.1-70B on the Azure conversation trace
 (TTFT p99 <= 2 s, TPOT p99 <= 100 ms, the trace's own load): the whole default space (A100,
 H100, H200; TP 1-8; 1-4 replicas and two routers; two `max_num_seqs`, two token budgets;
-chunked and a disaggregated prefill/decode pair; prefix caching off and on; DP 1, 2, 4 and PP 1, 2) with N workers, then with one (how it scales).
+chunked and disaggregated, the latter 1:1 only, as it was measured; prefix caching off and on;
+DP 1, 2, 4 and PP 1, 2) with N workers, then with one (how it scales).
 
 Wall time on a shared machine says little about scaling, so each run also reports what load
 cannot fake: the CPU time of its runs, each worker's busy time over the wall time (its
@@ -32,7 +33,7 @@ AGREE = 0.02  # the pruned winner's cost within this of the exhaustive winner's
 
 
 def whole_space() -> P.Space:
-    return P.Space(gpus=["a100-80gb", "h100-sxm", "h200"])
+    return P.Space(gpus=["a100-80gb", "h100-sxm", "h200"], pd_ratios=[(1, 1)])
 
 
 def small_space() -> P.Space:

@@ -1,4 +1,4 @@
-"""The instances of a deployment (replicas, or a disaggregated prefill/decode pair) side by
+"""The instances of a deployment (replicas, or disaggregated prefill and decode instances) side by
 side: one compact row each with its policy, batch, queue, a KV usage bar, output tokens per
 second since the previous frame, and the requests routed to it. Hidden for a single engine."""
 
@@ -14,9 +14,15 @@ MAX_ROWS = 8
 
 
 def instance_tags(instances) -> list[str]:
-    """A short tag per instance for the queues and the event log: `P`/`D`, or the replica
-    number."""
-    return [{"prefill": "P", "decode": "D"}.get(v.role, str(v.index)) for v in instances]
+    """A short tag per instance for the queues and the event log: `P`/`D` (with the instance
+    number where there are several of the role), or the replica number."""
+    roles = [v.role for v in instances]
+    tags = []
+    for v in instances:
+        tag = {"prefill": "P", "decode": "D"}.get(v.role)
+        tags.append(str(v.index) if tag is None
+                    else tag if roles.count(v.role) == 1 else f"{tag}{v.index}")
+    return tags
 
 
 def _bar(used: int, total: int) -> str:

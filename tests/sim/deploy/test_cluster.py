@@ -23,6 +23,7 @@ from tui.cli import main
 from tui.compute import make_executor
 
 DISAGG = 'scheduler.policy="disaggregated"'
+P2D3 = (DISAGG, "cluster.prefill_instances=2", "cluster.decode_instances=3")
 
 
 def streams(c) -> list:
@@ -220,6 +221,14 @@ def test_real_compute_matches_the_plain_engine_and_the_kv_really_moves(monkeypat
     assert len(c.transfers) == len(rows)
     for rid in range(len(rows)):
         assert c.get(rid).output_token_ids == ref.get(rid).output_token_ids, rid
+    # two prefill and three decode instances: each hand-off copies into its own decode
+    # instance's pool
+    c = build(small_scenario('compute.backend="numpy"', "compute.verify_every=2", *P2D3),
+              workload=workload_of(rows), make_executor=make_executor)
+    step_all(c)
+    assert min(c.routed) > 0 and len(c.transfers) == len(rows)
+    for rid in range(len(rows)):
+        assert c.get(rid).output_token_ids == ref.get(rid).output_token_ids, rid
     # replicas, each with its own executor, give the same tokens too
     rsc = small_scenario('compute.backend="numpy"', "cluster.replicas=2")
     c = build(rsc, workload=workload_of(rows), make_executor=make_executor)
@@ -235,6 +244,80 @@ def test_real_compute_matches_the_plain_engine_and_the_kv_really_moves(monkeypat
     c.run()
     assert any(c.get(rid).output_token_ids != ref.get(rid).output_token_ids
                for rid in range(len(rows)))
+
+
+# ================================================================ other prefill:decode ratios
+def test_each_arrival_goes_to_the_decode_instance_with_the_fewest_outstanding_requests():
+    # Six at once: the decode instances take turns (ties: lowest index). Later, the two short
+    # ones on instance 2 have ended and the others still decode: the next goes to 2.
+    rows = [(0.0, 100, 2 if i % 3 == 0 else 400) for i in range(6)] + [(2.0, 100, 5)]
+    c = build(small_scenario(*P2D3), workload=workload_of(rows))
+    assert c.roles == ["prefill"] * 2 + ["decode"] * 3
+    step_all(c)
+    joined = {rid: i for rid, (i, _) in ((rid, handoff_events(c, rid)["joined"])
+                                         for rid in range(7))}
+    assert joined == {0: 2, 1: 3, 2: 4, 3: 2, 4: 3, 5: 4, 6: 2}
+    whys = [e.why for e in c.events if e.kind == "route"]
+    assert whys[6] == "round robin; decode 2 (least outstanding 0)"
+    assert [e.instance for e in c.events if e.kind == "route"] == [0, 1] * 3 + [0]
+    assert c.routed == [4, 3, 3, 2, 2][:2] + [3, 2, 2]
+
+
+@pytest.mark.parametrize("cancel", [0.0, 0.3])
+def test_two_prefill_and_three_decode_instances_lose_no_block_and_replay(tmp_path, cancel):
+    sc = small_scenario(*P2D3, "kv.num_blocks=120", "workload.rate=30", "seed=5",
+                        "workload.duration_s=2", f"workload.cancel_fraction={cancel}",
+                        "workload.cancel_after_s=0.05", 'cluster.router="least-kv"')
+    c = build(sc)
+    step_all(c)  # the invariants after every step: no block lost or owned twice
+    pairs = {(h[0][0], h[1][0]) for h in (
+        (ev["ready"], ev["joined"]) for ev in (handoff_events(c, rid) for rid in c.requests)
+        if "joined" in ev)}
+    assert pairs == {(p, d) for p in (0, 1) for d in (2, 3, 4)}  # every route was taken
+    assert all(e.kv.num_used_blocks == 0 for e in c.instances)
+    if cancel:
+        assert c.cancelled_in_transfer > 0
+    path = tmp_path / "c.msgpack"
+    write_log(path, c, summarize(c))
+    log = read_log(path)
+    assert [i["role"] for i in log.header["cluster"]["instances"]] == c.roles
+    assert verify(log)[1] is None
+    whole = build(sc)
+    whole.run()
+    sliced = build(sc)
+    for k in range(1, 60):
+        sliced.run_until(k * 0.05)
+    sliced.run()
+    assert streams(whole) == streams(c) == streams(sliced)
+
+
+def test_a_replay_lets_an_instance_at_its_recorded_position_deliver_what_it_had(tmp_path):
+    """Prefill instance 0 stood at its recorded position with its transfer's end due there,
+    its blocks freed when the session routed the next arrival to instance 2 by least-kv; the
+    replay, holding it there, never routed that arrival (instance 2 could not reach its
+    recorded position) until the instances at their positions apply what the session had."""
+    sc = small_scenario(DISAGG, "cluster.prefill_instances=3", "kv.num_blocks=400",
+                        "seed=817969", 'cluster.router="least-kv"')
+    c = interactive_session(sc)
+    path = write_log(tmp_path / "c.msgpack", c)
+    assert verify(read_log(path))[1] is None
+
+
+@pytest.mark.parametrize("value, why", [
+    ("0", "at least 1"), ("65", "at most 64"), ("1.5", "an integer"), ('"two"', "an integer"),
+    ("1e9", "an integer"), ("true", "an integer")])
+@pytest.mark.parametrize("key", ["prefill_instances", "decode_instances"])
+def test_a_bad_instance_count_is_one_line_naming_the_field(capsys, key, value, why):
+    assert main(["sim", "disaggregated", "--set", f"cluster.{key}={value}", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"cluster.{key}" in err and why in err, err
+
+
+def test_instance_counts_without_disaggregation_are_refused(capsys):
+    assert main(["sim", "chat", "--set", "cluster.decode_instances=2", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cluster.decode_instances = 2" in err, err
+    assert "disaggregated" in err
 
 
 # ====================================================================================== replicas
@@ -422,6 +505,8 @@ def interactive_session(sc) -> Cluster:
      "workload.shared_prefix_tokens=256", "workload.shared_prefix_groups=3",
      "workload.cancel_fraction=0.1"),
     (DISAGG, "workload.cancel_fraction=0.1", "kv.num_blocks=800", "seed=3"),
+    (*P2D3, 'cluster.router="least-outstanding"', "workload.cancel_fraction=0.1",
+     "kv.num_blocks=800", "seed=3"),
 ])
 def test_session_log_round_trip_and_replay_verify(tmp_path, capsys, overrides):
     sc = small_scenario(*overrides)
@@ -531,6 +616,7 @@ SHORT_CANCELLED = ("kv.block_size=8", "kv.num_blocks=112", "kv.enable_prefix_cac
                    "workload.cancel_fraction=0.3", "workload.cancel_after_s=0.05",
                    "workload.shared_prefix_tokens=25")
 KINDS = {"single": (), "replicas": ("cluster.replicas=2",), "disaggregated": (DISAGG,),
+         "disaggregated 2:3": P2D3,
          "data-parallel": ("model.data_parallel=2",), "pipeline": ("model.pipeline_parallel=4",)}
 
 
@@ -554,7 +640,7 @@ def test_every_deployment_has_the_same_summary_without_history(monkeypatch, kind
                                                                async_scheduling, cancel_after):
     over = [*SHORT_CANCELLED, f"seed={seed}", f"workload.cancel_after_s={cancel_after}",
             f"scheduler.async_scheduling={str(async_scheduling).lower()}", *KINDS[kind]]
-    if kind != "disaggregated":
+    if not kind.startswith("disaggregated"):
         over.append(f'scheduler.policy="{policy}"')
     monkeypatch.setattr(Cluster, "PRUNE_AT", 16)
     _, _, a, b = run_with_and_without_history(

@@ -374,7 +374,7 @@ def test_a_closed_loop_plan_searches_single_engines_and_says_what_it_left_out(tm
     path = tmp_path / "closed.toml"
     path.write_text(CLOSED_SCENARIO)
     space = P.Space(["h100-sxm"], [1], [1, 2], ["round-robin"], [64], [2048],
-                    ["chunked", "disaggregated"], [False], [1, 2], [1])
+                    ["chunked", "disaggregated"], [False], [1, 2], [1], pd_ratios=[(1, 1)])
     p = P.Plan(str(path), [P.Bound("ttft_p99", 400.0)], space, P.load_prices(),
                probe_requests=None, tolerance=0.1)
     with Runner(1) as runner:
@@ -398,6 +398,72 @@ def test_concurrency_makes_an_open_workload_a_closed_loop_at_that_load(tiny):
         out = P.run_plan(p, runner)
     assert out.closed and out.required == 3
     assert out.winner is not None and out.winner.max_load == 3
+
+
+# --- prefill:decode ratios -----------------------------------------------------------------------
+def test_disaggregated_candidates_take_each_ratio_and_rent_p_plus_d_instances():
+    space = P.Space(["h100-sxm"], [1, 2], [1, 2], ["round-robin", "least-outstanding"], [64],
+                    [2048], ["chunked", "disaggregated"], [False], [1], [1], [False],
+                    [(1, 1), (2, 1), (1, 3)])
+    cands = space.candidates()
+    pairs = [c for c in cands if c.disaggregated]
+    # a router only where there are several prefill instances; never replicated
+    assert sorted((c.tp, c.prefill, c.decode, c.router) for c in pairs) == sorted(
+        (tp, p, d, r) for tp in (1, 2) for p, d in ((1, 1), (2, 1), (1, 3))
+        for r in (["round-robin", "least-outstanding"] if p > 1 else ["round-robin"]))
+    assert all(c.replicas == 1 for c in pairs)
+    assert all((c.prefill, c.decode) == (1, 1) for c in cands if not c.disaggregated)
+    assert len([c for c in cands if not c.disaggregated]) == 2 * 3  # TP x (x1, x2 by router)
+    c = next(c for c in pairs if (c.tp, c.prefill, c.decode) == (2, 1, 3))
+    assert c.gpus == 8 and P.usd_per_hour(c, PRICES) == 8 * 4.0
+    assert "P:D 1:3" in c.label()
+    assert {"cluster.prefill_instances=1", "cluster.decode_instances=3"} <= set(c.overrides())
+
+
+PREFILL_HEAVY = """
+name = "prefill-heavy"
+seed = 3
+[model]
+preset = "llama-3.1-8b"
+[workload]
+arrival = "poisson"
+rate = 12.0
+num_requests = 200
+prompt_tokens = 4000
+output_tokens = 16
+"""
+
+
+def test_a_prefill_heavy_workload_is_served_cheapest_by_two_prefill_instances(tmp_path):
+    path = tmp_path / "prefill-heavy.toml"
+    path.write_text(PREFILL_HEAVY)
+    space = P.Space(["h100-sxm"], [1], [1], ["round-robin"], [64], [2048],
+                    ["chunked", "disaggregated"], [False], [1], [1], [False],
+                    [(1, 1), (1, 2), (2, 1)])
+    p = P.Plan(str(path), [P.Bound("ttft_p99", 500.0)], space, P.load_prices(),
+               probe_requests=None, tolerance=0.1)
+    with Runner(1) as runner:
+        out = P.run_plan(p, runner)
+    by_ratio = {(r.candidate.prefill, r.candidate.decode): r for r in out.results
+                if r.candidate.disaggregated}
+    assert set(by_ratio) == {(1, 1), (1, 2), (2, 1)}  # each ratio searched
+    # one prefill instance cannot keep up with 4,000-token prompts at 12/s, however many
+    # decode instances it has; two can
+    assert by_ratio[(1, 1)].status == by_ratio[(1, 2)].status == "infeasible"
+    w = out.winner
+    assert w is not None and (w.candidate.policy, w.candidate.prefill, w.candidate.decode) == (
+        "disaggregated", 2, 1)
+    assert w.usd_per_hour == pytest.approx(3 * out.prices["h100-sxm"].usd_per_gpu_hour)
+    winner = tmp_path / "winner.toml"
+    winner.write_text(P.winner_toml(out, w))
+    sc = load_scenario(str(winner))
+    assert (sc.scheduler.policy, sc.cluster.prefill_instances, sc.cluster.decode_instances) == (
+        "disaggregated", 2, 1)
+    v, s = P.vllm_command(sc, w.candidate), P.sglang_command(sc, w.candidate)
+    assert v.startswith("# 2 prefill instances and a decode instance, 1 GPU(s) each")
+    assert v.count("vllm serve") == 2 and "kv_producer" in v and "kv_consumer" in v
+    assert s.count("--prefill http://") == 2 and s.count("--decode http://") == 1
+    assert "--disaggregation-mode prefill" in s and "--disaggregation-mode decode" in s
 
 
 # --- data and pipeline parallelism, experts -----------------------------------------------------
@@ -548,7 +614,7 @@ class ClockRunner:
 
 def scheduled_plan(spec, **kw):
     space = P.Space(["h100-sxm", "a100-80gb"], [1], [1, 2, 4], ["round-robin"], [64, 256],
-                    [2048], ["chunked", "disaggregated"], [False], [1], [1])
+                    [2048], ["chunked", "disaggregated"], [False], [1], [1], pd_ratios=[(1, 1)])
     return P.Plan(spec, [P.Bound("ttft_p99", 250.0), P.Bound("tpot_p99", 40.0)], space,
                   P.load_prices(), **{"probe_requests": 60, "tolerance": 0.1, **kw})
 

@@ -267,11 +267,11 @@ class Lockstep(RuleBasedStateMachine):
 
 class DeploymentLockstep(Lockstep):
     """The same, for deployments of several engines: replicas behind a router, a
-    disaggregated prefill/decode pair, data-parallel ranks in lockstep, or pipeline stages
-    with virtual engines."""
+    disaggregated prefill/decode pair or `replicas - 1` prefill and `replicas` decode
+    instances, data-parallel ranks in lockstep, or pipeline stages with virtual engines."""
 
-    @initialize(kind=st.sampled_from(["replicas", "disaggregated", "data-parallel",
-                                      "pipeline"]),
+    @initialize(kind=st.sampled_from(["replicas", "disaggregated", "disaggregated P:D",
+                                      "data-parallel", "pipeline"]),
                 policy=st.sampled_from([p for p in POLICY_NAMES if p != "contiguous"]),
                 replicas=st.integers(2, 3), router=st.sampled_from(
                     ["round-robin", "least-outstanding", "least-kv", "prefix-affinity"]),
@@ -280,9 +280,12 @@ class DeploymentLockstep(Lockstep):
     def setup(self, kind, policy, replicas, router, blocks, preemption, caching, seed):
         layout = {"data-parallel": [f"model.data_parallel={replicas}",
                                     f'cluster.dp_router="{router}"'],
-                  "pipeline": ["model.pipeline_parallel=4", f"model.virtual_engines={replicas}"]}
+                  "pipeline": ["model.pipeline_parallel=4", f"model.virtual_engines={replicas}"],
+                  "disaggregated P:D": [f"cluster.prefill_instances={replicas - 1}",
+                                        f"cluster.decode_instances={replicas}"]}
+        disaggregated = kind.startswith("disaggregated")
         sc = small_scenario(
-            f'scheduler.policy="{"disaggregated" if kind == "disaggregated" else policy}"',
+            f'scheduler.policy="{"disaggregated" if disaggregated else policy}"',
             f"cluster.replicas={replicas if kind == 'replicas' else 1}",
             *layout.get(kind, ()),
             f'cluster.router="{router}"', f"kv.num_blocks={blocks}",

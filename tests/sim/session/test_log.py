@@ -453,7 +453,9 @@ def _deployment_log(kind: str) -> bytes:
 
     from sim import build
     over = {"replicas": ["cluster.replicas=2", 'cluster.router="least-kv"'],
-            "disaggregated": ['scheduler.policy="disaggregated"']}[kind]
+            "disaggregated": ['scheduler.policy="disaggregated"'],
+            "disaggregated 2:3": ['scheduler.policy="disaggregated"', "cluster.prefill_instances=2",
+                                  "cluster.decode_instances=3", 'cluster.router="least-kv"']}[kind]
     c = build(small_scenario("workload.duration_s=3", "kv.num_blocks=400", *over))
     c.run_until(1.0)
     c.inject(100, 8)
@@ -526,6 +528,24 @@ DEPLOYMENT_CRAFTED = {
     ("disaggregated", "a single policy"): (
         lambda o: o[0].update(policy="chunked"),
         "header: cluster.mode = 'disaggregated': expected 'replicas' for policy = 'chunked'"),
+    ("disaggregated 2:3", "one decode instance fewer"): (
+        lambda o: _cluster(o)["instances"].pop(),
+        "header: cluster.instances: 4 of them, but a disaggregated deployment (2 prefill, 3 "
+        "decode) has 5"),
+    ("disaggregated 2:3", "the scenario says 3:3"): (
+        lambda o: o[0]["scenario"]["cluster"].update(prefill_instances=3),
+        "header: cluster.instances: 5 of them, but a disaggregated deployment (3 prefill, 3 "
+        "decode) has 6"),
+    ("disaggregated 2:3", "a decode instance as a prefill one"): (
+        lambda o: _cluster(o)["instances"][2].update(role="prefill"),
+        "header: cluster.instances[2].role = 'prefill': expected 'decode'"),
+    ("disaggregated 2:3", "no router"): (
+        lambda o: _cluster(o).update(router=None),
+        "header: cluster.router = None: differs from the scenario's cluster.router = 'least-kv'"),
+    ("disaggregated 2:3", "a count that is no count"): (
+        lambda o: o[0]["scenario"]["cluster"].update(decode_instances="3"),
+        "header: the scenario's cluster.prefill_instances = 2, decode_instances = '3': expected "
+        "counts of 1 or more"),
 }
 
 
@@ -541,7 +561,7 @@ def test_a_deployment_header_that_contradicts_itself_is_refused(tmp_path, capsys
     _refused_by_every_reader(p, needle, capsys)
 
 
-@pytest.mark.parametrize("kind", ["replicas", "disaggregated"])
+@pytest.mark.parametrize("kind", ["replicas", "disaggregated", "disaggregated 2:3"])
 def test_deployment_logs_as_written_verify(tmp_path, capsys, kind):
     p = tmp_path / "c.msgpack"
     p.write_bytes(_deployment_log(kind))
