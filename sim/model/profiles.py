@@ -57,9 +57,10 @@ POINT_SPREAD = 0.1
 # executor; TensorRT-LLM 0.7 on shares K/V across a GQA group (XQA kernels).
 DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_overlap": True}),
            "sglang": ("sglang-0.3", {"cpu_overlap": True}),
-           "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True}),
-           "vllm-0.6": ("vllm-0.6-multistep", {"num_scheduler_steps": 1}),
-           "vllm-0.5": ("vllm-0.6-multistep", {"num_scheduler_steps": 1})}
+           "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True,
+                                              **presets.NO_FRONTEND}),
+           "vllm-0.6": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, **presets.NO_FRONTEND}),
+           "vllm-0.5": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, **presets.NO_FRONTEND})}
 
 
 def _kind(name: str) -> str:
