@@ -5,11 +5,12 @@ Two pieces, shared by `servesim calibrate` and the fitted engine profiles:
 - `record_run` runs a scenario once and keeps, for every engine step, what the cost model was
   asked (prefill and decode quantities, sequences, sampled rows) and when the step could start
   at the earliest (the arrival it waited for, if the engine was idle), and for every request its
-  arrival, when its client sent it and the steps of its first and last token. `RunRecord.replay` then re-times the same
-  schedule under other coefficients in a few vectorised NumPy passes: a step starts when the
-  previous one ends or when it could start, whichever is later. The schedule itself depends on
-  the timing only through arrivals (under a saturated or fixed batch it does not at all), so a
-  fit alternates: fit on the recorded schedules, re-simulate, fit again.
+  arrival, when its client sent it and the steps of its first and last token.
+  `RunRecord.replay` then re-times the same schedule under other coefficients in a few
+  vectorised NumPy passes: a step starts when the previous one ends or when it could start,
+  whichever is later. The schedule itself depends on the timing only through arrivals (under
+  a saturated or fixed batch it does not at all), so a fit alternates: fit on the recorded
+  schedules, re-simulate, fit again.
 - `least_squares` minimises a sum of squared residuals over bounded coefficients
   (Levenberg-Marquardt in a log or logit space, so every trial value is valid).
 """

@@ -109,14 +109,14 @@ ENGINES: dict[str, dict] = {
                              kv_bandwidth_efficiency=1.0, allreduce_latency_us=64.40,
                              cpu_base_us=3036.0, cpu_per_seq_us=4.317)
     | dict(gqa_shared_kv=False, gqa_reread=0.5352),
-    # vLLM 0.6 with --num-scheduler-steps 10. Its API server (a process apart from the engine's
-    # since 0.6, which tokenises: the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x
-    # Latency Reduction", blog.vllm.ai, 2024-09-05) tokenises with the HuggingFace tokenizers, at
-    # their rate for one sequence as sglang-0.3's below; the time per request fitted on S4, its
-    # one light-load TTFT row (the value, to 0.1 ms, that brings S4's median TTFT to the
-    # published 100.48 ms: 100.5); S5-S7 are held out. It takes in whatever else a light-load
-    # TTFT spends under multi-step scheduling, so the one-step profiles derived from this one
-    # keep none.
+    # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
+    # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
+    # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
+    # HuggingFace tokenizers, at their rate for one sequence as sglang-0.3's below; the time per
+    # request fitted on S4, its one light-load TTFT row (the value, to 0.1 ms, that brings S4's
+    # median TTFT to the published 100.48 ms: 100.5); S5-S7 are held out. It takes in whatever
+    # else a light-load TTFT spends under multi-step scheduling, so the one-step profiles
+    # derived from this one keep none.
     "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7527,
                                kv_bandwidth_efficiency=0.7239, allreduce_latency_us=22.98,
                                cpu_base_us=3147.0, cpu_per_seq_us=6.074)
