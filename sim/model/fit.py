@@ -5,11 +5,12 @@ Two pieces, shared by `servesim calibrate` and the fitted engine profiles:
 - `record_run` runs a scenario once and keeps, for every engine step, what the cost model was
   asked (prefill and decode quantities, sequences, sampled rows) and when the step could start
   at the earliest (the arrival it waited for, if the engine was idle), and for every request its
-  arrival and the steps of its first and last token. `RunRecord.replay` then re-times the same
-  schedule under other coefficients in a few vectorised NumPy passes: a step starts when the
-  previous one ends or when it could start, whichever is later. The schedule itself depends on
-  the timing only through arrivals (under a saturated or fixed batch it does not at all), so a
-  fit alternates: fit on the recorded schedules, re-simulate, fit again.
+  arrival, when its client sent it and the steps of its first and last token.
+  `RunRecord.replay` then re-times the same schedule under other coefficients in a few
+  vectorised NumPy passes: a step starts when the previous one ends or when it could start,
+  whichever is later. The schedule itself depends on the timing only through arrivals (under
+  a saturated or fixed batch it does not at all), so a fit alternates: fit on the recorded
+  schedules, re-simulate, fit again.
 - `least_squares` minimises a sum of squared residuals over bounded coefficients
   (Levenberg-Marquardt in a log or logit space, so every trial value is valid).
 """
@@ -144,12 +145,16 @@ class RunRecord:
 
     features: np.ndarray  # (7, steps): the cost model's arguments per step
     ready: np.ndarray  # earliest start of each step (-inf: right after the previous one)
-    arrival: np.ndarray  # per finished request
+    arrival: np.ndarray  # per finished request: when it reached the engine
     first: np.ndarray  # step index of its first token
     last: np.ndarray  # step index of its last token
     num_output: np.ndarray
     summary: dict  # the simulation's own summary (sim.stats.metrics.summarize)
     swap: np.ndarray  # seconds of swap copies each step adds (no coefficient changes them)
+    # per finished request: when its client sent it, less the time each token takes to reach
+    # the client; its TTFT and E2E count from here, as its client measures them
+    # (sim.engine.request.Request.client_ttft: an API server in front shifts both)
+    since: np.ndarray
 
     def durations(self, cost) -> np.ndarray:
         """Each step's duration under `cost` (a sim.model.costmodel.CostModel)."""
@@ -168,7 +173,7 @@ class RunRecord:
         n = self.num_output
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(n > 1, (tl - tf) / np.maximum(n - 1, 1), np.nan)
-        return {"ttft": tf - self.arrival, "tpot": tpot, "e2e": tl - self.arrival,
+        return {"ttft": tf - self.since, "tpot": tpot, "e2e": tl - self.since,
                 "output_tokens": int(n.sum()), "duration": float(ends[-1]) if len(ends) else 0.0}
 
 
@@ -191,7 +196,8 @@ def record_run(scenario) -> RunRecord:
                     dtype=np.int64)
     return RunRecord(cols, ready, np.array([r.arrival_time for r in reqs], dtype=np.float64),
                      first, last, np.array([r.num_output_tokens for r in reqs], dtype=np.int64),
-                     summarize(engine), swap)
+                     summarize(engine), swap,
+                     np.array([r.sent_time - r.stream_delay for r in reqs], dtype=np.float64))
 
 
 # --- least squares -------------------------------------------------------------------------------

@@ -98,9 +98,11 @@ _KERNELS = dict(
     elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_efficiency=0.7,
     moe_gemm_efficiency=0.40, moe_comm_efficiency=0.56, fp4_gemm_efficiency=0.33,
 )
+# No API server in front (sim.engine.frontend): the engine's times are the client's.
+NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
+                   frontend_output_token_us=0.0)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
-                 frontend_request_us=0.0, frontend_prompt_token_us=0.0,
-                 frontend_output_token_us=0.0)
+                 **NO_FRONTEND)
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2).
@@ -108,10 +110,18 @@ ENGINES: dict[str, dict] = {
                              kv_bandwidth_efficiency=1.0, allreduce_latency_us=64.40,
                              cpu_base_us=3036.0, cpu_per_seq_us=4.317)
     | dict(gqa_shared_kv=False, gqa_reread=0.5352),
-    # vLLM 0.6 with --num-scheduler-steps 10.
+    # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
+    # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
+    # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
+    # HuggingFace tokenizers, at their rate for one sequence as sglang-0.3's below; the time per
+    # request fitted on S4, its one light-load TTFT row (the value, to 0.1 ms, that brings S4's
+    # median TTFT to the published 100.48 ms: 100.5); S5-S7 are held out. It takes in whatever
+    # else a light-load TTFT spends under multi-step scheduling, so the one-step profiles
+    # derived from this one keep none.
     "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7527,
                                kv_bandwidth_efficiency=0.7239, allreduce_latency_us=22.98,
-                               cpu_base_us=3147.0, cpu_per_seq_us=6.074) | dict(num_scheduler_steps=10),
+                               cpu_base_us=3147.0, cpu_per_seq_us=6.074)
+    | dict(num_scheduler_steps=10, frontend_request_us=11200.0, frontend_prompt_token_us=1.1),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
@@ -128,12 +138,13 @@ ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, 
 # on the host, fitted on M8 (sim/README.md), the one published row where it binds.
 ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=35.0)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
-ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True)
+ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True,
+                          **NO_FRONTEND)
 # V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.
 ENGINES["vllm-0.6"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=127.4)
+                           cpu_per_seq_us=127.4, **NO_FRONTEND)
 ENGINES["vllm-0.5"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=337.7)
+                           cpu_per_seq_us=337.7, **NO_FRONTEND)
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
                                    "tensorrt-llm-0.6")}

@@ -143,6 +143,9 @@ def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path)
     ("chat", ["workload.num_requests=120", "workload.rate=40",
               'engine.preset="vllm-0.6-multistep"']),             # multi-step windows
     ("chat", ["workload.num_requests=80", "workload.rate=1e9", 'engine.preset="roofline"']),
+    ("chat", ["workload.num_requests=100", "engine.frontend_request_us=5000",
+              "engine.frontend_prompt_token_us=2",
+              "engine.frontend_output_token_us=300"]),                # an API server in front
     ("prefill-stalls", ["workload.duration_s=20"]),               # chunked prefills, mixed steps
     ("fragmentation", ["workload.duration_s=30"]),                # preemptions
     ("burst", ['scheduler.preemption="swap"', "hardware.pcie_gbps=25"]),  # swaps

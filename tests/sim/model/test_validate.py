@@ -3,7 +3,10 @@ import shutil
 
 import pytest
 
+from sim.engine.frontend import TERMS
 from sim.inputs.scenario import BUNDLED_DIR
+from sim.model import presets
+from sim.model import profiles as P
 from sim.model.validate import Metric, engine_preset_for, load_points, parse_metric, run_point
 from tui.cli import main
 
@@ -217,6 +220,26 @@ def test_leave_one_out_of_an_engines_only_row_uses_its_priors():
         mp.setitem(shipped, "gemm_efficiency", shipped["gemm_efficiency"] / 2)
         mp.setitem(shipped, "cpu_base_us", shipped["cpu_base_us"] * 3)
         assert v1_ratio() == want
+
+
+def test_vllm_multistep_online_ttft_rows_are_behind_its_api_server():
+    # S4 fitted vLLM 0.6's API server time; S5 (held out) is the same deployment at 8 req/s
+    points = {p.id: p for p in load_points(POINTS) if p.id in ("S4", "S5")}
+    s4, s5 = run_point(points["S4"]), run_point(points["S5"])
+    assert s4["ratio"] == pytest.approx(1.0, abs=0.01)
+    bare = ["engine.frontend_request_us=0", "engine.frontend_prompt_token_us=0"]
+    assert run_point(points["S4"], overrides=bare)["ratio"] < 0.9
+    assert run_point(points["S5"], overrides=bare)["ratio"] < s5["ratio"] < 1.0
+
+
+def test_only_the_multistep_vllm_profile_has_the_fitted_api_server():
+    # the time per request carries what a multi-step window adds to a light-load TTFT: the
+    # one-step profiles derived from it (as shipped and as a fit derives them) keep none
+    assert presets.ENGINES["vllm-0.6-multistep"]["frontend_request_us"] > 0
+    fitted = P.profiles({})
+    for name in ("vllm-v1", "vllm-0.6", "vllm-0.5"):
+        assert all(presets.ENGINES[name][k] == 0 for k in TERMS), name
+        assert all(fitted[name][k] == 0 for k in TERMS), name
 
 
 def test_sglangs_online_ttft_rows_are_compared_with_what_its_clients_measured():
