@@ -176,7 +176,12 @@ class EngineConfig:
     layer_overhead_us: float = _f(_ENGINE["layer_overhead_us"], min=0,
                                   doc="fixed GPU time per layer per step (launch gaps, tails)")
     allreduce_latency_us: float = _f(_ENGINE["allreduce_latency_us"], min=0,
-                                     doc="fixed time of one tensor-parallel all-reduce")
+                                     doc="fixed time of one NCCL all-reduce (ring; and of one "
+                                         "all-to-all)")
+    custom_allreduce_us: float = _f(_ENGINE["custom_allreduce_us"], min=0,
+                                    doc="fixed time of one all-reduce of the engine's own "
+                                        "one-shot kernel over NVLink, taken where it is faster "
+                                        "than the ring (0: NCCL for every size)")
     allreduce_efficiency: float = _f(_ENGINE["allreduce_efficiency"], gt=0, max=1,
                                      doc="all-reduce: achieved / interconnect bandwidth")
     cpu_base_us: float = _f(_ENGINE["cpu_base_us"], min=0,

@@ -113,6 +113,10 @@ class CostModel:
     _kv_read: float
     _ar_fix: float
     _ar_tok: float
+    _ar_a0: float
+    _ar_a1: float
+    _ar_b0: float
+    _ar_b1: float
     _fixed: float
     _cpu0: float
     _cpu1: float
@@ -216,11 +220,8 @@ class CostModel:
         self._kv_read = self._kv * (1.0 if e.gqa_shared_kv or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
-        if tp > 1:
-            self._ar_fix = 2.0 * L * e.allreduce_latency_us * 1e-6
-            self._ar_tok = (2.0 * L * 2.0 * (tp - 1) / tp * hid * ab / link) if link > 0 else 0.0
-        else:
-            self._ar_fix = self._ar_tok = 0.0
+        self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
+        self._allreduce_init(e, tp, L, hid * ab, link)
         self._moe_init(m, e, gemm, stream, link)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
@@ -231,7 +232,27 @@ class CostModel:
             self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
             self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
-            self._moe_mean, self._moe_sd, self._moe_lam)
+            self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
+            self._ar_b1)
+
+    def _allreduce_init(self, e, tp: int, L: int, row: float, link: float) -> None:
+        """The tensor-parallel all-reduces' coefficients (the module docstring's t_ar): two
+        lines in the step's tokens, of which a step pays the lower. `row` is the bytes one
+        token's activations take; all 0 on one GPU."""
+        self._ar_a0 = self._ar_a1 = self._ar_b0 = self._ar_b1 = 0.0
+        if tp < 2:
+            return
+        calls = 2.0 * L
+        ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
+        nccl = calls * e.allreduce_latency_us * 1e-6
+        custom = calls * e.custom_allreduce_us * 1e-6
+        if e.custom_allreduce_us > 0:  # one-shot: every GPU reads the others' whole buffers
+            self._ar_a0 = custom
+            self._ar_a1 = calls * (tp - 1) * row / link if link > 0 else 0.0
+            self._ar_b0 = _min(2.0 * custom, nccl)  # two-shot or NCCL's ring: the same bytes
+        else:
+            self._ar_a0, self._ar_a1, self._ar_b0 = nccl, ring, nccl
+        self._ar_b1 = ring
 
     def _gemm_rate(self, m, h, e, wb) -> float:
         """FLOP/s of the transformer blocks' GEMMs over all tensor-parallel GPUs: at the
@@ -338,7 +359,8 @@ class CostModel:
             c = self._moe_c * n
             m = self._moe_m * (1.0 - 1.0 / (1.0 + x * (1.0 + x * (0.5 + x / 6.0))))
             busy = busy + _sqrt(c * c + m * m)
-        t_gpu = busy + (self._fixed + self._ar_tok * T)  # + (t_layer + t_ar)
+        t_ar = _min(self._ar_a0 + self._ar_a1 * T, self._ar_b0 + self._ar_b1 * T)
+        t_gpu = busy + (self._fixed + self._ar_tok * T + t_ar)  # + (t_layer + t_a2a + t_ar)
         t_cpu = self._cpu0 + self._cpu1 * num_seqs
         dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu
         return dur, self._idle * dur + self._dyn * busy

@@ -89,14 +89,26 @@ QUANTIZATIONS: dict[str, tuple[float, str]] = {
 # architecture white paper): 8 / 128. An estimate from the hardware, not fitted.
 DEQUANT = 8.0 / 128.0
 
+# The tensor-parallel all-reduce (sim.model.costmodel's t_ar), measured, not fitted: each
+# call's fixed time and the fraction of the link's bandwidth its bytes move at. Measured over
+# NVLink, bf16 rows of 8192 (vLLM's benchmarks/kernels/benchmark_device_communicators.py, in
+# the vLLM pull requests #24111 (H100s, TP 2-8) and #24532 (TP 4)): NCCL's ring (`pynccl`) 21-23 us at 0.5 MB rising by about 5 us per MB at TP 4
+# (18 us plus the bytes), the one-shot custom all-reduce (`ca_1stage`) 10 us at 0.5 MB at
+# TP 4 and 13 at TP 6, each GPU reading its peers' buffers (6 us plus (tp - 1) times the
+# bytes); SGLang's pull request #2904 (H100, TensorRT-LLM's one-shot kernel): 3.7 / 4.8 /
+# 5.9 us at TP 2 / 4 / 8 for 512 elements. The bytes go at about 0.7 of the data-sheet link
+# bandwidth in both (TP 4: 0.65 for the ring, 0.83 for the one-shot).
+COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7)
+
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
 # what is fitted and how); sim/README.md reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
-    elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_efficiency=0.7,
-)
+    elementwise_efficiency=0.5, layer_overhead_us=26.38,
+) | COLLECTIVES
+
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
                  frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                  frontend_output_token_us=0.0)
@@ -104,12 +116,12 @@ ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2).
     "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8147,
-                             kv_bandwidth_efficiency=1.0, allreduce_latency_us=64.40,
+                             kv_bandwidth_efficiency=1.0,
                              cpu_base_us=3036.0, cpu_per_seq_us=4.317)
     | dict(gqa_shared_kv=False, gqa_reread=0.5352),
     # vLLM 0.6 with --num-scheduler-steps 10.
     "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7527,
-                               kv_bandwidth_efficiency=0.7239, allreduce_latency_us=22.98,
+                               kv_bandwidth_efficiency=0.7239,
                                cpu_base_us=3147.0, cpu_per_seq_us=6.074) | dict(num_scheduler_steps=10),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
@@ -117,7 +129,7 @@ ENGINES: dict[str, dict] = {
     # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
     # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 32.00).
     "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7136, kv_bandwidth_efficiency=0.6867,
-                       allreduce_latency_us=26.76, cpu_base_us=2567.0, cpu_per_seq_us=40.73)
+                       cpu_base_us=2567.0, cpu_per_seq_us=40.73)
     | dict(frontend_request_us=6700.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;

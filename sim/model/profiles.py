@@ -39,13 +39,13 @@ FIT: dict[str, dict[str, tuple[float, float]]] = {
     },
     "tensorrt-llm-0.6": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
                          "cpu_per_seq_us": (10.0, 2.0),
-                         "allreduce_latency_us": (30.0, 0.7), "kv_bandwidth_efficiency": (0.75, 0.3),
+                         "kv_bandwidth_efficiency": (0.75, 0.3),
                          "gqa_reread": (0.5, 1.0)},
     "vllm-0.6-multistep": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
-                           "cpu_per_seq_us": (10.0, 2.0), "allreduce_latency_us": (30.0, 0.7),
+                           "cpu_per_seq_us": (10.0, 2.0),
                            "kv_bandwidth_efficiency": (0.75, 0.3)},
     "sglang-0.3": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
-                   "cpu_per_seq_us": (10.0, 2.0), "allreduce_latency_us": (30.0, 0.7),
+                   "cpu_per_seq_us": (10.0, 2.0),
                    "kv_bandwidth_efficiency": (0.75, 0.3)},
 }
 # The spread of log(predicted / published) expected of a good model (measurement noise and what
