@@ -182,6 +182,9 @@ class EngineConfig:
                                     doc="fixed time of one all-reduce of the engine's own "
                                         "one-shot kernel over NVLink, taken where it is faster "
                                         "than the ring (0: NCCL for every size)")
+    allreduce_sync_us: float = _f(_ENGINE["allreduce_sync_us"], min=0,
+                                  doc="time per all-reduce beyond its kernel's own: waiting "
+                                      "for the slowest GPU and the gap around the call")
     allreduce_efficiency: float = _f(_ENGINE["allreduce_efficiency"], gt=0, max=1,
                                      doc="all-reduce: achieved / interconnect bandwidth")
     cpu_base_us: float = _f(_ENGINE["cpu_base_us"], min=0,

@@ -30,8 +30,9 @@ all-reduce efficiencies.
     experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
     kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
-    all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
-    all-to-all t_a2a   = 2 Lx (allreduce_latency + k h ab (ep-1)/ep T / (tp N e_n))  (ep > tp)
+    all-red.  t_ar     = 2 L min(s + c + (tp-1) M,  s + min(2 c, a) + 2 (tp-1)/tp M)   (tp > 1)
+              M        = T h ab / (N e_n)       (one all-reduce's bytes over the link)
+    all-to-all t_a2a   = 2 Lx (a + k h ab (ep-1)/ep T / (tp N e_n))                 (ep > tp)
     GPU       t_gpu    = busy + (t_layer + t_ar)
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
@@ -39,7 +40,19 @@ all-reduce efficiencies.
 
 with T = Tp + D (Tp prefill tokens). `CostModel.step` is these lines, in this order (each sum
 added left to right; the constant factors folded once per model: `_blk_c` is 2 P_blocks /
-(tp F e_g), `_fixed` is t_layer plus t_ar's latency, `_ar_tok` t_ar's bytes per token).
+(tp F e_g), `_fixed` is t_layer plus t_a2a's latency, `_ar_tok` t_a2a's bytes per token,
+`_ar_a0 + _ar_a1 T` and `_ar_b0 + _ar_b1 T` t_ar's two lines).
+
+The all-reduce (two per layer, after attention and after the MLP) is the faster of the
+engine's one-shot kernel, in which every GPU reads its peers' whole buffers over NVLink
+(latency c = `custom_allreduce_us`, tp - 1 times the bytes), and a ring that moves 2 (tp-1)/tp
+times the bytes: the engine's two-shot kernel (reduce-scatter and all-gather, 2 c) or NCCL's
+(a = `allreduce_latency_us`), whichever starts sooner. Small messages (decode) take the
+one-shot, large ones (prefill) the ring; the switch-over is where the two lines cross, at
+M (tp-1)(1 - 2/tp) = min(2 c, a) - c (any size at tp = 2, where both move the bytes once).
+c = 0 (no custom kernel) leaves NCCL for every size. a, c and e_n are measured collective
+figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's time beyond its
+kernel (the wait for the slowest GPU, the gap around the call), is fitted.
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -246,12 +259,14 @@ class CostModel:
         ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
         nccl = calls * e.allreduce_latency_us * 1e-6
         custom = calls * e.custom_allreduce_us * 1e-6
+        sync = calls * e.allreduce_sync_us * 1e-6  # (whichever kernel runs)
         if e.custom_allreduce_us > 0:  # one-shot: every GPU reads the others' whole buffers
-            self._ar_a0 = custom
+            self._ar_a0 = sync + custom
             self._ar_a1 = calls * (tp - 1) * row / link if link > 0 else 0.0
-            self._ar_b0 = _min(2.0 * custom, nccl)  # two-shot or NCCL's ring: the same bytes
+            self._ar_b0 = sync + _min(2.0 * custom, nccl)  # two-shot or NCCL: the same bytes
         else:
-            self._ar_a0, self._ar_a1, self._ar_b0 = nccl, ring, nccl
+            self._ar_a0 = self._ar_b0 = sync + nccl
+            self._ar_a1 = ring
         self._ar_b1 = ring
 
     def _gemm_rate(self, m, h, e, wb) -> float:

@@ -106,7 +106,7 @@ COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
-    elementwise_efficiency=0.5, layer_overhead_us=26.38,
+    elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_sync_us=10.0,
 ) | COLLECTIVES
 
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
@@ -118,7 +118,8 @@ ENGINES: dict[str, dict] = {
     "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8147,
                              kv_bandwidth_efficiency=1.0,
                              cpu_base_us=3036.0, cpu_per_seq_us=4.317)
-    | dict(gqa_shared_kv=False, gqa_reread=0.5352),
+    | dict(gqa_shared_kv=False, gqa_reread=0.5352, allreduce_latency_us=64.40,
+           custom_allreduce_us=0.0),
     # vLLM 0.6 with --num-scheduler-steps 10.
     "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7527,
                                kv_bandwidth_efficiency=0.7239,
@@ -134,7 +135,8 @@ ENGINES: dict[str, dict] = {
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
-ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True)
+ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
+                               **COLLECTIVES)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True)
 # V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.

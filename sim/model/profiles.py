@@ -36,10 +36,11 @@ FIT: dict[str, dict[str, tuple[float, float]]] = {
         "bandwidth_efficiency": (0.85, 0.1),
         "attention_efficiency": (0.5, 0.5),
         "layer_overhead_us": (20.0, 1.0),
+        "allreduce_sync_us": (10.0, 1.0),
     },
     "tensorrt-llm-0.6": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
                          "cpu_per_seq_us": (10.0, 2.0),
-                         "kv_bandwidth_efficiency": (0.75, 0.3),
+                         "allreduce_latency_us": (18.0, 0.7), "kv_bandwidth_efficiency": (0.75, 0.3),
                          "gqa_reread": (0.5, 1.0)},
     "vllm-0.6-multistep": {"gemm_efficiency": (0.75, 0.15), "cpu_base_us": (1000.0, 2.0),
                            "cpu_per_seq_us": (10.0, 2.0),
@@ -55,7 +56,8 @@ POINT_SPREAD = 0.1
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
 # API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
 # executor; TensorRT-LLM 0.7 on shares K/V across a GQA group (XQA kernels).
-DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_overlap": True}),
+DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_overlap": True,
+                                                 **presets.COLLECTIVES}),
            "sglang": ("sglang-0.3", {"cpu_overlap": True}),
            "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True}),
            "vllm-0.6": ("vllm-0.6-multistep", {"num_scheduler_steps": 1}),

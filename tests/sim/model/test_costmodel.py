@@ -260,8 +260,8 @@ def test_presets_change_speed():
 # --- one definition ------------------------------------------------------------------------------
 EFFICIENCIES = ["gemm_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficiency",
                 "attention_efficiency", "elementwise_efficiency", "allreduce_efficiency"]
-MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "custom_allreduce_us", "cpu_base_us",
-                "cpu_per_seq_us"]
+MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "custom_allreduce_us",
+                "allreduce_sync_us", "cpu_base_us", "cpu_per_seq_us"]
 
 
 # Mixtures of experts for the tie test: (config, expert_parallel choices), each with a
