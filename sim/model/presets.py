@@ -128,10 +128,10 @@ ENGINES: dict[str, dict] = {
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
     # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
-    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 32.00).
+    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.98).
     "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7416, kv_bandwidth_efficiency=0.7220,
                        cpu_base_us=2099.0, cpu_per_seq_us=46.79)
-    | dict(frontend_request_us=6700.0, frontend_prompt_token_us=1.1),
+    | dict(frontend_request_us=7120.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
