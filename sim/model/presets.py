@@ -91,13 +91,15 @@ DEQUANT = 8.0 / 128.0
 
 # The tensor-parallel all-reduce (sim.model.costmodel's t_ar), measured, not fitted: each
 # call's fixed time and the fraction of the link's bandwidth its bytes move at. Measured over
-# NVLink, bf16 rows of 8192 (vLLM's benchmarks/kernels/benchmark_device_communicators.py, in
-# the vLLM pull requests #24111 (H100s, TP 2-8) and #24532 (TP 4)): NCCL's ring (`pynccl`) 21-23 us at 0.5 MB rising by about 5 us per MB at TP 4
-# (18 us plus the bytes), the one-shot custom all-reduce (`ca_1stage`) 10 us at 0.5 MB at
-# TP 4 and 13 at TP 6, each GPU reading its peers' buffers (6 us plus (tp - 1) times the
-# bytes); SGLang's pull request #2904 (H100, TensorRT-LLM's one-shot kernel): 3.7 / 4.8 /
-# 5.9 us at TP 2 / 4 / 8 for 512 elements. The bytes go at about 0.7 of the data-sheet link
-# bandwidth in both (TP 4: 0.65 for the ring, 0.83 for the one-shot).
+# NVLink with vLLM's benchmarks/kernels/benchmark_device_communicators.py (bf16 rows of 8192;
+# vLLM pull requests #24532, TP 4, and #24111, TP 6): NCCL's ring (`pynccl`) 21 us at 0.5 MB
+# rising by about 5 us per MB at TP 4 (18 us plus the bytes); the one-shot custom all-reduce
+# (`ca_1stage`), each GPU reading its peers' buffers, 10 us at 0.5 MB at TP 4 and 13 at TP 6
+# (6 us plus tp - 1 times the bytes). SGLang's pull request #2904 (H100s, TensorRT-LLM's
+# one-shot kernel): 3.7 / 4.8 / 5.9 us at TP 2 / 4 / 8 for 512 elements; its #10571: NCCL in
+# a CUDA graph 16.5 us at 2 KiB. The bytes go at about 0.7 of the data-sheet link bandwidth
+# (TP 4: 0.65 for the ring, 0.83 for the one-shot). The time a call takes beyond its kernel
+# in a serving step (`allreduce_sync_us`) is fitted with the shared coefficients.
 COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7)
 
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
