@@ -126,6 +126,7 @@ class CostModel:
     _kv_read: float
     _ar_fix: float
     _ar_tok: float
+    _ar: bool
     _ar_a0: float
     _ar_a1: float
     _ar_b0: float
@@ -253,7 +254,8 @@ class CostModel:
         lines in the step's tokens, of which a step pays the lower. `row` is the bytes one
         token's activations take; all 0 on one GPU."""
         self._ar_a0 = self._ar_a1 = self._ar_b0 = self._ar_b1 = 0.0
-        if tp < 2:
+        self._ar = tp > 1
+        if not self._ar:
             return
         calls = 2.0 * L
         ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
@@ -374,8 +376,10 @@ class CostModel:
             c = self._moe_c * n
             m = self._moe_m * (1.0 - 1.0 / (1.0 + x * (1.0 + x * (0.5 + x / 6.0))))
             busy = busy + _sqrt(c * c + m * m)
-        t_ar = _min(self._ar_a0 + self._ar_a1 * T, self._ar_b0 + self._ar_b1 * T)
-        t_gpu = busy + (self._fixed + self._ar_tok * T + t_ar)  # + (t_layer + t_a2a + t_ar)
+        fixed = self._fixed + self._ar_tok * T  # t_layer + t_a2a
+        if self._ar:  # + t_ar
+            fixed = fixed + _min(self._ar_a0 + self._ar_a1 * T, self._ar_b0 + self._ar_b1 * T)
+        t_gpu = busy + fixed
         t_cpu = self._cpu0 + self._cpu1 * num_seqs
         dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu
         return dur, self._idle * dur + self._dyn * busy

@@ -166,7 +166,8 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     const double m_moe = moe_m * (1.0 - 1.0 / (1.0 + x_moe * (1.0 + x_moe * (0.5 + x_moe / 6.0))));
     const double t_moe = sqrt(c_moe * c_moe + m_moe * m_moe);
     const double ar_a = ar_a0 + ar_a1 * T, ar_b = ar_b0 + ar_b1 * T;
-    const double t_fixed = fixed + ar_tok * T + (ar_a <= ar_b ? ar_a : ar_b);  /* + t_ar */
+    /* + t_ar (its lines are 0 on one GPU, where `step` skips it: adding 0 changes no bit) */
+    const double t_fixed = fixed + ar_tok * T + (ar_a <= ar_b ? ar_a : ar_b);
     const double t_cpu = cpu0 + cpu1 * D;
     long long kr = c0;
     Py_ssize_t k = 0;
