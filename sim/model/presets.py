@@ -107,8 +107,8 @@ COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce
 # what is fitted and how); sim/README.md reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
-    fp8_gemm_efficiency=0.6634, bandwidth_efficiency=0.8312, attention_efficiency=0.4917,
-    elementwise_efficiency=0.5, layer_overhead_us=27.70, allreduce_sync_us=15.07,
+    fp8_gemm_efficiency=0.6647, bandwidth_efficiency=0.8329, attention_efficiency=0.4904,
+    elementwise_efficiency=0.5, layer_overhead_us=25.61, allreduce_sync_us=12.75,
 ) | COLLECTIVES
 
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
@@ -117,23 +117,23 @@ _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_sche
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2).
-    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8142,
+    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8145,
                              kv_bandwidth_efficiency=1.0,
-                             cpu_base_us=3017.0, cpu_per_seq_us=4.239)
-    | dict(gqa_shared_kv=False, gqa_reread=0.5447, allreduce_latency_us=45.67,
+                             cpu_base_us=3068.7, cpu_per_seq_us=4.293)
+    | dict(gqa_shared_kv=False, gqa_reread=0.5382, allreduce_latency_us=50.90,
            custom_allreduce_us=0.0),
     # vLLM 0.6 with --num-scheduler-steps 10.
-    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7685,
-                               kv_bandwidth_efficiency=0.7484,
-                               cpu_base_us=3029.0, cpu_per_seq_us=8.206) | dict(num_scheduler_steps=10),
+    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7593,
+                               kv_bandwidth_efficiency=0.7388,
+                               cpu_base_us=3163.5, cpu_per_seq_us=8.32) | dict(num_scheduler_steps=10),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
     # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
     # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.98).
-    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7416, kv_bandwidth_efficiency=0.7220,
-                       cpu_base_us=2099.0, cpu_per_seq_us=46.79)
-    | dict(frontend_request_us=7120.0, frontend_prompt_token_us=1.1),
+    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7520, kv_bandwidth_efficiency=0.7675,
+                       cpu_base_us=2251.9, cpu_per_seq_us=50.93)
+    | dict(frontend_request_us=7600.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
@@ -143,9 +143,9 @@ ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True)
 # V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.
 ENGINES["vllm-0.6"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=130.4)
+                           cpu_per_seq_us=129.2)
 ENGINES["vllm-0.5"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=340.4)
+                           cpu_per_seq_us=341.3)
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-0.6")}
 ENGINE_PRESETS = [*ENGINES, "roofline"]
