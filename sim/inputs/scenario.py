@@ -181,7 +181,15 @@ class EngineConfig:
     layer_overhead_us: float = _f(_ENGINE["layer_overhead_us"], min=0,
                                   doc="fixed GPU time per layer per step (launch gaps, tails)")
     allreduce_latency_us: float = _f(_ENGINE["allreduce_latency_us"], min=0,
-                                     doc="fixed time of one tensor-parallel all-reduce")
+                                     doc="fixed time of one NCCL all-reduce (ring; and of one "
+                                         "all-to-all)")
+    custom_allreduce_us: float = _f(_ENGINE["custom_allreduce_us"], min=0,
+                                    doc="fixed time of one all-reduce of the engine's own "
+                                        "one-shot kernel over NVLink, taken where it is faster "
+                                        "than the ring (0: NCCL for every size)")
+    allreduce_sync_us: float = _f(_ENGINE["allreduce_sync_us"], min=0,
+                                  doc="time per all-reduce beyond its kernel's own: waiting "
+                                      "for the slowest GPU and the gap around the call")
     allreduce_efficiency: float = _f(_ENGINE["allreduce_efficiency"], gt=0, max=1,
                                      doc="all-reduce: achieved / interconnect bandwidth")
     moe_gemm_efficiency: float = _f(_ENGINE["moe_gemm_efficiency"], gt=0, max=1,

@@ -272,6 +272,8 @@ def fit_kernels(rows: list[Row], scenario, path) -> Fit:
         if per_byte > 0 and link > 0:
             coeffs["allreduce_efficiency"] = float(min(1.0, 1.0 / (per_byte * link)))
         coeffs["allreduce_latency_us"] = latency * 1e6
+        # (the measured line, whichever kernel ran, stands for every size: no one-shot apart)
+        coeffs["custom_allreduce_us"] = 0.0
         for r, xi, yi in zip(ar, x, y):
             f = latency + per_byte * xi
             residuals.append({"what": f"line {r.line}: allreduce " + _describe(r.values),

@@ -33,8 +33,9 @@ dispatch and combine's link efficiency.
     experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
     kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
-    all-red.  t_ar     = 2 L (allreduce_latency + 2 (tp-1)/tp T h ab / (N e_n))      (tp > 1)
-    dispatch  t_a2a    = 2 Lx (allreduce_latency + (r - 1) h ab T / (N e_d))           (ep > tp)
+    all-red.  t_ar     = 2 L min(s + c + (tp-1) M,  s + min(2 c, a) + 2 (tp-1)/tp M)   (tp > 1)
+              M        = T h ab / (N e_n)       (one all-reduce's bytes over the link)
+    dispatch  t_a2a    = 2 Lx (a + (r - 1) h ab T / (N e_d))                        (ep > tp)
     GPU       t_gpu    = busy + (t_layer + t_ar)
     CPU       t_cpu    = cpu_base + cpu_per_seq n
     step      = max(t_gpu, t_cpu) with cpu_overlap (multi-step / async scheduling), else the sum
@@ -42,7 +43,19 @@ dispatch and combine's link efficiency.
 
 with T = Tp + D (Tp prefill tokens). `CostModel.step` is these lines, in this order (each sum
 added left to right; the constant factors folded once per model: `_blk_c` is 2 P_blocks /
-(tp F e_g), `_fixed` is t_layer plus t_ar's latency, `_ar_tok` t_ar's bytes per token).
+(tp F e_g), `_fixed` is t_layer plus t_a2a's latency, `_ar_tok` t_a2a's bytes per token,
+`_ar_a0 + _ar_a1 T` and `_ar_b0 + _ar_b1 T` t_ar's two lines).
+
+The all-reduce (two per layer, after attention and after the MLP) is the faster of the
+engine's one-shot kernel, in which every GPU reads its peers' whole buffers over NVLink
+(latency c = `custom_allreduce_us`, tp - 1 times the bytes), and a ring that moves 2 (tp-1)/tp
+times the bytes: the engine's two-shot kernel (reduce-scatter and all-gather, 2 c) or NCCL's
+(a = `allreduce_latency_us`), whichever starts sooner. Small messages (decode) take the
+one-shot, large ones (prefill) the ring; the switch-over is where the two lines cross, at
+M (tp-1)(1 - 2/tp) = min(2 c, a) - c (any size at tp = 2, where both move the bytes once).
+c = 0 (no custom kernel) leaves NCCL for every size. a, c and e_n are measured collective
+figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's time beyond its
+kernel (the wait for the slowest GPU, the gap around the call), is fitted.
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -120,6 +133,11 @@ class CostModel:
     _kv_read: float
     _ar_fix: float
     _ar_tok: float
+    _ar: bool
+    _ar_a0: float
+    _ar_a1: float
+    _ar_b0: float
+    _ar_b1: float
     _fixed: float
     _cpu0: float
     _cpu1: float
@@ -224,11 +242,8 @@ class CostModel:
         self._kv_read = self._kv * (1.0 if e.gqa_shared_kv or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
-        if tp > 1:
-            self._ar_fix = 2.0 * L * e.allreduce_latency_us * 1e-6
-            self._ar_tok = (2.0 * L * 2.0 * (tp - 1) / tp * hid * ab / link) if link > 0 else 0.0
-        else:
-            self._ar_fix = self._ar_tok = 0.0
+        self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
+        self._allreduce_init(e, tp, L, hid * ab, link)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
@@ -239,7 +254,30 @@ class CostModel:
             self._blk_c, self._blk_m, self._head_c, self._head_m, self._elem, self._attn_f,
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
             self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
-            self._moe_mean, self._moe_sd, self._moe_lam)
+            self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
+            self._ar_b1)
+
+    def _allreduce_init(self, e, tp: int, L: int, row: float, link: float) -> None:
+        """The tensor-parallel all-reduces' coefficients (the module docstring's t_ar): two
+        lines in the step's tokens, of which a step pays the lower. `row` is the bytes one
+        token's activations take; all 0 on one GPU."""
+        self._ar_a0 = self._ar_a1 = self._ar_b0 = self._ar_b1 = 0.0
+        self._ar = tp > 1
+        if not self._ar:
+            return
+        calls = 2.0 * L
+        ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
+        nccl = calls * e.allreduce_latency_us * 1e-6
+        custom = calls * e.custom_allreduce_us * 1e-6
+        sync = calls * e.allreduce_sync_us * 1e-6  # (whichever kernel runs)
+        if e.custom_allreduce_us > 0:  # one-shot: every GPU reads the others' whole buffers
+            self._ar_a0 = sync + custom
+            self._ar_a1 = calls * (tp - 1) * row / link if link > 0 else 0.0
+            self._ar_b0 = sync + _min(2.0 * custom, nccl)  # two-shot or NCCL: the same bytes
+        else:
+            self._ar_a0 = self._ar_b0 = sync + nccl
+            self._ar_a1 = ring
+        self._ar_b1 = ring
 
     def _gemm_rate(self, m, h, e, wb) -> float:
         """FLOP/s of the transformer blocks' GEMMs over all tensor-parallel GPUs: at the
@@ -357,7 +395,10 @@ class CostModel:
             c = self._moe_c * n
             m = self._moe_m * (1.0 - 1.0 / (1.0 + x * (1.0 + x * (0.5 + x / 6.0))))
             busy = busy + _sqrt(c * c + m * m)
-        t_gpu = busy + (self._fixed + self._ar_tok * T)  # + (t_layer + t_ar)
+        fixed = self._fixed + self._ar_tok * T  # t_layer + t_a2a
+        if self._ar:  # + t_ar
+            fixed = fixed + _min(self._ar_a0 + self._ar_a1 * T, self._ar_b0 + self._ar_b1 * T)
+        t_gpu = busy + fixed
         t_cpu = self._cpu0 + self._cpu1 * num_seqs
         dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu
         return dur, self._idle * dur + self._dyn * busy

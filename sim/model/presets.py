@@ -89,15 +89,28 @@ QUANTIZATIONS: dict[str, tuple[float, str]] = {
 # architecture white paper): 8 / 128. An estimate from the hardware, not fitted.
 DEQUANT = 8.0 / 128.0
 
+# The tensor-parallel all-reduce (sim.model.costmodel's t_ar), measured, not fitted: each
+# call's fixed time and the fraction of the link's bandwidth its bytes move at. Measured over
+# NVLink with vLLM's benchmarks/kernels/benchmark_device_communicators.py (bf16 rows of 8192;
+# vLLM pull requests #24532, TP 4, and #24111, TP 6): NCCL's ring (`pynccl`) 21 us at 0.5 MB
+# rising by about 5 us per MB at TP 4 (18 us plus the bytes); the one-shot custom all-reduce
+# (`ca_1stage`), each GPU reading its peers' buffers, 10 us at 0.5 MB at TP 4 and 13 at TP 6
+# (6 us plus tp - 1 times the bytes). SGLang's pull request #2904 (H100s, TensorRT-LLM's
+# one-shot kernel): 3.7 / 4.8 / 5.9 us at TP 2 / 4 / 8 for 512 elements; its #10571: NCCL in
+# a CUDA graph 16.5 us at 2 KiB. The bytes go at about 0.7 of the data-sheet link bandwidth
+# (TP 4: 0.65 for the ring, 0.83 for the one-shot). The time a call takes beyond its kernel
+# in a serving step (`allreduce_sync_us`) is fitted with the shared coefficients.
+COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7)
+
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
 # what is fitted and how); sim/README.md reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
-    fp8_gemm_efficiency=0.6653, bandwidth_efficiency=0.833, attention_efficiency=0.4902,
-    elementwise_efficiency=0.5, layer_overhead_us=26.38, allreduce_efficiency=0.7,
+    fp8_gemm_efficiency=0.6647, bandwidth_efficiency=0.8329, attention_efficiency=0.4904,
+    elementwise_efficiency=0.5, layer_overhead_us=25.61, allreduce_sync_us=12.75,
     moe_gemm_efficiency=0.40, moe_comm_efficiency=0.56, fp4_gemm_efficiency=0.33,
-)
+) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_output_token_us=0.0)
@@ -106,10 +119,11 @@ _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_sche
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2).
-    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8147,
-                             kv_bandwidth_efficiency=1.0, allreduce_latency_us=64.40,
-                             cpu_base_us=3036.0, cpu_per_seq_us=4.317)
-    | dict(gqa_shared_kv=False, gqa_reread=0.5352),
+    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8145,
+                             kv_bandwidth_efficiency=1.0,
+                             cpu_base_us=3068.7, cpu_per_seq_us=4.293)
+    | dict(gqa_shared_kv=False, gqa_reread=0.5382, allreduce_latency_us=50.90,
+           custom_allreduce_us=0.0),
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
@@ -118,22 +132,23 @@ ENGINES: dict[str, dict] = {
     # median TTFT to the published 100.48 ms: 100.5); S5-S7 are held out. It takes in whatever
     # else a light-load TTFT spends under multi-step scheduling, so the one-step profiles
     # derived from this one keep none.
-    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7527,
-                               kv_bandwidth_efficiency=0.7239, allreduce_latency_us=22.98,
-                               cpu_base_us=3147.0, cpu_per_seq_us=6.074)
+    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7593,
+                               kv_bandwidth_efficiency=0.7388,
+                               cpu_base_us=3163.5, cpu_per_seq_us=8.32)
     | dict(num_scheduler_steps=10, frontend_request_us=11200.0, frontend_prompt_token_us=1.1),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
     # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
-    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 32.00).
-    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7136, kv_bandwidth_efficiency=0.6867,
-                       allreduce_latency_us=26.76, cpu_base_us=2567.0, cpu_per_seq_us=40.73)
-    | dict(frontend_request_us=6700.0, frontend_prompt_token_us=1.1),
+    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.98).
+    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7520, kv_bandwidth_efficiency=0.7675,
+                       cpu_base_us=2251.9, cpu_per_seq_us=50.93)
+    | dict(frontend_request_us=7600.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
-ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True)
+ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
+                               **COLLECTIVES)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 (sim/README.md), the one published row where it binds.
 ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=35.0)
@@ -142,9 +157,9 @@ ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, 
                           **NO_FRONTEND)
 # V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.
 ENGINES["vllm-0.6"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=127.4, **NO_FRONTEND)
+                           cpu_per_seq_us=129.2, **NO_FRONTEND)
 ENGINES["vllm-0.5"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=337.7, **NO_FRONTEND)
+                           cpu_per_seq_us=341.3, **NO_FRONTEND)
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
                                    "tensorrt-llm-0.6")}

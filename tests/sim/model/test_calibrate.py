@@ -55,6 +55,7 @@ def test_kernel_timings_recover_the_coefficients_that_made_them(tmp_path):
                                                          rel=0.03)
     assert c["allreduce_latency_us"] == pytest.approx(22.0, rel=0.02)
     assert c["allreduce_efficiency"] == pytest.approx(0.6, rel=0.02)
+    assert c["custom_allreduce_us"] == 0.0  # the measured line for every size
     assert c["cpu_base_us"] == pytest.approx(1500.0, rel=0.01)
     assert c["cpu_per_seq_us"] == pytest.approx(12.0, rel=0.01)
     assert np.median(fit.errors()) < 0.01

@@ -112,21 +112,34 @@ def test_gqa_kernels_that_do_not_share_kv_read_it_per_query_head():
     assert decode(model(*BARE, "engine.gqa_reread=0.2"), 64, 4000) == decode(shared, 64, 4000)
 
 
-def test_tensor_parallel_all_reduce_is_latency_plus_bytes():
-    base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE)
-    a = model(*base, "engine.allreduce_latency_us=10")
-    b = model(*base, "engine.allreduce_latency_us=50")
-    # 2 all-reduces per layer, 80 layers: 40 us more each
-    assert decode(b, 8, 100) - decode(a, 8, 100) == pytest.approx(2 * 80 * 40e-6)
-    # the bytes grow with the tokens: 2 (tp-1)/tp tokens hidden bytes each
-    slow_link = model(*base, "engine.allreduce_latency_us=0", "engine.allreduce_efficiency=0.1")
-    fast_link = model(*base, "engine.allreduce_latency_us=0", "engine.allreduce_efficiency=1")
-    extra = prefill(slow_link, 4096) - prefill(fast_link, 4096)
+def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
+    """Two all-reduces per layer, each the faster of the engine's one-shot kernel (its latency
+    plus (tp - 1) times the bytes: every GPU reads its peers' buffers) and a ring (NCCL's
+    latency, or two one-shot latencies for the engine's two-shot kernel, plus 2 (tp - 1) / tp
+    times the bytes): small messages take the one-shot, large ones the ring."""
+    base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE,
+            "engine.allreduce_efficiency=0.7")
+    custom = model(*base, "engine.custom_allreduce_us=6", "engine.allreduce_latency_us=18")
+    nccl = model(*base, "engine.custom_allreduce_us=0", "engine.allreduce_latency_us=18")
+    link, row = 450e9 * 0.7, 8192 * 2
+    # decode, 8 rows (128 KB): the one-shot at 6 us against NCCL's 18
+    one_shot = 6e-6 + 3 * 8 * row / link
+    ring = 18e-6 + 1.5 * 8 * row / link
+    assert decode(nccl, 8, 100) - decode(custom, 8, 100) == pytest.approx(160 * (ring - one_shot))
+    # a 4096-token prefill (64 MB): twice the one-shot's bytes lose; the two-shot's 12 us
+    # beat NCCL's 18 on the same ring bytes
+    assert prefill(nccl, 4096) - prefill(custom, 4096) == pytest.approx(160 * (18e-6 - 12e-6))
+    # the bytes grow with the tokens, at the link's bandwidth times the efficiency
+    slow = model(*base, "engine.custom_allreduce_us=0", "engine.allreduce_latency_us=0",
+                 "engine.allreduce_efficiency=0.1")
+    fast = model(*base, "engine.custom_allreduce_us=0", "engine.allreduce_latency_us=0",
+                 "engine.allreduce_efficiency=1")
     per_call = 1.5 * 4096 * 8192 * 2 / 450e9
-    assert extra == pytest.approx(2 * 80 * (per_call / 0.1 - per_call))
+    assert prefill(slow, 4096) - prefill(fast, 4096) == pytest.approx(
+        2 * 80 * (per_call / 0.1 - per_call))
     one = model("model.preset=\"llama-3.1-70b\"", "kv.num_blocks=100", *BARE,
                 "engine.allreduce_latency_us=50")
-    assert one._ar_fix == 0.0  # one GPU: no all-reduce
+    assert (one._ar_a0, one._ar_a1, one._ar_b0, one._ar_b1) == (0.0,) * 4  # one GPU: none
 
 
 def test_fewer_kv_heads_than_gpus_replicates_them_in_the_pool_and_its_moves():
@@ -263,7 +276,8 @@ def test_presets_change_speed():
 # --- one definition ------------------------------------------------------------------------------
 EFFICIENCIES = ["gemm_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficiency",
                 "attention_efficiency", "elementwise_efficiency", "allreduce_efficiency"]
-MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "cpu_base_us", "cpu_per_seq_us"]
+MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "custom_allreduce_us",
+                "allreduce_sync_us", "cpu_base_us", "cpu_per_seq_us"]
 
 
 # Mixtures of experts for the tie test: (config, expert_parallel choices), each with a
