@@ -129,13 +129,13 @@ ENGINES: dict[str, dict] = {
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
     # HuggingFace tokenizers, at their rate for one sequence as sglang-0.3's below; the time per
     # request fitted on S4, its one light-load TTFT row (the value, to 0.1 ms, that brings S4's
-    # median TTFT to the published 100.48 ms: 100.5); S5-S7 are held out. It takes in whatever
+    # median TTFT to the published 100.48 ms: 100.46); S5-S7 are held out. It takes in whatever
     # else a light-load TTFT spends under multi-step scheduling, so the one-step profiles
     # derived from this one keep none.
     "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7593,
                                kv_bandwidth_efficiency=0.7388,
                                cpu_base_us=3163.5, cpu_per_seq_us=8.32)
-    | dict(num_scheduler_steps=10, frontend_request_us=11200.0, frontend_prompt_token_us=1.1),
+    | dict(num_scheduler_steps=10, frontend_request_us=9300.0, frontend_prompt_token_us=1.1),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
