@@ -109,7 +109,7 @@ COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6647, bandwidth_efficiency=0.8329, attention_efficiency=0.4904,
     elementwise_efficiency=0.5, layer_overhead_us=25.61, allreduce_sync_us=12.75,
-    moe_gemm_efficiency=0.40, moe_comm_efficiency=0.56, fp4_gemm_efficiency=0.33,
+    moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.28,
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
@@ -151,7 +151,7 @@ ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, 
                                **COLLECTIVES)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 (sim/README.md), the one published row where it binds.
-ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=35.0)
+ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=34.8)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True,
                           **NO_FRONTEND)
