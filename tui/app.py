@@ -159,10 +159,9 @@ class Dashboard(App[int]):
         except ServesimError as e:
             self._export_note = f"{e}; session logs go to {tempfile.gettempdir()}"
             self.log_dir = Path(tempfile.gettempdir())
-        # (unnamed files beside the exports; not under `serve`, whose server reads its
-        # engine's event lists by position)
+        # (unnamed files beside the exports)
         self.spool = (Spool(self.engine, dir=str(self.log_dir))
-                      if spool and replayer is None and driver is None else None)
+                      if spool and replayer is None else None)
 
     # --- composition ---------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -367,15 +366,22 @@ class Dashboard(App[int]):
             return
         before = dict(self.spool.spooled)
         try:
-            self.spool.trim()
+            self.spool.trim(self._unread_events())
         finally:  # (what moved, if the spool failed part way too)
             for stream, n in self.spool.spooled.items():
-                n -= before.get(stream, 0)
-                if stream is None:
-                    self._event_i = max(0, self._event_i - n)
-                else:
-                    self._event_at[stream] = max(0, self._event_at[stream] - n)
+                self._events_moved(stream, n - before.get(stream, 0))
             self.driver.lock.release()
+
+    def _unread_events(self) -> int:
+        """Latest events another reader of the engine's lists has yet to see (kept in memory)."""
+        return 0
+
+    def _events_moved(self, stream, n: int) -> None:
+        """`n` events left the start of `stream`'s list for the spool: places in it move."""
+        if stream is None:
+            self._event_i = max(0, self._event_i - n)
+        else:
+            self._event_at[stream] = max(0, self._event_at[stream] - n)
 
     def on_request_table_want_rows(self, message: RequestTable.WantRows) -> None:
         self.refresh_frame()

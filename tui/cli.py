@@ -313,8 +313,9 @@ def cmd_serve(args) -> int:
     frontend = build_frontend(sc, background=args.background, make_executor=make_executor,
                               speed=args.speed, model_name=args.served_model_name,
                               max_waiting=args.max_waiting, record_timing=args.record_timing,
-                              bounded=not args.tui, send_threads=args.send_threads,
-                              keep_events=bool(args.log))
+                              bounded=True, send_threads=args.send_threads,
+                              # (under --tui the dashboard spools the events itself)
+                              keep_events=bool(args.log) or args.tui)
     if args.tui:
         from tui.serve.dashboard import serve_dashboard  # (lazy: Textual loads only for --tui)
 

@@ -40,14 +40,15 @@ class Spool:
         tagged = getattr(self.engine, "tagged_events", None)
         return tagged() if tagged is not None else [(None, self.engine.events)]
 
-    def trim(self) -> dict:
-        """Move all but the latest `keep` events of each stream to its file. Returns how many
+    def trim(self, keep: int = 0) -> dict:
+        """Move all but the latest `keep` events (at least the spool's `keep`; more where
+        a reader has yet to see them) of each stream to its file. Returns how many
         moved, per stream (the engine's lists are shorter by that much at their start; the
         totals are in `spooled`). Raises LogError when a file cannot be written (that stream's
         events stay in memory then)."""
         moved = {}
         for stream, events in self._streams():
-            n = len(events) - self.keep
+            n = len(events) - max(self.keep, keep)
             if n <= 0:
                 continue
             pack = self._packer.pack

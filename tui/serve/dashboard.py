@@ -118,6 +118,15 @@ class ServeDashboard(Dashboard):
         self._note(text.removeprefix("servesim serve: "))
         self.url = f"http://{self.server.host}:{self.server.port}/v1"
 
+    # The server reads the engine's event list by position too: what it has not read stays in
+    # memory, and its place moves with what the spool takes.
+    def _unread_events(self) -> int:
+        return self.server.frontend.unread_events()
+
+    def _events_moved(self, stream, n: int) -> None:
+        super()._events_moved(stream, n)
+        self.server.frontend.events_moved(n)
+
     def _changed(self) -> None:
         """After a key acted on the engine (inject, cancel, policy): the pump looks now."""
         self.server.frontend.wake()
@@ -142,8 +151,9 @@ class ServeDashboard(Dashboard):
         if not save:
             return
         try:
-            self.saved = str(write_log(self.log_path, self.engine) if self.log_path
-                             else self._write_new_log(""))
+            self.saved = str(write_log(self.log_path, self.engine,
+                                       records=self.spool.records() if self.spool else None)
+                             if self.log_path else self._write_new_log(""))
         except Exception as e:  # noqa: BLE001 - reported at exit; the app must still close
             self.saved = f"(not saved: {e})"
 

@@ -700,6 +700,15 @@ class Frontend:
                 self._due_at(self.engine.now).ends[c] = "abort"
 
     # --- events -> token times ----------------------------------------------------------------
+    def unread_events(self) -> int:
+        """Events at the end of the engine's list not read yet (the lock held)."""
+        return len(self.engine.events) - self._event_i
+
+    def events_moved(self, n: int) -> None:
+        """`n` read events were taken from the start of the engine's list (a dashboard's
+        spool; the lock held)."""
+        self._event_i -= n
+
     def _read_events(self) -> None:
         events = self.engine.events
         itl: list[float] = []

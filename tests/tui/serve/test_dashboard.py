@@ -16,6 +16,13 @@ from tui.serve.dashboard import ServeDashboard
 from tests.tui.test_app import pilot_test, until
 
 
+async def _stream(http, url: str, n: int) -> list[bytes]:
+    """A streamed completion of `n` tokens: its non-empty lines."""
+    async with http.post(url, json={"prompt": "x" * 100, "max_tokens": n, "stream": True}) as r:
+        assert r.status == 200
+        return [line async for line in r.content if line.strip()]
+
+
 @pilot_test
 async def test_http_requests_on_the_dashboard_cancel_key_and_export_replays(tmp_path):
     fe = build_frontend(load_scenario("chat"))
@@ -23,19 +30,13 @@ async def test_http_requests_on_the_dashboard_cancel_key_and_export_replays(tmp_
     async with app.run_test(size=(150, 40)) as pilot:
         url = f"http://127.0.0.1:{app.server.port}/v1/completions"
         async with aiohttp.ClientSession() as http:
-            async def stream(n: int) -> list[bytes]:
-                async with http.post(url, json={"prompt": "x" * 100, "max_tokens": n,
-                                                "stream": True}) as r:
-                    assert r.status == 200
-                    return [line async for line in r.content if line.strip()]
-
-            long = asyncio.create_task(stream(100_000))
+            long = asyncio.create_task(_stream(http, url, 100_000))
             await until(pilot, lambda: app.snap is not None and app.snap.running)
             [row] = app.snap.running
             assert row.tag.startswith("127.0.0.1:")
             _, rest = app.tables["running"]._text(row)
             assert row.tag in rest  # the queue's client column
-            short = await stream(5)
+            short = await _stream(http, url, 5)
             assert short[-1] == b"data: [DONE]\n" and len(short) == 5 + 1
             # `c` on the selected (running) request ends its stream: finish_reason abort
             await pilot.press("home")  # nothing is selected until the user moves
@@ -140,3 +141,31 @@ async def test_quit_writes_the_log_named_by_log(tmp_path):
     assert lines[-1] == b"data: [DONE]\n" and app.return_code == 0
     assert [p.name for p in tmp_path.iterdir()] == ["s.msgpack"]
     assert verify(read_log(tmp_path / "s.msgpack"))[1] is None
+
+
+@pilot_test
+async def test_streams_complete_while_the_dashboard_spools_the_events_to_disk(tmp_path):
+    # The dashboard moves the engine's events to disk as it runs; the server reads the same
+    # list by position, so each move must shift the server's place too, or tokens are lost.
+    fe = build_frontend(load_scenario("chat"), bounded=True, keep_events=True)
+    app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path, log=str(tmp_path / "s.msgpack"))
+    async with app.run_test(size=(150, 40)) as pilot:
+        app.spool.keep = 1  # (move all but the latest event at every trim)
+        url = f"http://127.0.0.1:{app.server.port}/v1/completions"
+        async with aiohttp.ClientSession() as http:
+            for n in (3, 7, 4, 9):
+                lines = await asyncio.wait_for(_stream(http, url, n), 5)
+                assert lines[-1] == b"data: [DONE]\n" and len(lines) == n + 1, lines
+                app.spool_events()
+                assert sum(app.spool.spooled.values()) > 0
+                assert not fe.engine.requests  # (no history: only what is in flight)
+            await pilot.press("e")  # an export, then `q` writes `--log`: both whole
+            await pilot.pause()
+            await pilot.press("q")
+    assert app.return_code == 0
+    logs = sorted(tmp_path.glob("*.msgpack"))
+    assert len(logs) == 2
+    for log in logs:
+        log = read_log(log)
+        assert [e.action for e in log.events if e.kind == "action"] == ["inject"] * 4
+        assert verify(log)[1] is None
