@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from sim import load_scenario
+from sim.model.costmodel import CostModel
 from sim.native import compiled
 
 from sim.engine import stepping
@@ -14,8 +16,8 @@ rows = stepping._ROWS
 pytestmark = pytest.mark.skipif(rows is None, reason="no compiled build (pure Python)")
 
 
-# CostModel.kernel_coefficients: 21, `overlap` (an int) 13th
-COEFFICIENTS = (1.0,) * 12 + (False,) + (1.0,) * 8
+# CostModel.kernel_coefficients: 25, `overlap` (an int) 13th
+COEFFICIENTS = (1.0,) * 12 + (False,) + (1.0,) * 12
 
 
 def test_the_compiled_build_uses_it():
@@ -36,6 +38,7 @@ def test_used_rows_equal_used_by_step(k, bs, used, data, at):
 
 
 def test_bad_arguments_raise_not_crash():
+    assert len(COEFFICIENTS) == len(CostModel(load_scenario("chat")).kernel_coefficients)
     col = np.zeros(4)
     with pytest.raises(ValueError):  # too short for the rows asked
         rows.decode_rows(col, col, col, 2, 5, 0.0, 1.0, 1, 0, COEFFICIENTS)
