@@ -230,7 +230,7 @@ def test_vllm_multistep_online_ttft_rows_are_behind_its_api_server():
     s4, s5 = run_point(points["S4"]), run_point(points["S5"])
     assert s4["ratio"] == pytest.approx(1.0, abs=0.01)
     bare = ["engine.frontend_request_us=0", "engine.frontend_prompt_token_us=0"]
-    assert run_point(points["S4"], overrides=bare)["ratio"] < 0.9
+    assert run_point(points["S4"], overrides=bare)["ratio"] < 0.95
     assert run_point(points["S5"], overrides=bare)["ratio"] < s5["ratio"] < 1.0
 
 
