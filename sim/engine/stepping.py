@@ -28,7 +28,7 @@ import numpy as np
 from sim.native import compiled
 
 from sim.engine import events as ev
-from sim.model.costmodel import CostModel
+from sim.model.costmodel import CostModel, beyond_window
 from sim.errors import EngineError
 from sim.engine.kv import KVCacheManager, blocks_for
 from sim.policies.batch import PolicyState
@@ -553,6 +553,9 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     # What the service-time model needs: prefill chunks and decodes apart (separate
     # attention kernels), and the rows that sample (the LM head runs on those only).
     tokens = p_tokens = p_attended = p_cached = d_seqs = d_cached = sampling = 0
+    p_beyond = p_skip = d_beyond = 0  # (beyond a sliding window: CostModel.step)
+    cost: Any = s.cost
+    win: int = cost.window if type(cost) is CostModel else 0
     is_prefill = []
     for req, n in sched:
         c = req.num_computed_tokens
@@ -563,18 +566,22 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             p_tokens += n
             p_attended += n * c + n * (n + 1) // 2
             p_cached += c
+            if win:
+                p_beyond += beyond_window(c, n, win)
+                p_skip += beyond_window(c, 1, win)
         else:
             d_seqs += 1
             d_cached += c
+            if win:
+                d_beyond += beyond_window(c, 1, win)
         if c + n >= req.num_tokens:
             sampling += 1
     dur: float
     energy: float
-    cost: Any = s.cost
     if type(cost) is CostModel:  # (a native call; sim.model.fit's recorder is called as itself)
         cm: CostModel = cost
         dur, energy = cm.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
-                              sampling)
+                              sampling, p_beyond, p_skip, d_beyond)
     else:
         dur, energy = cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
                                 sampling)
@@ -716,17 +723,26 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     # far more), then every bs steps. (One loop: three comprehensions cost twice.)
     kmax: int = min(max_steps, s._run_steps_max)
     c0 = 0  # tokens the batch holds
+    c_max = 0
     first_cross: list[int] = []
     cross_sum = 0
     for r in reqs:
         c = r.num_computed_tokens
         c0 += c
+        if c > c_max:
+            c_max = c
         j0 = len(r.block_table) * bs - c
         first_cross.append(j0)
         cross_sum += j0
         left = r.max_output_tokens - r.num_output_tokens
         if left < kmax:
             kmax = left
+    # A run is timed by the batch's total context: with sliding-window layers, only while
+    # every sequence stays within the window (beyond it, single steps sum each one's part).
+    cost: Any = s.cost
+    win: int = cost.window if type(cost) is CostModel else 0
+    if win and kmax > win - c_max:
+        kmax = max(win - c_max, 1)
     # Requests that finished in the last step (async scheduling) give their blocks back
     # once this run's first step is scheduled: before step 1 allocates.
     pending: list[Request] = s._releasing
@@ -746,7 +762,6 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     # (within a multi-step window, arrivals and cancellations do not end the run)
     t_ext = min(INF if s._window else next_external(e), until, change_at)
     tl: Timeline = s.timeline
-    cost: Any = s.cost
     # The scalar part of the run straight into the timeline's staging columns (sim/native/_rows.c),
     # unless the service-time model is another than the CostModel (sim.model.fit's recorder
     # times every step it is asked).

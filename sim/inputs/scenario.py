@@ -121,7 +121,11 @@ class ModelConfig:
     q_lora_rank: int = _f(0, min=0, doc="MLA: the query's compression rank (0 = none)")
     rope_head_dim: int = _f(0, min=0, doc="MLA: the rotary key part cached beside the latent")
     sliding_window: int = _f(0, min=0, doc="sliding-window attention span, tokens (read from "
-                                           "a config; costed as full attention)")
+                                           "a config): each query of sliding_window_layers "
+                                           "attends its latest sliding_window positions "
+                                           "(chunked attention: a window of the chunk size, a "
+                                           "bound); the KV pool still holds the K/V of every "
+                                           "layer for the whole context (a bound)")
     sliding_window_layers: int = _f(0, min=0, doc="layers attending within sliding_window")
     quantization: str = _f("", choices=["", *presets.QUANTIZATIONS],
                            doc="weight format of the transformer blocks (embeddings and LM head "

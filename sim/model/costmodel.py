@@ -11,8 +11,13 @@ A step is the sum of the times of the kernels it launches, per GPU, with the mod
     Ap = over prefill tokens, the positions each attends to (itself included)
     Kp = over prefill chunks, the cached tokens of the sequence before the chunk
     D, Kd = decoding sequences, and over them the cached tokens each reads
+    Ap_w, Kp_w, Kd_w = the same beyond the sliding window (`beyond_window`; 0 without one)
 
 Model sizes: L layers, h hidden, nh / nkv query / KV heads of hd, V vocab, P parameters;
+w = sliding_window_layers / L the share of layers attending within a window of W tokens
+(`sliding_window`: each query attends its W latest positions, itself included; Llama 4's
+chunked attention, where a query attends only its chunk's earlier positions, costed as a window
+of the chunk size: an upper bound, about twice the chunk's mean span at long contexts);
 P_head = V h (LM head), P_blocks = P - 2 V h (what every token passes through; P - V h with
 tied embeddings), the MLP width I = (P_blocks / L - h hd (2 nh + 2 nkv)) / 3h (a gated MLP).
 Bytes per element: wb weights (`model.dtype_bytes`; qb the blocks', wb unless quantized), kvb KV
@@ -28,8 +33,10 @@ dispatch and combine's link efficiency.
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
     elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp
                             + Lx a_x ROUTED_PASSES h ab) / (B e_e)   (a_x: MoE only, below)
-    prefill   t_pa     = max(4 L nh hd Ap / (tp F16 e_a),  kv (Kp + Tp) / (B e_k))
-    decode    t_da     = max(4 L nh hd (Kd + D) / (tp F16 e_a),  kv (g Kd + D) / (B e_k))
+    prefill   t_pa     = max(4 L nh hd (Ap - w Ap_w) / (tp F16 e_a),
+                             kv (Kp - w Kp_w + Tp) / (B e_k))
+    decode    t_da     = max(4 L nh hd (Kd' + D) / (tp F16 e_a),  kv (g Kd' + D) / (B e_k)),
+              Kd'      = Kd - w Kd_w
     experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
     kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
@@ -190,6 +197,11 @@ class CostModel:
         self._fixed_blocks = kv.num_blocks
         self._swap_bytes = kv.swap_space_gb * 1e9
         self.roofline = e.preset == "roofline"
+        # Sliding-window (or chunked) layers' span W and share of the layers w (module docstring);
+        # 0 without them, and under the roofline, which costs them as full attention.
+        lw = m.sliding_window_layers if m.sliding_window and not self.roofline else 0
+        self.window: int = m.sliding_window if lw else 0
+        self._win = lw / m.num_layers
         if self.roofline:
             self._roofline_init(m, h, wb)
         else:
@@ -356,11 +368,14 @@ class CostModel:
         return int(free // self.kv_bytes_per_block_gpu())
 
     def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
-             d_cached: float, num_seqs: float, sampled: float) -> tuple[float, float]:
+             d_cached: float, num_seqs: float, sampled: float, p_beyond: float = 0.0,
+             p_skip: float = 0.0, d_beyond: float = 0.0) -> tuple[float, float]:
         """Duration (s) and energy (J) of a step: `p_tokens` prefill tokens attending to
         `p_attended` positions (Ap) in chunks whose sequences had `p_cached` tokens cached
         (Kp), `d_seqs` decoding sequences (D) holding `d_cached` cached tokens (Kd), `num_seqs`
-        sequences in all (n), of which `sampled` (S) sample a token.
+        sequences in all (n), of which `sampled` (S) sample a token. With sliding-window
+        layers, `p_beyond`, `p_skip` and `d_beyond` are Ap_w, Kp_w and Kd_w (`beyond_window`),
+        which those layers do not attend to or read.
 
         The module docstring's formulas, term by term and summed in its order: the one
         definition of a step's time. `steps` runs this very source over NumPy arrays, the
@@ -385,9 +400,11 @@ class CostModel:
         m = self._head_m * _positive(sampled)
         t_head = _sqrt(c * c + m * m)
         t_elem = self._elem * T
-        t_pa = _max(self._attn_p * p_attended, self._kv * (p_cached + p_tokens))
-        t_da = _max(self._attn_f * (d_cached + d_seqs),
-                    self._kv_read * d_cached + self._kv * d_seqs)
+        w = self._win
+        t_pa = _max(self._attn_p * (p_attended - w * p_beyond),
+                    self._kv * (p_cached - w * p_skip + p_tokens))
+        kd = d_cached - w * d_beyond
+        t_da = _max(self._attn_f * (kd + d_seqs), self._kv_read * kd + self._kv * d_seqs)
         busy = t_blocks + t_head + t_elem + t_pa + t_da
         if self._moe:  # + t_moe
             n = _min(self._moe_cap * T, self._moe_mean * T + self._moe_sd * _sqrt(T))
@@ -450,6 +467,18 @@ class CostModel:
 # writes it (one pass, as the activations are cast), the second GEMM writes the expert's
 # output and the finalize reads it back for the weighted sum.
 ROUTED_PASSES = 4.0
+
+
+def beyond_window(cached: int, n: int, window: int) -> int:
+    """Over `n` queries computed after `cached` tokens, the positions a sliding window of
+    `window` (each query attends its `window` latest positions, itself included) leaves out.
+    With n = 1 (a decode, or a prefill chunk's first query) also the cached tokens the window
+    leaves unread: the step's Ap_w (sum over prefill chunks), Kp_w (of n = 1 over them) and
+    Kd_w (over decodes)."""
+    m = min(n, cached + n - window)  # the queries that reach past the window
+    if m <= 0:
+        return 0
+    return m * (m + 1) // 2 + m * max(cached - window, 0)
 
 
 def mlp_params(hidden: int, width: int) -> float:

@@ -423,3 +423,21 @@ def test_a_decode_run_does_not_pass_a_hand_off_the_prefill_instance_is_about_to_
     whole.run_until(t)
     stepped.run_until(t)
     assert deployment_state(stepped) == deployment_state(whole)
+
+
+@pytest.mark.parametrize("policy", ["chunked", "fcfs"])
+def test_decode_runs_of_a_model_with_sliding_window_layers_equal_single_steps(policy):
+    # A run of decode steps is timed by the batch's total context: with windowed layers it
+    # stops where a sequence would pass the window, and single steps time each one's part.
+    win = ("model.sliding_window=96", "model.sliding_window_layers=16")
+    sc = small_scenario(f'scheduler.policy="{policy}"', *win, *PRESSURE)
+    fused = Engine(sc)
+    fused.run()
+    plain = Engine(sc, skip_ahead=False)
+    plain.run()
+    assert events_of(fused) == events_of(plain) and state_of(fused) == state_of(plain)
+    for col in ("end", "dur", "kv_used", "energy"):
+        assert np.array_equal(fused.timeline.column(col), plain.timeline.column(col)), col
+    full = Engine(small_scenario(f'scheduler.policy="{policy}"', *PRESSURE), skip_ahead=False)
+    full.run()  # (the same steps cost more when every layer attends the whole context)
+    assert fused.timeline.column("end")[-1] < full.timeline.column("end")[-1]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.model.costmodel import CostModel
+from sim.model.costmodel import CostModel, beyond_window
 from sim.errors import ScenarioError
 from sim.inputs.scenario import load_scenario
 
@@ -353,3 +353,64 @@ def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, moe
         assert (k, first, last) == (len(want), want[0][0], want[-1][0])
         assert list(zip(*(c[at:at + k].tolist() for c in cols))) == want  # (==: the same bits)
         assert all((c[:at] == -1).all() and (c[at + k:] == -1).all() for c in cols)
+
+
+# --- sliding-window layers ---------------------------------------------------------------------
+WINDOWED = ("model.sliding_window=4096", "model.sliding_window_layers=24")  # 24 of 32 layers
+
+
+def test_beyond_window_counts_the_positions_a_window_leaves_out():
+    for w in (1, 5, 16):
+        for cached in range(0, 40):
+            for n in range(1, 30):
+                # query i (1-based) of the chunk sits at position cached + i and attends
+                # min(cached + i, w) positions: the rest of its cached + i are left out
+                out = sum(cached + i - min(cached + i, w) for i in range(1, n + 1))
+                assert beyond_window(cached, n, w) == out, (cached, n, w)
+
+
+def windowed_step(m, p_tokens, p_cached, d_seqs, d_context, w):
+    """`m.step` of one prefill chunk and `d_seqs` decodes of `d_context` each, window `w`."""
+    p_att = p_tokens * p_cached + p_tokens * (p_tokens + 1) // 2
+    seqs = (p_tokens > 0) + d_seqs
+    return m.step(p_tokens, p_att, p_cached, d_seqs, d_seqs * d_context, seqs, seqs,
+                  beyond_window(p_cached, p_tokens, w) if p_tokens else 0,
+                  beyond_window(p_cached, 1, w) if p_tokens else 0,
+                  d_seqs * beyond_window(d_context, 1, w))[0]
+
+
+def test_a_long_context_decode_reads_only_the_window_on_windowed_layers():
+    full, win = model(*BARE), model(*BARE, *WINDOWED)
+    b, ctx, w = 32, 60000, 4096
+    share = 24 / 32
+    # Full layers read the whole cache, windowed ones their w - 1 latest cached tokens.
+    read = b * ctx * (1 - share) + b * (w - 1) * share
+    t_da = max(full._attn_f * (read + b), full._kv_read * read + full._kv * b)
+    t_da_full = max(full._attn_f * (b * ctx + b), full._kv_read * b * ctx + full._kv * b)
+    saved = decode(full, b, ctx) - windowed_step(win, 0, 0, b, ctx, w)
+    assert saved == pytest.approx(t_da_full - t_da, rel=1e-9)
+    assert saved > 0.3 * decode(full, b, ctx)  # (attention dominates such a step)
+    # Within the window nothing changes, to the bit.
+    assert windowed_step(win, 0, 0, b, w - 1, w) == decode(full, b, w - 1)
+
+
+def test_a_long_prefill_attends_at_most_the_window_on_windowed_layers():
+    full, win = model(*BARE), model(*BARE, *WINDOWED)
+    n, cached, w = 8192, 30000, 4096
+    share = 24 / 32
+    att_full = n * cached + n * (n + 1) // 2
+    att_win = sum(min(cached + i, w) for i in range(1, n + 1))  # each query's window
+    att = att_full * (1 - share) + att_win * share
+    read = cached * (1 - share) + min(cached, w - 1) * share
+    t_pa = max(full._attn_p * att, full._kv * (read + n))
+    t_pa_full = max(full._attn_p * att_full, full._kv * (cached + n))
+    saved = prefill(full, n, cached) - windowed_step(win, n, cached, 0, 0, w)
+    assert saved == pytest.approx(t_pa_full - t_pa, rel=1e-9)
+    assert saved > 0.3 * prefill(full, n, cached)
+    assert windowed_step(win, 100, w - 101, 0, 0, w) == prefill(full, 100, w - 101)
+
+
+def test_the_roofline_and_models_without_windowed_layers_take_no_window():
+    assert model(*WINDOWED).window == 4096
+    assert model("model.sliding_window=4096").window == 0  # (no layer uses it)
+    assert model(ROOFLINE, *WINDOWED).window == 0
