@@ -3,7 +3,9 @@ waiting for a child process to get somewhere (Linux /proc) instead of sleeping a
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -190,3 +192,19 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 kids.append(int(entry))
     return kids
+
+
+def assert_freed_by_reference_counting(make) -> None:
+    """The engine `make()` runs and returns is freed when dropped, by reference counting alone,
+    leaving nothing in a cycle: runs freeze what they made (sim/gcpause.py), so a cycle would
+    never be collected and repeated runs in one process would grow without bound."""
+    gc.collect()
+    gc.disable()
+    try:
+        engine = make()
+        gone = weakref.ref(engine)
+        del engine
+        assert gone() is None
+        assert gc.collect() == 0  # nothing it made is left in a cycle (its timeline, requests)
+    finally:
+        gc.enable()

@@ -16,8 +16,10 @@ from __future__ import annotations
 import heapq
 import math
 import time
+import weakref
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -169,6 +171,12 @@ class _Continued:
         return self.timeline.ends(start, count)
 
 
+def _first_token_row(engine: Engine) -> float:
+    """The first timeline row a live request's token times point into (math.inf: none)."""
+    return min((s for r in engine.requests.values() for s, _ in r.token_segments[:2] if s >= 0),
+               default=INF)
+
+
 class Engine(EngineState):
     """A simulated serving engine over one scenario.
 
@@ -274,7 +282,10 @@ class Engine(EngineState):
         self.now = 0.0
         self.step_count = 0
         self.idle_time = 0.0
-        self.timeline = Timeline(keep=keep_history, pinned=self._first_token_row,
+        # Through a proxy, not a bound method or the requests (which point at the timeline):
+        # no cycle, as for the policy's.
+        self.timeline = Timeline(keep=keep_history,
+                                 pinned=partial(_first_token_row, weakref.proxy(self)),
                                  window_s=self.ROLLING_S)
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
@@ -676,11 +687,6 @@ class Engine(EngineState):
             self.events.append(ev.Cancel(self.now, req.req_id, old.value, by))
         for o in self.observers:
             o.ended(self, req)
-
-    def _first_token_row(self) -> float:
-        """The first timeline row a live request's token times point into (math.inf: none)."""
-        return min((s for r in self.requests.values() for s, _ in r.token_segments[:2]
-                    if s >= 0), default=INF)
 
     def _release(self) -> None:
         """Async scheduling: the step scheduled after the one that finished these requests

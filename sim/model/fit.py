@@ -18,6 +18,7 @@ Two pieces, shared by `servesim calibrate` and the fitted engine profiles:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 from typing import Any
@@ -53,7 +54,9 @@ class RecordingCost(StepObserver):
 
     def bind(self, engine) -> None:
         """Record the steps of `engine` (whose cost model this is)."""
-        self._engine = engine
+        # A proxy, not a reference: no engine <-> observer cycle, so a dropped engine is freed
+        # by reference counting alone (the engine runs with the cyclic collector paused).
+        self._engine = weakref.proxy(engine)
         self._idle = engine.idle_time
 
     # --- StepObserver

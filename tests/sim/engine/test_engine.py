@@ -4,10 +4,11 @@ import pytest
 from sim import Engine, summarize
 from sim.engine.engine import StepObserver
 from sim.errors import EngineError, UnknownRequestError
+from sim.policies import POLICIES
 from sim.session.log import encode
 from sim.engine.request import RequestState as S
-from tests.helpers import (check_invariants, expand_steps, run_with_and_without_history,
-                           small_scenario, workload_of)
+from tests.helpers import (assert_freed_by_reference_counting, check_invariants, expand_steps,
+                           run_with_and_without_history, small_scenario, workload_of)
 
 
 SHARED = ("kv.enable_prefix_caching=true", "workload.shared_prefix_tokens=300",
@@ -418,3 +419,16 @@ def test_arrivals_read_a_window_at_a_time_give_the_same_run(monkeypatch):
     a.pop("wall_s"), b.pop("wall_s")
     assert a == b and a["requests"]["total"] > 50
     assert [encode(x) for x in whole.events] == [encode(x) for x in windowed.events]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("keep_history", [True, False])
+def test_a_dropped_engine_is_freed_by_reference_counting_alone(policy, keep_history):
+    def make():
+        engine = Engine(small_scenario(f"scheduler.policy=\"{policy}\"", "workload.duration_s=5"),
+                        keep_history=keep_history)
+        engine.run()
+        assert engine.counts["finished"] > 0
+        return engine
+
+    assert_freed_by_reference_counting(make)

@@ -5,12 +5,13 @@ import tomllib
 import numpy as np
 import pytest
 
-from sim import build
+from sim import Engine, build
 from sim.model.calibrate import fit_bench, read_bench_json, read_kernel_csv, fit_kernels
 from sim.model.costmodel import CostModel
-from sim.model.fit import record_run
+from sim.model.fit import RecordingCost, record_run
 from sim.inputs.scenario import load_scenario
 from tui.cli import main
+from tests.helpers import assert_freed_by_reference_counting
 
 TRUE = dict(gemm_efficiency=0.62, bandwidth_efficiency=0.78, kv_bandwidth_efficiency=0.66,
             attention_efficiency=0.42, layer_overhead_us=35.0)
@@ -248,3 +249,18 @@ def test_calibrate_never_writes_over_what_it_reads(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"-o {out}: is " in err and "which this command reads" in err and err.count("\n") == 1
     assert (path.read_bytes(), scenario.read_bytes()) == before
+
+
+def test_a_recorded_engine_is_freed_by_reference_counting_alone():
+    """The recorder bound to its engine makes no cycle: `record_run` repeated in one process
+    (a fit, a leave-one-out) frees each engine."""
+    def make():
+        sc = load_scenario("chat", ["workload.duration_s=5"])
+        rec = RecordingCost(CostModel(sc))
+        engine = Engine(sc, cost=rec, observers=[rec])
+        rec.bind(engine)
+        engine.run()
+        assert rec.records
+        return engine
+
+    assert_freed_by_reference_counting(make)
