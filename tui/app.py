@@ -255,6 +255,11 @@ class Dashboard(App[int]):
             if got:
                 self.driver.lock.release()
 
+    def _log_records(self):
+        """The session's event records for `write_log`: the spool's (the file's, then those in
+        memory), or None when the engine's lists hold them all."""
+        return self.spool.records() if self.spool else None
+
     def _write_new_log(self, kind: str) -> Path:
         """Write the session log under a name no other file has (two exports within one
         second get -2, -3, ...). Returns its path."""
@@ -265,8 +270,7 @@ class Dashboard(App[int]):
         for n in range(1, 1000):
             path = self.log_dir / (f"{base}.msgpack" if n == 1 else f"{base}-{n}.msgpack")
             try:
-                return write_log(path, self.engine, exclusive=True,
-                                 records=self.spool.records() if self.spool else None)
+                return write_log(path, self.engine, exclusive=True, records=self._log_records())
             except FileExistsError:
                 continue
         raise ServesimError(f"{self.log_dir}: no free name for {base}.msgpack")

@@ -545,6 +545,12 @@ def admit(e: Any, req: Request) -> None:
         o.admitted(e, req)
 
 
+def _window(cost: Any) -> int:
+    """The cost model's sliding window (0: none, or a cost that is not a CostModel, as
+    sim.model.fit's recorder, which times every layer as full attention)."""
+    return cost.window if type(cost) is CostModel else 0
+
+
 def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> int:
     s: EngineState = e
     ps: PolicyState = s.policy
@@ -555,7 +561,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     tokens = p_tokens = p_attended = p_cached = d_seqs = d_cached = sampling = 0
     p_beyond = p_skip = d_beyond = 0  # (beyond a sliding window: CostModel.step)
     cost: Any = s.cost
-    win: int = cost.window if type(cost) is CostModel else 0
+    win: int = _window(cost)
     is_prefill = []
     for req, n in sched:
         c = req.num_computed_tokens
@@ -740,7 +746,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     # A run is timed by the batch's total context: with sliding-window layers, only while
     # every sequence stays within the window (beyond it, single steps sum each one's part).
     cost: Any = s.cost
-    win: int = cost.window if type(cost) is CostModel else 0
+    win: int = _window(cost)
     if win and kmax > win - c_max:
         kmax = max(win - c_max, 1)
     # Requests that finished in the last step (async scheduling) give their blocks back

@@ -151,8 +151,7 @@ class ServeDashboard(Dashboard):
         if not save:
             return
         try:
-            self.saved = str(write_log(self.log_path, self.engine,
-                                       records=self.spool.records() if self.spool else None)
+            self.saved = str(write_log(self.log_path, self.engine, records=self._log_records())
                              if self.log_path else self._write_new_log(""))
         except Exception as e:  # noqa: BLE001 - reported at exit; the app must still close
             self.saved = f"(not saved: {e})"
