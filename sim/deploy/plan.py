@@ -1289,18 +1289,24 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
             scheduler.barrier()
             confirm(results, confirmed, p, settings, run_full, journal, report)
             # Pruned against the probe slice's cheapest; the whole workload's may cost more:
-            # search again those that could beat it.
+            # search again those that could beat it, against the cheapest confirmed or, with
+            # none confirmed, against the slice's cheapest of those the whole workload has not
+            # failed. Each pass that finds one meeting the bounds confirms at least one more.
             best = min((r.usd_per_m_tokens for k, r in confirmed.items()
                         if k in results and r.status == "ok"), default=None)
-            reopen = [k for k, r in results.items() if r.status == "pruned" and best is not None
-                      and usd_per_m_tokens(r.usd_per_hour, r.cap, r.tokens_per_request) < best]
+            reopen = [k for k, r in results.items() if r.status == "pruned" and (
+                best is None or usd_per_m_tokens(r.usd_per_hour, r.cap, r.tokens_per_request)
+                < best)]
             if not reopen:
                 break
             settings = dataclasses.replace(settings, confirmed_cost=best)
             scheduler.barrier()
             results = search(cands, run_probe, probe, settings,
-                             done={k: v for k, v in results.items() if k not in reopen},
+                             done={k: confirmed.get(k, v) for k, v in results.items()
+                                   if k not in reopen},
                              on_result=journal.write, progress=progress)
+            if not any(results[k].status == "ok" for k in reopen):
+                break  # (pruned again: bounds that break the sibling rule; nothing to confirm)
     finally:
         journal.close()
     merged = {**results, **{k: v for k, v in confirmed.items() if k in results}}

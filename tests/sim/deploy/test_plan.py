@@ -137,6 +137,13 @@ def tiny(tmp_path):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def tiny_module(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plan") / "tiny.toml"
+    path.write_text(SCENARIO)
+    return str(path)
+
+
 def small_plan(spec, **kw):
     space = P.Space(["h100-sxm", "a100-80gb"], [1], [1, 2], ["round-robin"], [64], [2048],
                     ["chunked"], [False, True], [1], [1])
@@ -677,3 +684,74 @@ def test_the_pruned_answer_agrees_with_the_exhaustive_search(tiny):
     w, e = pruned.winner, exhaustive.winner
     assert w is not None and e is not None
     assert w.candidate == e.candidate or w.usd_per_m_tokens <= e.usd_per_m_tokens * 1.02
+
+
+def toy_probes(capacity):
+    """A stand-in for the plan's Probes: the toy's rows, a candidate's capacity
+    `capacity("probe" or "whole", candidate)` by the slice it runs (the tiny scenario's 120
+    requests are the whole; a probe slice is shorter)."""
+    class ToyProbes:
+        def __init__(self, raw, source, base_dir, slice_, scheduler, name):
+            self.part, self.runs = "whole" if slice_.requests == 120 else "probe", 0
+
+        def __call__(self, probes, progress=None, **_):
+            self.runs += len(probes)
+            return [{"ttft_p99_ms": 100.0 * load / capacity(self.part, c),
+                     "throughput_output_tokens_per_s": 0.95 * load * 200}
+                    for c, load in probes]
+    return ToyProbes
+
+
+def test_when_every_finalist_fails_the_whole_workload_the_pruned_are_searched_again(
+        tiny, monkeypatch):
+    # the probe slice flatters the cheap H100 (it carries 10 req/s there, 0.5 on the whole
+    # workload, below the 1 req/s required), so the dearer H200 (5 req/s on both) is pruned
+    # against it; once the H100 fails on the whole workload, nothing confirmed bounds the H200
+    # and it is searched again: it wins
+    capacity = {("probe", "h100-sxm"): 10.0, ("whole", "h100-sxm"): 0.5,
+                ("probe", "h200"): 5.0, ("whole", "h200"): 5.0}
+
+    monkeypatch.setattr(P, "Probes", toy_probes(lambda part, c: capacity[(part, c.gpu)]))
+    space = P.Space(["h100-sxm", "h200"], [1], [1], ["round-robin"], [64], [2048],
+                    ["chunked"], [False], [1], [1])
+    plan = P.Plan(tiny, BOUNDS, space, PRICES, rate=1.0, probe_requests=60, tolerance=0.05)
+    with Runner(1) as runner:
+        out = P.run_plan(plan, runner)
+    status = {r.candidate.gpu: r.status for r in out.results}
+    assert status == {"h100-sxm": "infeasible", "h200": "ok"}
+    assert out.winner.candidate.gpu == "h200" and out.winner.confirmed
+    assert 4.5 <= out.winner.max_load <= 5.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_a_flattering_probe_slice_never_drops_the_true_winner(tiny_module, data):
+    # each candidate carries up to 4x more on the probe slice than on the whole workload: the
+    # plan's winner is the exhaustive search's (every candidate on the whole workload), or
+    # within the tolerance of its cost
+    space = P.Space(["h100-sxm", "a100-80gb", "h200"], [1, 2], [1], ["round-robin"], [64, 256],
+                    [2048], ["chunked"], [False], [1], [1])
+    # (capacities that obey the sibling rule: two GPUs carry no less than one, on either part)
+    kinds = [(g, s) for g in space.gpus for s in space.max_num_seqs]
+    base = {k: data.draw(st.floats(0.3, 3.0)) for k in kinds}
+    flatter = {k: data.draw(st.floats(1.0, 4.0)) for k in kinds}
+    tp_gain = data.draw(st.floats(1.0, 2.0))
+
+    def capacity(part, c):
+        k = (c.gpu, c.max_num_seqs)
+        return base[k] * tp_gain ** (c.tp - 1) * (flatter[k] if part == "probe" else 1.0)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(P, "Probes", toy_probes(capacity))
+        winners = []
+        for prune in (True, False):
+            plan = P.Plan(tiny_module, BOUNDS, space, PRICES, rate=1.0, probe_requests=60,
+                          tolerance=0.02, prune=prune)
+            with Runner(1) as runner:
+                winners.append(P.run_plan(plan, runner).winner)
+    got, best = winners
+    if best is None:
+        assert got is None
+        return
+    assert got is not None and got.confirmed
+    assert got.candidate == best.candidate or \
+        got.usd_per_m_tokens <= best.usd_per_m_tokens * (1 + 2 * 0.02)
