@@ -62,9 +62,8 @@ class _RankTime(_TimedBy):
         super().__init__(model)
         self.group = group
 
-    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
-        dur, energy = self.model.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
-                                      num_seqs, sampled)
+    def step(self, *args):
+        dur, energy = self.model.step(*args)
         lock = self.group.lockstep(dur)
         return lock, energy + self.model.idle_energy(lock - dur)
 
@@ -196,9 +195,10 @@ class _StageTime(_TimedBy):
         self.stages = stages
         self.engine = None  # (set once the engine exists: the step starts at its clock)
 
-    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
+    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
+             *beyond):
         dur, energy = self.model.step(p_tokens, p_attended, p_cached, d_seqs, d_cached,
-                                      num_seqs, sampled)
+                                      num_seqs, sampled, *beyond)
         start = self.engine.now
         end = self.stages.pass_through(start, dur, p_tokens + d_seqs)
         # (the energy of its work, once: the stages' GPUs are shared by the virtual engines)

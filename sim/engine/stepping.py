@@ -546,9 +546,11 @@ def admit(e: Any, req: Request) -> None:
 
 
 def _window(cost: Any) -> int:
-    """The cost model's sliding window (0: none, or a cost that is not a CostModel, as
-    sim.model.fit's recorder, which times every layer as full attention)."""
-    return cost.window if type(cost) is CostModel else 0
+    """The service-time model's sliding window (0: none, or a model without one)."""
+    if type(cost) is CostModel:
+        cm: CostModel = cost
+        return cm.window
+    return int(getattr(cost, "window", 0))
 
 
 def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> int:
@@ -588,6 +590,9 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         cm: CostModel = cost
         dur, energy = cm.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
                               sampling, p_beyond, p_skip, d_beyond)
+    elif win:
+        dur, energy = cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
+                                sampling, p_beyond, p_skip, d_beyond)
     else:
         dur, energy = cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
                                 sampling)

@@ -420,12 +420,13 @@ class CostModel:
         dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu
         return dur, self._idle * dur + self._dyn * busy
 
-    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
+    def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
+              p_beyond=0.0, p_skip=0.0, d_beyond=0.0):
         """`step` over NumPy arrays (any argument may be a scalar), elementwise: `step`'s own
         source run with NumPy's elementwise maximum, square root and `> 0` (`_elementwise`),
         so the same operations in the same order give the same bits."""
         return _elementwise()(self, p_tokens, p_attended, p_cached, d_seqs, d_cached,
-                              num_seqs, sampled)
+                              num_seqs, sampled, p_beyond, p_skip, d_beyond)
 
     def decode_steps(self, b, d_cached):
         """`steps` of decode-only steps of `b` sequences holding `d_cached` cached tokens
@@ -572,13 +573,17 @@ class ServiceTime(Protocol):
     """What the engine asks of a service-time model: `CostModel` is the one it builds from
     a scenario; `Engine(..., cost=...)` takes any other (sim.model.fit's recorder is one).
 
-    `step` times one step (the arguments as `CostModel.step` has them); `decode_times` the
-    first steps of a run of identical decode steps, one by one, up to the first that ends at
-    or after `t_ext`; `decode_steps` any further steps of such a run at once (NumPy arrays).
-    Each must equal `step` of the same arguments, bit for bit."""
+    `step` times one step (the arguments as `CostModel.step` has them; the last three, what a
+    sliding window skips, are passed only when `window` is set); `decode_times` the first
+    steps of a run of identical decode steps, one by one, up to the first that ends at or after
+    `t_ext`; `decode_steps` any further steps of such a run at once (NumPy arrays). Each must
+    equal `step` of the same arguments, bit for bit."""
+
+    window: int  # the sliding-window layers' window in tokens (0: none)
 
     def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
-             d_cached: float, num_seqs: float, sampled: float) -> tuple[float, float]: ...
+             d_cached: float, num_seqs: float, sampled: float, p_beyond: float = 0.0,
+             p_skip: float = 0.0, d_beyond: float = 0.0) -> tuple[float, float]: ...
 
     def decode_times(self, b: int, c0: int, n: int, t: float, t_ext: float) -> Any: ...
 

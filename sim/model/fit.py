@@ -86,19 +86,27 @@ class RecordingCost(StepObserver):
     # --- ServiceTime: every method the engine times steps with records what it is asked (a
     # step missed here would replay as an empty step: tests/sim/model/test_calibrate.py replays
     # runs under their own cost model)
-    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled):
-        args = (p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled)
+    @property
+    def window(self) -> int:
+        """The model's sliding window: the engine counts what its layers skip for it too."""
+        return self.model.window
+
+    def step(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
+             p_beyond=0, p_skip=0, d_beyond=0):
+        args = (p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled, p_beyond,
+                p_skip, d_beyond)
         self._record(1, args)
         return self.model.step(*args)
 
+    # (a run of decode steps stays within the window: nothing beyond it)
     def decode_steps(self, b, d_cached):
-        self._record(len(d_cached), (0, 0, 0, b, np.asarray(d_cached), b, b))
+        self._record(len(d_cached), (0, 0, 0, b, np.asarray(d_cached), b, b, 0, 0, 0))
         return self.model.decode_steps(b, d_cached)
 
     def decode_times(self, b, c0, n, t, t_ext):
         ends, durs, ens = self.model.decode_times(b, c0, n, t, t_ext)
         cached = c0 + b * np.arange(len(ends), dtype=np.int64)
-        self._record(len(ends), (0, 0, 0, b, cached, b, b))
+        self._record(len(ends), (0, 0, 0, b, cached, b, b, 0, 0, 0))
         return ends, durs, ens
 
     def swap_time(self, num_blocks):
@@ -118,9 +126,9 @@ class RecordingCost(StepObserver):
         return self.model.num_host_blocks()
 
     def features(self, num_steps: int):
-        """Per-step arrays of the 7 cost-model arguments, each step's earliest start, and the
-        seconds of swap copies added to it."""
-        cols = np.zeros((7, num_steps), dtype=np.float64)
+        """Per-step arrays of the 10 cost-model arguments (`CostModel.step`'s), each step's
+        earliest start, and the seconds of swap copies added to it."""
+        cols = np.zeros((10, num_steps), dtype=np.float64)
         ready = np.full(num_steps, -np.inf)
         for i, start, args in self.records:
             n = len(args[4]) if isinstance(args[4], np.ndarray) else 1
@@ -146,7 +154,7 @@ class RecordingCost(StepObserver):
 class RunRecord:
     """One simulated run's schedule (see the module docstring)."""
 
-    features: np.ndarray  # (7, steps): the cost model's arguments per step
+    features: np.ndarray  # (10, steps): the cost model's arguments per step
     ready: np.ndarray  # earliest start of each step (-inf: right after the previous one)
     arrival: np.ndarray  # per finished request: when it reached the engine
     first: np.ndarray  # step index of its first token

@@ -43,8 +43,14 @@ def test_one_rank_or_stage_is_a_plain_engine_and_more_are_deployments():
     assert type(build(small_scenario(*PP4))) is PipelineParallel
 
 
-def test_a_lockstep_step_lasts_as_long_as_the_slowest_ranks():
-    sc = small_scenario(*DP2)
+# sliding-window layers, as a model's config.json gives them: ranks and stages skip what
+# lies beyond the window as one engine does
+WINDOWED = ("model.sliding_window=256", "model.sliding_window_layers=2")
+
+
+@pytest.mark.parametrize("extra", [(), WINDOWED])
+def test_a_lockstep_step_lasts_as_long_as_the_slowest_ranks(extra):
+    sc = small_scenario(*DP2, *extra)
     big, small = (0.0, 900, 30), (0.0, 40, 30)
     c = build(sc, workload=workload_of([big, small]))
     c.run()
@@ -119,12 +125,13 @@ async def test_the_dashboard_shows_each_rank_and_r_cycles_their_blocks():
 
 
 # ============================================================================ pipeline parallel
-def test_one_request_through_four_stages_takes_the_whole_model_plus_the_sends():
-    sc = small_scenario(*PP4)
+@pytest.mark.parametrize("extra", [(), WINDOWED])
+def test_one_request_through_four_stages_takes_the_whole_model_plus_the_sends(extra):
+    sc = small_scenario(*PP4, *extra)
     rows = [(0.0, 500, 40)]
     c = build(sc, workload=workload_of(rows))
     c.run()
-    one = PlainEngine(small_scenario(), workload=workload_of(rows), skip_ahead=False)
+    one = PlainEngine(small_scenario(*extra), workload=workload_of(rows), skip_ahead=False)
     one.run()
     m = sc.model
     send = m.hidden_size * m.act_dtype_bytes / (sc.hardware.interconnect_gbps * 1e9)

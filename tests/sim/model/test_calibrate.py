@@ -9,6 +9,7 @@ from sim import Engine, build
 from sim.model.calibrate import fit_bench, read_bench_json, read_kernel_csv, fit_kernels
 from sim.model.costmodel import CostModel
 from sim.model.fit import RecordingCost, record_run
+from sim.stats.metrics import summarize
 from sim.inputs.scenario import load_scenario
 from tui.cli import main
 from tests.helpers import assert_freed_by_reference_counting
@@ -167,6 +168,25 @@ def test_a_run_replayed_under_its_own_cost_model_gives_back_its_latencies(name, 
     assert np.nanmean(got["tpot"]) * 1e3 == pytest.approx(s["tpot_ms"]["mean"], rel=1e-9)
     if "swap" in str(overrides):
         assert s["swaps"] > 0 and rec.swap.sum() > 0
+
+
+def test_a_recorded_run_is_timed_as_the_engine_times_it_sliding_windows_included():
+    # a model whose layers skip what lies beyond a 256-token window: the recorder passes the
+    # engine's counts of it, so a run recorded for a fit is the run `sim` makes, and replays
+    # to the same latencies (it timed every layer as full attention, until checked here)
+    sc = load_scenario("chat", ["workload.num_requests=60", "model.sliding_window=256",
+                                "model.sliding_window_layers=24"])
+    assert CostModel(sc).window == 256
+    engine = Engine(sc)
+    engine.run()
+    plain = summarize(engine)
+    rec = record_run(sc)
+    assert rec.summary["duration_s"] == plain["duration_s"]
+    assert rec.summary["ttft_ms"] == plain["ttft_ms"] and rec.summary["tpot_ms"] == plain["tpot_ms"]
+    assert rec.features[9].sum() > 0 and rec.features[7].sum() > 0  # (beyond the window)
+    got = rec.replay(CostModel(sc))
+    assert got["duration"] == pytest.approx(plain["duration_s"], rel=1e-9)
+    assert np.mean(got["ttft"]) * 1e3 == pytest.approx(plain["ttft_ms"]["mean"], rel=1e-9)
 
 
 BAD_CSV = [
