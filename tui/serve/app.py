@@ -18,6 +18,7 @@ from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
 from sim.inputs.workload import Workload
 from sim.session.log import write_log
+from tui.driver import stop_signals
 from tui.serve.frontend import Frontend
 from tui.serve.http import Limits, Server
 
@@ -87,7 +88,7 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
                    api_key: str | None = None, limits: Limits = Limits(),
                    log: str | None = None) -> int:
-    """Serve until SIGINT/SIGTERM, then end every open call (a stream with an `abort` frame
+    """Serve until SIGINT, SIGTERM or SIGHUP (`stop_signals`), then end every open call (a stream with an `abort` frame
     and `[DONE]`), write the session log to `log` (atomically; the frontend must keep its
     events: `build_frontend(keep_events=True)`) and return 128 + the signal's number.
     `ready(server)` is called once listening.
@@ -114,7 +115,7 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
             signals.append(sig)
             stop.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *stop_signals()):
             try:
                 loop.add_signal_handler(sig, stopped_by, sig)
             except (NotImplementedError, RuntimeError):  # not the main thread
