@@ -241,13 +241,16 @@ def cmd_compare(args) -> int:
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = [*POLICIES, *DEPLOYMENT_POLICIES]
     if not names:
-        raise ScenarioError(f"--policies {args.policies!r}: name at least one policy "
+        raise ScenarioError(f"--policies {shown(args.policies)}: name at least one policy "
                             f"(known: {', '.join(known)})")
-    if len(set(names)) != len(names):
-        raise ScenarioError(f"--policies {args.policies}: a policy is listed twice")
+    seen = set()
     for n in names:
+        if n in seen:
+            raise ScenarioError(f"--policies: {shown(n)} is listed twice")
+        seen.add(n)
         if n not in known:
-            raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
+            raise ScenarioError(f"--policies: unknown policy {shown(n)} (known: "
+                                f"{', '.join(known)})")
     workload = build_workload(sc)  # one trace, every policy
     out = {}
     with _progress(args) as progress:

@@ -98,6 +98,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     (["serve", "--port", "0", "--speed", "1e-300"], "--speed 1e-300: must be at least 1/64"),
     (["serve", "--port", "0", "--served-model-name", ""], "--served-model-name '': empty"),
     (["serve", "--port", "0", "--served-model-name", "m\x1b[2J"], "holding a control character"),
+    # a list named whole (5,000 names made a 25 kB line): the name at fault instead
+    (["compare", "chat", "--policies", ",".join(["fcfs"] * 5000)],
+     "--policies: 'fcfs' is listed twice"),
+    (["compare", "chat", "--policies", "fcfs," + "x" * 5000], "unknown policy 'xxxx"),
 ])
 def test_messages_quote_user_text_safely(capsys, argv, needle):
     try:
