@@ -6,6 +6,12 @@ on stderr and exit with code 2.
 
 from __future__ import annotations
 
+import re
+
+# What a terminal acts on instead of showing (C0 and C1 control characters but tab and line
+# feed): user text never reaches it raw.
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
 
 def cut(text: str, n: int) -> str:
     """`text` cut to `n` characters, "..." marking the cut."""
@@ -20,6 +26,12 @@ def shown(v, n: int = 40) -> str:
         if isinstance(v, int):
             return f"<an integer of {v.bit_length()} bits>"
         return f"<a {type(v).__name__} holding an integer too long to show>"
+
+
+def one_line(text: str) -> str:
+    """A message as one line a terminal shows as written, whatever it quotes: line breaks as
+    spaces, any other control character escaped (an escape sequence as `\\x1b[2J`)."""
+    return CONTROL.sub(lambda m: repr(m.group())[1:-1], " ".join(text.split("\n")))
 
 
 class ServesimError(Exception):

@@ -14,6 +14,7 @@ whatever stdout is) is written through in place, never replaced by a file.
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
 import os
@@ -25,6 +26,7 @@ import tempfile
 import time
 import tomllib
 from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
 from sim.errors import ServesimError
@@ -301,3 +303,28 @@ def toml_loads(text: str) -> dict:
     except ValueError:
         line = text.count("\n", 0, _long_int_at(text)) + 1
         raise tomllib.TOMLDecodeError(f"{_LONG_INT_MESSAGE} (at line {line})") from None
+
+
+def csv_rows(path, text: str, error: type[Exception]) -> tuple[list[str], Iterator[tuple[int, dict]]]:
+    """A CSV file's text with a header line: its column names and its rows as (line, {column:
+    value}), names and values stripped. What csv refuses (a field past its size limit, a NUL)
+    is raised as `error` naming the file and line, when the header or that row is read."""
+    reader = csv.DictReader(text.splitlines())
+    try:
+        header = [h.strip() for h in reader.fieldnames or []]
+    except csv.Error as e:
+        raise error(f"{path}:1: not CSV: {e}") from None
+
+    def rows():
+        line = 1
+        while True:
+            line += 1
+            try:
+                raw = next(reader, None)
+            except csv.Error as e:
+                raise error(f"{path}:{line}: not CSV: {e}") from None
+            if raw is None:
+                return
+            yield line, {(k or "").strip(): (v or "").strip() for k, v in raw.items()}
+
+    return header, rows()

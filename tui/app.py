@@ -9,7 +9,7 @@ action lands between two steps.
 
 The session is never lost: an action that fails is shown and the app goes on; an unexpected
 error writes the session log to a recovery file before the app exits, and says where; SIGTERM
-quits as `q` does (the terminal restored). Exports never overwrite one another.
+(and SIGHUP) quits as `q` does (the terminal restored). Exports never overwrite one another.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import datetime as _dt
 import functools
 import gc
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ from sim.session.log import read_log, write_log
 from sim.session.replay import Replayer
 from sim.session.spool import Spool
 from tui import keymap
-from tui.driver import EngineDriver
+from tui.driver import EngineDriver, stop_signals
 from tui.widgets import (BlockMap, Charts, EventLog, HeaderInfo, HelpScreen, InjectDialog,
                          InjectSpec, InstanceRows, RequestTable, StatusHeader)
 from tui.widgets.eventlog import describe
@@ -203,11 +202,13 @@ class Dashboard(App[int]):
             self.set_interval(1.0, self.spool_events)
         if self._export_note:
             self._note(self._export_note)
-        try:  # SIGTERM quits as `q` does, so the terminal is restored
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, self._terminated)
-            self._sigterm = True
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            self._sigterm = False
+        self._signals = []  # SIGTERM and SIGHUP quit as `q` does, so the terminal is restored
+        for sig in stop_signals():
+            try:
+                asyncio.get_running_loop().add_signal_handler(sig, self._terminated, sig)
+                self._signals.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                break
         self.heap.start()
         self.set_interval(self.heap.RECLAIM_S, self.heap.reclaim)
         self.driver.start()
@@ -215,15 +216,15 @@ class Dashboard(App[int]):
     def on_unmount(self) -> None:
         self.driver.stop()
         self.heap.stop()
-        if getattr(self, "_sigterm", False):
+        for sig in getattr(self, "_signals", ()):
             try:
-                asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+                asyncio.get_running_loop().remove_signal_handler(sig)
             except (RuntimeError, ValueError):
                 pass
 
-    def _terminated(self) -> None:
+    def _terminated(self, signum: int) -> None:
         self.driver.stop(wait_s=0.5)
-        self.exit(return_code=128 + signal.SIGTERM)
+        self.exit(return_code=128 + signum)
 
     # --- failures ------------------------------------------------------------------------------
     def action_failed(self, name: str, error: Exception) -> None:

@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -21,7 +22,7 @@ import numpy as np
 
 from sim import ServesimError, build, load_scenario, summarize
 from sim.deploy import sweep
-from sim.errors import ScenarioError
+from sim.errors import ScenarioError, one_line, shown
 from sim.fileio import check_writable, write_atomic
 from sim.inputs.scenario import BUNDLED_DIR, DEPLOYMENT_POLICIES, bundled_scenarios
 from sim.inputs.workload import build_workload
@@ -45,7 +46,12 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line and exit code 2."""
 
     def error(self, message: str):  # noqa: D401
-        self.exit(2, f"servesim: error: {message} (see {self.prog} --help)\n")
+        # (a value argparse quotes whole, such as an integer of 5,000 digits, is cut)
+        message = _LONG_QUOTE.sub(lambda m: shown(m.group(1)), message)
+        self.exit(2, f"servesim: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+_LONG_QUOTE = re.compile(r"'([^']{60,})'")
 
 
 def _add_scenario_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -235,13 +241,16 @@ def cmd_compare(args) -> int:
     names = [p.strip() for p in args.policies.split(",") if p.strip()]
     known = [*POLICIES, *DEPLOYMENT_POLICIES]
     if not names:
-        raise ScenarioError(f"--policies {args.policies!r}: name at least one policy "
+        raise ScenarioError(f"--policies {shown(args.policies)}: name at least one policy "
                             f"(known: {', '.join(known)})")
-    if len(set(names)) != len(names):
-        raise ScenarioError(f"--policies {args.policies}: a policy is listed twice")
+    seen = set()
     for n in names:
+        if n in seen:
+            raise ScenarioError(f"--policies: {shown(n)} is listed twice")
+        seen.add(n)
         if n not in known:
-            raise ScenarioError(f"--policies: unknown policy {n!r} (known: {', '.join(known)})")
+            raise ScenarioError(f"--policies: unknown policy {shown(n)} (known: "
+                                f"{', '.join(known)})")
     workload = build_workload(sc)  # one trace, every policy
     out = {}
     with _progress(args) as progress:
@@ -789,8 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     except ServesimError as e:
         if str(e).startswith("standard output:"):
             _drop_stdout()
-        one_line = " ".join(str(e).split("\n"))  # whatever a message quotes, one line
-        print(f"servesim: error: {one_line}", file=sys.stderr)
+        print(f"servesim: error: {one_line(str(e))}", file=sys.stderr)
         return 2
     except Terminated as t:
         return 128 + t.signum

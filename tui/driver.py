@@ -6,6 +6,7 @@ No Textual here: the command line checks `--speed` with it before the dashboard 
 from __future__ import annotations
 
 import math
+import signal
 import threading
 import time
 from collections import deque
@@ -13,6 +14,13 @@ from collections import deque
 from sim import Engine, ServesimError
 
 MIN_SPEED, MAX_SPEED = 1 / 64, 4096.0
+
+
+def stop_signals() -> list[int]:
+    """The signals that end a session as `q` does, saving what it saves: SIGTERM, and SIGHUP
+    (its terminal gone) unless it is ignored (as under nohup)."""
+    hup = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
+    return [signal.SIGTERM, *hup]
 
 
 def check_speed(speed) -> float:

@@ -7,6 +7,7 @@ figures can be trusted. The search itself is `sim.deploy.plan`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -17,7 +18,7 @@ from sim.deploy import sweep
 from sim.errors import shown
 from sim.fileio import (check_writable, json_loads, read_input_text, reason, save_figure,
                         write_atomic)
-from sim.inputs.scenario import BUNDLED_DIR
+from sim.inputs.scenario import BUNDLED_DIR, ClusterConfig, ModelConfig
 from sim.model import trust as T
 from sim.model import validate as V
 from sim.policies import POLICIES
@@ -34,6 +35,20 @@ def _ints(text: str) -> list[int]:
     if not v or min(v) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: expected whole numbers of at least 1")
     return v
+
+
+def _degrees(section: type, name: str):
+    """`_ints` for a search over the scenario field `name` of `section`, each value within that
+    field's own upper bound (an absurd count is refused here, not after the probes)."""
+    top = next(f for f in dataclasses.fields(section) if f.name == name).metadata["max"]
+
+    def parse(text: str) -> list[int]:
+        v = _ints(text)
+        if max(v) > top:
+            raise argparse.ArgumentTypeError(f"{shown(text)}: at most {top} ({name})")
+        return v
+
+    return parse
 
 
 def _ratios(text: str) -> list[tuple[int, int]]:
@@ -87,13 +102,17 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                         "bounds at N")
     s.add_argument("--gpus", type=_words, metavar="a100,h100,h200",
                    help="GPU types (default: every GPU in the price table)")
-    s.add_argument("--tp", type=_ints, default=d.tp, metavar="1,2,4,8",
+    s.add_argument("--tp", type=_degrees(ModelConfig, "tensor_parallel"), default=d.tp,
+                   metavar="1,2,4,8",
                    help="tensor-parallel degrees (default 1,2,4,8; those the model does not "
                         "fit are skipped)")
-    s.add_argument("--replicas", type=_ints, default=d.replicas, metavar="1,2,4")
-    s.add_argument("--dp", type=_ints, default=d.dp, metavar="1,2,4",
+    s.add_argument("--replicas", type=_degrees(ClusterConfig, "replicas"), default=d.replicas,
+                   metavar="1,2,4")
+    s.add_argument("--dp", type=_degrees(ModelConfig, "data_parallel"), default=d.dp,
+                   metavar="1,2,4",
                    help="data-parallel ranks of one engine (default 1,2,4; not with replicas)")
-    s.add_argument("--pp", type=_ints, default=d.pp, metavar="1,2",
+    s.add_argument("--pp", type=_degrees(ModelConfig, "pipeline_parallel"), default=d.pp,
+                   metavar="1,2",
                    help="pipeline stages (default 1,2; those that do not divide the layers are "
                         "skipped)")
     s.add_argument("--expert-parallel", type=_switches, default=d.expert_parallel,

@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sim.errors import ScenarioError, shown
+from sim.errors import CONTROL, ScenarioError, shown
 from sim.fileio import read_input_text, reason, toml_loads
 from sim.inputs.workload import min_length
 from sim.model import presets
@@ -448,7 +447,6 @@ _FIELDS = {sec: {f.name: f for f in dataclasses.fields(cls)} for sec, cls in SEC
 TOP_LEVEL = {"name": str, "description": str, "seed": int}
 # Characters a name or description may not hold: controls (escape sequences would reach the
 # terminal), a description's line breaks and tabs aside.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass
@@ -777,7 +775,7 @@ def _check_clients(where: str, value) -> list[dict]:
                 raise ScenarioError(f"{at}.{_key(key)}: unknown key{_suggest(str(key), fields)}")
         checked = {key: _check_field(f"{at}.{key}", fields[key], v) for key, v in table.items()}
         name = checked.get("name", "")
-        if not name.strip() or _CONTROL.search(name):
+        if not name.strip() or CONTROL.search(name):
             raise ScenarioError(f"{at}.name = {shown(name, 80)}: every client needs a name of "
                                 "printable text")
         if name in names:
@@ -818,7 +816,7 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
             value = resolve_engine(value, source, base)
         if key in TOP_LEVEL:
             kwargs[key] = _check_type(f"{source}: {key}", value, TOP_LEVEL[key])
-            if isinstance(value, str) and _CONTROL.search(value):
+            if isinstance(value, str) and CONTROL.search(value):
                 raise ScenarioError(f"{source}: {key} = {shown(value, 80)}: holds a control "
                                     "character (text for a terminal)")
             if key == "seed" and value < 0:  # seeds NumPy's generators, which take none below 0

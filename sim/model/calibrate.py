@@ -30,7 +30,6 @@ file, line and field.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -41,7 +40,7 @@ import numpy as np
 
 from sim.model import presets
 from sim.errors import ServesimError, shown
-from sim.fileio import json_loads, read_input_text, reason
+from sim.fileio import csv_rows, json_loads, read_input_text, reason
 from sim.model.fit import least_squares, nelder_mead
 from sim.limits import MAX_TIME_S, MAX_TOKENS
 from sim.model.profiles import FIT, POINT_SPREAD
@@ -111,8 +110,7 @@ def read_kernel_csv(path: Path) -> list[Row]:
         text = read_input_text(path, encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise MeasurementError(f"{path}: cannot read: {reason(e)}") from None
-    reader = csv.DictReader(text.splitlines())
-    header = [h.strip() for h in reader.fieldnames or []]
+    header, table = csv_rows(path, text, MeasurementError)
     if "kind" not in header:
         raise MeasurementError(f"{path}:1: kind: missing column (need kind and one of "
                                f"{', '.join(UNITS)})")
@@ -123,13 +121,12 @@ def read_kernel_csv(path: Path) -> list[Row]:
                                f"{', '.join(UNITS)} (the name gives the unit)")
     tcol = times[0]
     rows = []
-    for line, raw in enumerate(reader, start=2):
-        raw = {(k or "").strip(): (v or "").strip() for k, v in raw.items()}
+    for line, raw in table:
         if not any(raw.values()):
             continue
         kind = raw.get("kind", "")
         if kind not in KINDS:
-            raise MeasurementError(f"{path}:{line}: kind: {kind!r}: expected one of "
+            raise MeasurementError(f"{path}:{line}: kind: {shown(kind)}: expected one of "
                                    f"{', '.join(KINDS)}")
         values = {}
         for col in KINDS[kind]:
@@ -147,7 +144,7 @@ def read_kernel_csv(path: Path) -> list[Row]:
                                    f"{', '.join([*KINDS[kind], *OPTIONAL[kind]])})")
         seconds = _number(path, line, tcol, raw.get(tcol, "")) * UNITS[tcol]
         if seconds <= 0:
-            raise MeasurementError(f"{path}:{line}: {tcol}: {raw.get(tcol)!r} must be positive")
+            raise MeasurementError(f"{path}:{line}: {tcol}: {shown(raw.get(tcol))} must be positive")
         _seconds(path, line, tcol, seconds)
         if kind in ("decode", "cpu") and values["batch"] < 1:
             raise MeasurementError(f"{path}:{line}: batch: must be at least 1")
@@ -390,11 +387,11 @@ def read_bench_json(path: Path) -> BenchRun:
         rate = data.get("request_rate", "inf")
         if data.get("max_concurrency") not in (None, 0):
             raise MeasurementError(
-                f"{path}:1: max_concurrency: {data['max_concurrency']!r}: a concurrency-bounded "
+                f"{path}:1: max_concurrency: {shown(data['max_concurrency'])}: a concurrency-bounded "
                 "run cannot be replayed without start_times (use a newer vllm bench)")
         if rate not in ("inf", float("inf")):
             raise MeasurementError(
-                f"{path}:1: request_rate: {rate!r}: without start_times the arrival times of a "
+                f"{path}:1: request_rate: {shown(rate)}: without start_times the arrival times of a "
                 "rate-limited run are unknown (use a newer vllm bench, which saves them)")
         arrival = np.zeros(len(ok))
     order = np.argsort(arrival, kind="stable")

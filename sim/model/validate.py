@@ -17,7 +17,6 @@ user (1 / TPOT).
 
 from __future__ import annotations
 
-import csv
 import math
 import re
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import numpy as np
 
 from sim.errors import ServesimError, shown
 from sim.deploy.build import build
-from sim.fileio import read_input_text, reason, save_figure, toml_loads
+from sim.fileio import csv_rows, read_input_text, reason, save_figure, toml_loads
 from sim.inputs.scenario import load_scenario
 from sim.model import trust
 from sim.stats.metrics import summarize
@@ -87,7 +86,7 @@ def parse_metric(text: str) -> Metric:
             elif re.search(r"\(\s*s\s*\)|\bs\b|\bsec(ond)?s?\b", t):
                 scale = 1.0
             else:
-                raise ValueError(f"{text!r}: no unit (ms, s or us)")
+                raise ValueError(f"{shown(text)}: no unit (ms, s or us)")
             return Metric(quantity, stat, per_gpu, scale)
     if re.search(_RATE, t):
         if re.search(r"req(uest)?s?\s*/\s*s|request throughput|requests per", t):
@@ -97,7 +96,7 @@ def parse_metric(text: str) -> Metric:
         if re.search(r"\b(input|prompt|prefill)\b", t):
             return Metric("input_tps", "mean", per_gpu)
         return Metric("output_tps", "mean", per_gpu)
-    raise ValueError(f"{text!r}: not a latency (TTFT, TPOT, ITL, E2E) or a throughput (tok/s)")
+    raise ValueError(f"{shown(text)}: not a latency (TTFT, TPOT, ITL, E2E) or a throughput (tok/s)")
 
 
 def metric_value(metric: Metric, summary: dict, tensor_parallel: int = 1) -> float:
@@ -208,20 +207,18 @@ def load_points(spec: str | Path) -> list[Point]:
         text = read_input_text(path, encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise ValidationError(f"{path}: cannot read: {reason(e)}") from None
-    reader = csv.DictReader(text.splitlines())
-    header = [h.strip() for h in (reader.fieldnames or [])]
+    header, rows = csv_rows(path, text, ValidationError)
     missing = [c for c in REQUIRED if c not in header]
     if missing:
         raise ValidationError(f"{path}:1: missing column(s) {', '.join(missing)} "
                               f"(need {', '.join(REQUIRED)})")
     out, seen = [], set()
-    for line, row in enumerate(reader, start=2):
-        row = {(k or "").strip(): (v or "").strip() for k, v in row.items()}
+    for line, row in rows:
         pid = row["id"]
         if not pid:
             raise ValidationError(f"{path}:{line}: id: empty")
         if pid in seen:
-            raise ValidationError(f"{path}:{line}: id: {pid!r} appears twice")
+            raise ValidationError(f"{path}:{line}: id: {shown(pid)} appears twice")
         seen.add(pid)
         try:
             metric = parse_metric(row["metric"])
@@ -237,7 +234,7 @@ def load_points(spec: str | Path) -> list[Point]:
                                   f"a positive number of at least {MIN_PUBLISHED:g}")
         use = row.get("use", "") or "validate"
         if use not in ("fit", "holdout", "validate"):
-            raise ValidationError(f"{path}:{line}: use: {use!r}: expected fit or holdout")
+            raise ValidationError(f"{path}:{line}: use: {shown(use)}: expected fit or holdout")
         sc = row.get("scenario") or f"scenarios/{pid}.toml"
         sc_path = Path(sc) if Path(sc).is_absolute() else path.parent / sc
         if not sc_path.is_file():

@@ -78,7 +78,6 @@ _ARRAY_FIELDS = ("ends", "durs")  # stored as little-endian float64 bytes
 _LEN = {code: len(names) + 1 for code, names in FIELDS.items()}
 _ACTION_CODE, _STEPS_CODE = KIND_CODE["action"], KIND_CODE["steps"]
 _STREAM_CODE = KIND_CODE["stream"]
-_ACTED_ON = {_ACTION_CODE, _STREAM_CODE}
 
 
 # --- events <-> records --------------------------------------------------------------------------
@@ -734,6 +733,30 @@ def _bounded(buf, containers: int):
                            object_hook=made)
 
 
+# The kinds of event checked in full as they are read: those whose fields hold arrays or maps
+# (steps, actions), and stream marks (which must agree with the header). Every other kind's
+# fields are single values.
+_CHECKED_AS_READ = frozenset({_STEPS_CODE, _ACTION_CODE, _STREAM_CODE})
+
+
+def _check_as_read(path: str, i: int, rec: list, deployment: bool) -> None:
+    """Raise LogError naming the field unless event `i` is well-formed where it must be as it
+    is read: a kind in _CHECKED_AS_READ in full, any other holding no array or map. So what
+    the accepted records make stays in proportion to their bytes (an empty array in any field
+    is one byte in the file, some 60 in memory)."""
+    code = rec[0]
+    if code in _CHECKED_AS_READ or any(type(v) is list or type(v) is dict for v in rec):
+        try:
+            check_record(rec)
+        except ValueError as e:
+            raise LogError(f"{path}: event {i}: {e}") from None
+    if code == _ACTION_CODE:
+        _check_action(path, i, rec, deployment)
+    elif code == _STREAM_CODE and not deployment:
+        raise LogError(f"{path}: event {i}: a stream mark, but the header has no 'cluster' "
+                       "(the log of a single engine)")
+
+
 def _is_container(b: int) -> bool:
     """Whether a msgpack type byte opens an array or a map."""
     return 0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF
@@ -861,12 +884,15 @@ def read_log(path, check_events: bool = True) -> SessionLog:
     LogError naming the file and where it is wrong.
 
     `check_events=False` (for `replay --verify`, which compares every record with the one it
-    regenerates and checks those that differ) checks in full only the records a replay acts
-    on: the header, footer, user actions, stream marks and measured step durations."""
+    regenerates and checks those that differ) checks in full only the header, the footer and
+    the records that hold arrays and maps or that a replay acts on: steps, user actions and
+    stream marks."""
     with paused_gc(freeze=True):  # (the records live as long as the log)
         log = _read_log(str(path))
         if check_events:
             for i, r in enumerate(log.records):
+                if r[0] in _CHECKED_AS_READ:  # (checked as they were read)
+                    continue
                 try:
                     check_record(r)
                 except ValueError as e:
@@ -908,6 +934,7 @@ def _read_log(path: str) -> SessionLog:
         raise LogError(f"{path}: not a servesim session log (unreadable header)") from None
     _check_header(path, header)
     instances = len(header["cluster"]["instances"]) if "cluster" in header else 0
+    deployment = "cluster" in header
     records, footer = [], None
     chunk_start = 0  # the first checkpoint covers the header too
     append = records.append
@@ -928,6 +955,7 @@ def _read_log(path: str) -> SessionLog:
                     break
                 if not obj or type(obj[0]) is not int or _LEN.get(obj[0]) != len(obj):
                     raise LogError(f"{path}: event {len(records)}: not an event record")
+                _check_as_read(path, len(records), obj, deployment)
                 append(obj)
         except msgpack.OutOfData:
             extent(f"event {len(records)}")  # (raises: cut short)
@@ -949,12 +977,11 @@ def _read_log(path: str) -> SessionLog:
             footer = obj
             continue
         raise LogError(f"{path}: unexpected {type(obj).__name__} at byte {at} (event {i})")
-    # Every record's kind and length here; the fields of those a replay acts on (actions,
-    # stream marks, measured durations) too; `read_log` checks the others unless told not to.
-    # And the records agree with the header: a measured clock's steps carry their durations (a
-    # replay steps by them), a modeled clock's none; stream marks in a deployment's log only.
+    # Every record's kind and length here, and in full those of _CHECKED_AS_READ; `read_log`
+    # checks the others unless told not to. And the records agree with the header: a measured clock's steps
+    # carry their durations (a replay steps by them), a modeled clock's none; stream marks in
+    # a deployment's log only.
     measured = header["clock"] == "measured"
-    deployment = "cluster" in header
     marks = []
     for i, r in enumerate(records):
         code = r[0]
@@ -963,20 +990,7 @@ def _read_log(path: str) -> SessionLog:
                 raise LogError(
                     f"{path}: header: clock = {header['clock']!r}, but event {i} (steps) "
                     + ("records no step durations" if measured else "records measured durations"))
-            if not measured:
-                continue
-        elif code not in _ACTED_ON:
-            continue
-        try:
-            check_record(r)
-        except ValueError as e:
-            raise LogError(f"{path}: event {i}: {e}") from None
-        if code == _ACTION_CODE:
-            _check_action(path, i, r, deployment)
         elif code == _STREAM_CODE:
-            if not deployment:
-                raise LogError(f"{path}: event {i}: a stream mark, but the header has no "
-                               "'cluster' (the log of a single engine)")
             marks.append(i)
     if deployment and records and marks[:1] != [0]:
         raise LogError(f"{path}: event 0: not a stream mark (a deployment's log opens with one)")

@@ -7,6 +7,8 @@ import asyncio
 import functools
 import gc
 import math
+import os
+import signal
 import weakref
 
 import numpy as np
@@ -436,16 +438,18 @@ def test_speeds_that_would_stop_or_reverse_the_clock_are_refused():
             Dashboard(make_engine(1.0), speed=bad)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # (SIGHUP: the terminal closed)
 @pilot_test
-async def test_sigterm_quits_as_q_does():
-    import os
-    import signal
-
+async def test_sigterm_quits_as_q_does(sig):
     app = make_app()
-    async with app.run_test(size=SIZE) as pilot:
-        os.kill(os.getpid(), signal.SIGTERM)
-        await pilot.pause(0.2)
-    assert app.return_code == 128 + signal.SIGTERM and not app.driver.alive
+    previous = signal.signal(sig, lambda *a: None)  # (unhandled, not the test process's end)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            os.kill(os.getpid(), sig)
+            await until(pilot, lambda: app.return_code is not None)
+    finally:
+        signal.signal(sig, previous)
+    assert app.return_code == 128 + sig and not app.driver.alive
 
 
 @pytest.mark.parametrize("size", [(1, 1), (12, 5), (40, 12)])

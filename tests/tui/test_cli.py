@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from sim.errors import CONTROL
 from tui.cli import main
 
 DIST_KEYS = {"count", "mean", "p50", "p90", "p95", "p99", "max"}
@@ -83,6 +84,33 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
     assert code == 2
     assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    # a name, path or value quoted in a message never reaches the terminal as an escape
+    # sequence (it cleared the screen), nor whole when it is 5,000 digits long
+    (["sim", "x\x1b[2Jy"], "x\\x1b[2Jy: no such scenario"),
+    (["calibrate", "/nonexistent/\x1b]0;title\x07.csv"], "/nonexistent/\\x1b]0;title\\x07.csv"),
+    (["sim", "chat", "--policy", "\x9b2J"], "invalid choice: '\\x9b2J'"),
+    (["sweep", "chat", "--seeds", "9" * 5000], "invalid int value: '999"),
+    (["serve", "--port", "9" * 5000], "invalid int value: '999"),
+    # a clock that would never move a token, and a model name no client can send
+    (["serve", "--port", "0", "--speed", "1e-300"], "--speed 1e-300: must be at least 1/64"),
+    (["serve", "--port", "0", "--served-model-name", ""], "--served-model-name '': empty"),
+    (["serve", "--port", "0", "--served-model-name", "m\x1b[2J"], "holding a control character"),
+    # a list named whole (5,000 names made a 25 kB line): the name at fault instead
+    (["compare", "chat", "--policies", ",".join(["fcfs"] * 5000)],
+     "--policies: 'fcfs' is listed twice"),
+    (["compare", "chat", "--policies", "fcfs," + "x" * 5000], "unknown policy 'xxxx"),
+])
+def test_messages_quote_user_text_safely(capsys, argv, needle):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # (argparse's usage errors)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and needle in err and len(err) < 600, err
+    assert not CONTROL.search(err.rstrip("\n")), err
 
 
 @pytest.mark.parametrize("argv, needle", [

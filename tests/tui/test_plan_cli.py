@@ -89,6 +89,11 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tiny, argv, message):
     (["--rate", "1e-320"], "argument --rate: '1e-320': expected a positive load"),
     (["--budget", "1e-320"], "argument --budget: '1e-320': expected a positive price"),
     (["--top", "-1"], "argument --top: '-1': expected whole numbers of at least 1"),
+    # a count past what a scenario takes was searched (minutes of probes, no line)
+    (["--replicas", "99999999999"], "argument --replicas: '99999999999': at most 64 (replicas)"),
+    (["--tp", "1,65"], "argument --tp: '1,65': at most 64 (tensor_parallel)"),
+    (["--dp", "128"], "argument --dp: '128': at most 64"),
+    (["--pp", "1000"], "argument --pp: '1000': at most 64"),
 ])
 def test_bad_option_values_are_one_line_usage_errors(capsys, tiny, argv, message):
     with pytest.raises(SystemExit) as e:

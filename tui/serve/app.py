@@ -13,11 +13,13 @@ import sys
 import numpy as np
 
 from sim import Engine, ScenarioError
+from sim.errors import CONTROL, shown
 from sim.deploy.build import is_deployment
 from sim.gcpause import freeze_survivors
 from sim.limits import MAX_TIME_S
 from sim.inputs.workload import Workload
 from sim.session.log import write_log
+from tui.driver import MIN_SPEED, stop_signals
 from tui.serve.frontend import Frontend
 from tui.serve.http import Limits, Server
 
@@ -63,15 +65,20 @@ def build_frontend(scenario, *, background: bool = False, make_executor=None,
                                 f"{scenario.workload.num_samples}: serve samples with each "
                                 "request's `n`; set it to 1 for background load")
         scenario.workload.num_samples = 1
-    if speed <= 0 or speed != speed:
-        raise ScenarioError(f"--speed {speed}: must be positive")
+    if not speed >= MIN_SPEED:  # (NaN fails; slower, a call's tokens would take hours apart)
+        raise ScenarioError(f"--speed {speed:g}: must be at least 1/64 (simulated seconds per "
+                            "wall second)")
+    if model_name is not None and (not model_name.strip() or CONTROL.search(model_name)):
+        raise ScenarioError(f"--served-model-name {shown(model_name)}: empty or holding a "
+                            "control character (clients name the model with it)")
     if speed > MAX_SPEED:
         raise ScenarioError(f"--speed {speed:g}: the simulated clock would pass its limit of "
                             f"{MAX_TIME_S:g} s within a day of serving; at most {MAX_SPEED:g}")
     executor = make_executor(scenario) if make_executor else None
     engine = Engine(scenario, executor=executor, keep_history=not bounded,
                     workload=None if background else empty_workload())
-    return Frontend(engine, model_name=model_name or model_name_of(scenario), speed=speed,
+    name = model_name_of(scenario) if model_name is None else model_name
+    return Frontend(engine, model_name=name, speed=speed,
                     max_waiting=max_waiting, record_timing=record_timing,
                     trim_events=bounded and not keep_events, send_threads=send_threads)
 
@@ -87,7 +94,7 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
                    api_key: str | None = None, limits: Limits = Limits(),
                    log: str | None = None) -> int:
-    """Serve until SIGINT/SIGTERM, then end every open call (a stream with an `abort` frame
+    """Serve until SIGINT, SIGTERM or SIGHUP (`stop_signals`), then end every open call (a stream with an `abort` frame
     and `[DONE]`), write the session log to `log` (atomically; the frontend must keep its
     events: `build_frontend(keep_events=True)`) and return 128 + the signal's number.
     `ready(server)` is called once listening.
@@ -114,7 +121,7 @@ def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
             signals.append(sig)
             stop.set()
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *stop_signals()):
             try:
                 loop.add_signal_handler(sig, stopped_by, sig)
             except (NotImplementedError, RuntimeError):  # not the main thread

@@ -4,13 +4,13 @@ event loop, with the HTTP server and its pump in that same loop.
 The pump moves the engine (there is no worker thread); the dashboard's clock keys act on the
 server's clock through `ServeDriver`, and its other keys (inject, cancel, policy, export) go
 through the engine's API as in `servesim run`, so an exported log holds the HTTP arrivals as
-injections with their times and replays exactly. SIGTERM ends every open call as `q` does and
-saves the session log (to `--log FILE`, else a new file in the log directory, as `e` names it).
+injections with their times and replays exactly. SIGTERM (or SIGHUP: the terminal closed) ends
+every open call as `q` does and saves the session log (to `--log FILE`, else a new file in the
+log directory, as `e` names it).
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 
@@ -136,11 +136,12 @@ class ServeDashboard(Dashboard):
         await self._close(save=self.log_path is not None)
         self.exit(0)
 
-    def _terminated(self) -> None:
-        """SIGTERM: end every open call, save the session, exit with 128 + SIGTERM."""
+    def _terminated(self, signum: int) -> None:
+        """SIGTERM or SIGHUP: end every open call, save the session, exit with 128 + the
+        signal's number."""
         async def close() -> None:
             await self._close(save=True)
-            self.exit(return_code=128 + signal.SIGTERM)
+            self.exit(return_code=128 + signum)
 
         self.run_worker(close(), exclusive=True, group="terminate")
 

@@ -119,7 +119,13 @@ def test_a_points_folder_without_engine_sections_takes_the_engine_column(tmp_pat
     ("id,engine,metric,published\nA,x,TTFT (ms),1e-320\n", ":2: published: '1e-320' must be "
                                                            "a positive number of at least 1e-09"),
     ("id,engine,metric,published\nA,x,TTFT (ms)," + "1" * 5000 + "\n", ":2: published: '111"),
-])
+    # what csv itself refuses (a _csv.Error traceback), and long values quoted cut
+    ("id,engine,metric,published\nA,x,TTFT (ms)," + "1" * 200_000 + "\n",
+     ":2: not CSV: field larger than field limit"),
+    ("id,engine,metric,published,use\nA,x,TTFT (ms),3," + "u" * 5000 + "\n", ":2: use: 'uuu"),
+    ("id,engine,metric,published\nA,x," + "m" * 5000 + ",3\n", ":2: metric: 'mmm"),
+    ("id,engine,metric,published\nT1,x,TTFT (ms),3\nT1,x,TTFT (ms),3\n", ":3: id: 'T1' appears twice"),
+], ids=lambda v: v[:40] if isinstance(v, str) else None)
 def test_bad_points_files_are_one_line_and_exit_2(tmp_path, capsys, csv_text, message):
     (tmp_path / "published.csv").write_text(csv_text)
     shutil.copytree(POINTS / "scenarios", tmp_path / "scenarios")

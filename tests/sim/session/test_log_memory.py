@@ -54,8 +54,19 @@ def _crafts(objs):
     action = [KIND_CODE["action"], 0.0, 0, "cancel_waiting", {}]
     mark = "(the hash_ids)"
     hashed = PK.pack(dict(objs[0], workload=dict(objs[0]["workload"], hash_ids=mark)))
+    # Records each just under _SMALL_OBJECT (unpacked without a look at their shape), as many
+    # as SIZE takes, each a run of empty arrays in one field.
+    k = _SMALL_OBJECT - 64
+    small_run = b"\xdc" + k.to_bytes(2, "big") + b"\x90" * k
+    arrival = next(o for o in objs if isinstance(o, list) and o[0] == KIND_CODE["arrival"])
     return {
         "a run of empty records": header + b"\x90" * SIZE,
+        "small steps records with runs in decode": header + _packed_record(
+            steps, 5, small_run) * (SIZE // k + 1),
+        "small steps records with runs in prefill": header + _packed_record(
+            steps, 4, small_run) * (SIZE // k + 1),
+        "small arrivals with runs in a field": header + _packed_record(
+            arrival, 1, small_run) * (SIZE // k + 1),
         "a run in a steps record's decode": header + _packed_record(steps, 5, RUN),
         "a run in a steps record's ends": header + _packed_record(steps, 3, RUN),
         "a run in an action's args": header + _packed_record(
@@ -64,7 +75,10 @@ def _crafts(objs):
     }
 
 
-@pytest.mark.parametrize("craft", ["a run of empty records", "a run in a steps record's decode",
+@pytest.mark.parametrize("craft", ["a run of empty records", "small steps records with runs in decode",
+                                   "small steps records with runs in prefill",
+                                   "small arrivals with runs in a field",
+                                   "a run in a steps record's decode",
                                    "a run in a steps record's ends", "a run in an action's args",
                                    "a run in the header's hash_ids"])
 def test_a_crafted_log_is_refused_in_memory_proportional_to_it(objs, tmp_path, craft):

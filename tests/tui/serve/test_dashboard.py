@@ -7,6 +7,7 @@ import os
 import signal
 
 import aiohttp
+import pytest
 
 from sim import load_scenario
 from sim.session.log import read_log
@@ -110,18 +111,23 @@ async def _stream_then(app, pilot, act) -> list[bytes]:
         return await asyncio.wait_for(task, 30)  # (a hang guard)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # (SIGHUP: the terminal closed)
 @pilot_test
-async def test_sigterm_ends_streams_with_done_and_saves_the_session(tmp_path):
+async def test_sigterm_ends_streams_with_done_and_saves_the_session(tmp_path, sig):
     fe = build_frontend(load_scenario("chat"))
     app = ServeDashboard(fe, "127.0.0.1", 0, log_dir=tmp_path)
-    async with app.run_test(size=(150, 40)) as pilot:
-        async def sigterm() -> None:
-            os.kill(os.getpid(), signal.SIGTERM)
+    previous = signal.signal(sig, lambda *a: None)  # (unhandled, not the test process's end)
+    try:
+        async with app.run_test(size=(150, 40)) as pilot:
+            async def send() -> None:
+                os.kill(os.getpid(), sig)
 
-        lines = await _stream_then(app, pilot, sigterm)
-        await until(pilot, lambda: app.return_code is not None)
+            lines = await _stream_then(app, pilot, send)
+            await until(pilot, lambda: app.return_code is not None)
+    finally:
+        signal.signal(sig, previous)
     assert lines[-1] == b"data: [DONE]\n" and b'"finish_reason": "abort"' in lines[-2]
-    assert app.return_code == 128 + signal.SIGTERM
+    assert app.return_code == 128 + sig
     [saved] = tmp_path.glob("*.msgpack")
     assert app.saved == str(saved)
     log = read_log(saved)

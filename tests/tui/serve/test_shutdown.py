@@ -21,7 +21,7 @@ from tui.cli import main
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_ends_open_streams_with_abort_and_done_and_exits(sig, tmp_path, capsys):
     log = tmp_path / "session.msgpack"
     proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "serve", "--port", "0",
