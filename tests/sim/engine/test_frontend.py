@@ -46,6 +46,8 @@ def test_the_server_tokenises_one_request_at_a_time_in_the_order_sent():
     assert FrontEnd.of(load_scenario("chat", NO_FRONTEND).engine) is None  # every term 0: none
     default = FrontEnd.of(load_scenario("chat").engine)  # the default profile (vllm-v1) has one
     assert default is not None and default.request_s > 0 and default.prompt_token_s > 0
+    # the roofline, for teaching, is the engine's clock alone
+    assert FrontEnd.of(load_scenario("chat", ['engine.preset="roofline"']).engine) is None
 
 
 def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_sees_later():
