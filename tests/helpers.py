@@ -11,14 +11,20 @@ from collections import Counter
 import numpy as np
 
 from sim import Engine, load_scenario
+from sim.engine.frontend import TERMS
 from sim.engine.request import RequestState
 from sim.inputs.workload import Workload
 
 
+# No API server in front: the engine's clock alone, a request reaching the engine as it is sent
+# (the front end's own tests are tests/sim/engine/test_frontend.py's).
+NO_FRONTEND = [f"engine.{k}=0" for k in TERMS]
+
+
 def small_scenario(*overrides: str, base: str = "chat"):
-    """The default scenario shrunk to a few seconds and a small pool."""
+    """The default scenario shrunk to a few seconds and a small pool, without its API server."""
     return load_scenario(base, ["workload.duration_s=20", "workload.rate=6",
-                                "kv.num_blocks=1500", *overrides])
+                                "kv.num_blocks=1500", *NO_FRONTEND, *overrides])
 
 
 def workload_of(rows, hash_ids=None) -> Workload:

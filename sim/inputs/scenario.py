@@ -837,12 +837,12 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
 
 def engine_preset(name: str, where: str, base_dir: Path) -> dict:
     """The coefficients an `engine.preset` names: a built-in profile, `roofline` (whose
-    coefficients go unused), or a TOML file written by `servesim calibrate` (its `[engine]`
+    coefficients go unused, and with no API server in front), or a TOML file written by `servesim calibrate` (its `[engine]`
     table over the built-in profile it names). Raises ScenarioError."""
     if name in presets.ENGINES:
         return dict(presets.ENGINES[name])
     if name == "roofline":
-        return dict(presets.ENGINES[presets.DEFAULT_ENGINE])
+        return dict(presets.ENGINES[presets.DEFAULT_ENGINE], **presets.NO_FRONTEND)
     if not name.endswith(".toml"):
         raise ScenarioError(
             f"{where} = {name!r}: unknown engine (known: {', '.join(presets.ENGINE_PRESETS)}, "

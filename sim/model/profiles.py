@@ -64,8 +64,9 @@ DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_ove
            "tensorrt-llm-pytorch": ("tensorrt-llm", {
                "cpu_per_seq_us": presets.ENGINES["tensorrt-llm-pytorch"]["cpu_per_seq_us"]}),
            "sglang": ("sglang-0.3", {"cpu_overlap": True}),
+           # (its API server's time fitted apart, on held-out rows: presets.V1_FRONTEND)
            "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True,
-                                              **presets.NO_FRONTEND}),
+                                              **presets.V1_FRONTEND}),
            "vllm-0.6": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, **presets.NO_FRONTEND}),
            "vllm-0.5": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, **presets.NO_FRONTEND})}
 

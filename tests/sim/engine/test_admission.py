@@ -8,10 +8,12 @@ import pytest
 from sim import Engine, load_scenario, summarize
 from sim.engine.admission import REFUSED, is_refusal
 from sim.engine.request import RequestState
+from tests.helpers import NO_FRONTEND
 
 
 def run(*o):
-    e = Engine(load_scenario("chat", ["workload.duration_s=0", *o]))
+    # (no API server in front: arrivals reach the admission gate at the times sent)
+    e = Engine(load_scenario("chat", ["workload.duration_s=0", *NO_FRONTEND, *o]))
     e.run()
     return e
 

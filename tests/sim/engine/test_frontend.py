@@ -17,7 +17,7 @@ from sim.engine.frontend import TERMS
 from sim.session.log import read_log, write_log
 from sim.session.export import to_csv
 from sim.session.replay import Replayer, verify
-from tests.helpers import small_scenario
+from tests.helpers import NO_FRONTEND, small_scenario
 from tests.logcraft import pack_log, unpack_log
 from tests.sim.engine.test_step_invariance import (CLOSED_LOOP, PRESSURE, events_of, scripted,
                                                    session_script, state_of)
@@ -43,7 +43,11 @@ def test_the_server_tokenises_one_request_at_a_time_in_the_order_sent():
     assert fe.intake(0.0005, 100) == pytest.approx(0.003)  # sent while the first is tokenised
     assert fe.intake(0.0025, 100) == pytest.approx(0.0045)  # the 1 ms latency holds nobody
     assert fe.intake(1.0, 0) == pytest.approx(1.001)      # the server was idle
-    assert FrontEnd.of(load_scenario("chat").engine) is None  # the default profile: none
+    assert FrontEnd.of(load_scenario("chat", NO_FRONTEND).engine) is None  # every term 0: none
+    default = FrontEnd.of(load_scenario("chat").engine)  # the default profile (vllm-v1) has one
+    assert default is not None and default.request_s > 0 and default.prompt_token_s > 0
+    # the roofline, for teaching, is the engine's clock alone
+    assert FrontEnd.of(load_scenario("chat", ['engine.preset="roofline"']).engine) is None
 
 
 def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_sees_later():
@@ -65,7 +69,7 @@ def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_see
 
 def test_the_summary_gives_the_clients_ttft_and_e2e_and_the_engines_beside_them():
     s = summarize(run(*OPEN, *FE))
-    plain = summarize(run(*OPEN))
+    plain = summarize(run(*OPEN, *NO_FRONTEND))
     assert "engine_side" in s and "engine_side" not in plain
     assert s["ttft_ms"]["count"] == s["engine_side"]["ttft_ms"]["count"] == 150
     assert s["ttft_ms"]["p50"] > s["engine_side"]["ttft_ms"]["p50"] + 4.0
@@ -93,7 +97,7 @@ def test_the_slo_is_judged_on_what_the_client_sees():
     s = summarize(run(*OPEN, *FE, "engine.frontend_request_us=50000", *slo))
     assert s["engine_side"]["ttft_ms"]["max"] < bound < s["ttft_ms"]["max"]
     assert s["slo_attainment"] < 1.0
-    assert summarize(run(*OPEN, *slo))["slo_attainment"] == 1.0
+    assert summarize(run(*OPEN, *NO_FRONTEND, *slo))["slo_attainment"] == 1.0
 
 
 def test_a_closed_loop_user_sends_again_when_it_has_seen_the_end():

@@ -8,12 +8,14 @@ from hypothesis import given, strategies as st
 from sim import Engine, load_scenario
 from sim.engine.request import RequestState
 from tests.fuzz import fuzz_settings
-from tests.helpers import check_invariants
+from tests.helpers import NO_FRONTEND, check_invariants
 
 
 def closed(*o):
+    # (no API server in front: a user's request reaches the engine as it is sent; behind one,
+    # tests/sim/engine/test_frontend.py)
     return load_scenario("chat", ["workload.concurrency=6", "workload.num_requests=120",
-                                  "kv.num_blocks=3000", *o])
+                                  "kv.num_blocks=3000", *NO_FRONTEND, *o])
 
 
 def ended(engine):

@@ -103,9 +103,9 @@ def bench_result(tmp_path, coeffs, n=80, name="bench.json", rate=6):
             "duration": float(eng.now), "completed": n,
             "input_lens": [r.prompt_len for r in reqs],
             "output_lens": [r.num_output_tokens for r in reqs],
-            "ttfts": [r.first_token_time - r.arrival_time for r in reqs],
+            "ttfts": [r.client_ttft for r in reqs],
             "itls": [np.diff(r.token_times()).tolist() for r in reqs],
-            "start_times": [1000.0 + r.arrival_time for r in reqs],
+            "start_times": [1000.0 + r.sent_time for r in reqs],
             "errors": ["" for _ in reqs]}
     p = tmp_path / name
     p.write_text(json.dumps(data))

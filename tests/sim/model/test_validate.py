@@ -240,14 +240,31 @@ def test_vllm_multistep_online_ttft_rows_are_behind_its_api_server():
     assert run_point(points["S5"], overrides=bare)["ratio"] < s5["ratio"] < 1.0
 
 
-def test_only_the_multistep_vllm_profile_has_the_fitted_api_server():
-    # the time per request carries what a multi-step window adds to a light-load TTFT: the
-    # one-step profiles derived from it (as shipped and as a fit derives them) keep none
+def test_the_v0_one_step_vllm_profiles_keep_no_api_server_and_v1_keeps_its_own():
+    # the multi-step time per request carries what a multi-step window adds to a light-load
+    # TTFT: the V0 one-step profiles derived from it (as shipped and as a fit derives them) keep
+    # none; vLLM V1 has its own, fitted apart on F3 and F7, as shipped and as a fit derives it
     assert presets.ENGINES["vllm-0.6-multistep"]["frontend_request_us"] > 0
     fitted = P.profiles({})
-    for name in ("vllm-v1", "vllm-0.6", "vllm-0.5"):
+    for name in ("vllm-0.6", "vllm-0.5"):
         assert all(presets.ENGINES[name][k] == 0 for k in TERMS), name
         assert all(fitted[name][k] == 0 for k in TERMS), name
+    v1 = {k: presets.ENGINES["vllm-v1"][k] for k in TERMS}
+    assert v1["frontend_request_us"] > presets.ENGINES["vllm-0.6-multistep"]["frontend_request_us"]
+    assert {k: fitted["vllm-v1"][k] for k in TERMS} == v1
+
+
+def test_vllm_v1_light_load_ttft_rows_are_behind_its_api_server():
+    # F3 (a 70B in FP8 on an H200) and F7 (Qwen3-0.6B on an H100) fitted vLLM V1's API server
+    # time; without it the tiny model's TTFT is a seventh of the published one
+    points = {p.id: p for p in load_points(POINTS) if p.id in ("F3", "F7", "E1")}
+    f3, f7 = run_point(points["F3"]), run_point(points["F7"])
+    assert f7["ratio"] == pytest.approx(1.0, abs=0.01)
+    assert 1.0 < f3["ratio"] < 1.25
+    bare = ["engine.frontend_request_us=0", "engine.frontend_prompt_token_us=0"]
+    assert run_point(points["F7"], overrides=bare)["ratio"] < 0.2
+    # E1 (held out, B200s) was 0.62 without it
+    assert 0.62 < run_point(points["E1"])["ratio"] < 1.4
 
 
 def test_sglangs_online_ttft_rows_are_compared_with_what_its_clients_measured():
