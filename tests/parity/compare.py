@@ -21,6 +21,7 @@ import numpy as np
 
 from sim import Engine, load_scenario
 from sim.inputs.workload import Workload
+from tests.helpers import NO_FRONTEND
 from tests.parity.generate import NEWEST_KNOWN, OLDEST_KNOWN, is_known, version_behaviours
 
 # vLLM settings -> servesim scenario fields. These behaviours have no setting in vLLM (they are
@@ -61,8 +62,9 @@ def replay(doc: dict, overrides: list[str] = ()) -> list:
     """servesim's steps for the trace's stream and settings (plus `overrides`), in the trace's
     form: [scheduled [[id, tokens]...], preempted ids, ids whose last token the step computed,
     blocks in use after scheduling]."""
+    # (vLLM's scheduler saw each request as its engine core received it: no API server in front)
     sc = load_scenario("chat", scenario_overrides(doc["config"], doc["block_size"])
-                       + list(overrides))
+                       + NO_FRONTEND + list(overrides))
     engine = Engine(sc, workload=workload_of_stream(doc["stream"]))
     engine.duration_override = itertools.repeat(1.0)
     steps: list = []

@@ -24,9 +24,12 @@ ROOT = Path(__file__).resolve().parents[3]
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_ends_open_streams_with_abort_and_done_and_exits(sig, tmp_path, capsys):
     log = tmp_path / "session.msgpack"
+    # (SIGHUP's default restored: the suite may run under nohup, whose ignored SIGHUP a server
+    # rightly leaves alone)
     proc = subprocess.Popen([sys.executable, "-m", "tui.cli", "serve", "--port", "0",
                              "--log", str(log)], cwd=ROOT,
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         banner = proc.stderr.readline()
         url = re.search(r"(http://\S+)/v1", banner).group(1)
