@@ -305,7 +305,8 @@ def toml_loads(text: str) -> dict:
         raise tomllib.TOMLDecodeError(f"{_LONG_INT_MESSAGE} (at line {line})") from None
 
 
-def csv_rows(path, text: str, error: type[Exception]) -> tuple[list[str], Iterator[tuple[int, dict]]]:
+def csv_rows(path, text: str,
+             error: type[Exception]) -> tuple[list[str], Iterator[tuple[int, dict]]]:
     """A CSV file's text with a header line: its column names and its rows as (line, {column:
     value}), names and values stripped. What csv refuses (a field past its size limit, a NUL)
     is raised as `error` naming the file and line, when the header or that row is read."""

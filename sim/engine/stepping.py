@@ -590,12 +590,10 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         cm: CostModel = cost
         dur, energy = cm.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
                               sampling, p_beyond, p_skip, d_beyond)
-    elif win:
+    else:  # (what a window skips, passed only where there is one: ServiceTime.step)
+        beyond = (p_beyond, p_skip, d_beyond) if win else ()
         dur, energy = cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
-                                sampling, p_beyond, p_skip, d_beyond)
-    else:
-        dur, energy = cost.step(p_tokens, p_attended, p_cached, d_seqs, d_cached, len(sched),
-                                sampling)
+                                sampling, *beyond)
     swapped = len(s._swap_out) + len(s._swap_in)
     if swapped:  # block copies over the host link delay the step
         extra = s.cost.swap_time(swapped)

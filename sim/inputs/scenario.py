@@ -445,8 +445,6 @@ _CLIENT_FIELDS = {f.name: f for f in dataclasses.fields(ClientConfig)}
 # Each section's fields by name.
 _FIELDS = {sec: {f.name: f for f in dataclasses.fields(cls)} for sec, cls in SECTIONS.items()}
 TOP_LEVEL = {"name": str, "description": str, "seed": int}
-# Characters a name or description may not hold: controls (escape sequences would reach the
-# terminal), a description's line breaks and tabs aside.
 
 
 @dataclass
@@ -837,8 +835,9 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
 
 def engine_preset(name: str, where: str, base_dir: Path) -> dict:
     """The coefficients an `engine.preset` names: a built-in profile, `roofline` (whose
-    coefficients go unused, and with no API server in front), or a TOML file written by `servesim calibrate` (its `[engine]`
-    table over the built-in profile it names). Raises ScenarioError."""
+    coefficients go unused, and with no API server in front), or a TOML file written by
+    `servesim calibrate` (its `[engine]` table over the built-in profile it names). Raises
+    ScenarioError."""
     if name in presets.ENGINES:
         return dict(presets.ENGINES[name])
     if name == "roofline":

@@ -144,7 +144,8 @@ def read_kernel_csv(path: Path) -> list[Row]:
                                    f"{', '.join([*KINDS[kind], *OPTIONAL[kind]])})")
         seconds = _number(path, line, tcol, raw.get(tcol, "")) * UNITS[tcol]
         if seconds <= 0:
-            raise MeasurementError(f"{path}:{line}: {tcol}: {shown(raw.get(tcol))} must be positive")
+            raise MeasurementError(f"{path}:{line}: {tcol}: {shown(raw.get(tcol))} must be "
+                                   "positive")
         _seconds(path, line, tcol, seconds)
         if kind in ("decode", "cpu") and values["batch"] < 1:
             raise MeasurementError(f"{path}:{line}: batch: must be at least 1")
@@ -387,12 +388,12 @@ def read_bench_json(path: Path) -> BenchRun:
         rate = data.get("request_rate", "inf")
         if data.get("max_concurrency") not in (None, 0):
             raise MeasurementError(
-                f"{path}:1: max_concurrency: {shown(data['max_concurrency'])}: a concurrency-bounded "
-                "run cannot be replayed without start_times (use a newer vllm bench)")
+                f"{path}:1: max_concurrency: {shown(data['max_concurrency'])}: a "
+                "concurrency-bounded run cannot be replayed without start_times (use a newer vllm bench)")
         if rate not in ("inf", float("inf")):
             raise MeasurementError(
-                f"{path}:1: request_rate: {shown(rate)}: without start_times the arrival times of a "
-                "rate-limited run are unknown (use a newer vllm bench, which saves them)")
+                f"{path}:1: request_rate: {shown(rate)}: without start_times the arrival times "
+                "of a rate-limited run are unknown (use a newer vllm bench, which saves them)")
         arrival = np.zeros(len(ok))
     order = np.argsort(arrival, kind="stable")
     ok = [ok[i] for i in order]

@@ -94,9 +94,10 @@ def banner(frontend: Frontend, host: str, port: int) -> str:
 def serve_headless(frontend: Frontend, host: str, port: int, ready=None,
                    api_key: str | None = None, limits: Limits = Limits(),
                    log: str | None = None) -> int:
-    """Serve until SIGINT, SIGTERM or SIGHUP (`stop_signals`), then end every open call (a stream with an `abort` frame
-    and `[DONE]`), write the session log to `log` (atomically; the frontend must keep its
-    events: `build_frontend(keep_events=True)`) and return 128 + the signal's number.
+    """Serve until SIGINT, SIGTERM or SIGHUP (`stop_signals`), then end every open call (a
+    stream with an `abort` frame and `[DONE]`), write the session log to `log` (atomically;
+    the frontend must keep its events: `build_frontend(keep_events=True)`) and return 128 +
+    the signal's number.
     `ready(server)` is called once listening.
     Raises ScenarioError when the address cannot be bound, LogError when the log cannot be
     written."""
