@@ -137,10 +137,13 @@ def parse_bounds(texts: list[str]) -> list[Bound]:
 
 
 def worst_bound(row: dict, bounds: list[Bound]) -> tuple[Bound, float | None]:
-    """The bound a run's row comes closest to breaking (or breaks most): (bound, value)."""
+    """The bound a run's row comes closest to breaking (or breaks most): (bound, value). A run
+    stopped early (`stopped_s`) has lower bounds of some figures, none of the rest."""
     def ratio(b: Bound) -> float:
         v = row.get(b.column)
-        return math.inf if v is None else v / b.limit_ms
+        if v is None:
+            return -math.inf if row.get("stopped_s") is not None else math.inf
+        return v / b.limit_ms
     b = max(bounds, key=ratio)
     return b, row.get(b.column)
 
@@ -667,7 +670,7 @@ def search(cands: list[Candidate], evaluate: Evaluate, slice_: Slice, s: SearchS
             if _fails_required(t, s):
                 b, v = worst_bound(t.fail_row or {}, s.bounds)
                 finish(t.result("infeasible", f"fails {b.name} at the required load: "
-                                              f"{_ms(v)} > {b.limit_ms:g} ms"))
+                                              f"{_ms(v, t.fail_row)} > {b.limit_ms:g} ms"))
                 continue
             if nxt is None:
                 finish(t.result("ok"))
@@ -749,8 +752,12 @@ def _at_least(load: float | None, search: LoadSearch, required: float) -> float 
     return load
 
 
-def _ms(v: float | None) -> str:
-    return "no finished request" if v is None else f"{v:,.0f} ms"
+def _ms(v: float | None, row: dict | None = None) -> str:
+    """A figure of a run's row in words (`row`: that run's, which may have stopped early with a
+    lower bound of it)."""
+    if v is None:
+        return "no finished request"
+    return f"{'at least ' if (row or {}).get('stopped_s') is not None else ''}{v:,.0f} ms"
 
 
 def _base(c: Candidate, router: str) -> Candidate | None:
@@ -910,7 +917,8 @@ class Scheduler:
         key = probes.run_key(st.cand, st.load)
         run = Run(probes.name, key, ahead, st.cand.gpus // st.cand.tp, used=ahead == 0)
         self.runs[(probes.name, key)] = run
-        self._flight[self.runner.submit(probes.at(st.cand, st.load))] = (probes, run, st)
+        self._flight[self.runner.submit(probes.at(st.cand, st.load), probes.stop)] = (
+            probes, run, st)
 
     def _ahead(self, probes: "Probes", run: Run, st: Step, spare: list) -> None:
         """Queue what a run's row leads to, within `depth` probes ahead."""
@@ -957,9 +965,11 @@ class Probes:
     checked once, each probe a copy at its load, on the plan's Scheduler."""
 
     def __init__(self, raw: dict, source: str, base_dir: Path, slice_: Slice,
-                 scheduler: Scheduler, name: str) -> None:
+                 scheduler: Scheduler, name: str, stop: tuple[tuple[str, float], ...] = ()
+                 ) -> None:
         self.raw, self.source, self.base_dir = raw, source, base_dir
         self.slice, self.scheduler, self.name = slice_, scheduler, name
+        self.stop = stop  # (column, limit ms): a run ends once one is proven broken
         self._scenarios: dict[str, Scenario] = {}
         self.rows: dict[tuple[str, float], tuple[bool, Any]] = {}  # (same run, load) -> row
         self._used: set[tuple[str, float]] = set()
@@ -1140,6 +1150,7 @@ class Plan:
     probe_requests: int | None = 1000  # None: probe on the whole workload
     finalists: int = 3
     prune: bool = True
+    stop_early: bool = True  # end a run once a bound is proven broken (the answer is the same)
 
 
 @dataclass
@@ -1275,8 +1286,9 @@ def run_plan(p: Plan, runner: Runner, *, journal_path: str | None = None,
                               first_router=p.space.routers[0], closed=closed,
                               fixed=p.concurrency is not None)
     scheduler = Scheduler(runner)
-    run_probe = Probes(raw, source, base_dir, probe, scheduler, "probe")
-    run_full = Probes(raw, source, base_dir, full, scheduler, "whole")
+    stop = tuple((b.column, b.limit_ms) for b in p.bounds) if p.stop_early else ()
+    run_probe = Probes(raw, source, base_dir, probe, scheduler, "probe", stop)
+    run_full = Probes(raw, source, base_dir, full, scheduler, "whole", stop)
     try:
         results = search(cands, run_probe, probe, settings,
                          done={k: v for k, v in found.items() if k in wanted},
@@ -1381,7 +1393,7 @@ def _confirmed(t: Track, results: dict[str, Result], confirmed: dict[str, Result
         b, v = worst_bound(t.fail_row or {}, s.bounds)
         r.status = "infeasible"
         r.note = (f"on the whole workload fails {b.name} at the required load: "
-                  f"{_ms(v)} > {b.limit_ms:g} ms")
+                  f"{_ms(v, t.fail_row)} > {b.limit_ms:g} ms")
     r.confirmed = True
     confirmed[key] = r
     journal.write(r, "confirmed")
@@ -1451,8 +1463,8 @@ def why_runner_up_lost(outcome: Outcome) -> str:
                      f"{w.max_load:.3g} {outcome.unit} within the bounds")
     if r.fail_row is not None:
         b, v = worst_bound(r.fail_row, outcome.bounds)
-        parts.append(f"above {r.max_load:.3g} {outcome.unit} it breaks {b.name} ({_ms(v)} at "
-                     f"{r.fail_load:.3g} {outcome.unit})")
+        parts.append(f"above {r.max_load:.3g} {outcome.unit} it breaks {b.name} "
+                     f"({_ms(v, r.fail_row)} at {r.fail_load:.3g} {outcome.unit})")
     if diff:
         parts.append("it differs in " + ", ".join(diff[:4]))
     return "; ".join(parts) + "."

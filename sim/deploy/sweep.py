@@ -40,7 +40,7 @@ from sim.errors import ScenarioError, ServesimError, cut
 from sim.limits import check_memory
 from sim.inputs.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
 from sim.deploy.build import build
-from sim.stats.metrics import summarize
+from sim.stats.metrics import floors, summarize
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)
 BYTES_PER_RUN = 16_000  # a planned run: its checked scenario (about 4 KB), task and row
@@ -212,31 +212,58 @@ def flatten(summary: dict) -> dict[str, Any]:
     return out
 
 
-def run_scenario(sc: Scenario) -> dict[str, Any]:
+# Steps between two looks at a run given bounds to stop at (`run_scenario`).
+STOP_CHECK_STEPS = 2048
+
+
+def run_scenario(sc: Scenario, stop: tuple[tuple[str, float], ...] = ()) -> dict[str, Any]:
     """Run one scenario headless: its metric columns plus `wall_s` and `cpu_s` (build, run and
     summary) and the `worker` process that ran it (RUN_ONLY).
+
+    `stop`: (column, limit in ms) pairs, such as ("ttft_p99_ms", 500.0). The run ends as soon
+    as one column's final value is proven above its limit (`metrics.floors`), looked at every
+    `STOP_CHECK_STEPS` steps or more; its row then has `stopped_s` (the simulated time it ended at) and,
+    in place of the figures, the lower bounds of the TTFT, TPOT and E2E percentiles proven then
+    (None for the rest). A run that ends by itself gives the same row as without `stop`.
 
     Raises ServesimError when the run fails (an engine that stalls, an unreadable trace)."""
 
     t0, c0 = time.perf_counter(), time.process_time()
     engine = build(sc, record_events=False, keep_history=False)
-    engine.run()
-    row = flatten(summarize(engine))
+    row = _stopped(engine, stop) if stop else None
+    if row is None:
+        engine.run()
+        row = flatten(summarize(engine))
     row["wall_s"] = time.perf_counter() - t0
     row["cpu_s"] = time.process_time() - c0  # (what load cannot stretch, unlike wall_s)
     row["worker"] = os.getpid()
     return row
 
 
+def _stopped(engine, stop: tuple[tuple[str, float], ...]) -> dict[str, Any] | None:
+    """Run `engine` a few steps at a time until it is done (None) or a `stop` bound is proven
+    broken: the row of the run stopped there."""
+    parts = getattr(engine, "instances", None) or [engine]
+    while not engine.done:
+        # (a look visits every request in flight: at most one per 8 steps run)
+        if not engine.run(max(STOP_CHECK_STEPS, 8 * sum(len(e.requests) for e in parts))):
+            return None  # (no step: let the whole run end it, or say why it cannot)
+        floor = floors(engine)
+        # (a margin of float rounding: the client's figures are summed in another order)
+        if floor is not None and any(floor.get(c, 0.0) > limit * (1 + 1e-9) for c, limit in stop):
+            return {**{c: None for c, _ in METRICS}, **floor, "stopped_s": engine.now}
+    return None
+
+
 # What a run's row says of the run alone (`Runner.submit`'s rows; `Runner.run` leaves them out).
 RUN_ONLY = ("cpu_s", "worker")
 
 
-def _run_task(sc: Scenario) -> tuple[bool, Any]:
+def _run_task(sc: Scenario, stop: tuple[tuple[str, float], ...] = ()) -> tuple[bool, Any]:
     # Errors travel back as text: they pickle whatever the executor, and keep Ray's wrapping
     # out of the one-line message.
     try:
-        return True, run_scenario(sc)
+        return True, run_scenario(sc, stop)
     except ServesimError as e:
         return False, str(e)
 
@@ -307,17 +334,17 @@ class Runner:
             return max(1, int(self._ray.cluster_resources().get("CPU", self.workers)))
         return self.workers
 
-    def submit(self, sc: Scenario):
-        """Start one run; a handle for `wait` and `outcome`. With one local worker the run
-        happens here, now."""
+    def submit(self, sc: Scenario, stop: tuple[tuple[str, float], ...] = ()):
+        """Start one run (`stop`: as `run_scenario`'s); a handle for `wait` and `outcome`. With
+        one local worker the run happens here, now."""
         if self.ray_address is not None:
             if self._remote is None:
                 self._start_ray()
-            return self._remote.remote(sc)
+            return self._remote.remote(sc, stop)
         if self.workers == 1:
-            return _Ran(_run_task(sc))
+            return _Ran(_run_task(sc, stop))
         with _signals_held():
-            return self._local_pool().submit(_run_task, sc)
+            return self._local_pool().submit(_run_task, sc, stop)
 
     def wait(self, handles) -> list:
         """Block until at least one of `handles` has ended; those that have."""

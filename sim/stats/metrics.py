@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.stats.quantiles import pooled_distribution_ms, weighted_quantiles
+from sim.stats.quantiles import EXACT_LIMIT, pooled_distribution_ms, weighted_quantiles
 
 def summarize(engine) -> dict:
     """The run's summary, shaped as `servesim sim --json` documents it. For a deployment of
@@ -136,6 +136,68 @@ def _summary(whole, parts: list) -> dict:
         "energy_j": energy,
         "energy_j_per_output_token": energy / out_tokens if out_tokens else None,
     }
+
+
+# Requests still in flight, by state (the rest have ended: finished, cancelled or rejected).
+_LIVE = frozenset(("waiting", "running", "preempted", "swapped", "transferring"))
+
+
+def floors(engine) -> dict[str, float] | None:
+    """Lower bounds (ms) of the TTFT, TPOT and E2E percentiles (`ttft_p99_ms`, ...) that
+    `summarize` will report once the run ends, however it goes on from here; None where no
+    bound holds while it runs.
+
+    Each figure's final values are bounded below, request by request: the values already taken;
+    for a request still in flight, the time it has already spent (its first token, or its last,
+    comes no earlier than its instance's clock: TTFT >= now - arrival, E2E >= now - arrival,
+    TPOT >= (now - first token) / (n - 1) for n output tokens); zero for one still to arrive.
+    Percentiles (inverted CDF) only grow with any value, and only grow when a zero leaves the
+    population (a request rejected on arrival), so those of this vector bound the final ones.
+    That needs a population that can only lose requests still to arrive: none is refused when
+    a request in flight may be cancelled (cancellation, parallel samples), or when the figures
+    would end folded into a sketch (more requests than `EXACT_LIMIT`)."""
+    parts = getattr(engine, "instances", None) or [engine]
+    w = engine.workload
+    n = len(w) - engine.counts["rejected"]
+    if (len(w) > EXACT_LIMIT or engine.scenario.workload.num_samples > 1
+            or bool(np.isfinite(w.cancel_at).any())):
+        return None
+    fe = parts[0].frontend is not None
+    first: dict[int, float] = {}  # request -> time spent so far (s), per figure
+    last: dict[int, float] = {}
+    gap: dict[int, float] = {}
+    for e in parts:
+        now = e.now
+        for r in e.requests.values():
+            if r.state.value not in _LIVE or r.parent_id is not None:
+                continue
+            rid = r.req_id
+            spent = now - r.arrival_time
+            last[rid] = max(last.get(rid, 0.0), spent)
+            if r.num_output_tokens == 0:
+                first[rid] = max(first.get(rid, 0.0), spent)
+            elif r.max_output_tokens >= 2 and r.first_token_time is not None:
+                g = (now - r.first_token_time) / (r.max_output_tokens - 1)
+                gap[rid] = max(gap.get(rid, 0.0), g)
+    out = {}
+    for m, taken, pending in (
+            ("ttft", [e.client_ttft if fe else e.ttft for e in parts], first),
+            ("tpot", [e.tpot for e in parts], gap),
+            ("e2e", [e.client_e2e if fe else e.e2e for e in parts], last)):
+        if not all(s.exact for s in taken):
+            return None
+        known = 0
+        for s in taken:
+            v, wt = s.arrays()
+            known += len(v) if wt is None else int(wt.sum())
+        rest = n - known - len(pending)
+        if rest < 0:  # (more values than requests: not a population this bound holds for)
+            return None
+        d = pooled_distribution_ms([*taken, (np.fromiter(pending.values(), np.float64), None),
+                                    (np.zeros(rest), None)])
+        for p in ("p50", "p90", "p99"):
+            out[f"{m}_{p}_ms"] = d[p] if d[p] is not None else 0.0
+    return out
 
 
 class KVPeak:

@@ -288,7 +288,7 @@ class CountingRunner:
     def __init__(self):
         self.runs = []
 
-    def submit(self, sc):
+    def submit(self, sc, stop=()):
         self.runs.append(sc)
         return len(self.runs) - 1
 
@@ -599,12 +599,12 @@ class ClockRunner:
         self.ends = {}  # handle -> (end time, outcome)
         self.started = 0
 
-    def submit(self, sc):
+    def submit(self, sc, stop=()):
         from sim.deploy.sweep import _run_task  # (the stand-in runs what a worker runs)
         cost = 1.0 + (2 if sc.scheduler.policy == "disaggregated" else sc.cluster.replicas)
         self.started += 1
         h = self.started
-        ok, row = _run_task(sc)
+        ok, row = _run_task(sc, stop)
         self.ends[h] = (self.now + cost, (ok, {**row, "cpu_s": cost, "wall_s": 2 * cost}))
         self.busy += cost
         return h
@@ -686,12 +686,30 @@ def test_the_pruned_answer_agrees_with_the_exhaustive_search(tiny):
     assert w.candidate == e.candidate or w.usd_per_m_tokens <= e.usd_per_m_tokens * 1.02
 
 
+def test_runs_stopped_once_a_bound_is_proven_broken_give_the_same_answer(tiny):
+    # a run that breaks a bound ends early with a floor of the figure; the search decides as it
+    # would on the whole run: same statuses, loads and passing runs
+    with Runner(1) as runner:
+        early = P.run_plan(small_plan(tiny), runner)
+        whole = P.run_plan(small_plan(tiny, stop_early=False), runner)
+    assert _answer(early) == _answer(whole)
+    stopped = [r for r in early.results if (r.fail_row or {}).get("stopped_s") is not None]
+    assert stopped
+    by_key = {r.candidate.key: r for r in whole.results}
+    for r in stopped:
+        b, v = P.worst_bound(r.fail_row, early.bounds)
+        assert v > b.limit_ms
+        assert by_key[r.candidate.key].fail_row[b.column] >= v  # (a floor of the whole run's)
+        if r.status == "infeasible":
+            assert "at least" in r.note
+
+
 def toy_probes(capacity):
     """A stand-in for the plan's Probes: the toy's rows, a candidate's capacity
     `capacity("probe" or "whole", candidate)` by the slice it runs (the tiny scenario's 120
     requests are the whole; a probe slice is shorter)."""
     class ToyProbes:
-        def __init__(self, raw, source, base_dir, slice_, scheduler, name):
+        def __init__(self, raw, source, base_dir, slice_, scheduler, name, stop=()):
             self.part, self.runs = "whole" if slice_.requests == 120 else "probe", 0
 
         def __call__(self, probes, progress=None, **_):

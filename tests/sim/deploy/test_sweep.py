@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from sim.deploy import sweep
 from sim.errors import ScenarioError, ServesimError
+from sim.inputs.scenario import load_scenario
 from tui.cli import main
 
 # A few seconds of chat arrivals: each run takes a few hundredths of a second.
@@ -123,7 +124,7 @@ def test_one_worker_and_two_workers_give_identical_rows():
 
 
 def test_a_failed_run_names_its_point(monkeypatch):
-    def stall(sc):
+    def stall(sc, stop=()):
         raise ServesimError("engine stalled")
 
     monkeypatch.setattr(sweep, "run_scenario", stall)
@@ -250,3 +251,28 @@ def test_sweep_never_writes_over_a_file_its_scenario_reads(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"{flag} {lengths}: is " in err and "which this command reads" in err and err.count("\n") == 1
     assert lengths.read_bytes() == before
+
+
+FIGURES = [f"{m}_{p}_ms" for m in ("ttft", "tpot", "e2e") for p in ("p50", "p90", "p99")]
+
+
+@pytest.mark.parametrize("spec, sets", [
+    ("chat", ["workload.rate=40", "workload.duration_s=20"]),
+    ("replicas", ["workload.rate=60", "workload.duration_s=5"]),
+    ("disaggregated", ["workload.rate=30", "workload.duration_s=5"]),
+])
+def test_a_run_given_bounds_stops_once_one_is_proven_broken_and_not_before(spec, sets):
+    sc = load_scenario(spec, sets)
+    whole = sweep.run_scenario(sc)
+    limit = whole["ttft_p99_ms"] / 4
+    stopped = sweep.run_scenario(sc, (("ttft_p99_ms", limit),))
+    assert stopped["stopped_s"] < whole["duration_s"]
+    assert limit < stopped["ttft_p99_ms"] <= whole["ttft_p99_ms"]
+    assert all(stopped[c] <= whole[c] for c in FIGURES)
+    assert stopped["itl_p99_ms"] is None and stopped["requests_finished"] is None
+    # a bound met exactly is not broken: the run goes to its end, its row the plain run's
+    kept = sweep.run_scenario(sc, (("ttft_p99_ms", whole["ttft_p99_ms"]),
+                                   ("e2e_p50_ms", whole["e2e_p50_ms"])))
+    assert "stopped_s" not in kept
+    assert ({k: v for k, v in kept.items() if k not in ("wall_s", *sweep.RUN_ONLY)}
+            == {k: v for k, v in whole.items() if k not in ("wall_s", *sweep.RUN_ONLY)})
