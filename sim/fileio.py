@@ -263,7 +263,7 @@ def save_figure(fig, path, **savefig_kw) -> None:
 # Python converts at most this many digits of an integer literal (sys.get_int_max_str_digits):
 # a longer one makes json and tomllib raise a bare ValueError.
 _LONG_INT = re.compile(r"[0-9_]{%d,}" % (sys.get_int_max_str_digits() + 1))
-_LONG_INT_MESSAGE = f"an integer literal of more than {sys.get_int_max_str_digits()} digits"
+LONG_INT_MESSAGE = f"an integer literal of more than {sys.get_int_max_str_digits()} digits"
 
 
 def _long_int_at(text: str) -> int:
@@ -282,7 +282,7 @@ def json_loads(text: str | bytes):
         raise
     except ValueError:
         doc = _doc(text)
-        raise json.JSONDecodeError(_LONG_INT_MESSAGE, doc, _long_int_at(doc)) from None
+        raise json.JSONDecodeError(LONG_INT_MESSAGE, doc, _long_int_at(doc)) from None
 
 
 def _doc(text: str | bytes) -> str:
@@ -302,7 +302,7 @@ def toml_loads(text: str) -> dict:
         raise
     except ValueError:
         line = text.count("\n", 0, _long_int_at(text)) + 1
-        raise tomllib.TOMLDecodeError(f"{_LONG_INT_MESSAGE} (at line {line})") from None
+        raise tomllib.TOMLDecodeError(f"{LONG_INT_MESSAGE} (at line {line})") from None
 
 
 def csv_rows(path, text: str,

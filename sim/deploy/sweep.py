@@ -105,7 +105,7 @@ def split_values(text: str) -> list[str]:
 
 def parse_axis(text: str) -> Axis:
     """`KEY=V1,V2,...` -> Axis. Raises ScenarioError on a missing key, `=` or value."""
-    where = f"--grid {text}"
+    where = f"--grid {cut(text, 80)}"
     if "=" not in text:
         raise ScenarioError(f"{where}: expected KEY=V1,V2,...")
     key_text, _, values_text = text.partition("=")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import CONTROL, ScenarioError, shown
-from sim.fileio import read_input_text, reason, toml_loads
+from sim.fileio import LONG_INT_MESSAGE, read_input_text, reason, toml_loads
 from sim.inputs.workload import min_length
 from sim.model import presets
 from sim.model.costmodel import CostModel, ModelShape
@@ -549,7 +549,10 @@ def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
                             f"{source}: {text!r}: an empty part in the key {key.strip()!r}")
     try:
         parsed = toml_loads(f"v = {value.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as e:
+        if str(e).startswith(LONG_INT_MESSAGE):  # (a number, not text to take as a string)
+            raise ScenarioError(f"{source}: {key.strip()} = {shown(value.strip(), 40)}: "
+                                f"{LONG_INT_MESSAGE}") from None
         parsed = value.strip()
     return parts, parsed
 

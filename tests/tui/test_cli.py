@@ -94,6 +94,10 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, needle):
     (["sim", "chat", "--policy", "\x9b2J"], "invalid choice: '\\x9b2J'"),
     (["sweep", "chat", "--seeds", "9" * 5000], "invalid int value: '999"),
     (["serve", "--port", "9" * 5000], "invalid int value: '999"),
+    # a number too long to convert is a number, not text to compare with a string field
+    (["sim", "chat", "--set", "workload.num_requests=" + "9" * 5000],
+     "integer literal of more than"),
+    (["sweep", "chat", "--grid", "workload.rate=" + "9" * 5000], "integer literal of more than"),
     # a clock that would never move a token, and a model name no client can send
     (["serve", "--port", "0", "--speed", "1e-300"], "--speed 1e-300: must be at least 1/64"),
     (["serve", "--port", "0", "--served-model-name", ""], "--served-model-name '': empty"),
