@@ -14,7 +14,8 @@ loop, whose cost divides by the throughput measured there). A candidate is
 `--concurrency`) and its price fits the budget; feasible candidates rank by dollars per million
 output tokens at their highest load.
 
-What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer):
+What keeps it fast (`prune=False` turns all of it off but the runs that stop, for the exhaustive
+answer):
 
 - probes replay a short slice of the workload (its first `probe_requests` requests); the
   finalists are then checked on the whole workload and bisected down there if they fail;
@@ -25,6 +26,8 @@ What keeps it fast (`prune=False` turns all of it off, for the exhaustive answer
 - a candidate whose best possible cost (its price over the most output tokens per second its
   load cap allows) cannot beat the cheapest deployment found so far stops probing (`pruned`);
   one that fails at the required load stops at once (`infeasible`);
+- a run ends as soon as a bound is proven broken (`sweep.run_scenario`'s `stop`), which never
+  changes whether it passes;
 - the probes of every active candidate run together, a round at a time, on the sweep's
   `Runner` (local processes or Ray); a worker that a round's last probes would leave idle runs
   ahead what the search will likely ask next (`Scheduler`), and decisions wait for whole
