@@ -46,6 +46,8 @@ FLOOR_CASES = [
     ("disaggregated", ["workload.rate=30", "workload.duration_s=4"]),
     ("concurrency", ["workload.num_requests=150"]),
     ("multiturn", []),
+    ("data-parallel", ["workload.duration_s=4"]),
+    ("pipeline", ["workload.duration_s=4"]),
 ]
 
 
