@@ -43,3 +43,14 @@ def freeze_survivors() -> None:
     scans it. Garbage is collected first, so nothing that should go is frozen."""
     gc.collect()
     gc.freeze()
+
+
+def collect_frozen() -> None:
+    """Collect what a long block froze and has since been dropped: a run's engine holds
+    reference cycles (its policy and cost model point back at it), which freezing puts out of
+    the collector's reach for good. A process that runs one scenario after another (a sweep's
+    worker, `validate`) calls this after each, or keeps every run's engine. Frees nothing, at no
+    cost, when nothing was frozen."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()

@@ -49,6 +49,7 @@ import math
 import time
 import weakref
 from collections import deque
+from functools import partial
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -194,7 +195,11 @@ class Cluster:
                          output=np.zeros(0, np.int64), priority=np.zeros(0, np.int64),
                          cancel_at=np.zeros(0), hash_ids=None, hash_block_size=w.hash_block_size,
                          prefix_tokens=w.prefix_tokens)
-        me = weakref.proxy(self)  # no cluster <-> engine cycle (runs pause the cyclic collector)
+        # No cluster <-> engine cycle (runs freeze what they made: a cycle would never be
+        # collected): the instances' callbacks hold a proxy (a bound method, even one taken
+        # through the proxy, holds the cluster itself).
+        me = weakref.proxy(self)
+        cls = type(self)
         self.instances: list[Engine] = []
         for i in range(n):
             kw = dict(policy="chunked" if self.disaggregated else name, workload=empty,
@@ -202,7 +207,7 @@ class Cluster:
                       record_events=record_events, skip_ahead=skip_ahead, clock=clock,
                       keep_history=keep_history)
             if i < self.num_prefill:
-                kw["observers"] = [_FirstTokens(me._on_first_token)]
+                kw["observers"] = [_FirstTokens(partial(cls._on_first_token, me))]
             e = self._instance(i, scenario, kw)
             e.records_settled = False  # (this deployment's actions say it for each instance)
             self.instances.append(e)
@@ -229,7 +234,7 @@ class Cluster:
         self._merging = False
         for e in self.instances:
             e.timeline.hold_kv = True
-            e.timeline.on_seal = me._merge_kv
+            e.timeline.on_seal = partial(cls._merge_kv, me)
         self.routed = [0] * n  # requests sent to each instance (routed, or handed off)
         self.wall_s = 0.0
         self.focus = 0  # the instance whose block map a snapshot carries

@@ -40,6 +40,7 @@ from sim.errors import ScenarioError, ServesimError, cut
 from sim.limits import check_memory
 from sim.inputs.scenario import SLOConfig, Scenario, find_scenario, load_scenario, parse_override
 from sim.deploy.build import build
+from sim.gcpause import collect_frozen
 from sim.stats.metrics import floors, summarize
 
 Progress = Callable[[int, int], None]  # (runs done, runs expected in all)
@@ -234,6 +235,8 @@ def run_scenario(sc: Scenario, stop: tuple[tuple[str, float], ...] = ()) -> dict
     if row is None:
         engine.run()
         row = flatten(summarize(engine))
+    del engine
+    collect_frozen()  # (a worker runs thousands: each one's engine goes with it)
     row["wall_s"] = time.perf_counter() - t0
     row["cpu_s"] = time.process_time() - c0  # (what load cannot stretch, unlike wall_s)
     row["worker"] = os.getpid()

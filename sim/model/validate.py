@@ -27,6 +27,7 @@ import numpy as np
 from sim.errors import ServesimError, shown
 from sim.deploy.build import build
 from sim.fileio import csv_rows, read_input_text, reason, save_figure, toml_loads
+from sim.gcpause import collect_frozen
 from sim.inputs.scenario import load_scenario
 from sim.model import trust
 from sim.stats.metrics import summarize
@@ -286,6 +287,8 @@ def run_point(point: Point, engine: str | None = None,
         eng = build(sc, record_events=False)
         eng.run()
         run = summarize(eng)
+        del eng
+        collect_frozen()  # (validate runs every point in this process)
         predicted = metric_value(point.metric, run, sc.model.tensor_parallel)
     except ServesimError as e:
         raise ValidationError(f"{point.origin}:{point.line}: {point.id}: {e}") from None

@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 
 from sim import Cluster, Engine, build, summarize
 from sim.errors import ScenarioError
+from sim.inputs.scenario import load_scenario
 from sim.engine.kv import blocks_for
 from sim.session.log import encode, read_log, write_log
 from sim.session.replay import verify
 from sim.engine.request import RequestState as S
 from tests.fuzz import fuzz_settings
-from tests.helpers import (check_cluster_invariants, run_with_and_without_history,
-                           small_scenario, workload_of)
+from tests.helpers import (assert_freed_by_reference_counting, check_cluster_invariants,
+                           run_with_and_without_history, small_scenario, workload_of)
 from tui.cli import main
 from tui.compute import make_executor
 
@@ -766,3 +767,17 @@ def test_a_user_cancel_of_a_request_finished_in_the_last_step_frees_its_blocks(
     path = tmp_path / "s.msgpack"
     write_log(path, c, summarize(c))
     assert verify(read_log(path))[1] is None
+
+
+@pytest.mark.parametrize("spec", ["replicas", "disaggregated", "data-parallel", "pipeline"])
+@pytest.mark.parametrize("keep_history", [True, False])
+def test_a_dropped_deployment_is_freed_by_reference_counting_alone(spec, keep_history):
+    # (its instances' callbacks into it, a bound method each, once held it in a cycle: a sweep's
+    # worker, freezing each run's objects, kept every deployment it ran)
+    def make():
+        d = build(load_scenario(spec, ["workload.duration_s=3"]), keep_history=keep_history)
+        d.run()
+        assert d.counts["finished"] > 0
+        return d
+
+    assert_freed_by_reference_counting(make)
