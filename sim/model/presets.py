@@ -109,6 +109,7 @@ COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6647, bandwidth_efficiency=0.8329, attention_efficiency=0.4904,
     elementwise_efficiency=0.5, layer_overhead_us=25.61, allreduce_sync_us=12.75,
+    # (the third stage's terms: its rows' minimum without its priors, sim/README.md)
     moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.28,
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.

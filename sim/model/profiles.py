@@ -14,6 +14,13 @@ Points whose requests all arrive at t = 0 (fixed batches, offline throughput) ha
 that does not depend on the step times, so `sim.model.fit.RunRecord.replay` re-times them exactly for
 any coefficients; the fit runs on those first (stage 1). The others (online rows: arrivals over
 time) are simulated at every trial of the engine's own CPU coefficients (stage 2).
+
+The terms only mixtures of experts, FP4 weights and TensorRT-LLM's PyTorch backend use
+(`FIT_MOE`) are fitted last (stage 3), every stage-1 and stage-2 coefficient fixed, on the rows
+they touch (`touched`); stages 1 and 2 never see those rows, so the dense coefficients are the
+same with or without them. Those rows run with the dense coefficients of the profile their
+engine derives from (`DERIVED`); the data-parallel ones are deployments of several ranks,
+simulated at every trial.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import math
 
 import numpy as np
 
+from sim.deploy.build import is_deployment
 from sim.model import presets
 from sim.model.fit import least_squares, nelder_mead, record_run
-from sim.model.validate import Point, metric_value, point_scenario
+from sim.model.validate import Point, metric_value, point_scenario, simulate as simulate_run
 from sim.model.costmodel import CostModel
 from sim.inputs.scenario import BUNDLED_DIR, load_scenario
 
@@ -51,6 +59,20 @@ FIT: dict[str, dict[str, tuple[float, float]]] = {
                    "cpu_per_seq_us": (10.0, 2.0),
                    "kv_bandwidth_efficiency": (0.75, 0.3)},
 }
+# Stage 3 (see the module docstring): name -> (prior value, spread of its log), as FIT.
+FIT_MOE: dict[str, dict[str, tuple[float, float]]] = {
+    "shared": {
+        "moe_gemm_efficiency": (0.5, 0.5),  # (no measurement: a loose prior)
+        # (collectives of uneven sizes, a few MB per layer: below the all-reduce's measured
+        # fraction of the link, presets.COLLECTIVES; loosely)
+        "moe_comm_efficiency": (presets.COLLECTIVES["allreduce_efficiency"], 0.5),
+        # (FP4 tensor cores: twice FP8's peak; with their block scales and smaller tiles
+        # about FP8's FLOP/s, so half FP8's fraction; loosely)
+        "fp4_gemm_efficiency": (FIT["shared"]["fp8_gemm_efficiency"][0] / 2, 0.5),
+    },
+    # (Python's host time per sequence: the other engines' prior, loose)
+    "tensorrt-llm-pytorch": {"cpu_per_seq_us": FIT["tensorrt-llm-0.6"]["cpu_per_seq_us"]},
+}
 # The spread of log(predicted / published) expected of a good model (measurement noise and what
 # no model of this size captures): it weighs the points against the priors.
 POINT_SPREAD = 0.1
@@ -75,18 +97,49 @@ def _kind(name: str) -> str:
     return "eff" if name.endswith(("efficiency", "reread")) else "pos"  # eff: in (0, 1)
 
 
+def _table(key: str) -> dict:
+    """The table (FIT or FIT_MOE) that fits the flat key `key` (`name` or `engine:name`)."""
+    group, _, name = key.rpartition(":")
+    return FIT if name in FIT.get(group or "shared", {}) else FIT_MOE
+
+
+def touched(scenario) -> bool:
+    """Whether a stage-3 coefficient (FIT_MOE) times the scenario: a mixture of experts, FP4
+    weights, or an engine with stage-3 coefficients of its own."""
+    m = scenario.model
+    return (m.num_experts > 0 or scenario.engine.preset in FIT_MOE
+            or presets.QUANTIZATIONS.get(m.quantization, (0.0, ""))[1] == "fp4")
+
+
+def _source(name: str) -> tuple[str, set[str]]:
+    """The profile `name` takes its fitted coefficients from (itself, or the one DERIVED from)
+    and the keys the derived profiles' own flags set on the way."""
+    own: set[str] = set()
+    while name in DERIVED:
+        name, flags = DERIVED[name]
+        own |= set(flags)
+    return name, own
+
+
 @dataclasses.dataclass
 class _Row:
     point: Point
     scenario: object
-    record: object
+    record: object  # None for a deployment of several ranks (simulated at every trial)
     static: bool  # every request arrives at t = 0: the schedule does not depend on timing
 
 
 def _coeffs(row: _Row, c: dict) -> dict:
-    """The engine coefficients `row` runs with under the flat fit vector `c`."""
+    """The engine coefficients `row` runs with under the flat fit vector `c`: the shared ones,
+    those of the profile its engine derives from (less what the derived flags set) and its
+    engine's own; a row no stage-3 coefficient touches takes none of them."""
     name = row.scenario.engine.preset
-    out = {k: c[k] for k in FIT["shared"] if k in c}
+    src, flags = _source(name)
+    shared = [*FIT["shared"], *(FIT_MOE["shared"] if touched(row.scenario) else ())]
+    out = {k: c[k] for k in shared if k in c}
+    if src != name:
+        out.update({k.split(":", 1)[1]: v for k, v in c.items()
+                    if k.startswith(src + ":") and k.split(":", 1)[1] not in flags})
     out.update({k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(name + ":")})
     return out
 
@@ -101,7 +154,8 @@ def predict(row: _Row, c: dict, simulate: bool = False) -> float:
     sc = _with(row.scenario, _coeffs(row, c))
     m = row.point.metric
     if simulate or not row.static:
-        return metric_value(m, record_run(sc).summary, sc.model.tensor_parallel)
+        run = simulate_run(sc) if row.record is None else record_run(sc).summary
+        return metric_value(m, run, sc.model.tensor_parallel)
     r = row.record.replay(CostModel(sc))
     if m.is_latency:
         a = r[m.quantity]
@@ -120,6 +174,9 @@ def prepare(points: list[Point]) -> list[_Row]:
     rows = []
     for p in points:
         sc = point_scenario(p)
+        if is_deployment(sc):  # (several ranks: no one engine's schedule to replay)
+            rows.append(_Row(p, sc, None, False))
+            continue
         rec = record_run(sc)
         rows.append(_Row(p, sc, rec, bool(len(rec.arrival)) and float(rec.arrival.max()) == 0.0))
     return rows
@@ -129,26 +186,33 @@ def _prior_terms(c: dict) -> list[float]:
     out = []
     for k, v in c.items():
         group, _, name = k.rpartition(":")
-        mean, spread = FIT[group or "shared"][name]
+        mean, spread = _table(k)[group or "shared"][name]
         out.append((math.log(max(v, 1e-6)) - math.log(mean)) / spread)
     return out
 
 
-def _start(engines: set[str]) -> dict:
-    c = {k: presets.ENGINES[presets.DEFAULT_ENGINE].get(k, m) for k, (m, _) in FIT["shared"].items()}
+def _start(engines: set[str], table: dict = FIT) -> dict:
+    """The shipped profiles' values of what `table` fits for `engines`."""
+    c = {k: presets.ENGINES[presets.DEFAULT_ENGINE].get(k, m)
+         for k, (m, _) in table["shared"].items()}
     for name in sorted(engines):  # (a fixed parameter order: a set follows string hashing)
-        for k, (m, _) in FIT.get(name, {}).items():
+        for k, (m, _) in table.get(name, {}).items():
             c[f"{name}:{k}"] = presets.ENGINES.get(name, {}).get(k, m)
     return c
 
 
 def fit(rows: list[_Row], start: dict | None = None, log=None,
-        stage2: set[str] | None = None, stage2_iter: int = 12) -> dict:
+        stage2: set[str] | None = None, stage2_iter: int = 12, stage3: bool = True,
+        stage3_iter: int = 12) -> dict:
     """Coefficients fitted to `rows` (see the module docstring): a flat dict whose keys are
-    shared names or `engine:name`. Stage 2 runs for the engines in `stage2` (default: all)."""
+    shared names or `engine:name`. Stage 2 runs for the engines in `stage2` (default: all),
+    stage 3 where `stage3` and a row is `touched`."""
+    moe = [r for r in rows if touched(r.scenario)]
+    rows = [r for r in rows if not touched(r.scenario)]
     engines = {r.scenario.engine.preset for r in rows} & set(FIT)
-    c = dict(start or _start(engines))
-    c = {k: v for k, v in c.items() if ":" not in k or k.split(":")[0] in engines}
+    given = dict(start or _start(engines))
+    c = {k: v for k, v in given.items() if _table(k) is FIT
+         and (":" not in k or k.split(":")[0] in engines)}
     kinds = {k: _kind(k.rpartition(":")[2]) for k in c}
     static = [r for r in rows if r.static]
 
@@ -165,18 +229,31 @@ def fit(rows: list[_Row], start: dict | None = None, log=None,
             continue
         own = {k: v for k, v in c.items() if k.startswith(name + ":")}
         fixed = {k: v for k, v in c.items() if k not in own}
-
-        def res2(cc, mine=mine, fixed=fixed):
-            full = {**fixed, **cc}
-            return ([math.log(predict(r, full) / r.point.published) / POINT_SPREAD
-                     for r in mine] + _prior_terms(cc))
-
-        own, _ = least_squares(res2, own, {k: kinds[k] for k in own}, max_iter=stage2_iter,
-                               tol=1e-4, diff_step=0.03)
+        own, _ = least_squares(_residuals(mine, fixed), own, {k: kinds[k] for k in own},
+                               max_iter=stage2_iter, tol=1e-4, diff_step=0.03)
         c.update(own)
         if log:
             log(f"stage 2 ({name}, {len(mine)} rows): {_fmt(own)}")
+    if moe and stage3:
+        mine3 = {r.scenario.engine.preset for r in moe} & set(FIT_MOE)
+        own = {k: given.get(k, v) for k, v in _start(mine3, FIT_MOE).items()}
+        own, _ = least_squares(_residuals(moe, c), own,
+                               {k: _kind(k.rpartition(":")[2]) for k in own},
+                               max_iter=stage3_iter, tol=1e-4, diff_step=0.03)
+        c.update(own)
+        if log:
+            log(f"stage 3 ({len(moe)} rows): {_fmt(own)}")
     return c
+
+
+def _residuals(rows: list[_Row], fixed: dict):
+    """Stages 2 and 3's residuals: the rows' log errors, simulated unless static, under the
+    trial coefficients over `fixed`, and the trial coefficients' priors."""
+    def res(cc):
+        full = {**fixed, **cc}
+        return ([math.log(predict(r, full) / r.point.published) / POINT_SPREAD for r in rows]
+                + _prior_terms(cc))
+    return res
 
 
 def _fmt(c: dict) -> str:
@@ -185,27 +262,32 @@ def _fmt(c: dict) -> str:
 
 def profiles(c: dict) -> dict[str, dict]:
     """The engine profiles a fit gives: each fitted engine's coefficients over its current
-    profile, and the derived profiles."""
+    profile, and the derived profiles (with their own stage-3 coefficients)."""
     out = {}
+    shared = [*FIT["shared"], *FIT_MOE["shared"]]
     for name in FIT:
         if name == "shared":
             continue
         base = dict(presets.ENGINES[name])
-        base.update({k: c[k] for k in FIT["shared"] if k in c})
+        base.update({k: c[k] for k in shared if k in c})
         base.update({k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(name + ":")})
         out[name] = base
     for name, (src, flags) in DERIVED.items():
         if src in out:
             out[name] = {**out[src], **flags}
+            out[name].update({k.split(":", 1)[1]: v for k, v in c.items()
+                              if k.startswith(name + ":")})
     return out
 
 
 def prior_start(engines: set[str]) -> dict:
     """The priors' values of every coefficient fitted for `engines` (a start that has seen no
     point, unlike the shipped profiles)."""
-    c = {k: m for k, (m, _) in FIT["shared"].items()}
-    for name in sorted(engines):
-        c.update({f"{name}:{k}": m for k, (m, _) in FIT.get(name, {}).items()})
+    c = {}
+    for table in (FIT, FIT_MOE):
+        c.update({k: m for k, (m, _) in table["shared"].items()})
+        for name in sorted(engines):
+            c.update({f"{name}:{k}": m for k, (m, _) in table.get(name, {}).items()})
     return c
 
 
@@ -244,15 +326,17 @@ def leave_group_out(rows: list[_Row], key: str,
 
 def _held_out(rows: list[_Row], folds: list[tuple[str, list[int]]],
               log=None) -> list[tuple[str, list[tuple[Point, float]]]]:
-    start = prior_start({r.scenario.engine.preset for r in rows} & set(FIT))
+    start = prior_start({r.scenario.engine.preset for r in rows} & (set(FIT) | set(FIT_MOE)))
     out = []
     for name, held in folds:
         out_ix = set(held)
         rest = [r for i, r in enumerate(rows) if i not in out_ix]
         test = [rows[i] for i in held]
-        # Stage 2 runs for the held-out rows' own engines only (the others' rows do not
-        # change what predicts them).
-        c = fit(rest, start=start, stage2={r.scenario.engine.preset for r in test})
+        # Stage 2 runs for the engines the held-out rows take their coefficients from, and
+        # stage 3 when a held-out row is touched by it, only (the others' rows do not change
+        # what predicts them).
+        c = fit(rest, start=start, stage2={_source(r.scenario.engine.preset)[0] for r in test},
+                stage3=any(touched(r.scenario) for r in test))
         # (an engine with no other row keeps its priors, not the profile its scenario was
         # built from, which was fitted on these rows too)
         c = {**start, **c}

@@ -277,6 +277,17 @@ def error_stats(ratios) -> dict:
 
 
 # --- running points ---------------------------------------------------------------------------------
+def simulate(scenario) -> dict:
+    """Run `scenario` (one engine or a deployment) and return its summary
+    (sim.stats.metrics.summarize). Raises ServesimError."""
+    eng = build(scenario, record_events=False)
+    eng.run()
+    out = summarize(eng)
+    del eng
+    collect_frozen()  # (validate and its fit run every point in this process)
+    return out
+
+
 def run_point(point: Point, engine: str | None = None,
               overrides: list[str] | None = None) -> dict:
     """Simulate one point. Returns its result row (predicted, ratio, the engine profile used).
@@ -284,11 +295,7 @@ def run_point(point: Point, engine: str | None = None,
 
     try:
         sc = point_scenario(point, engine, overrides)
-        eng = build(sc, record_events=False)
-        eng.run()
-        run = summarize(eng)
-        del eng
-        collect_frozen()  # (validate runs every point in this process)
+        run = simulate(sc)
         predicted = metric_value(point.metric, run, sc.model.tensor_parallel)
     except ServesimError as e:
         raise ValidationError(f"{point.origin}:{point.line}: {point.id}: {e}") from None
