@@ -56,16 +56,23 @@ class FrozenHeap:
     So automatic collection is off (threshold 0: the engine thread's `paused_gc` toggles
     `gc.enable`, not the thresholds) and the UI thread collects at each frame tick, before it
     draws (`between_frames`): the youngest generation every tick, the middle one every
-    GEN1_EVERY ticks. What survives those is not scanned again until `reclaim`, every RECLAIM_S:
-    everything is unfrozen, collected once, and what survives is frozen (`gc.freeze`), so the
-    next full pass scans only what came since. Cyclic garbage is held at most that long.
+    GEN1_EVERY ticks, the oldest every GEN2_EVERY ticks. The frozen objects (`gc.freeze`) are
+    scanned only by `reclaim`, every RECLAIM_S: everything is unfrozen, collected once, and what
+    survives is frozen, so the ticks' collections scan only what came since. The ticks freeze
+    nothing (a cycle frozen alive is held until the next reclaim). Strips a widget holds for a
+    second or so are cycles that outlive the middle generation: left to the reclaim, a minute of
+    them took tens of megabytes of Python's heap, which stayed resident (its arenas part-used)
+    after they were freed. So cyclic garbage is held at most GEN2_EVERY ticks, or RECLAIM_S
+    when it was frozen alive by a reclaim.
     """
 
     RECLAIM_S = 60.0
     GEN1_EVERY = 5  # frame ticks between collections of the middle generation
+    GEN2_EVERY = 75  # frame ticks between collections of the oldest (what came since a freeze)
 
     def __init__(self) -> None:
         self._ticks = 0
+        self._partial = False  # a collection of the oldest generation that leaves it unfrozen
 
     def start(self) -> None:
         self._thresholds = gc.get_threshold()
@@ -76,10 +83,17 @@ class FrozenHeap:
 
     def between_frames(self) -> None:
         self._ticks += 1
-        gc.collect(1 if self._ticks % self.GEN1_EVERY == 0 else 0)
+        if self._ticks % self.GEN2_EVERY == 0:
+            self._partial = True
+            try:
+                gc.collect(2)
+            finally:
+                self._partial = False
+        else:
+            gc.collect(1 if self._ticks % self.GEN1_EVERY == 0 else 0)
 
     def _collected(self, phase: str, info: dict) -> None:
-        if phase == "stop" and info["generation"] == 2:
+        if phase == "stop" and info["generation"] == 2 and not self._partial:
             gc.freeze()
 
     def reclaim(self) -> None:
