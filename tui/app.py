@@ -15,6 +15,7 @@ error writes the session log to a recovery file before the app exits, and says w
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import datetime as _dt
 import functools
 import gc
@@ -46,6 +47,16 @@ from tui.widgets.instances import instance_tags
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
 
 
+def heap_trimmer():
+    """The C allocator's call that returns the free pages of its heaps to the system (glibc's
+    `malloc_trim`, given the bytes to keep at the top of the heap), or None where there is
+    none."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # (another C library, or no CDLL(None))
+        return None
+
+
 class FrozenHeap:
     """Keeps Python's cyclic collections out of the dashboard's frames.
 
@@ -64,6 +75,12 @@ class FrozenHeap:
     them took tens of megabytes of Python's heap, which stayed resident (its arenas part-used)
     after they were freed. So cyclic garbage is held at most GEN2_EVERY ticks, or RECLAIM_S
     when it was frozen alive by a reclaim.
+
+    After each collection of the oldest generation the C allocator hands its free pages back
+    to the system (`trim`: glibc's `malloc_trim`; a few milliseconds, the GIL released). The
+    engine thread's NumPy arrays (with real compute, each request's contiguous K/V, grown as
+    it runs) come and go in many sizes, and the free space they leave between live blocks of
+    the heap stays resident otherwise.
     """
 
     RECLAIM_S = 60.0
@@ -72,6 +89,7 @@ class FrozenHeap:
 
     def __init__(self) -> None:
         self._ticks = 0
+        self.trim = heap_trimmer()
         self._partial = False  # a collection of the oldest generation that leaves it unfrozen
 
     def start(self) -> None:
@@ -83,14 +101,15 @@ class FrozenHeap:
 
     def between_frames(self) -> None:
         self._ticks += 1
-        if self._ticks % self.GEN2_EVERY == 0:
-            self._partial = True
-            try:
-                gc.collect(2)
-            finally:
-                self._partial = False
-        else:
+        if self._ticks % self.GEN2_EVERY:
             gc.collect(1 if self._ticks % self.GEN1_EVERY == 0 else 0)
+            return
+        self._partial = True
+        try:
+            gc.collect(2)
+        finally:
+            self._partial = False
+        self._trim()
 
     def _collected(self, phase: str, info: dict) -> None:
         if phase == "stop" and info["generation"] == 2 and not self._partial:
@@ -99,6 +118,11 @@ class FrozenHeap:
     def reclaim(self) -> None:
         gc.unfreeze()
         gc.collect()  # (freezes what survives, through `_collected`)
+        self._trim()
+
+    def _trim(self) -> None:
+        if self.trim is not None:
+            self.trim(0)
 
     def stop(self) -> None:
         if self._collected in gc.callbacks:

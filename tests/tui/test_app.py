@@ -702,6 +702,23 @@ def test_cycles_that_outlive_the_middle_generation_are_collected_between_frames(
         heap.stop()
 
 
+def test_collections_of_the_oldest_generation_trim_the_c_heap():
+    heap = FrozenHeap()
+    trims = []
+    heap.trim = trims.append  # (the allocator's call, given the bytes to keep)
+    heap.start()
+    try:
+        for _ in range(heap.GEN2_EVERY - 1):
+            heap.between_frames()
+        assert trims == []
+        heap.between_frames()
+        assert trims == [0]
+        heap.reclaim()
+        assert trims == [0, 0]
+    finally:
+        heap.stop()
+
+
 # --- a long queue --------------------------------------------------------------------------------
 @pilot_test
 async def test_a_long_queue_is_copied_a_screenful_at_a_time_and_end_reaches_its_last():
