@@ -15,6 +15,7 @@ error writes the session log to a recovery file before the app exits, and says w
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import datetime as _dt
 import functools
 import gc
@@ -46,6 +47,16 @@ from tui.widgets.instances import instance_tags
 INJECT_STREAM = 0x1A  # seed stream of the `i` / `b` keys' length draws
 
 
+def heap_trimmer():
+    """The C allocator's call that returns the free pages of its heaps to the system (glibc's
+    `malloc_trim`, given the bytes to keep at the top of the heap), or None where there is
+    none."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # (another C library, or no CDLL(None))
+        return None
+
+
 class FrozenHeap:
     """Keeps Python's cyclic collections out of the dashboard's frames.
 
@@ -56,16 +67,30 @@ class FrozenHeap:
     So automatic collection is off (threshold 0: the engine thread's `paused_gc` toggles
     `gc.enable`, not the thresholds) and the UI thread collects at each frame tick, before it
     draws (`between_frames`): the youngest generation every tick, the middle one every
-    GEN1_EVERY ticks. What survives those is not scanned again until `reclaim`, every RECLAIM_S:
-    everything is unfrozen, collected once, and what survives is frozen (`gc.freeze`), so the
-    next full pass scans only what came since. Cyclic garbage is held at most that long.
+    GEN1_EVERY ticks, the oldest every GEN2_EVERY ticks. The frozen objects (`gc.freeze`) are
+    scanned only by `reclaim`, every RECLAIM_S: everything is unfrozen, collected once, and what
+    survives is frozen, so the ticks' collections scan only what came since. The ticks freeze
+    nothing (a cycle frozen alive is held until the next reclaim). Strips a widget holds for a
+    second or so are cycles that outlive the middle generation: left to the reclaim, a minute of
+    them took tens of megabytes of Python's heap, which stayed resident (its arenas part-used)
+    after they were freed. So cyclic garbage is held at most GEN2_EVERY ticks, or RECLAIM_S
+    when it was frozen alive by a reclaim.
+
+    After each collection of the oldest generation the C allocator hands its free pages back
+    to the system (`trim`: glibc's `malloc_trim`; a few milliseconds, the GIL released). The
+    engine thread's NumPy arrays (with real compute, each request's contiguous K/V, grown as
+    it runs) come and go in many sizes, and the free space they leave between live blocks of
+    the heap stays resident otherwise.
     """
 
     RECLAIM_S = 60.0
     GEN1_EVERY = 5  # frame ticks between collections of the middle generation
+    GEN2_EVERY = 75  # frame ticks between collections of the oldest (what came since a freeze)
 
     def __init__(self) -> None:
         self._ticks = 0
+        self.trim = heap_trimmer()
+        self._partial = False  # a collection of the oldest generation that leaves it unfrozen
 
     def start(self) -> None:
         self._thresholds = gc.get_threshold()
@@ -76,15 +101,28 @@ class FrozenHeap:
 
     def between_frames(self) -> None:
         self._ticks += 1
-        gc.collect(1 if self._ticks % self.GEN1_EVERY == 0 else 0)
+        if self._ticks % self.GEN2_EVERY:
+            gc.collect(1 if self._ticks % self.GEN1_EVERY == 0 else 0)
+            return
+        self._partial = True
+        try:
+            gc.collect(2)
+        finally:
+            self._partial = False
+        self._trim()
 
     def _collected(self, phase: str, info: dict) -> None:
-        if phase == "stop" and info["generation"] == 2:
+        if phase == "stop" and info["generation"] == 2 and not self._partial:
             gc.freeze()
 
     def reclaim(self) -> None:
         gc.unfreeze()
         gc.collect()  # (freezes what survives, through `_collected`)
+        self._trim()
+
+    def _trim(self) -> None:
+        if self.trim is not None:
+            self.trim(0)
 
     def stop(self) -> None:
         if self._collected in gc.callbacks:

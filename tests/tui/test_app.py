@@ -10,6 +10,7 @@ import math
 import os
 import signal
 import weakref
+from collections import deque
 
 import numpy as np
 import pytest
@@ -675,6 +676,47 @@ def test_full_collections_freeze_survivors_and_reclaim_frees_what_died_frozen():
         heap.stop()
     assert gc.get_freeze_count() == 0 and heap._collected not in gc.callbacks
     assert gc.get_threshold() == before
+
+
+def test_cycles_that_outlive_the_middle_generation_are_collected_between_frames():
+    """Cyclic garbage that lived past a few frame ticks (Textual's strips, held by a widget for a
+    while, cache themselves) reaches the oldest generation: the frame ticks' own collections of
+    it free it within GEN2_EVERY ticks, not at the next reclaim, and freeze nothing (a cycle
+    frozen while alive would be held until the reclaim)."""
+    heap = FrozenHeap()
+    heap.start()
+    try:
+        frozen = gc.get_freeze_count()
+        lives = 2 * heap.GEN1_EVERY  # ticks each cycle is held: past the middle generation
+        held: deque[Cycle] = deque()
+        made = []
+        for _ in range(10 * heap.GEN2_EVERY):
+            held.append(Cycle())
+            made.append(weakref.ref(held[-1]))
+            if len(held) > lives:
+                held.popleft()
+            heap.between_frames()
+        assert sum(r() is not None for r in made) <= heap.GEN2_EVERY + lives
+        assert gc.get_freeze_count() <= frozen
+    finally:
+        heap.stop()
+
+
+def test_collections_of_the_oldest_generation_trim_the_c_heap():
+    heap = FrozenHeap()
+    trims = []
+    heap.trim = trims.append  # (the allocator's call, given the bytes to keep)
+    heap.start()
+    try:
+        for _ in range(heap.GEN2_EVERY - 1):
+            heap.between_frames()
+        assert trims == []
+        heap.between_frames()
+        assert trims == [0]
+        heap.reclaim()
+        assert trims == [0, 0]
+    finally:
+        heap.stop()
 
 
 # --- a long queue --------------------------------------------------------------------------------
