@@ -92,8 +92,9 @@ def run(args) -> dict:
     out["exhaustive"] = _timed(_plan(space, prune=False), workers, args.output)
     out["exhaustive_space"] = "whole" if args.exhaustive else "small"
     out["agreement"] = agreement(pruned, out["exhaustive"])
-    for s in (out.get("full"), out.get("full_1_worker"), pruned, out["exhaustive"]):
-        s.pop("ranked", None)
+    for s in (out["full"], out.get("full_1_worker"), pruned, out["exhaustive"]):
+        if s is not None:  # (no 1-worker run with --skip-scaling)
+            s.pop("ranked", None)
     return out
 
 
