@@ -12,9 +12,9 @@ started ahead that the search did not use, and the load average before and after
 
 Then its answer against the exhaustive search (no pruning, no bounds carried, every probe on
 the whole trace: the ground truth): of a small space around the answer by default (minutes),
-or of the whole space with `--exhaustive` (hours on two cores; `-o FILE` keeps its results, and
-a run again with the same file resumes). The pruned answer must be the same winner, or one
-within 2% of its cost per output token.
+or of the whole space with `--exhaustive` (about 40 minutes on two cores; `-o FILE` keeps its
+results, and a run again with the same file resumes). The pruned answer must be the same
+winner, or one within 2% of its cost per output token.
 """
 
 from __future__ import annotations
