@@ -138,8 +138,10 @@ def _summary(whole, parts: list) -> dict:
     }
 
 
-# Requests still in flight, by state (the rest have ended: finished, cancelled or rejected).
-_LIVE = frozenset(("waiting", "running", "preempted", "swapped", "transferring"))
+# Requests still in flight on the instance that holds them, by state. (A request handed off
+# stays `transferring` on its prefill instance, whose clock may run past the request's end on
+# its decode instance: its time there bounds nothing. The rest have ended.)
+_LIVE = frozenset(("waiting", "running", "preempted", "swapped"))
 
 
 def floors(engine) -> dict[str, float] | None:
