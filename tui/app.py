@@ -93,6 +93,11 @@ class FrozenHeap:
         self._partial = False  # a collection of the oldest generation that leaves it unfrozen
 
     def start(self) -> None:
+        # (one dashboard a process: a heap never stopped, its app gone without unmounting, would
+        # freeze alive what this one's tick collections leave unfrozen)
+        for cb in list(gc.callbacks):
+            if getattr(cb, "__func__", None) is FrozenHeap._collected:
+                gc.callbacks.remove(cb)
         self._thresholds = gc.get_threshold()
         gc.set_threshold(0, *self._thresholds[1:])
         gc.collect()  # (start-up's garbage is not frozen)
@@ -252,8 +257,10 @@ class Dashboard(App[int]):
         self.driver.start()
 
     def on_unmount(self) -> None:
-        self.driver.stop()
-        self.heap.stop()
+        try:
+            self.driver.stop()
+        finally:
+            self.heap.stop()
         for sig in getattr(self, "_signals", ()):
             try:
                 asyncio.get_running_loop().remove_signal_handler(sig)

@@ -702,6 +702,18 @@ def test_cycles_that_outlive_the_middle_generation_are_collected_between_frames(
         heap.stop()
 
 
+def test_a_heap_left_running_does_not_freeze_what_the_next_one_collects():
+    # an app gone without unmounting (in-process, as tests run them) left its callback, which
+    # froze alive, at each collection of the oldest generation, what the next heap's ticks hold
+    thresholds = gc.get_threshold()
+    try:
+        FrozenHeap().start()
+        test_cycles_that_outlive_the_middle_generation_are_collected_between_frames()
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
+
+
 def test_collections_of_the_oldest_generation_trim_the_c_heap():
     heap = FrozenHeap()
     trims = []
