@@ -97,7 +97,7 @@ class FrozenHeap:
         # freeze alive what this one's tick collections leave unfrozen)
         for cb in list(gc.callbacks):
             if getattr(cb, "__func__", None) is FrozenHeap._collected:
-                gc.callbacks.remove(cb)
+                cb.__self__.stop()  # (its thresholds back, then this one's saved)
         self._thresholds = gc.get_threshold()
         gc.set_threshold(0, *self._thresholds[1:])
         gc.collect()  # (start-up's garbage is not frozen)

@@ -709,6 +709,7 @@ def test_a_heap_left_running_does_not_freeze_what_the_next_one_collects():
     try:
         FrozenHeap().start()
         test_cycles_that_outlive_the_middle_generation_are_collected_between_frames()
+        assert gc.get_threshold() == thresholds  # (the process's own, back)
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
