@@ -119,10 +119,10 @@ def test_the_readmes_show_commands():
 
 def _slow(cmd: str) -> bool:
     """A whole validation with options (refits per group take minutes, a points folder every
-    row); `--only` runs a few points, `--fit` and `--loo` are only parsed."""
+    row); `--only` runs a few points, `--fit`, `--loo` and `--leave-out` are only parsed."""
     words = cmd.split()
     return words[1] == "validate" and len(words) > 2 and "--only" not in words \
-        and "--fit" not in words and "--loo" not in words
+        and "--fit" not in words and "--loo" not in words and "--leave-out" not in words
 
 
 def test_every_option_a_usage_line_names_exists():
@@ -167,9 +167,10 @@ def test_every_command_example_runs(cmd, a_log, tmp_path, capsys):
         return  # the name of a command in a sentence ("`servesim compare` shows both")
     bundled = argv[0] == "calibrate" and (ROOT / argv[1]).is_file()  # (a sample in the repo)
     if (argv[0] in ("run", "bench", "serve", "calibrate") and not bundled) or "--fit" in argv \
-            or "--loo" in argv:
+            or "--loo" in argv or "--leave-out" in argv:
         # (interactive, minutes of measuring, serving until a signal, the user's own
-        # measurement file, or minutes of fitting: tests/sim/model/test_validate.py fits a few points)
+        # measurement file, or minutes of fitting, a fit per held-out group:
+        # tests/sim/model/test_validate.py and test_profiles.py fit a few points)
         build_parser().parse_args(argv)
         return
     outside = [w for w in argv if w.startswith("../") and not os.path.exists(w)]
