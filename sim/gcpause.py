@@ -46,11 +46,11 @@ def freeze_survivors() -> None:
 
 
 def collect_frozen() -> None:
-    """Collect what a long block froze and has since been dropped: a run's engine holds
-    reference cycles (its policy and cost model point back at it), which freezing puts out of
-    the collector's reach for good. A process that runs one scenario after another (a sweep's
-    worker, `validate`) calls this after each, or keeps every run's engine. Frees nothing, at no
-    cost, when nothing was frozen."""
+    """Collect what a long block froze and has since been dropped. Runs are meant to leave no
+    reference cycle (tests drop each kind of engine and deployment with the collector off), but
+    one that did would be out of the collector's reach for good once frozen: a process that runs
+    one scenario after another (a sweep's worker, `validate`) calls this after each, so such a
+    cycle costs one run's memory, not the process's. Nothing is done when nothing was frozen."""
     if gc.get_freeze_count():
         gc.unfreeze()
         gc.collect()

@@ -223,9 +223,10 @@ def run_scenario(sc: Scenario, stop: tuple[tuple[str, float], ...] = ()) -> dict
 
     `stop`: (column, limit in ms) pairs, such as ("ttft_p99_ms", 500.0). The run ends as soon
     as one column's final value is proven above its limit (`metrics.floors`), looked at every
-    `STOP_CHECK_STEPS` steps or more; its row then has `stopped_s` (the simulated time it ended at) and,
-    in place of the figures, the lower bounds of the TTFT, TPOT and E2E percentiles proven then
-    (None for the rest). A run that ends by itself gives the same row as without `stop`.
+    `STOP_CHECK_STEPS` steps or more; its row then has `stopped_s` (the simulated time it ended
+    at) and, in place of the figures, the lower bounds of the TTFT, TPOT and E2E percentiles
+    proven then (None for the rest). A run that ends by itself gives the same row as without
+    `stop`.
 
     Raises ServesimError when the run fails (an engine that stalls, an unreadable trace)."""
 
@@ -236,7 +237,7 @@ def run_scenario(sc: Scenario, stop: tuple[tuple[str, float], ...] = ()) -> dict
         engine.run()
         row = flatten(summarize(engine))
     del engine
-    collect_frozen()  # (a worker runs thousands: each one's engine goes with it)
+    collect_frozen()  # (a worker runs thousands, one after another)
     row["wall_s"] = time.perf_counter() - t0
     row["cpu_s"] = time.process_time() - c0  # (what load cannot stretch, unlike wall_s)
     row["worker"] = os.getpid()

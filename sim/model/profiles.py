@@ -129,6 +129,11 @@ class _Row:
     static: bool  # every request arrives at t = 0: the schedule does not depend on timing
 
 
+def _own(c: dict, engine: str) -> dict:
+    """`engine`'s own coefficients in the flat fit vector `c` (keys `engine:name`), by name."""
+    return {k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(engine + ":")}
+
+
 def _coeffs(row: _Row, c: dict) -> dict:
     """The engine coefficients `row` runs with under the flat fit vector `c`: the shared ones,
     those of the profile its engine derives from (less what the derived flags set) and its
@@ -138,9 +143,8 @@ def _coeffs(row: _Row, c: dict) -> dict:
     shared = [*FIT["shared"], *(FIT_MOE["shared"] if touched(row.scenario) else ())]
     out = {k: c[k] for k in shared if k in c}
     if src != name:
-        out.update({k.split(":", 1)[1]: v for k, v in c.items()
-                    if k.startswith(src + ":") and k.split(":", 1)[1] not in flags})
-    out.update({k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(name + ":")})
+        out.update({k: v for k, v in _own(c, src).items() if k not in flags})
+    out.update(_own(c, name))
     return out
 
 
@@ -270,13 +274,12 @@ def profiles(c: dict) -> dict[str, dict]:
             continue
         base = dict(presets.ENGINES[name])
         base.update({k: c[k] for k in shared if k in c})
-        base.update({k.split(":", 1)[1]: v for k, v in c.items() if k.startswith(name + ":")})
+        base.update(_own(c, name))
         out[name] = base
     for name, (src, flags) in DERIVED.items():
         if src in out:
             out[name] = {**out[src], **flags}
-            out[name].update({k.split(":", 1)[1]: v for k, v in c.items()
-                              if k.startswith(name + ":")})
+            out[name].update(_own(c, name))
     return out
 
 
