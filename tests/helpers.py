@@ -53,10 +53,27 @@ def check_invariants(engine: Engine, held=(), releasing_elsewhere=()) -> None:
     # until the next step has been scheduled.
     releasing = {id(r) for r in engine._releasing}
     host_owners = Counter()
+    kv = engine.kv
     for r in live:
         assert not r.state.is_done or (id(r) in releasing and r in engine.policy.running), r
         for b in r.block_table:
             owners[b] += 1
+        # Layer groups: every table as long as the first; a window group's blocks freed (-1)
+        # exactly before the block holding the earliest position the next query's window
+        # reaches, and held from there on.
+        tables = r.group_tables or []
+        assert len(tables) == (kv.num_tables - 1 if r.block_table else 0), r
+        for g, t in enumerate(tables, 1):
+            assert len(t) == len(r.block_table), (r, g)
+            gone = sum(1 for b in t if b == -1)
+            assert all(b == -1 for b in t[:gone]), (r, g, t)
+            if g >= kv.full_groups:
+                assert gone == max(0, min(len(t), (r.num_computed_tokens + 1 - kv.window)
+                                          // engine.block_size)), (r, g, gone)
+            else:
+                assert gone == 0, (r, g)
+            for b in t[gone:]:
+                owners[b] += 1
         for b in r.host_table:
             host_owners[b] += 1
         need = -(-r.num_computed_tokens // engine.block_size)
@@ -78,7 +95,7 @@ def check_invariants(engine: Engine, held=(), releasing_elsewhere=()) -> None:
     elsewhere = {id(r) for r in releasing_elsewhere}
     for r in engine.requests.values():
         if r.state.is_done and id(r) not in releasing and id(r) not in elsewhere:
-            assert r.block_table == [] and r.host_table == [], r
+            assert r.block_table == [] and r.host_table == [] and not r.group_tables, r
     for b in range(pool.num_blocks):
         assert pool.ref_cnt[b] == owners.get(b, 0), (b, pool.ref_cnt[b], owners.get(b, 0))
     assert pool.num_used == sum(1 for b in range(pool.num_blocks) if pool.ref_cnt[b] > 0)

@@ -27,7 +27,7 @@ import numpy as np
 from sim.native import compiled
 from sim.engine import events as ev
 from sim.engine import stepping
-from sim.model.costmodel import CostModel
+from sim.model.costmodel import CostModel, kv_groups
 from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.engine.executor import SeqWork, StepWork
@@ -45,6 +45,7 @@ from sim.engine.frontend import FrontEnd, open_loop
 from sim.engine.admission import Admission
 from sim.engine.clients import ClientFigures
 from sim.engine.tokens import prompt_token_ids
+from sim.inputs.scenario import pipeline_stage
 from sim.inputs.workload import Workload, build_workload, load_label
 
 RS = RequestState
@@ -219,7 +220,8 @@ class Engine(EngineState):
             sharing=scenario.workload.num_samples > 1,
             register_at_allocation=scenario.kv.register_at_allocation,
             uncached_first=scenario.kv.free_uncached_first,
-            duplicates=scenario.kv.duplicate_cached_blocks)
+            duplicates=scenario.kv.duplicate_cached_blocks,
+            groups=kv_groups(pipeline_stage(scenario)))
         self.num_samples = scenario.workload.num_samples
         self._copies: list[tuple[int, int]] = []  # copy-on-write block copies of the coming step
         self.prefix_caching = scenario.kv.enable_prefix_caching
@@ -318,7 +320,7 @@ class Engine(EngineState):
         self.recent_gaps: deque[tuple[float, float]] = deque()
         self.wall_s = 0.0
         self._batch_decodes = False  # set by each single step (see stepping.decodes_follow)
-        self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
+        self._load_constants()
 
     # ================================================================================ public API
     @property
@@ -513,9 +515,10 @@ class Engine(EngineState):
         nb = self.kv.num_blocks
         owner = np.full(nb, -1, dtype=np.int64)
         running = self.policy.running
+        hybrid = self.kv.hybrid
         for r in running:
             if r.block_table:
-                owner[r.block_table] = r.req_id
+                owner[self.kv.held_blocks(r) if hybrid else r.block_table] = r.req_id
         pool = self.kv.pool
         slots = pool.num_used * self.block_size - stepping.empty_slots(self)
         refs = np.asarray(pool.ref_cnt, dtype=np.int32)
@@ -695,10 +698,13 @@ class Engine(EngineState):
 
     def _blocks_freed_by(self, reqs: list[Request]) -> int:
         """How many blocks freeing `reqs` would return (those no other request shares)."""
-        if not self.kv.pool.sharing:
-            return sum([len(r.block_table) for r in reqs])
-        ref = self.kv.pool.ref_cnt
-        held = Counter([blk for r in reqs for blk in r.block_table])
+        kv = self.kv
+        if not kv.pool.sharing:
+            return sum([len(kv.held_blocks(r)) if kv.hybrid else len(r.block_table)
+                        for r in reqs])
+        ref = kv.pool.ref_cnt
+        held = Counter([blk for r in reqs
+                        for blk in (kv.held_blocks(r) if kv.hybrid else r.block_table)])
         return sum([1 for blk, c in held.items() if ref[blk] == c])
 
     def _release_now(self, req: Request) -> None:
@@ -715,8 +721,9 @@ class Engine(EngineState):
     def _load_constants(self) -> None:
         """Copy the class constants the hot path reads into native fields (a subclass or a
         test may change them); done each time a run starts (`run_until`, `step`, `decide`,
-        `advance_to`)."""
-        self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
+        `advance_to`). (With layer groups every step is scheduled: the windows slide.)"""
+        self._scalar_steps = self.SCALAR_STEPS
+        self._run_steps_max = 1 if self.kv.hybrid else self.RUN_STEPS_MAX
 
     # ===================================================================== internals: stepping
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:

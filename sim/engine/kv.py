@@ -5,6 +5,13 @@ the hash of each full block. `KVCacheManager` speaks in requests and tokens: it 
 append-only block table as its tokens are computed (nothing is reserved up front) and frees it on
 finish, cancel or preemption. Neither knows about kernels or scheduling.
 
+A model with sliding-window layers (`KVGroups`) keeps, as vLLM V1's hybrid KV cache manager
+does, one table per group of layers over the one pool: a block then holds `block_size` tokens of
+one group's layers. A request's `block_table` is the first full-attention group's (the table the
+attention kernels read); its `group_tables` the other full-attention groups' and then the window
+groups'. All grow together; a window group's blocks that every later query's window has passed
+are freed after each step (`slide`) and their places left as NULL.
+
 The free queue keeps vLLM V1's order (its `FreeKVCacheBlockQueue` is an intrusive doubly linked
 list: reused from the head, cached blocks evicted in LRU order), and a cached free block hit by a
 new request leaves it in O(1).
@@ -276,6 +283,25 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+NULL = -1  # a window group's place whose block has been freed (vLLM's null block)
+
+# (full-attention groups, window groups, window in tokens): how a model's layers share the pool
+# (sim.model.costmodel.kv_groups); None when every layer keeps the whole context.
+KVGroups = tuple[int, int, int]
+
+
+def blocks_held(num_tokens: int, block_size: int, groups: KVGroups | None) -> int:
+    """Blocks a request holds once `num_tokens` tokens are computed and its window groups have
+    slid: the whole context in each full-attention group, in each window group only the blocks
+    from the one holding the earliest position the next query's window reaches."""
+    n = blocks_for(num_tokens, block_size)
+    if groups is None:
+        return n
+    full, win, window = groups
+    first = max(num_tokens + 1 - window, 0) // block_size
+    return full * n + win * (n - min(first, n))
+
+
 class KVCacheManager:
     """Grows and frees requests' block tables over a BlockPool.
 
@@ -286,10 +312,22 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, sharing: bool = False,
                  num_host_blocks: int = 0, prefix_caching: bool = False,
                  hash_block_size: int = 512, *, register_at_allocation: bool = False,
-                 uncached_first: bool = False, duplicates: bool = False) -> None:
-        """The last three are vLLM V1's behaviours (see `BlockPool` and `cache_scheduled`);
-        a scenario's `[kv]` section turns them on by default, this class does not."""
+                 uncached_first: bool = False, duplicates: bool = False,
+                 groups: KVGroups | None = None) -> None:
+        """`register_at_allocation`, `uncached_first` and `duplicates` are vLLM V1's behaviours
+        (see `BlockPool` and `cache_scheduled`); a scenario's `[kv]` section turns them on by
+        default, this class does not. `groups`: the layer groups of a model with sliding-window
+        layers (module docstring); None: one table per request holds every layer."""
         self.block_size = block_size
+        self.groups = groups
+        self.hybrid = groups is not None
+        full, win, window = groups if groups is not None else (1, 0, 0)
+        self.num_tables = full + win  # tables per request
+        self.full_groups = full
+        self.window = window
+        # A prefix-cache hit ends with this many cached blocks in each window group (the
+        # positions the next query's window reaches, itself aside: vLLM's rule).
+        self.window_span = blocks_for(window - 1, block_size) if window else 0
         self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks, sharing or prefix_caching,
                               uncached_first=uncached_first, duplicates=duplicates)
@@ -325,6 +363,9 @@ class KVCacheManager:
         `full_sequence` (vLLM's admission gate), if the blocks for all of `req`'s tokens so far
         would not fit while leaving `reserve` free.
         """
+        if self.hybrid:
+            return self._allocate_groups(req, num_new_tokens, reserve, prefix or [],
+                                         full_sequence)
         if full_sequence:
             pool = self.pool
             hits = prefix or ()
@@ -361,6 +402,149 @@ class KVCacheManager:
         req.cached_upto = len(prefix)
         self.hit_tokens += cached
         return True
+
+    # --- layer groups (a model with sliding-window layers) ---------------------------------------
+    def _allocate_groups(self, req: Request, n: int, reserve: int, prefix: list[int],
+                         full_sequence: bool) -> bool:
+        """`allocate_slots` over every group's table: each grows by the blocks the first one
+        does (a window group's freed places included), all or nothing."""
+        pool, bs, k = self.pool, self.block_size, self.num_tables
+        hits: list[list[int]] = self._group_hits(req, len(prefix)) if prefix else []
+        held = len(req.block_table)
+        start = len(prefix) if prefix else held
+        computed = len(prefix) * bs if prefix else req.num_computed_tokens
+        need = max(blocks_for(computed + n, bs) - start, 0)
+        taken_free = 0
+        if prefix:
+            ref = pool.ref_cnt
+            taken_free = sum(1 for b in prefix if ref[b] == 0)
+            for t in hits:
+                taken_free += sum(1 for b in t if b >= 0 and ref[b] == 0)
+        if full_sequence:  # (what it will hold once its tokens so far are in, windows slid)
+            now = (len(prefix) * self.full_groups + sum(1 for t in hits for b in t if b >= 0)
+                   if prefix else len(self.held_blocks(req)))
+            ahead = blocks_held(req.num_tokens, bs, self.groups) - now
+            if max(need * k, ahead) + taken_free + reserve > pool.num_free:
+                return False
+        if need * k + taken_free + reserve > pool.num_free:
+            return False
+        if prefix:
+            for b in prefix:
+                pool.share(b)
+            for t in hits:
+                for b in t:
+                    if b >= 0:
+                        pool.share(b)
+            req.block_table = list(prefix)
+            req.group_tables = hits
+            cached = len(prefix) * bs
+            req.num_computed_tokens = cached
+            req.num_cached_tokens += cached
+            req.cached_upto = len(prefix)
+            self.hit_tokens += cached
+        elif req.group_tables is None:
+            req.group_tables = [[] for _ in range(k - 1)]
+        if need:
+            req.block_table.extend(pool.allocate(need))
+            for t in req.group_tables:
+                t.extend(pool.allocate(need))
+        return True
+
+    def slide(self, req: Request) -> None:
+        """Free the blocks of `req`'s window groups that hold no position the window of its
+        next query reaches (its place becomes NULL), nearest first, as vLLM's
+        `remove_skipped_blocks`. Full-attention tables keep everything."""
+        first = (req.num_computed_tokens + 1 - self.window) // self.block_size
+        tables = req.group_tables
+        if first <= 0 or tables is None:
+            return
+        gone: list[int] = []
+        for t in tables[self.full_groups - 1:]:
+            i = min(first, len(t)) - 1
+            while i >= 0 and t[i] != NULL:
+                gone.append(t[i])
+                t[i] = NULL
+                i -= 1
+        if gone:
+            self.pool.free(gone)
+
+    def peak_blocks(self, total: int, chunk: int) -> int:
+        """At most how many blocks a request of `total` tokens holds at once, computed at most
+        `chunk` tokens a step: each window group's blocks reach back one window from the
+        step's first token and its chunk's blocks are freed only once the step has run."""
+        n = blocks_for(total, self.block_size)
+        full, win, _ = self.groups if self.groups is not None else (1, 0, 0)
+        return full * n + win * min(n, self.window_span + 2 + blocks_for(chunk, self.block_size))
+
+    def tables(self, req: Request) -> list[list[int]]:
+        """Every table of `req`: its `block_table`, then its other groups' (NULL places kept)."""
+        return [req.block_table, *(req.group_tables or ())]
+
+    def held_blocks(self, req: Request) -> list[int]:
+        """The blocks `req` holds in every group (NULL places left out)."""
+        out = list(req.block_table)
+        for t in req.group_tables or ():
+            out.extend([b for b in t if b != NULL])
+        return out
+
+    def token_slots(self, req: Request) -> tuple[int, int]:
+        """(slots of the blocks `req` holds, tokens they hold), over every group."""
+        bs, c = self.block_size, req.num_computed_tokens
+        slots = len(req.block_table) * bs
+        tokens = c
+        for g, t in enumerate(req.group_tables or ()):
+            if g + 1 < self.full_groups:
+                slots += len(t) * bs
+                tokens += c
+                continue
+            gone = 0
+            while gone < len(t) and t[gone] == NULL:
+                gone += 1
+            slots += (len(t) - gone) * bs
+            tokens += max(c - gone * bs, 0)
+        return slots, tokens
+
+    def _group_key(self, req: Request, g: int, j: int):
+        """The prefix-cache key of block `j` in group `g` (group 0: `block_key`'s)."""
+        keys = req.block_keys
+        key = keys[j] if keys is not None and j < len(keys) else self.block_key(req, j)
+        return key if g == 0 else (g, key)
+
+    def _group_hits(self, req: Request, n: int) -> list[list[int]]:
+        """The other groups' tables of a hit of `n` blocks (`hybrid_hit` found them cached)."""
+        cached, span, out = self.pool.cached, self.window_span, []
+        for g in range(1, self.num_tables):
+            if g < self.full_groups:
+                out.append([cached[self._group_key(req, g, j)] for j in range(n)])
+            else:
+                lo = max(n - span, 0)
+                out.append([NULL] * lo + [cached[self._group_key(req, g, j)]
+                                          for j in range(lo, n)])
+        return out
+
+    def hybrid_hit(self, req: Request, n: int) -> int:
+        """Of a hit of `n` blocks in the first group, the longest every group shares: the
+        other full-attention groups hold its every block, the window groups its last
+        `window_span` (vLLM's hybrid coordinator: the window type searched right to left)."""
+        cached = self.pool.cached
+        for g in range(1, self.full_groups):
+            for j in range(n):
+                if self._group_key(req, g, j) not in cached:
+                    n = j
+                    break
+        span = self.window_span
+        if span <= 0:
+            return n
+        run = 0
+        for j in range(n - 1, -1, -1):
+            if all(self._group_key(req, g, j) in cached
+                   for g in range(self.full_groups, self.num_tables)):
+                run += 1
+                if run >= span:
+                    return j + run
+            else:
+                run = 0
+        return run
 
     # --- prefix cache ------------------------------------------------------------------------
     def block_key(self, req: Request, j: int, chains: list[int] | None = None):
@@ -425,6 +609,8 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.hybrid and hits:
+            del hits[self.hybrid_hit(req, len(hits)):]
         return hits
 
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
@@ -435,6 +621,11 @@ class KVCacheManager:
         if j >= full:
             return
         keys, table, set_hash = req.block_keys, req.block_table, self.pool.set_hash
+        if self.hybrid:
+            for g, t in enumerate(req.group_tables or (), 1):
+                for i in range(j, full):
+                    if t[i] != NULL:
+                        set_hash(t[i], self._group_key(req, g, i))
         for j in range(j, full):
             set_hash(table[j], keys[j] if keys is not None and j < len(keys)
                      else self.block_key(req, j))
@@ -456,6 +647,10 @@ class KVCacheManager:
         if req.block_table:
             self.pool.free_table(req.block_table)
             req.block_table = []
+        if req.group_tables is not None:
+            for t in req.group_tables:
+                self.pool.free([b for b in reversed(t) if b != NULL])
+            req.group_tables = None
         if req.host_table:
             self._host().free(req.host_table)
             req.host_table = []

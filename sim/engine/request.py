@@ -67,7 +67,7 @@ class Request:
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
         "cached_upto", "block_keys", "parent_id", "tag", "session", "sent_time",
-        "stream_delay",
+        "stream_delay", "group_tables",
     )
 
     def __init__(
@@ -105,6 +105,9 @@ class Request:
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.host_table: list[int] = []  # host swap blocks while SWAPPED
+        # With sliding-window layers, the other layer groups' tables (sim.engine.kv); None
+        # while it holds no blocks
+        self.group_tables: list[list[int]] | None = None
         self.shared_prefix: tuple[int, int] | None = None  # (group, tokens) of a system prompt
         self.cached_upto = 0  # full blocks of block_table registered in the prefix cache
         self.block_keys: list | None = None  # prefix-cache keys of the full prompt blocks

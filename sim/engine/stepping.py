@@ -264,7 +264,8 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
                 or not s.skip_ahead or s.duration_override is not None
                 or s._swap_out or s._swap_in or s.scheduler_steps > 1
                 # (blocks cached when scheduled are registered by schedule_running)
-                or s.kv.register_at_allocation)
+                or s.kv.register_at_allocation
+                or s.kv.hybrid)  # (the windows slide: every step is scheduled)
 
 
 def arrive(e: Any, now: float) -> None:
@@ -336,9 +337,15 @@ def on_arrival(e: Any, req: Request) -> None:
                                       req.max_output_tokens, req.priority, req.injected))
     total = req.prompt_len + req.max_output_tokens - 1
     reason = None
-    if blocks_for(total, s.block_size) > kv.num_blocks:
-        reason = (f"needs {blocks_for(total, s.block_size)} blocks, "
-                  f"the pool has {kv.num_blocks}")
+    need = blocks_for(total, s.block_size)
+    policy: Any = s.policy
+    if kv.hybrid:  # (a step's chunk sits whole in each window group until the step ends)
+        chunk = req.prompt_len
+        if policy.chunks_prompts:
+            chunk = min(chunk, policy.cfg.max_num_batched_tokens)
+        need = kv.peak_blocks(total, chunk)
+    if need > kv.num_blocks:
+        reason = f"needs {need} blocks, the pool has {kv.num_blocks}"
     elif s.max_model_len and req.prompt_len + req.max_output_tokens > s.max_model_len:
         reason = f"longer than max_model_len = {s.max_model_len}"
     elif s._admission is not None:
@@ -359,7 +366,6 @@ def on_arrival(e: Any, req: Request) -> None:
         return
     if req.cancel_at is not None:
         heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
-    policy: Any = s.policy
     policy.add(req)
 
 
@@ -626,6 +632,8 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
         req.num_computed_tokens = c + n
         if caching:  # blocks enter the cache once computed (else when scheduled)
             kv.cache_blocks(req, c + n)
+        if kv.hybrid:
+            kv.slide(req)
         if chunk:
             req.prefill_chunks.append((end, c, n))
             if events:
@@ -980,6 +988,13 @@ def empty_slots(e: Any) -> int:
     ps: PolicyState = s.policy
     slots = tokens = 0
     running: list[Request] = ps.running
+    kv: KVCacheManager = s.kv
+    if kv.hybrid:  # (every group's blocks)
+        for r in running:
+            n, t = kv.token_slots(r)
+            slots += n
+            tokens += t
+        return slots - tokens
     for r in running:
         slots += len(r.block_table)
         tokens += r.num_computed_tokens

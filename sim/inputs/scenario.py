@@ -20,7 +20,8 @@ from sim.errors import CONTROL, ScenarioError, shown
 from sim.fileio import LONG_INT_MESSAGE, read_input_text, reason, toml_loads
 from sim.inputs.workload import min_length
 from sim.model import presets
-from sim.model.costmodel import CostModel, ModelShape
+from sim.engine.kv import blocks_held
+from sim.model.costmodel import CostModel, ModelShape, kv_groups
 from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
 from sim.limits import (INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE,
@@ -123,8 +124,8 @@ class ModelConfig:
                                            "a config): each query of sliding_window_layers "
                                            "attends its latest sliding_window positions "
                                            "(chunked attention: a window of the chunk size, a "
-                                           "bound); the KV pool still holds the K/V of every "
-                                           "layer for the whole context (a bound)")
+                                           "bound), and keeps only those in the KV pool (see "
+                                           "kv.hybrid_kv_cache)")
     sliding_window_layers: int = _f(0, min=0, doc="layers attending within sliding_window")
     quantization: str = _f("", choices=["", *presets.QUANTIZATIONS],
                            doc="weight format of the transformer blocks (embeddings and LM head "
@@ -250,6 +251,11 @@ class KVConfig:
                                    "first, cached ones are evicted LRU; false: all LRU")
     duplicate_cached_blocks: bool = _f(True, doc="a block computed again for a prefix already "
                                        "cached holds it too; false: only the first")
+    hybrid_kv_cache: bool = _f(True, doc="sliding-window (and chunked-attention) layers keep "
+                               "only the blocks their window reaches, in groups of layers over "
+                               "the one pool (vLLM V1's hybrid KV cache manager); false, or with "
+                               "preemption by swap, parallel samples, the contiguous policy or "
+                               "disaggregated hand-offs: every layer keeps the whole context")
 
 
 @dataclass
@@ -1061,10 +1067,11 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(
             f"{src}: model.max_model_len = {m.max_model_len}: no request could ever fit (the "
             f"smallest the workload makes has {smallest + 1} tokens)")
-    if -(-smallest // sc.kv.block_size) > num_blocks:
+    need = blocks_held(smallest, sc.kv.block_size, kv_groups(pipeline_stage(sc)))
+    if need > num_blocks:
         raise ScenarioError(
             f"{src}: kv.num_blocks = {num_blocks}: no request could ever fit (the smallest "
-            f"needs {-(-smallest // sc.kv.block_size)} blocks of {sc.kv.block_size} tokens)"
+            f"needs {need} blocks of {sc.kv.block_size} tokens)"
         )
 
 
@@ -1130,15 +1137,17 @@ def _check_cluster(sc: Scenario) -> None:
 
 
 def pipeline_stage(sc: Scenario) -> Scenario:
-    """The scenario as one pipeline stage sees it: `num_layers / pipeline_parallel` layers and
-    that share of the parameters (the embedding and the LM head counted as spread evenly), so
+    """The scenario as one pipeline stage sees it: `num_layers / pipeline_parallel` layers (and
+    that share of the sliding-window ones) and that share of the parameters (the embedding and
+    the LM head counted as spread evenly), so
     that its CostModel sizes the stage's pool from the stage's weights and the stage's KV per
     token. The scenario itself when pipeline_parallel is 1."""
     pp = sc.model.pipeline_parallel
     if pp == 1:
         return sc
-    model = dataclasses.replace(sc.model, num_layers=sc.model.num_layers // pp,
-                                num_params=sc.model.num_params / pp)
+    m = sc.model
+    model = dataclasses.replace(m, num_layers=m.num_layers // pp, num_params=m.num_params / pp,
+                                sliding_window_layers=m.sliding_window_layers // pp)
     return dataclasses.replace(sc, model=model)
 
 

@@ -196,6 +196,13 @@ class CostModel:
         self._reserve = kv.reserve_gb * 1e9
         self._fixed_blocks = kv.num_blocks
         self._swap_bytes = kv.swap_space_gb * 1e9
+        # A pool block on one GPU: every layer's K/V of block_size tokens, or with layer groups
+        # (`kv_groups`) one group's (padded groups included: each kind's last one is whole).
+        groups = kv_groups(scenario)
+        self.pool_block_bytes: float = self.kv_bytes_per_token_gpu * self.block_size
+        if groups is not None:
+            win = m.sliding_window_layers
+            self.pool_block_bytes *= group_size(m.num_layers - win, win) / m.num_layers
         self.roofline = e.preset == "roofline"
         # Sliding-window (or chunked) layers' span W and share of the layers w (module docstring);
         # 0 without them, and under the roofline, which costs them as full attention.
@@ -361,11 +368,12 @@ class CostModel:
 
     def num_blocks(self) -> int:
         """The scenario's `kv.num_blocks`, or when 0, what the GPU memory holds (vLLM's rule):
-        memory * gpu_memory_utilization - weights - reserve, per GPU, over the block size."""
+        memory * gpu_memory_utilization - weights - reserve, per GPU, over a pool block's
+        bytes."""
         if self._fixed_blocks > 0:
             return self._fixed_blocks
         free = self._mem * self._util - self.weight_bytes_per_gpu() - self._reserve
-        return int(free // self.kv_bytes_per_block_gpu())
+        return int(free // self.pool_block_bytes)
 
     def step(self, p_tokens: float, p_attended: float, p_cached: float, d_seqs: float,
              d_cached: float, num_seqs: float, sampled: float, p_beyond: float = 0.0,
@@ -468,6 +476,35 @@ class CostModel:
 # writes it (one pass, as the activations are cast), the second GEMM writes the expert's
 # output and the finalize reads it back for the weighted sum.
 ROUTED_PASSES = 4.0
+
+
+def kv_groups(sc) -> tuple[int, int, int] | None:
+    """How a model's layers share the KV pool (sim.engine.kv): (full-attention groups, window
+    groups, window), or None where every layer keeps the whole context.
+
+    vLLM V1's hybrid KV cache manager: the layers of each kind split into groups of the same
+    size, the fewest layers of a kind (the most when the kinds differ by under a quarter), the
+    last group of a kind padded; a block holds `block_size` tokens of one group. Chunked
+    attention is kept as a window of its chunk, as `CostModel` costs it. None without
+    sliding-window layers, with `kv.hybrid_kv_cache` off, with preemption by swap, parallel
+    samples, the contiguous policy or disaggregated hand-offs (which move one table per
+    request), and where every layer has a window (the table attention reads holds the whole
+    context). Of a pipeline, one stage's layers (`sim.inputs.scenario.pipeline_stage`)."""
+    m = sc.model
+    win = m.sliding_window_layers
+    full = m.num_layers - win
+    if (not sc.kv.hybrid_kv_cache or not m.sliding_window or win <= 0 or full <= 0
+            or sc.scheduler.preemption == "swap" or sc.workload.num_samples > 1
+            or sc.scheduler.policy in ("contiguous", "disaggregated")):
+        return None
+    size = group_size(full, win)
+    return -(-full // size), -(-win // size), m.sliding_window
+
+
+def group_size(full: int, win: int) -> int:
+    """Layers per group of `kv_groups`, of `full` full-attention and `win` window layers."""
+    size = min(win, full)
+    return max(win, full) if max(win, full) < 1.25 * size else size
 
 
 def beyond_window(cached: int, n: int, window: int) -> int:

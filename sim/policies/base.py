@@ -34,6 +34,8 @@ class Policy(PolicyState):
     # Whether the policy models vLLM V1's scheduler: it then takes `scheduler.async_scheduling`,
     # `reserve_full_sequence` and the watermark as vLLM V1 applies them.
     models_v1: ClassVar[bool] = False
+    # Whether a prompt may be computed in chunks of at most max_num_batched_tokens (else whole)
+    chunks_prompts: ClassVar[bool] = False
 
     def __init__(self, engine) -> None:
         # A proxy, not a reference: no engine <-> policy cycle, so a dropped engine is freed

@@ -25,6 +25,7 @@ class ChunkedPolicy(Policy):
     description: ClassVar[str] = ("vLLM V1 / Sarathi-Serve: decodes first, prefill chunks fill "
                                   "the token budget")
     models_v1: ClassVar[bool] = True
+    chunks_prompts: ClassVar[bool] = True
 
     def schedule(self) -> SchedulerOutput:
         """Running requests first within the token budget, then admissions from the queue

@@ -42,6 +42,10 @@ class Replayer:
         if isinstance(engine, dict) and not any(k in engine for k in frontend.TERMS):
             # written before profiles had an API server: its clients met the engine itself
             raw = {**raw, "engine": {**engine, **dict.fromkeys(frontend.TERMS, 0.0)}}
+        kv = raw.get("kv") if isinstance(raw, dict) else None
+        if isinstance(kv, dict) and "hybrid_kv_cache" not in kv:
+            # written before layer groups: every layer kept the whole context
+            raw = {**raw, "kv": {**kv, "hybrid_kv_cache": False}}
         try:
             sc = scenario_from_dict(raw, source=log.path, check_workload=False)
         except ServesimError as e:
