@@ -458,10 +458,8 @@ def cmd_validate(args) -> int:
     else:
         points = V.load_points(spec)
         if args.only is not None:
-            wanted = {x.strip() for x in args.only.split(",") if x.strip()}
+            wanted = _point_ids(args.only, {p.id for p in points}, spec)
             points = [p for p in points if p.id in wanted]
-            if not points:
-                raise V.ValidationError(f"--only {args.only!r}: no such point in {spec}")
         if args.fit or args.loo or args.leave_out:
             return _fit_profiles(points, args)
         results = []
@@ -778,6 +776,30 @@ def _drop_stdout() -> None:
         os.close(fd)
     except (OSError, AttributeError, ValueError):
         pass
+
+
+def _point_ids(only: str, known: set[str], spec) -> set[str]:
+    """`--only`'s ids: a comma-separated list of ids and ranges (`Q1-Q50`: the points of one
+    letter prefix numbered 1 to 50). ValidationError naming the first that names no point."""
+    import re
+
+    from sim.model import validate as V
+
+    out: set[str] = set()
+    for item in (x.strip() for x in only.split(",")):
+        if not item:
+            continue
+        m = re.fullmatch(r"([A-Za-z]+)(\d+)-\1(\d+)", item)
+        if m:
+            ids = {f"{m[1]}{i}" for i in range(int(m[2]), int(m[3]) + 1)} & known
+        else:
+            ids = {item} & known
+        if not ids:
+            raise V.ValidationError(f"--only {only!r}: {item!r} names no point in {spec}")
+        out |= ids
+    if not out:
+        raise V.ValidationError(f"--only {only!r}: no such point in {spec}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

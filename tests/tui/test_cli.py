@@ -242,6 +242,9 @@ def test_the_dashboard_without_a_terminal_is_one_line():
     (["sim", "/dev/zero"], "/dev/zero: not a regular file"),
     (["sim", "chat", "--set", "kv..block_size=1"], "an empty part in the key 'kv..block_size'"),
     (["validate", "--only", ""], "--only '': no such point"),  # (ran all 66 points)
+    # (a misspelt id among known ones was dropped silently)
+    (["validate", "--only", "T1,T99"], "'T99' names no point"),
+    (["validate", "--only", "T1,Z1-Z9"], "'Z1-Z9' names no point"),
 ])
 def test_empty_and_odd_names_are_refused(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
@@ -261,3 +264,9 @@ def test_a_scenario_with_a_byte_order_mark_loads(tmp_path, capsys):
     p.write_bytes(b"\xef\xbb\xbf" + b'name = "bom"\n[workload]\nrate = 1\nduration_s = 2\n')
     code, out, err = run(capsys, "sim", str(p), "--json")
     assert code == 0 and json.loads(out)["scenario"] == "bom", err
+
+
+def test_validate_only_takes_ranges(capsys):
+    code, out, err = run(capsys, "validate", "--only", "T1-T3,T11", "--json")
+    assert code == 0
+    assert [p["id"] for p in json.loads(out)["points"]] == ["T1", "T2", "T3", "T11"]
