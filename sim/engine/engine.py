@@ -721,9 +721,8 @@ class Engine(EngineState):
     def _load_constants(self) -> None:
         """Copy the class constants the hot path reads into native fields (a subclass or a
         test may change them); done each time a run starts (`run_until`, `step`, `decide`,
-        `advance_to`). (With layer groups every step is scheduled: the windows slide.)"""
-        self._scalar_steps = self.SCALAR_STEPS
-        self._run_steps_max = 1 if self.kv.hybrid else self.RUN_STEPS_MAX
+        `advance_to`)."""
+        self._scalar_steps, self._run_steps_max = self.SCALAR_STEPS, self.RUN_STEPS_MAX
 
     # ===================================================================== internals: stepping
     def _advance(self, until: float, max_steps: int, fuse: bool = True) -> int:

@@ -10,7 +10,9 @@ does, one table per group of layers over the one pool: a block then holds `block
 one group's layers. A request's `block_table` is the first full-attention group's (the table the
 attention kernels read); its `group_tables` the other full-attention groups' and then the window
 groups'. All grow together; a window group's blocks that every later query's window has passed
-are freed after each step (`slide`) and their places left as NULL.
+are freed after each step (`slide`) and their places left as NULL. A run of decode steps
+computed at once (sim.engine.stepping) stays short of every window: a block boundary it crosses
+takes a block in each table.
 
 The free queue keeps vLLM V1's order (its `FreeKVCacheBlockQueue` is an intrusive doubly linked
 list: reused from the head, cached blocks evicted in LRU order), and a cached free block hit by a
@@ -488,21 +490,17 @@ class KVCacheManager:
         return out
 
     def token_slots(self, req: Request) -> tuple[int, int]:
-        """(slots of the blocks `req` holds, tokens they hold), over every group."""
+        """(slots of the blocks `req` holds, tokens they hold), over every group, its window
+        groups slid (`slide`: their first places NULL, as many in each)."""
         bs, c = self.block_size, req.num_computed_tokens
-        slots = len(req.block_table) * bs
-        tokens = c
-        for g, t in enumerate(req.group_tables or ()):
-            if g + 1 < self.full_groups:
-                slots += len(t) * bs
-                tokens += c
-                continue
-            gone = 0
-            while gone < len(t) and t[gone] == NULL:
-                gone += 1
-            slots += (len(t) - gone) * bs
-            tokens += max(c - gone * bs, 0)
-        return slots, tokens
+        n = len(req.block_table)
+        if req.group_tables is None:
+            return n * bs, c
+        full = self.full_groups
+        win = self.num_tables - full
+        gone = min(max(c + 1 - self.window, 0) // bs, n)
+        return ((full * n + win * (n - gone)) * bs,
+                full * c + win * max(c - gone * bs, 0))
 
     def _group_key(self, req: Request, g: int, j: int):
         """The prefix-cache key of block `j` in group `g` (group 0: `block_key`'s)."""
@@ -649,7 +647,10 @@ class KVCacheManager:
             req.block_table = []
         if req.group_tables is not None:
             for t in req.group_tables:
-                self.pool.free([b for b in reversed(t) if b != NULL])
+                if t and t[0] == NULL:  # (a window group's slid places hold nothing)
+                    self.pool.free([b for b in reversed(t) if b != NULL])
+                elif t:
+                    self.pool.free_table(t)
             req.group_tables = None
         if req.host_table:
             self._host().free(req.host_table)

@@ -153,11 +153,15 @@ def schedule_decodes(e: Any) -> list[Request] | None:
         return None
     full = [r for r in reqs if len(r.block_table) * bs == r.num_computed_tokens]
     if full:
-        if len(full) > kv.num_free_blocks:
+        tables: int = kv.num_tables
+        if len(full) * tables > kv.num_free_blocks:
             return None
-        blocks: Any = kv.pool.allocate(len(full))  # (Any: the same int objects move)
-        for r, blk in zip(full, blocks):
-            r.block_table.append(blk)
+        blocks: Any = kv.pool.allocate(len(full) * tables)  # (Any: the same int objects move)
+        if tables == 1:
+            for r, blk in zip(full, blocks):
+                r.block_table.append(blk)
+        else:
+            append_groups(full, blocks)
     return reqs
 
 
@@ -264,8 +268,7 @@ def decodes_follow(e: Any, until: float, decoding: bool) -> bool:
                 or not s.skip_ahead or s.duration_override is not None
                 or s._swap_out or s._swap_in or s.scheduler_steps > 1
                 # (blocks cached when scheduled are registered by schedule_running)
-                or s.kv.register_at_allocation
-                or s.kv.hybrid)  # (the windows slide: every step is scheduled)
+                or s.kv.register_at_allocation)
 
 
 def arrive(e: Any, now: float) -> None:
@@ -760,6 +763,11 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     win: int = _window(cost)
     if win and kmax > win - c_max:
         kmax = max(win - c_max, 1)
+    # With layer groups (sim.engine.kv), only while no window group has a block to free: every
+    # table then mirrors the first, a crossing takes a block in each.
+    tables: int = kv.num_tables
+    if tables > 1 and kmax > kv.window - 1 - c_max:
+        kmax = max(kv.window - 1 - c_max, 1)
     # Requests that finished in the last step (async scheduling) give their blocks back
     # once this run's first step is scheduled: before step 1 allocates.
     pending: list[Request] = s._releasing
@@ -769,11 +777,12 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
         for j in first_cross:  # (a typed loop: sum() of a list is a call and boxed ints)
             if j < kmax:
                 need += (kmax - 1 - j) // bs + 1
+        need *= tables
         if need > free and pending:
             free += e._blocks_freed_by(pending)
         if need > free:
             cross = sorted([j for j0 in first_cross for j in range(j0, kmax, bs)])
-            kmax = cross[free]  # the step whose allocation would fail is scheduled alone
+            kmax = cross[free // tables]  # the step whose allocation would fail, alone
     if kmax == 1:
         return single_step(e, [(r, 1) for r in reqs], len(ps.waiting))
     # (within a multi-step window, arrivals and cancellations do not end the run)
@@ -789,7 +798,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     dur: Any = None
     energy: Any = None
     if (_decode_rows is not None and s.record_timeline and type(cost) is CostModel
-            and not cost.roofline):
+            and not cost.roofline and tables == 1):
         cm: CostModel = cost
         n = kmax if kmax < s._scalar_steps else s._scalar_steps
         at = tl.reserve(n)
@@ -805,7 +814,13 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     used_first = kv.num_used_blocks
     empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
     if pending:
-        empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens for r in pending])
+        if tables == 1:
+            empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens
+                               for r in pending])
+        else:
+            for r in pending:
+                slots, held = kv.token_slots(r)
+                empty_first += slots - held
         release(e)
         empty_first -= bs * (used_first - kv.num_used_blocks)
     used = kv.num_used_blocks
@@ -820,7 +835,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
         used_end = kv_used[-1]
         kv_used[0] = used_first
     used_last = used_first if k == 1 else used_end  # (the blocks used after its last step)
-    empty_end = cross_sum + bs * (used_end - used) - b * k
+    empty_end = tables * (cross_sum - b * k) + bs * (used_end - used)
     g: int = s.step_count  # the run's first row on the timeline
     itl0 = 0
     finished = []
@@ -854,7 +869,7 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
                           empty_first, len(ps.waiting))
     elif s.record_timeline:
         record_run(e, ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
-                   empty_first)
+                   empty_first, tables)
     s.now = end
     s.step_count += k
     s.counts["output_tokens"] += b * k
@@ -874,11 +889,29 @@ def allocate_run(e: Any, reqs: list[Request], first_cross: list[int], k: int) ->
     kv: KVCacheManager = s.kv
     bs: int = s.block_size
     steps, order = crossing_order(first_cross, k, bs)
+    tables: int = kv.num_tables
     if order:
-        blocks: Any = kv.pool.allocate(len(order))  # (Any: the same int objects move)
-        for i, blk in zip(order, blocks):
-            reqs[i].block_table.append(blk)
+        blocks: Any = kv.pool.allocate(len(order) * tables)  # (Any: the same int objects move)
+        if tables == 1:
+            for i, blk in zip(order, blocks):
+                reqs[i].block_table.append(blk)
+        else:  # (a block in each group's table per crossing: `steps` counts each)
+            append_groups([reqs[i] for i in order], blocks)
+            steps = [j for j in steps for _ in range(tables)]
     return steps
+
+
+def append_groups(reqs: list[Request], blocks: list[int]) -> None:
+    """Give each of `reqs` in turn (one may come more than once) one block in each of its
+    layer groups' tables, the first group's first, as `KVCacheManager.allocate_slots` takes
+    them a request at a time."""
+    it = iter(blocks)
+    for r in reqs:
+        r.block_table.append(next(it))
+        tables = r.group_tables
+        assert tables is not None
+        for t in tables:
+            t.append(next(it))
 
 
 def crossing_order(first_cross: list[int], k: int, bs: int) -> tuple[list[int], list[int]]:
@@ -931,10 +964,11 @@ def _used_by_step(e: Any, steps: list[int], k: int, bs: int, used: int) -> list[
 
 
 def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
-                empty_less_used: int, empty_first: int = 0) -> None:
+                empty_less_used: int, empty_first: int = 0, tables: int = 1) -> None:
     """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
     with `empty_less_used` + block_size * (blocks used) empty slots (`empty_first` more in
-    its first step, held by requests released after it)."""
+    its first step, held by requests released after it); each step's token fills a slot in
+    each of `tables` layer groups' tables."""
     s: EngineState = e
     ps: PolicyState = s.policy
     tl: Timeline = s.timeline
@@ -943,7 +977,7 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
     waiting = len(ps.waiting)
     # Empty slots after step j: those at the end, plus the tokens of later steps, minus
     # the slots of blocks allocated later.
-    if k <= s._scalar_steps:
+    if k <= s._scalar_steps and tables == 1:
         # (step j: e0 - b*j + bs*used_j; step 0 also counts the finishing requests' slots)
         tl.add_decodes(ends, dur, b, itl0, kv_used, empty_less_used + b * (k - 1), bs,
                        empty_first, energy, waiting)
@@ -951,7 +985,7 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
         itl = np.full(k, b, dtype=np.int64)
         itl[0] = itl0
         used = np.asarray(kv_used, dtype=np.int64)
-        empties = empty_less_used + b * np.arange(k - 1, -1, -1) + bs * used
+        empties = empty_less_used + tables * b * np.arange(k - 1, -1, -1) + bs * used
         empties[0] += empty_first
         tl.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
                              sampled=b, itl_count=itl, kv_used=used, kv_empty=empties,

@@ -27,7 +27,8 @@ PRESSURE = ("kv.num_blocks=400", "scheduler.reserve_output_tokens=256",
 def state_of(e: Engine) -> tuple:
     """Everything that must agree between two ways of running the same session."""
     reqs = tuple(sorted((rid, r.state.value, r.num_computed_tokens, r.num_output_tokens,
-                         tuple(r.block_table), tuple(r.host_table))
+                         tuple(r.block_table), tuple(r.host_table),
+                         tuple(map(tuple, r.group_tables or ())))
                         for rid, r in e.requests.items()))
     # (a finished run in slices idles to the end of its last slice: its clock is not compared)
     return (None if e.done else e.now, e.step_count, e.policy.name, dict(e.counts), reqs,
@@ -97,6 +98,37 @@ def test_whole_sliced_and_stepped_runs_agree_under_every_policy(policy):
     assert a == b
     # the shortcut did run: far fewer decisions than steps
     assert whole.timeline.n > 2 * sum(1 for x in whole.events if x.kind == "steps")
+
+
+# Layer groups (sim.engine.kv): gpt-oss's window of 128 ends runs early, Llama 4's 8192 not
+GROUPS = {"gpt-oss": ('model.preset=""', 'model.config="gpt-oss-20b"'),
+          "llama-4": ('model.preset=""', 'model.config="llama-4-scout"', "model.tensor_parallel=8",
+                      "kv.num_blocks=1200")}  # (four tables a request)
+
+
+@pytest.mark.parametrize("model", sorted(GROUPS))
+@pytest.mark.parametrize("policy", ["chunked", "fcfs", "priority", "static"])
+def test_whole_sliced_and_stepped_runs_agree_with_layer_groups(policy, model):
+    sc = small_scenario(f'scheduler.policy="{policy}"', *PRESSURE, *GROUPS[model])
+    runs = {m: scripted(Engine(sc), m, []) for m in ("whole", "sliced", "stepped")}
+    unskipped = scripted(Engine(sc, skip_ahead=False), "whole", [])
+    whole = runs["whole"]
+    assert whole.kv.hybrid and whole.counts["finished"] > 20
+    for m, e in [*runs.items(), ("unskipped", unskipped)]:
+        assert events_of(e) == events_of(whole), m
+        assert state_of(e) == state_of(whole), m
+        for col in ("end", "kv_used", "kv_empty", "itl_count", "batch", "energy"):
+            assert np.array_equal(e.timeline.column(col), unskipped.timeline.column(col)), \
+                (m, col)
+    # the shortcut did run: runs of several steps
+    assert whole.timeline.n > 1.5 * sum(1 for x in whole.events if x.kind == "steps")
+    # and mid-run every request holds the very blocks, in every group's table
+    fused, plain = Engine(sc), Engine(sc, skip_ahead=False)
+    for t in np.arange(0.5, 12.0, 0.5):
+        fused.run_until(t)
+        plain.run_until(t)
+        assert state_of(fused) == state_of(plain), t
+        check_invariants(fused)
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
