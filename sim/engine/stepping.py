@@ -338,15 +338,8 @@ def on_arrival(e: Any, req: Request) -> None:
     if s.record_events:
         s.events.append(ev.Arrival(req.arrival_time, req.req_id, req.prompt_len,
                                       req.max_output_tokens, req.priority, req.injected))
-    total = req.prompt_len + req.max_output_tokens - 1
     reason = None
-    need = blocks_for(total, s.block_size)
-    policy: Any = s.policy
-    if kv.hybrid:  # (a step's chunk sits whole in each window group until the step ends)
-        chunk = req.prompt_len
-        if policy.chunks_prompts:
-            chunk = min(chunk, policy.cfg.max_num_batched_tokens)
-        need = kv.peak_blocks(total, chunk)
+    need = arrival_blocks(e, req.prompt_len, req.max_output_tokens)
     if need > kv.num_blocks:
         reason = f"needs {need} blocks, the pool has {kv.num_blocks}"
     elif s.max_model_len and req.prompt_len + req.max_output_tokens > s.max_model_len:
@@ -369,7 +362,25 @@ def on_arrival(e: Any, req: Request) -> None:
         return
     if req.cancel_at is not None:
         heapq.heappush(s._cancels, (req.cancel_at, req.req_id))
+    policy: Any = s.policy
     policy.add(req)
+
+
+def arrival_blocks(e: Any, prompt_len: int, max_output_tokens: int) -> int:
+    """The blocks a request must be able to hold at once, or it is rejected on arrival: those
+    of its prompt and all but its last output token (never held), and with layer groups
+    (sim.engine.kv) its peak, a step's chunk sitting whole in each window group until the
+    step ends."""
+    s: EngineState = e
+    kv: KVCacheManager = s.kv
+    total = prompt_len + max_output_tokens - 1
+    if not kv.hybrid:
+        return blocks_for(total, s.block_size)
+    policy: Any = s.policy
+    chunk = prompt_len
+    if policy.chunks_prompts:
+        chunk = min(chunk, policy.cfg.max_num_batched_tokens)
+    return kv.peak_blocks(total, chunk)
 
 
 def finish(e: Any, req: Request, t: float) -> None:

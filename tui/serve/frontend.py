@@ -17,6 +17,8 @@ The engine's public API only: `inject` (with `arrival_time` and `tag`), `cancel`
 
 from __future__ import annotations
 
+import bisect
+
 import asyncio
 import codecs
 import collections
@@ -35,7 +37,7 @@ import numpy as np
 
 from sim import EngineError, ServesimError
 from sim.engine.admission import is_refusal
-from sim.engine.kv import blocks_for
+from sim.engine.stepping import arrival_blocks
 from sim.inputs.workload import sample_lengths
 from tui.serve.intake import fd_share
 from tui.serve.metrics import ServeMetrics
@@ -414,10 +416,12 @@ class Frontend:
         (the engine would reject it: `out - 1` output tokens are ever held), naming what to
         shorten; None when it fits."""
         bs, pool = self.engine.scenario.kv.block_size, self.engine.kv.num_blocks
-        blocks = blocks_for(prompt_len + out - 1, bs)  # (the engine's own rule: sim.engine.stepping)
+        blocks = arrival_blocks(self.engine, prompt_len, out)  # (the engine's own rule)
         if blocks <= pool:
             return None
-        capacity = pool * bs
+        # The tokens a request can hold: the most output that fits with a one-token prompt
+        capacity = bisect.bisect_left(range(1, pool * bs + 2), True,
+                                      key=lambda n: arrival_blocks(self.engine, 1, n) > pool)
         needs = f"needs {blocks:,} blocks of {bs} tokens"
         if prompt_len > capacity:
             return APIError(f"The request cannot be served: its prompt of {prompt_len:,} tokens "
@@ -429,9 +433,11 @@ class Frontend:
             what = f"'ignore_eos' without 'max_tokens' ({out:,} output tokens)"
         else:
             what = f"the output length drawn for it ({out:,} tokens; no 'max_tokens')"
+        most = bisect.bisect_left(range(1, out), True,
+                                  key=lambda n: arrival_blocks(self.engine, prompt_len, n) > pool)
         return APIError(f"The request cannot be served: its prompt of {prompt_len:,} tokens with "
                         f"{what} {needs} and the KV cache has {pool:,} ({capacity:,} tokens): "
-                        f"'max_tokens' can be at most {capacity - prompt_len + 1:,}",
+                        f"'max_tokens' can be at most {most:,}",
                         param="max_tokens")
 
     def submit(self, spec: GenerateSpec, tag: str, arrival: float) -> Call:

@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from sim import EngineError, load_scenario
+from sim import Engine, EngineError, load_scenario
+from sim.engine.request import RequestState
+from tests.helpers import workload_of
 from tui.serve import frontend
 from tui.serve.app import build_frontend
 from tui.serve.protocol import FILLER, APIError, parse_generate
@@ -467,6 +469,27 @@ def test_a_request_too_big_for_the_kv_cache_is_refused_naming_what_to_shorten(bo
         with pytest.raises(APIError) as err:
             fe.check(parse_generate(body, chat=False))
         assert err.value.param == param and words in err.value.message
+    asyncio.run(main())
+
+
+def test_the_largest_max_tokens_offered_is_the_engines_own_limit_with_layer_groups():
+    """A windowed model's tables hold only their window: the server refuses what the engine
+    would reject, and offers the most the engine accepts (one more it rejects)."""
+    async def main():
+        sc = load_scenario("chat", ['model.preset=""', 'model.config="gpt-oss-20b"',
+                                    "kv.num_blocks=40", "kv.block_size=16"])
+        fe = build_frontend(sc)
+        assert fe.engine.kv.hybrid
+        # 19 blocks in the full group, 17 at most in the window's (its chunk and window)
+        fe.check(parse_generate({"prompt": "z" * 100, "max_tokens": 200}, chat=False))
+        with pytest.raises(APIError) as err:
+            fe.check(parse_generate({"prompt": "z" * 100, "max_tokens": 5000}, chat=False))
+        most = int(err.value.message.rsplit("at most ", 1)[1].replace(",", ""))
+        assert most > 200
+        for n, rejected in ((most, False), (most + 1, True)):
+            e = Engine(sc, workload=workload_of([(0.0, 100, n)]))
+            e.run()
+            assert (e.get(0).state is RequestState.REJECTED) == rejected, n
     asyncio.run(main())
 
 
