@@ -478,10 +478,6 @@ class KVCacheManager:
         full, win, _ = self.groups if self.groups is not None else (1, 0, 0)
         return full * n + win * min(n, self.window_span + 2 + blocks_for(chunk, self.block_size))
 
-    def tables(self, req: Request) -> list[list[int]]:
-        """Every table of `req`: its `block_table`, then its other groups' (NULL places kept)."""
-        return [req.block_table, *(req.group_tables or ())]
-
     def held_blocks(self, req: Request) -> list[int]:
         """The blocks `req` holds in every group (NULL places left out)."""
         out = list(req.block_table)
