@@ -31,7 +31,7 @@ from sim.model.costmodel import CostModel, kv_groups
 from sim.errors import EngineError, UnknownRequestError
 from sim.gcpause import paused_gc
 from sim.engine.executor import SeqWork, StepWork
-from sim.engine.kv import KVCacheManager
+from sim.engine.kv import NULL, KVCacheManager
 from sim.limits import (BYTES_PER_STEP, MAX_INJECT_COUNT, MAX_TOKENS,
                         PRIORITY_RANGE, check_memory)
 from sim.policies import POLICIES
@@ -103,9 +103,11 @@ class EngineSnapshot:
 
 
 def _view(r: Request, with_tokens: bool = False) -> RequestView:
+    # (with layer groups, the blocks of every group's table: sim.engine.kv)
+    held = len(r.block_table) + sum([len(t) - t.count(NULL) for t in r.group_tables or ()])
     return RequestView(
         r.req_id, r.state.value, r.prompt_len, r.max_output_tokens, r.num_computed_tokens,
-        r.num_output_tokens, len(r.block_table), r.priority, r.arrival_time, r.admitted_time,
+        r.num_output_tokens, held, r.priority, r.arrival_time, r.admitted_time,
         r.first_token_time, r.finish_time, r.num_preemptions, r.is_prefill,
         tuple(r.output_token_ids[-16:]) if with_tokens else (), r.replica, r.tag,
     )

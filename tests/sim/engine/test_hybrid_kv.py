@@ -82,6 +82,9 @@ def test_blocks_held_by_one_request_as_it_decodes():
         assert e.kv.num_used_blocks == blocks_for(c, bs) + blocks_for(c, bs) - first
         assert e.kv.num_used_blocks == blocks_held(c, bs, (1, 1, window))
         slid = slid or NULL in (r.group_tables or [[]])[0]
+        # the dashboard's block count and map show every group's blocks
+        snap = e.snapshot()
+        assert snap.running[0].num_blocks == e.kv.num_used_blocks == (snap.block_owner == 0).sum()
     assert slid and e.kv.num_used_blocks == 0
 
 
