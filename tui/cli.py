@@ -781,10 +781,6 @@ def _drop_stdout() -> None:
 def _point_ids(only: str, known: set[str], spec) -> set[str]:
     """`--only`'s ids: a comma-separated list of ids and ranges (`Q1-Q50`: the points of one
     letter prefix numbered 1 to 50). ValidationError naming the first that names no point."""
-    import re
-
-    from sim.model import validate as V
-
     out: set[str] = set()
     for item in (x.strip() for x in only.split(",")):
         if not item:
