@@ -119,7 +119,7 @@ def test_the_readmes_show_commands():
 
 def _slow(cmd: str) -> bool:
     """A whole validation with options (refits per group take minutes, a points folder every
-    row), or one of more than 20 points; `--only` runs a few points, `--fit`, `--loo` and
+    row), or one of more than 10 points; `--only` runs a few points, `--fit`, `--loo` and
     `--leave-out` are only parsed."""
     words = cmd.split()
     if words[1] != "validate" or len(words) <= 2:
@@ -132,7 +132,7 @@ def _slow(cmd: str) -> bool:
     for item in words[words.index("--only") + 1].split(","):
         m = re.fullmatch(r"([A-Za-z]+)(\d+)-\1(\d+)", item)
         count += int(m[3]) - int(m[2]) + 1 if m else 1
-    return count > 20
+    return count > 10
 
 
 def test_every_option_a_usage_line_names_exists():
