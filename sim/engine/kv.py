@@ -292,16 +292,39 @@ NULL = -1  # a window group's place whose block has been freed (vLLM's null bloc
 KVGroups = tuple[int, int, int]
 
 
+def window_start(num_tokens: int, window: int, block_size: int) -> int:
+    """The first block a window group keeps once `num_tokens` tokens are computed: the one
+    holding the earliest position the next query's window reaches (`slide` frees those
+    before it)."""
+    return max(num_tokens + 1 - window, 0) // block_size
+
+
 def blocks_held(num_tokens: int, block_size: int, groups: KVGroups | None) -> int:
     """Blocks a request holds once `num_tokens` tokens are computed and its window groups have
     slid: the whole context in each full-attention group, in each window group only the blocks
-    from the one holding the earliest position the next query's window reaches."""
+    from `window_start` on."""
     n = blocks_for(num_tokens, block_size)
     if groups is None:
         return n
     full, win, window = groups
-    first = max(num_tokens + 1 - window, 0) // block_size
-    return full * n + win * (n - min(first, n))
+    return full * n + win * (n - min(window_start(num_tokens, window, block_size), n))
+
+
+def arrival_blocks(prompt_len: int, max_output_tokens: int, block_size: int,
+                   groups: KVGroups | None, chunk_tokens: int) -> int:
+    """The blocks a request must be able to hold at once, or it could never run (rejected on
+    arrival): those of its prompt and all but its last output token (never held), and with
+    layer groups its peak, a step's chunk (at most `chunk_tokens` of its prompt; 0: the whole
+    prompt) sitting whole in each window group until the step ends, beside the blocks that
+    group keeps of one window."""
+    total = prompt_len + max_output_tokens - 1
+    n = blocks_for(total, block_size)
+    if groups is None:
+        return n
+    full, win, window = groups
+    chunk = min(prompt_len, chunk_tokens) if chunk_tokens else prompt_len
+    span = blocks_for(window - 1, block_size)
+    return full * n + win * min(n, span + 2 + blocks_for(chunk, block_size))
 
 
 class KVCacheManager:
@@ -456,7 +479,7 @@ class KVCacheManager:
         """Free the blocks of `req`'s window groups that hold no position the window of its
         next query reaches (its place becomes NULL), nearest first, as vLLM's
         `remove_skipped_blocks`. Full-attention tables keep everything."""
-        first = (req.num_computed_tokens + 1 - self.window) // self.block_size
+        first = window_start(req.num_computed_tokens, self.window, self.block_size)
         tables = req.group_tables
         if first <= 0 or tables is None:
             return
@@ -469,14 +492,6 @@ class KVCacheManager:
                 i -= 1
         if gone:
             self.pool.free(gone)
-
-    def peak_blocks(self, total: int, chunk: int) -> int:
-        """At most how many blocks a request of `total` tokens holds at once, computed at most
-        `chunk` tokens a step: each window group's blocks reach back one window from the
-        step's first token and its chunk's blocks are freed only once the step has run."""
-        n = blocks_for(total, self.block_size)
-        full, win, _ = self.groups if self.groups is not None else (1, 0, 0)
-        return full * n + win * min(n, self.window_span + 2 + blocks_for(chunk, self.block_size))
 
     def held_blocks(self, req: Request) -> list[int]:
         """The blocks `req` holds in every group (NULL places left out)."""
@@ -494,7 +509,7 @@ class KVCacheManager:
             return n * bs, c
         full = self.full_groups
         win = self.num_tables - full
-        gone = min(max(c + 1 - self.window, 0) // bs, n)
+        gone = min(window_start(c, self.window, bs), n)
         return ((full * n + win * (n - gone)) * bs,
                 full * c + win * max(c - gone * bs, 0))
 

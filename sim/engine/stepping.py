@@ -31,6 +31,7 @@ from sim.engine import events as ev
 from sim.model.costmodel import CostModel, beyond_window
 from sim.errors import EngineError
 from sim.engine.kv import KVCacheManager, blocks_for
+from sim.engine.kv import arrival_blocks as kv_arrival_blocks
 from sim.policies.batch import PolicyState
 from sim.limits import MAX_TIME_S
 from sim.engine.request import Request, RequestState
@@ -367,20 +368,13 @@ def on_arrival(e: Any, req: Request) -> None:
 
 
 def arrival_blocks(e: Any, prompt_len: int, max_output_tokens: int) -> int:
-    """The blocks a request must be able to hold at once, or it is rejected on arrival: those
-    of its prompt and all but its last output token (never held), and with layer groups
-    (sim.engine.kv) its peak, a step's chunk sitting whole in each window group until the
-    step ends."""
+    """`sim.engine.kv.arrival_blocks` under this engine's pool and policy: the blocks a
+    request must be able to hold at once, or it is rejected on arrival."""
     s: EngineState = e
     kv: KVCacheManager = s.kv
-    total = prompt_len + max_output_tokens - 1
-    if not kv.hybrid:
-        return blocks_for(total, s.block_size)
     policy: Any = s.policy
-    chunk = prompt_len
-    if policy.chunks_prompts:
-        chunk = min(chunk, policy.cfg.max_num_batched_tokens)
-    return kv.peak_blocks(total, chunk)
+    chunk: int = policy.cfg.max_num_batched_tokens if policy.chunks_prompts else 0
+    return kv_arrival_blocks(prompt_len, max_output_tokens, s.block_size, kv.groups, chunk)
 
 
 def finish(e: Any, req: Request, t: float) -> None:
@@ -825,13 +819,9 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     used_first = kv.num_used_blocks
     empty_first = 0  # the step-0 slots of the finishing requests, beyond their freed blocks
     if pending:
-        if tables == 1:
-            empty_first = sum([len(r.block_table) * bs - r.num_computed_tokens
-                               for r in pending])
-        else:
-            for r in pending:
-                slots, held = kv.token_slots(r)
-                empty_first += slots - held
+        for r in pending:
+            slots, held = kv.token_slots(r)
+            empty_first += slots - held
         release(e)
         empty_first -= bs * (used_first - kv.num_used_blocks)
     used = kv.num_used_blocks

@@ -20,7 +20,7 @@ from sim.errors import CONTROL, ScenarioError, shown
 from sim.fileio import LONG_INT_MESSAGE, read_input_text, reason, toml_loads
 from sim.inputs.workload import min_length
 from sim.model import presets
-from sim.engine.kv import blocks_held
+from sim.engine.kv import arrival_blocks
 from sim.model.costmodel import CostModel, ModelShape, kv_groups
 from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
@@ -1067,7 +1067,12 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
         raise ScenarioError(
             f"{src}: model.max_model_len = {m.max_model_len}: no request could ever fit (the "
             f"smallest the workload makes has {smallest + 1} tokens)")
-    need = blocks_held(smallest, sc.kv.block_size, kv_groups(pipeline_stage(sc)))
+    # (the engine's own arrival rule: sim.engine.kv.arrival_blocks)
+    policy = POLICIES.get(sc.scheduler.policy)
+    chunk = sc.scheduler.max_num_batched_tokens if policy and policy.chunks_prompts else 0
+    need = arrival_blocks(min_length(sc, "prompt_tokens") + w.shared_prefix_tokens,
+                          max(1, min_length(sc, "output_tokens")), sc.kv.block_size,
+                          kv_groups(pipeline_stage(sc)), chunk)
     if need > num_blocks:
         raise ScenarioError(
             f"{src}: kv.num_blocks = {num_blocks}: no request could ever fit (the smallest "
