@@ -50,9 +50,12 @@ HARDWARE: dict[str, dict] = {
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
                  int8_tops=733.0, fp4_tflops=0.0),
     # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
-    # dense: the sheet's sparse figures halved): 180 GB HBM3e at 8 TB/s, BF16 2.25, FP8 and
-    # INT8 4.5, FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together.
-    "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=8000.0, peak_tflops=2250.0,
+    # dense: the sheet's sparse figures halved): 180 GB HBM3e, BF16 2.25, FP8 and INT8 4.5,
+    # FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together. The memory's
+    # bandwidth is the 180 GB part's, 7.7 TB/s (NVIDIA's Blackwell data sheet; its 7,680-bit
+    # bus at 3,996 MHz, as the driver reports them, gives 7.67), not the 8 TB/s a GPU that
+    # the HGX page's 64 TB/s for eight GPUs comes to.
+    "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=7700.0, peak_tflops=2250.0,
                  fp8_tflops=4500.0, tdp_w=1000.0, idle_w=140.0, interconnect_gbps=900.0,
                  pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0),
     # AMD Instinct MI300X data sheet
@@ -110,7 +113,7 @@ _KERNELS = dict(
     fp8_gemm_efficiency=0.6647, bandwidth_efficiency=0.8329, attention_efficiency=0.4904,
     elementwise_efficiency=0.5, layer_overhead_us=25.61, allreduce_sync_us=12.75,
     # (the third stage's terms: its rows' minimum without its priors, sim/README.md)
-    moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.28,
+    moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.29,
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
@@ -151,8 +154,9 @@ ENGINES: dict[str, dict] = {
 ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
                                **COLLECTIVES)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
-# on the host, fitted on M8 (sim/README.md), the one published row where it binds.
-ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=34.8)
+# on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
+# experts on a B200 and a dense 8B on an H200.
+ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=33.5)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'; the time per request (HTTP, the request's checks, the hand-offs to and from the

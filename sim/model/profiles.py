@@ -241,6 +241,7 @@ def fit(rows: list[_Row], start: dict | None = None, log=None,
     if moe and stage3:
         mine3 = {r.scenario.engine.preset for r in moe} & set(FIT_MOE)
         own = {k: given.get(k, v) for k, v in _start(mine3, FIT_MOE).items()}
+        own = host_time_start(_residuals(moe, c), own)
         own, _ = least_squares(_residuals(moe, c), own,
                                {k: _kind(k.rpartition(":")[2]) for k in own},
                                max_iter=stage3_iter, tol=1e-4, diff_step=0.03)
@@ -248,6 +249,29 @@ def fit(rows: list[_Row], start: dict | None = None, log=None,
         if log:
             log(f"stage 3 ({len(moe)} rows): {_fmt(own)}")
     return c
+
+
+# A step overlapping its host's work takes max(GPU time, host time): below the host time per
+# sequence where the host binds, no row moves with it, and a local search started there stays.
+HOST_TIME_SCAN = (2.0, 4.0, 8.0)
+
+
+def host_time_start(residuals, start: dict) -> dict:
+    """`start` with each host time per sequence (`cpu_per_seq_us`) raised to the multiple of
+    its value in `HOST_TIME_SCAN` (or kept) whose sum of squared `residuals` is least: a start
+    on the side of the kink where the rows that bind it speak."""
+    out = dict(start)
+    for k in start:
+        if k.rpartition(":")[2] != "cpu_per_seq_us":
+            continue
+        best, pick = None, out[k]
+        for m in (1.0, *HOST_TIME_SCAN):
+            r = np.asarray(residuals({**out, k: start[k] * m}), dtype=np.float64)
+            cost = float(r @ r) if np.all(np.isfinite(r)) else math.inf
+            if best is None or cost < best:
+                best, pick = cost, start[k] * m
+        out[k] = pick
+    return out
 
 
 def _residuals(rows: list[_Row], fixed: dict):

@@ -66,7 +66,7 @@ def test_engine_column_mapping(engine, preset):
 
 def test_bundled_points_load_with_fit_and_holdout_rows():
     pts = load_points(POINTS)
-    assert len([p for p in pts if p.use == "fit"]) == 41
+    assert len([p for p in pts if p.use == "fit"]) == 42
     assert all(p.source for p in pts)
     assert {p.use for p in pts} == {"fit", "holdout"}
 
