@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 
@@ -328,7 +329,10 @@ def leave_one_out(rows: list[_Row], log=None) -> list[tuple[Point, float]]:
 
 # What `leave_group_out` can hold out together: each point's value of it, from its scenario.
 GROUPS = {
-    "model": lambda sc: sc.model.preset or f"{sc.model.num_params:.3g} parameters",
+    # (a model read from a config.json is named by the file, which is a preset's name for the
+    # bundled ones: Llama 3.1 8B is one model whether a row names its preset or its config)
+    "model": lambda sc: (sc.model.preset or Path(sc.model.config).name.removesuffix(".json")
+                         or f"{sc.model.num_params:.3g} parameters"),
     "hardware": lambda sc: sc.hardware.preset or f"{sc.hardware.mem_bandwidth_gbps:g} GB/s",
     "dtype": lambda sc: f"{sc.model.dtype_bytes}-byte weights",
     "tp": lambda sc: f"tensor_parallel {sc.model.tensor_parallel}",

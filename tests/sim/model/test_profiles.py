@@ -213,3 +213,18 @@ def test_the_bundled_fit_pins_the_host_time_on_two_gpus_and_two_models(capsys):
         sc = tomllib.loads(text)
         where.add((sc["hardware"]["preset"], sc["model"].get("config") or sc["model"]["preset"]))
     assert len({g for g, _ in where}) >= 2 and len({m for _, m in where}) >= 2, where
+
+
+def test_a_model_is_one_group_whether_named_by_preset_or_by_config(tmp_path):
+    """`validate --leave-out model` holds out Llama 3.1 8B whole: the rows that name its
+    preset and those that read its bundled config.json."""
+    from sim.inputs.scenario import load_scenario
+
+    keys = []
+    for i, line in enumerate(['preset = "llama-3.1-8b"', 'config = "llama-3.1-8b"',
+                              'config = "qwen3-30b-a3b"']):
+        f = tmp_path / f"s{i}.toml"
+        f.write_text(f"[model]\n{line}\n[workload]\nnum_requests = 1\n")
+        keys.append(P.GROUPS["model"](load_scenario(str(f))))
+    assert keys[0] == keys[1] == "llama-3.1-8b"
+    assert keys[2] == "qwen3-30b-a3b"
