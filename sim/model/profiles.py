@@ -242,8 +242,8 @@ def fit(rows: list[_Row], start: dict | None = None, log=None,
     if moe and stage3:
         mine3 = {r.scenario.engine.preset for r in moe} & set(FIT_MOE)
         own = {k: given.get(k, v) for k, v in _start(mine3, FIT_MOE).items()}
-        own = host_time_start(_residuals(moe, c), own)
-        own, _ = least_squares(_residuals(moe, c), own,
+        res3 = _residuals(moe, c)
+        own, _ = least_squares(res3, host_time_start(res3, own),
                                {k: _kind(k.rpartition(":")[2]) for k in own},
                                max_iter=stage3_iter, tol=1e-4, diff_step=0.03)
         c.update(own)
@@ -265,11 +265,11 @@ def host_time_start(residuals, start: dict) -> dict:
     for k in start:
         if k.rpartition(":")[2] != "cpu_per_seq_us":
             continue
-        best, pick = None, out[k]
+        best, pick = math.inf, start[k]
         for m in (1.0, *HOST_TIME_SCAN):
             r = np.asarray(residuals({**out, k: start[k] * m}), dtype=np.float64)
             cost = float(r @ r) if np.all(np.isfinite(r)) else math.inf
-            if best is None or cost < best:
+            if cost < best:
                 best, pick = cost, start[k] * m
         out[k] = pick
     return out
