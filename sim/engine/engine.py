@@ -310,9 +310,10 @@ class Engine(EngineState):
         self.tpot = Samples()  # of finished requests with at least two tokens
         self.e2e = Samples()   # of finished requests
         self.itl_extra = Samples()  # ITL gaps across non-adjacent steps (the timeline has the rest)
-        # As the client measures them, with a front end (TTFT of first tokens, E2E of finished
-        # requests; without one they are ttft and e2e)
+        # As the client measures them, with a front end (TTFT of first tokens, TPOT and E2E of
+        # finished requests; without one they are ttft, tpot and e2e)
         self.client_ttft = Samples()
+        self.client_tpot = Samples()
         self.client_e2e = Samples()
         self.finished_prompt_tokens = 0  # of finished requests and samples
         self.finished_output_tokens = 0  # of finished requests
@@ -754,7 +755,7 @@ class Engine(EngineState):
             self._next_id += 1
             child.parent_id = parent.req_id
             child.shared_prefix = parent.shared_prefix
-            child.sent_time, child.stream_delay = parent.sent_time, parent.stream_delay
+            child.sent_time = parent.sent_time
             child._timeline = self.timeline
             self.requests[child.req_id] = child
             if self.record_events:

@@ -5,11 +5,21 @@ tokenisation per prompt token and a fixed time per request. The server tokenises
 a time, in the order they were sent (vLLM's API server and SGLang's tokenizer manager are each
 one process whose event loop tokenises), so a request sent while another is tokenised waits for
 it; the time per request (HTTP, checks, the hand-offs between processes) is latency, which
-requests spend side by side, so it delays each request without holding the server. Each output
-token reaches the client `stream_delay` after the engine samples it (detokenisation and
-streaming), so the client's TTFT and E2E are the engine's plus the time in and the time out,
-and its ITL and TPOT are the engine's. The server runs apart from the engine's own process in
-the engines modelled (vLLM since 0.6, SGLang), so its CPU time does not lengthen engine steps.
+requests spend side by side, so it delays each request without holding the server.
+
+The tokens a step samples come back the same way: the server takes each step's outputs in the
+order the steps end and spends `frontend_output_token_us` on each token (detokenising it,
+building its streamed chunk and writing it), one step's outputs after the other's, and the
+step's tokens reach their clients when it is done with them (`deliver`). At light load that is
+the time per token after the step; at hundreds of streams a step's tokens can take longer than
+the step, and the server's backlog grows: the clients then receive tokens at the server's rate,
+not the engine's, and a closed-loop user, who sends again when the end of its response has
+reached it, waits for the backlog too. So the client's TTFT, TPOT and E2E are from the times
+the server hands tokens out, the engine's from the times it sampled them. The server runs apart
+from the engine's own process in the engines modelled (vLLM since 0.6, SGLang), so neither its
+intake nor its output work lengthens engine steps, and each is modelled as a queue of its own
+(one process's event loop does both in vLLM: under a backlog of outputs its intake would wait
+too, which this leaves out).
 
 Only the workload's requests pass through it: a request injected into the engine (the
 dashboard, `servesim serve`, whose HTTP server is real) arrives at the engine as it is sent.
@@ -29,13 +39,18 @@ TERMS = ("frontend_request_us", "frontend_prompt_token_us", "frontend_output_tok
 class FrontEnd:
     """The API server of an engine profile (`engine.frontend_*`), and when it is next free."""
 
-    __slots__ = ("request_s", "prompt_token_s", "stream_delay", "free")
+    request_s: float
+    prompt_token_s: float
+    token_s: float
+    free: float
+    out_free: float
 
     def __init__(self, request_us: float, prompt_token_us: float, output_token_us: float) -> None:
         self.request_s = request_us * 1e-6
         self.prompt_token_s = prompt_token_us * 1e-6
-        self.stream_delay = output_token_us * 1e-6
+        self.token_s = output_token_us * 1e-6
         self.free = 0.0  # when the server has tokenised every request sent so far
+        self.out_free = 0.0  # when it has handed out every token sampled so far
 
     @classmethod
     def of(cls, engine_cfg: Any) -> FrontEnd | None:
@@ -51,10 +66,26 @@ class FrontEnd:
         self.free = start + prompt_len * self.prompt_token_s
         return self.free + self.request_s
 
+    def deliver(self, end: float, sampled: int) -> float:
+        """A step ending at `end` (after every step delivered before) has sampled `sampled`
+        tokens: when the server has handed them to their clients. They wait for the server to
+        be done with the steps before, then take `sampled` times its time per token."""
+        d: float = self.out_free
+        d = (end if end > d else d) + sampled * self.token_s
+        self.out_free = d
+        return d
+
+    def deliver_run(self, ends: list[float], sampled: int) -> float:
+        """`deliver` of steps ending at `ends`, in order, each with `sampled` tokens: when the
+        last one's are handed out."""
+        d: float = self.out_free
+        for end in ends:
+            d = self.deliver(end, sampled)
+        return d
+
     def mark(self, req: Any, sent: float) -> None:
         """`req`, sent at `sent`, came through this front end."""
         req.sent_time = sent
-        req.stream_delay = self.stream_delay
 
     def arrivals(self, sent: np.ndarray, prompt: np.ndarray) -> np.ndarray:
         """`intake` of every request of an open-loop workload (sent times in order): their

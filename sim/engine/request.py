@@ -67,7 +67,7 @@ class Request:
         "reject_reason", "cancelled_in", "num_cached_tokens", "_timeline", "injected",
         "replica", "recomputing", "host_table", "shared_prefix",
         "cached_upto", "block_keys", "parent_id", "tag", "session", "sent_time",
-        "stream_delay", "group_tables",
+        "client_first_time", "client_last_time", "group_tables",
     )
 
     def __init__(
@@ -95,9 +95,10 @@ class Request:
         self.replica = 0
         self.tag: str | None = None  # who sent it (servesim serve: the client's address)
         # The client's side of the API server (sim.engine.frontend): when it sent the request,
-        # and how long each token takes from the engine to it.
+        # and when its first and last tokens reached it (None: no server in front, or not yet)
         self.sent_time = arrival_time
-        self.stream_delay = 0.0
+        self.client_first_time: float | None = None
+        self.client_last_time: float | None = None
 
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0
@@ -202,15 +203,31 @@ class Request:
 
     @property
     def client_ttft(self) -> float | None:
-        """TTFT as the client measures it: from sending to receiving the first token."""
-        first = self.first_token_time
-        return None if first is None else first + self.stream_delay - self.sent_time
+        """TTFT as the client measures it: from sending to receiving the first token (the
+        engine's TTFT without an API server in front)."""
+        first = self.client_first_time
+        if first is None:
+            first = self.first_token_time
+        return None if first is None else first - self.sent_time
 
     @property
     def client_e2e(self) -> float | None:
         """E2E as the client measures it: from sending to receiving the end of the response."""
-        end = self.finish_time
-        return None if end is None else end + self.stream_delay - self.sent_time
+        if self.finish_time is None:
+            return None
+        end = self.client_last_time
+        return (self.finish_time if end is None else end) - self.sent_time
+
+    @property
+    def client_tpot(self) -> float | None:
+        """TPOT as the client measures it, from the times its first and last tokens reached
+        it; None with fewer than two tokens."""
+        first, last = self.client_first_time, self.client_last_time
+        if first is None or last is None:
+            return self.tpot
+        if self.num_output_tokens < 2:
+            return None
+        return (last - first) / (self.num_output_tokens - 1)
 
     @property
     def tpot(self) -> float | None:

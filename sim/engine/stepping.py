@@ -30,6 +30,7 @@ from sim.native import compiled
 from sim.engine import events as ev
 from sim.model.costmodel import CostModel, beyond_window
 from sim.errors import EngineError
+from sim.engine.frontend import FrontEnd
 from sim.engine.kv import KVCacheManager, blocks_for
 from sim.engine.kv import arrival_blocks as kv_arrival_blocks
 from sim.policies.batch import PolicyState
@@ -122,6 +123,7 @@ class EngineState:
     e2e: Samples
     itl_extra: Samples
     client_ttft: Samples
+    client_tpot: Samples
     client_e2e: Samples
     finished_prompt_tokens: int
     finished_output_tokens: int
@@ -464,11 +466,14 @@ def fold_finished(e: Any, req: Request, t: float) -> None:
     if tpot is not None:
         s.tpot.add(tpot)
     s.finished_output_tokens += req.num_output_tokens
-    # (the SLO is the client's: behind a front end, its TTFT and E2E)
+    # (the SLO is the client's: behind a front end, its TTFT, TPOT and E2E)
     ttft, e2e = req.client_ttft, req.client_e2e
     assert ttft is not None and e2e is not None  # (a finished request has sampled)
     if s.frontend is not None:
         s.client_e2e.add(e2e)
+        tpot = req.client_tpot
+        if tpot is not None:
+            s.client_tpot.add(tpot)
     if meets_slo(slo_bounds(e, req), ttft, tpot, e2e):
         s.slo_met += 1
 
@@ -488,6 +493,22 @@ def meets_slo(bounds: tuple, ttft: float, tpot: float | None, e2e: float) -> boo
     return bool((not ttft_ms or ttft * 1e3 <= ttft_ms)
                 and (not tpot_ms or tpot is None or tpot * 1e3 <= tpot_ms)
                 and (not e2e_ms or e2e * 1e3 <= e2e_ms))
+
+
+def delivered(e: Any, t: float, end: float, first: list[Request],
+              finished: list[Request]) -> None:
+    """Behind an API server, which has handed out at `t` the tokens of the step (or run of
+    steps) ending at `end`: among them the first tokens of `first` and the last of
+    `finished`."""
+    s: EngineState = e
+    for req in first:
+        req.client_first_time = t
+        if req.parent_id is None:
+            ttft = t - req.sent_time
+            s.client_ttft.add(ttft)
+            recent(e, s.recent_ttfts, end, ttft)  # (the rolling figure is the client's too)
+    for req in finished:
+        req.client_last_time = t
 
 
 def gap(e: Any, t: float, gap_s: float) -> None:
@@ -630,6 +651,7 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     sampled = itl = 0
     prefilling = False
     prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
+    forked: list[Request] = []  # further samples started by the step
     tokens_out: dict[int, list[int]] = {}  # (with real compute)
     caching = s.prefix_caching and not kv.register_at_allocation
     events: bool = s.record_events  # (the step's chunk and decode lists are for its event)
@@ -662,12 +684,8 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             if req.parent_id is None:
                 ttft: float = end - req.arrival_time
                 s.ttft.add(ttft)
-                if s.frontend is not None:  # (the rolling figure is the client's too)
-                    seen = req.client_ttft
-                    assert seen is not None  # (it has its first token)
-                    ttft = seen
-                    s.client_ttft.add(ttft)
-                recent(e, s.recent_ttfts, end, ttft)
+                if s.frontend is None:  # (behind one, the client's, once its tokens are out)
+                    recent(e, s.recent_ttfts, end, ttft)
             first.append(req)
             req.open_run(g, 1)
             # (preempted before its first token: counted as re-prefilling until the next)
@@ -703,9 +721,14 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
                 kids: list[Request] = e._fork(req, end, g, seats)
                 sampled += len(kids)
                 seats -= len(kids)
+                forked.extend(kids)
                 for kid in kids:  # (a one-token output: each sample ends with its first)
                     if kid.num_output_tokens >= kid.max_output_tokens:
                         finished.append(kid)
+    if s.frontend is not None:
+        fe: FrontEnd = s.frontend
+        delivered(e, fe.deliver(end, sampled), end, first + forked if forked else first,
+                  finished)
     if s.record_timeline:
         tl.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
                               kv.num_used_blocks, empty_slots(e), energy,
@@ -865,6 +888,11 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
         emit_steps(e, ev.Steps(s.now, g, np.asarray(ends) if at < 0
                                else tl._s_end[at:at + k].copy(), (),
                                tuple([r.req_id for r in reqs]), None, used_last))
+    if s.frontend is not None:  # (the staged end times read before they are committed)
+        server: FrontEnd = s.frontend
+        delivered(e, server.deliver_run(
+            (tl._s_end[at:at + k] if at >= 0 else np.asarray(ends)).tolist(), b), end, [],
+            finished)
     if at >= 0:
         tl.commit_decodes(at, k, b, itl0, empty_end - bs * used_end + b * (k - 1), bs,
                           empty_first, len(ps.waiting))

@@ -138,7 +138,8 @@ class ClosedLoop(StepObserver):
             else:  # the conversation is over (or cut short): the next request starts another
                 user.turn, user.history, user.history_ids = 0, 0, None
         # (the user sends again once it has seen the end of the response, and thought)
-        t = float(req.finish_time) + req.stream_delay + self.think
+        end = req.client_last_time
+        t = float(req.finish_time if end is None else end) + self.think
         if self.sent >= self.rows or not t < self.stop:
             return
         self.sent += 1

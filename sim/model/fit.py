@@ -162,10 +162,14 @@ class RunRecord:
     num_output: np.ndarray
     summary: dict  # the simulation's own summary (sim.stats.metrics.summarize)
     swap: np.ndarray  # seconds of swap copies each step adds (no coefficient changes them)
-    # per finished request: when its client sent it, less the time each token takes to reach
-    # the client; its TTFT and E2E count from here, as its client measures them
-    # (sim.engine.request.Request.client_ttft: an API server in front shifts both)
+    # per finished request: when its client sent it; its TTFT and E2E count from here, as its
+    # client measures them (sim.engine.request.Request.client_ttft)
     since: np.ndarray
+    # behind an API server that spends time on each output token (sim.engine.frontend): that
+    # time (s), and the tokens each step sampled; its tokens reach the clients when the server
+    # has handed them out
+    token_s: float = 0.0
+    sampled: np.ndarray | None = None
 
     def durations(self, cost) -> np.ndarray:
         """Each step's duration under `cost` (a sim.model.costmodel.CostModel)."""
@@ -179,8 +183,9 @@ class RunRecord:
         s = np.cumsum(d)
         prev = s - d  # time spent before step k if never idle
         ends = s + np.maximum.accumulate(np.maximum(self.ready - prev, 0.0))
-        tf = ends[self.first]
-        tl = ends[self.last]
+        out = ends if self.token_s == 0 else _delivered(ends, self.sampled * self.token_s)
+        tf = out[self.first]
+        tl = out[self.last]
         n = self.num_output
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(n > 1, (tl - tf) / np.maximum(n - 1, 1), np.nan)
@@ -208,7 +213,19 @@ def record_run(scenario) -> RunRecord:
     return RunRecord(cols, ready, np.array([r.arrival_time for r in reqs], dtype=np.float64),
                      first, last, np.array([r.num_output_tokens for r in reqs], dtype=np.int64),
                      summarize(engine), swap,
-                     np.array([r.sent_time - r.stream_delay for r in reqs], dtype=np.float64))
+                     np.array([r.sent_time for r in reqs], dtype=np.float64),
+                     0.0 if engine.frontend is None else engine.frontend.token_s,
+                     np.asarray(engine.timeline.column("sampled"), dtype=np.float64))
+
+
+def _delivered(ends: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """When an API server that takes `cost` seconds over each step's tokens, one step after
+    the other in the order they end (`sim.engine.frontend.FrontEnd.deliver`), has handed out
+    the tokens of steps ending at `ends`, for every step at once: with A the running sum of
+    the costs, d[k] - A[k] = max(ends[k] - A[k-1], d[k-1] - A[k-1]), a running maximum.
+    (Equal to the engine's step-by-step sums up to float rounding.)"""
+    spent = np.cumsum(cost)
+    return spent + np.maximum(np.maximum.accumulate(ends - (spent - cost)), 0.0)
 
 
 # --- least squares -------------------------------------------------------------------------------

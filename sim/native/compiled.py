@@ -22,6 +22,7 @@ MODULES = {
     "sim.model.costmodel": "sim/model/costmodel.py",
     "sim.engine.timeline": "sim/engine/timeline.py",
     "sim.engine.stepping": "sim/engine/stepping.py",
+    "sim.engine.frontend": "sim/engine/frontend.py",
     "sim.policies.batch": "sim/policies/batch.py",
     "sim.policies.base": "sim/policies/base.py",
     "sim.policies.chunked": "sim/policies/chunked.py",

@@ -6,9 +6,11 @@ Definitions (times in seconds inside, milliseconds in the output):
 - ITL = the gaps between consecutive output tokens of a request, all requests pooled;
 - TPOT = (last token - first token) / (n - 1), over finished requests with n >= 2;
 - E2E = completion - arrival, over finished requests.
-Behind an API server (sim.engine.frontend) TTFT and E2E are the client's: from when it sent the
-request to when it received the first token or the end; `engine_side` holds the engine's, from
-the request's arrival at the engine to the token's sampling. ITL and TPOT are the same on both.
+Behind an API server (sim.engine.frontend) TTFT, TPOT and E2E are the client's: from when it
+sent the request to when it received the first token or the end, and between its first and last
+token's receipt; `engine_side` holds the engine's, from the request's arrival at the engine to
+the token's sampling. ITL is the engine's gaps on both (the client's differ only while the
+server has a backlog, and then its TPOT shows the server's rate).
 Percentiles are of the observed values (inverted CDF: p99 is the smallest value with at least
 99% of the values at or below it), weighted where ITL gaps are pooled by count.
 """
@@ -47,9 +49,16 @@ def summarize(engine) -> dict:
     return out
 
 
+def received(whole, parts: list) -> float:
+    """How long the run lasted for its clients: the engine's clock, or behind an API server
+    (sim.engine.frontend) until it handed out the last token, if that is later."""
+    fronts = [e.frontend for e in parts if e.frontend is not None]
+    return max([whole.now, *(f.out_free for f in fronts)])
+
+
 def _clients(engine) -> dict:
     """Each client's figures of a client mix (sim.engine.clients), keyed by its name."""
-    f, duration = engine.clients, engine.now
+    f, duration = engine.clients, received(engine, [engine])
     out = {}
     for name, c in f.counts.items():
         out[name] = {
@@ -77,11 +86,14 @@ def _summary(whole, parts: list) -> dict:
     out_tokens = c["output_tokens"]
     itl = pooled_distribution_ms(  # (pooled by engine, in step order: the sketch depends on it)
         [x for e in parts for x in (e.timeline.itl, e.timeline.tail_itl(), e.itl_extra)])
-    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
+    # (behind an API server the run lasts, for its clients, until its last token reached
+    # them: throughput and goodput are theirs)
+    fe = parts[0].frontend is not None  # (TTFT, TPOT and E2E are the client's)
+    served = received(whole, parts)
+    per_s = (lambda x: x / served) if served > 0 else (lambda x: 0.0)
     nb = sum(e.kv.num_blocks for e in parts)
     hit = sum(e.kv.hit_tokens for e in parts)
     query = sum(e.kv.query_tokens for e in parts)
-    fe = parts[0].frontend is not None  # (TTFT and E2E are the client's)
     return {
         "scenario": sc.name,
         "policy": whole.policy.name,
@@ -89,6 +101,7 @@ def _summary(whole, parts: list) -> dict:
         "requests": {"total": c["arrived"], "finished": finished, "cancelled": c["cancelled"],
                      "rejected": c["rejected"]},
         "duration_s": duration,
+        **({"client_duration_s": served} if fe else {}),
         "wall_s": whole.wall_s,
         "steps": whole.step_count,
         "throughput": {
@@ -99,10 +112,11 @@ def _summary(whole, parts: list) -> dict:
         },
         "ttft_ms": pooled_distribution_ms([e.client_ttft if fe else e.ttft for e in parts]),
         "itl_ms": itl,
-        "tpot_ms": pooled_distribution_ms([e.tpot for e in parts]),
+        "tpot_ms": pooled_distribution_ms([e.client_tpot if fe else e.tpot for e in parts]),
         "e2e_ms": pooled_distribution_ms([e.client_e2e if fe else e.e2e for e in parts]),
         "queue_ms": pooled_distribution_ms([e.queue_wait for e in parts]),
         **({"engine_side": {"ttft_ms": pooled_distribution_ms([e.ttft for e in parts]),
+                            "tpot_ms": pooled_distribution_ms([e.tpot for e in parts]),
                             "e2e_ms": pooled_distribution_ms([e.e2e for e in parts])}}
            if fe else {}),
         "kv": {
@@ -179,12 +193,16 @@ def floors(engine) -> dict[str, float] | None:
             if r.num_output_tokens == 0:
                 first[rid] = max(first.get(rid, 0.0), spent)
             elif r.max_output_tokens >= 2 and r.first_token_time is not None:
-                g = (now - r.first_token_time) / (r.max_output_tokens - 1)
+                # (behind a front end, from when the first token reached the client: its last
+                # reaches it no earlier than the engine samples it)
+                since = r.client_first_time if fe and r.client_first_time is not None \
+                    else r.first_token_time
+                g = (now - since) / (r.max_output_tokens - 1)
                 gap[rid] = max(gap.get(rid, 0.0), g)
     out = {}
     for m, taken, pending in (
             ("ttft", [e.client_ttft if fe else e.ttft for e in parts], first),
-            ("tpot", [e.tpot for e in parts], gap),
+            ("tpot", [e.client_tpot if fe else e.tpot for e in parts], gap),
             ("e2e", [e.client_e2e if fe else e.e2e for e in parts], last)):
         if not all(s.exact for s in taken):
             return None

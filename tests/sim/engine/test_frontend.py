@@ -50,8 +50,30 @@ def test_the_server_tokenises_one_request_at_a_time_in_the_order_sent():
     assert FrontEnd.of(load_scenario("chat", ['engine.preset="roofline"']).engine) is None
 
 
+def test_the_server_hands_out_each_steps_tokens_after_the_steps_before():
+    fe = FrontEnd(0.0, 0.0, 100.0)  # 100 us per output token
+    assert fe.deliver(0.010, 5) == pytest.approx(0.0105)  # idle: the step's 5 tokens
+    assert fe.deliver(0.0102, 5) == pytest.approx(0.0110)  # waits for the step before
+    assert fe.deliver(0.020, 1) == pytest.approx(0.0201)  # idle again
+    # a run of steps delivered at once equals the steps delivered one at a time
+    ends = [0.021 + 0.0003 * j for j in range(40)]
+    one, each = FrontEnd(0.0, 0.0, 100.0), FrontEnd(0.0, 0.0, 100.0)
+    one.out_free = each.out_free = fe.out_free
+    assert one.deliver_run(ends, 4) == [each.deliver(t, 4) for t in ends][-1]
+    # 4 tokens a step take 0.4 ms, longer than a 0.3 ms step: the backlog grows
+    assert one.out_free == pytest.approx(0.0201 + 40 * 0.0004 + 0.0009, rel=1e-9)
+
+
+def lane_of(e, token_s):
+    """Each step's delivery time, from the timeline's rows and `FrontEnd.deliver`."""
+    fe = FrontEnd(0.0, 0.0, token_s * 1e6)
+    return [fe.deliver(t, int(n)) for t, n in zip(e.timeline.column("end").tolist(),
+                                                   e.timeline.column("sampled").tolist())]
+
+
 def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_sees_later():
     e = run(*OPEN, *FE)
+    lane = lane_of(e, 150e-6)
     finished = [r for r in e.requests.values() if r.state is RequestState.FINISHED]
     assert len(finished) == 150
     sent_before = -1.0
@@ -59,12 +81,31 @@ def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_see
         assert r.sent_time >= sent_before  # (rows stay in the order sent)
         sent_before = r.sent_time
         assert r.arrival_time >= r.sent_time + 0.004 + r.prompt_len * 2e-6 - 1e-12
-        assert r.client_ttft == pytest.approx(r.first_token_time + 150e-6 - r.sent_time)
-        assert r.client_e2e == pytest.approx(r.finish_time + 150e-6 - r.sent_time)
+        # its first and last tokens reach it when the server has handed out their steps'
+        first, last = r.token_segments[0][0], r.token_segments[-1][0] + r.token_segments[-1][1] - 1
+        assert r.client_ttft == lane[first] - r.sent_time
+        assert r.client_e2e == lane[last] - r.sent_time
+        assert r.client_tpot == (lane[last] - lane[first]) / (r.num_output_tokens - 1)
+        assert lane[first] >= r.first_token_time + 150e-6
         assert r.client_ttft > r.ttft and r.client_e2e > r.e2e
+    assert max(lane[k] - t for k, t in enumerate(e.timeline.column("end"))) > 150e-6
     # the workload's arrival column stays the sent times
     assert [r.sent_time for r in sorted(finished, key=lambda r: r.req_id)] == \
         e.workload.arrival.tolist()
+
+
+def test_a_saturated_server_bounds_what_the_clients_receive():
+    # 64 users, short prompts, long outputs: the engine samples far more than 2,000 tokens
+    # a second, a server at 500 us a token hands out at most 2,000
+    base = ["workload.concurrency=64", "workload.num_requests=256", "kv.num_blocks=20000",
+            "workload.prompt_tokens=64", "workload.output_tokens=256", *NO_FRONTEND]
+    free = summarize(run(*base))
+    slow = summarize(run(*base, "engine.frontend_output_token_us=500"))
+    assert free["throughput"]["output_tokens_per_s"] > 4000
+    assert 1900 < slow["throughput"]["output_tokens_per_s"] <= 2000
+    # the clients' tokens come at the server's pace, the engine's at its own
+    assert slow["tpot_ms"]["p50"] > 2 * slow["engine_side"]["tpot_ms"]["p50"]
+    assert slow["tpot_ms"]["p50"] > 1.5 * free["tpot_ms"]["p50"]
 
 
 def test_the_summary_gives_the_clients_ttft_and_e2e_and_the_engines_beside_them():
@@ -74,8 +115,11 @@ def test_the_summary_gives_the_clients_ttft_and_e2e_and_the_engines_beside_them(
     assert s["ttft_ms"]["count"] == s["engine_side"]["ttft_ms"]["count"] == 150
     assert s["ttft_ms"]["p50"] > s["engine_side"]["ttft_ms"]["p50"] + 4.0
     assert s["e2e_ms"]["mean"] > s["engine_side"]["e2e_ms"]["mean"] + 4.0
-    # ITL and TPOT are the same on both sides: they are not repeated
-    assert set(s["engine_side"]) == {"ttft_ms", "e2e_ms"}
+    # ITL is the engine's on both sides: it is not repeated
+    assert set(s["engine_side"]) == {"ttft_ms", "tpot_ms", "e2e_ms"}
+    # (at this load the server keeps up: the client's TPOT is the engine's within its time)
+    assert s["tpot_ms"]["count"] == s["engine_side"]["tpot_ms"]["count"]
+    assert s["tpot_ms"]["mean"] == pytest.approx(s["engine_side"]["tpot_ms"]["mean"], rel=0.02)
     table = format_table({"fcfs": s})
     assert "engine-side TTFT p50 (ms)" in table
     assert "engine-side" not in format_table({"fcfs": plain})
@@ -105,7 +149,9 @@ def test_a_closed_loop_user_sends_again_when_it_has_seen_the_end():
     reqs = sorted(e.requests.values(), key=lambda r: r.sent_time)
     assert len(reqs) == 80 and all(r.state.is_done for r in reqs)
     # every later request is sent when an earlier one's end reached its client, plus thinking
-    seen = sorted(r.finish_time + 150e-6 + 0.25 for r in reqs)[:80 - 4]
+    lane = lane_of(e, 150e-6)
+    seen = sorted(lane[r.token_segments[-1][0] + r.token_segments[-1][1] - 1] + 0.25
+                  for r in reqs)[:80 - 4]
     assert [r.sent_time for r in reqs[4:]] == pytest.approx(seen, abs=1e-12)
     for r in reqs:
         assert r.arrival_time >= r.sent_time + 0.004 + r.prompt_len * 2e-6 - 1e-12
@@ -186,3 +232,20 @@ def test_runs_behind_a_front_end_agree_however_time_is_sliced(closed):
     a, b = summarize(whole), summarize(runs["stepped"])
     a.pop("wall_s"), b.pop("wall_s")
     assert a == b and "engine_side" in a
+
+
+def test_the_fits_replay_hands_tokens_out_as_the_server_does():
+    # sim.model.fit re-times a recorded schedule all at once: its running maximum must give
+    # the times the server's one-step-at-a-time sums give
+    import numpy as np
+
+    from sim.model.fit import _delivered
+
+    rng = np.random.default_rng(7)
+    ends = np.cumsum(rng.uniform(0.0, 0.004, 5000) * (rng.random(5000) < 0.9))
+    sampled = rng.integers(0, 160, 5000)
+    fe = FrontEnd(0.0, 0.0, 20.0)
+    step = [fe.deliver(t, int(n)) for t, n in zip(ends.tolist(), sampled.tolist())]
+    assert np.abs(_delivered(ends, sampled * 20e-6) - step).max() < 1e-12
+    assert max(np.array(step) - ends) > 0.003  # (a backlog, then idle: both cases seen)
+    assert abs(min(np.array(step) - ends - sampled * 20e-6)) < 1e-12

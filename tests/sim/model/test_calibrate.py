@@ -149,6 +149,8 @@ def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path)
     ("chat", ["workload.num_requests=100", "engine.frontend_request_us=5000",
               "engine.frontend_prompt_token_us=2",
               "engine.frontend_output_token_us=300"]),                # an API server in front
+    ("chat", ["workload.concurrency=64", "workload.num_requests=200",
+              "engine.frontend_output_token_us=400"]),                # ... with a backlog
     ("prefill-stalls", ["workload.duration_s=20"]),               # chunked prefills, mixed steps
     ("fragmentation", ["workload.duration_s=30"]),                # preemptions
     ("burst", ['scheduler.preemption="swap"', "hardware.pcie_gbps=25"]),  # swaps
