@@ -222,15 +222,18 @@ class EngineConfig:
     gqa_reread: float = _f(_ENGINE["gqa_reread"], min=0, max=1,
                            doc="with gqa_shared_kv = false: the fraction of the repeated K/V "
                                "reads of a GQA group that reach DRAM (the rest hit in L2)")
-    # The API server in front of the engine (sim.engine.frontend): TTFT and E2E are the client's.
+    # The API server in front of the engine (sim.engine.frontend): TTFT, TPOT and E2E are the
+    # client's.
     frontend_request_us: float = _f(_ENGINE["frontend_request_us"], min=0,
                                     doc="API server time per request before the engine sees "
                                         "it (HTTP, checks, hand-off to the engine)")
     frontend_prompt_token_us: float = _f(_ENGINE["frontend_prompt_token_us"], min=0,
                                          doc="tokenisation per prompt token, in the API server")
     frontend_output_token_us: float = _f(_ENGINE["frontend_output_token_us"], min=0,
-                                         doc="detokenisation and streaming: a token reaches the "
-                                             "client this long after it is sampled")
+                                         doc="the API server's time on each streamed token "
+                                             "(detokenising, its chunk, the write), one step's "
+                                             "tokens after another's: at hundreds of streams it "
+                                             "bounds the tokens/s clients receive")
 
 
 @dataclass

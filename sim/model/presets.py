@@ -159,17 +159,25 @@ ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, 
 ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=33.5)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
-# the others'; the time per request (HTTP, the request's checks, the hand-offs to and from the
-# engine core over ZMQ, the first token's output processing) fitted on F3 and F7, two light-load
-# TTFT rows of stock `vllm bench serve` on /v1/completions: a 70B in FP8 on one H200 at 0.75
-# req/s (vLLM 0.14.1, a report of its baseline: scenarios/fidelity/published.csv) and Qwen3-0.6B
-# on one H100 at 16 req/s (vLLM 0.19.0, kvcached pull request #331's raw results,
+# the others'. Its time per streamed output token (detokenising it, building its chunk, writing
+# it: one process for every stream) from the one published run where one API server bounds the
+# throughput: vLLM pull request #17546 (https://github.com/vllm-project/vllm/pull/17546), two
+# A100s with data parallelism behind one API server, Llama-3.2-1B, ShareGPT offered at 120 req/s,
+# served 10,000 requests in 130.74 s (76.5 req/s); at ShareGPT's ~198 output tokens a request
+# (vLLM's own ShareGPT runs: 197,521 tokens for 1,000 requests, pull request #8335) that is 15k
+# tokens/s through the server, about 65 us a token, and more API servers is what the pull request
+# adds to lift it. (Pull request #12298's A100 run kept pace with 11.2k tokens/s: at most 89 us.)
+# The time per request (HTTP, the request's checks, the hand-offs to and from the engine core
+# over ZMQ, the first token's output processing) fitted on F3 and F7, two light-load TTFT rows of
+# stock `vllm bench serve` on /v1/completions: a 70B in FP8 on one H200 at 0.75 req/s (vLLM
+# 0.14.1, a report of its baseline: scenarios/fidelity/published.csv) and Qwen3-0.6B on one H100
+# at 16 req/s (vLLM 0.19.0, kvcached pull request #331's raw results,
 # https://github.com/ovg-project/kvcached/pull/331), the value, to 0.1 ms, that brings their
-# median |log error| to its minimum (F7 0.998 of its published 36.03 ms, F3 1.22). F7's GPU time
+# median |log error| to its minimum (F7 1.000 of its published 36.03 ms, F3 1.22). F7's GPU time
 # is a seventh of its TTFT, so its row pins the server's; the 70B rows (F3-F6, E1-E3) ask for
 # about 18 ms. F1, F2 and F4-F6 are held out.
-V1_FRONTEND = dict(frontend_request_us=30500.0, frontend_prompt_token_us=1.1,
-                   frontend_output_token_us=0.0)
+V1_FRONTEND = dict(frontend_request_us=30100.0, frontend_prompt_token_us=1.1,
+                   frontend_output_token_us=65.0)
 ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True,
                           **V1_FRONTEND)
 # V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.
