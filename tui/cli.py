@@ -142,13 +142,14 @@ ROWS = [
 ]
 
 
-# Behind an API server (sim.engine.frontend) the TTFT, TPOT and E2E rows are the client's;
-# these follow them with the engine's (a run without one: "-").
+# Behind an API server (sim.engine.frontend) the TTFT, ITL, TPOT and E2E rows are the
+# client's; these follow them with the engine's (a run without one: "-").
 ENGINE_SIDE_ROWS = [
     (f"engine-side {name} (ms)", lambda s, k=key, q=q: s["engine_side"][k][q]
      if "engine_side" in s else None)
     for name, key, q in (("TTFT p50", "ttft_ms", "p50"), ("TTFT p99", "ttft_ms", "p99"),
-                         ("TPOT p50", "tpot_ms", "p50"), ("E2E p50", "e2e_ms", "p50"))]
+                         ("ITL p50", "itl_ms", "p50"), ("TPOT p50", "tpot_ms", "p50"),
+                         ("E2E p50", "e2e_ms", "p50"))]
 
 
 def format_table(summaries: dict[str, dict]) -> str:

@@ -291,6 +291,7 @@ class Engine(EngineState):
         self.timeline = Timeline(keep=keep_history,
                                  pinned=partial(_first_token_row, weakref.proxy(self)),
                                  window_s=self.ROLLING_S)
+        self.timeline.client = self.frontend is not None  # (its ITL as the clients see it too)
         self.policy = POLICIES[policy or scenario.scheduler.policy](self)
         self.initial_policy = self.policy.name
         self._freed: list[int] = []
@@ -313,6 +314,7 @@ class Engine(EngineState):
         # As the client measures them, with a front end (TTFT of first tokens, TPOT and E2E of
         # finished requests; without one they are ttft, tpot and e2e)
         self.client_ttft = Samples()
+        self.client_itl_extra = Samples()  # itl_extra as the clients received the tokens
         self.client_tpot = Samples()
         self.client_e2e = Samples()
         self.finished_prompt_tokens = 0  # of finished requests and samples

@@ -21,8 +21,10 @@ intake nor its output work lengthens engine steps, and each is modelled as a que
 (one process's event loop does both in vLLM: under a backlog of outputs its intake would wait
 too, which this leaves out).
 
-Only the workload's requests pass through it: a request injected into the engine (the
+Only the workload's requests pass its intake: a request injected into the engine (the
 dashboard, `servesim serve`, whose HTTP server is real) arrives at the engine as it is sent.
+Every step's tokens pass its output side, an injected request's with the rest (the server's
+time on them is spent whoever sent them).
 """
 
 from __future__ import annotations
@@ -75,13 +77,10 @@ class FrontEnd:
         self.out_free = d
         return d
 
-    def deliver_run(self, ends: list[float], sampled: int) -> float:
-        """`deliver` of steps ending at `ends`, in order, each with `sampled` tokens: when the
-        last one's are handed out."""
-        d: float = self.out_free
-        for end in ends:
-            d = self.deliver(end, sampled)
-        return d
+    def deliver_run(self, ends: list[float], sampled: int) -> list[float]:
+        """`deliver` of steps ending at `ends`, in order, each with `sampled` tokens: when each
+        one's are handed out."""
+        return [self.deliver(end, sampled) for end in ends]
 
     def mark(self, req: Any, sent: float) -> None:
         """`req`, sent at `sent`, came through this front end."""

@@ -55,6 +55,7 @@ _ROWS: Any = compiled.c_module("sim.native._rows")
 # (its functions bound once: a call through the module looks the name up in it every time)
 _decode_rows: Any = None if _ROWS is None else _ROWS.decode_rows
 _used_rows: Any = None if _ROWS is None else _ROWS.used_rows
+_deliver_rows: Any = None if _ROWS is None else _ROWS.deliver_rows
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -123,6 +124,7 @@ class EngineState:
     e2e: Samples
     itl_extra: Samples
     client_ttft: Samples
+    client_itl_extra: Samples
     client_tpot: Samples
     client_e2e: Samples
     finished_prompt_tokens: int
@@ -495,11 +497,11 @@ def meets_slo(bounds: tuple, ttft: float, tpot: float | None, e2e: float) -> boo
                 and (not e2e_ms or e2e * 1e3 <= e2e_ms))
 
 
-def delivered(e: Any, t: float, end: float, first: list[Request],
-              finished: list[Request]) -> None:
-    """Behind an API server, which has handed out at `t` the tokens of the step (or run of
-    steps) ending at `end`: among them the first tokens of `first` and the last of
-    `finished`."""
+def delivered(e: Any, t: float, end: float, first: list[Request], handed: list[Request],
+              prevs: list[float]) -> None:
+    """Behind an API server, which has handed out at `t` the tokens that the step ending at
+    `end` sampled for `handed`: the first tokens of `first` among them, and tokens whose
+    previous one, from a step before the last, reached its client at `prevs`."""
     s: EngineState = e
     for req in first:
         req.client_first_time = t
@@ -507,8 +509,10 @@ def delivered(e: Any, t: float, end: float, first: list[Request],
             ttft = t - req.sent_time
             s.client_ttft.add(ttft)
             recent(e, s.recent_ttfts, end, ttft)  # (the rolling figure is the client's too)
-    for req in finished:
+    for req in handed:
         req.client_last_time = t
+    for prev in prevs:
+        s.client_itl_extra.add(t - prev)
 
 
 def gap(e: Any, t: float, gap_s: float) -> None:
@@ -652,6 +656,11 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
     prefilling = False
     prefill_chunks, decodes, first, recomputed, finished = [], [], [], [], []
     forked: list[Request] = []  # further samples started by the step
+    # behind an API server: the requests that sampled, and the times their previous tokens
+    # reached their clients where those came from a step before the last
+    client: bool = s.frontend is not None
+    handed: list[Request] = []
+    prevs: list[float] = []
     tokens_out: dict[int, list[int]] = {}  # (with real compute)
     caching = s.prefix_caching and not kv.register_at_allocation
     events: bool = s.record_events  # (the step's chunk and decode lists are for its event)
@@ -674,6 +683,8 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
             prefilling = True
             continue
         sampled += 1
+        if client:
+            handed.append(req)
         if sampled_ids is not None:
             tok = sampled_ids[req.req_id]
             req.output_token_ids.append(tok)
@@ -700,6 +711,10 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
                 assert prev is not None
                 gap(e, end, end - prev)
                 req.open_run(g, 1)
+                if client:
+                    seen = req.client_last_time
+                    assert seen is not None  # (it has received a token)
+                    prevs.append(seen)
             if req.recomputing:  # its re-prefill after a preemption is done
                 req.recomputing = False
                 recomputed.append(req)
@@ -725,14 +740,16 @@ def single_step(e: Any, sched: list[tuple[Request, int]], num_waiting: int) -> i
                 for kid in kids:  # (a one-token output: each sample ends with its first)
                     if kid.num_output_tokens >= kid.max_output_tokens:
                         finished.append(kid)
-    if s.frontend is not None:
+    out = 0.0
+    if client:
         fe: FrontEnd = s.frontend
-        delivered(e, fe.deliver(end, sampled), end, first + forked if forked else first,
-                  finished)
+        out = fe.deliver(end, sampled)
+        delivered(e, out, end, first + forked if forked else first,
+                  handed + forked if forked else handed, prevs)
     if s.record_timeline:
         tl.add_row(end, dur, tokens, p_tokens, len(sched), sampled, itl,
                               kv.num_used_blocks, empty_slots(e), energy,
-                              num_waiting)
+                              num_waiting, out)
     s.now = end
     s.step_count += 1
     s.counts["output_tokens"] += sampled
@@ -864,6 +881,20 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     itl0 = 0
     finished = []
     end_obj: Any = end  # (one float object for every request's last token time)
+    # Behind an API server: when it hands out each step's tokens (the staged rows' straight
+    # into the staging column, by sim/native/_rows.c)
+    outs: list[float] = []
+    out_first = out_last = 0.0
+    server: Any = s.frontend
+    if server is not None:
+        fe: FrontEnd = server
+        if at >= 0:
+            out_first, out_last = _deliver_rows(tl._m_end, tl._m_out, at, k, fe.out_free,
+                                                b * fe.token_s)
+            fe.out_free = out_last
+        else:
+            outs = fe.deliver_run(np.asarray(ends).tolist(), b)
+            out_first, out_last = outs[0], outs[-1]
     caching: bool = s.prefix_caching
     # Registered when scheduled, a block holding the run's last token waits, under async
     # scheduling, for the next step (the scheduler has not seen that token yet).
@@ -881,24 +912,25 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
             assert prev is not None
             gap(e, first_end, first_end - prev)
             r.open_run(g, k)
+            if server is not None:
+                seen = r.client_last_time
+                assert seen is not None  # (it has received a token)
+                s.client_itl_extra.add(out_first - seen)
         r.last_token_time = end_obj
+        if server is not None:
+            r.client_last_time = out_last
         if r.num_output_tokens >= r.max_output_tokens:
             finished.append(r)
     if s.record_events:
         emit_steps(e, ev.Steps(s.now, g, np.asarray(ends) if at < 0
                                else tl._s_end[at:at + k].copy(), (),
                                tuple([r.req_id for r in reqs]), None, used_last))
-    if s.frontend is not None:  # (the staged end times read before they are committed)
-        server: FrontEnd = s.frontend
-        delivered(e, server.deliver_run(
-            (tl._s_end[at:at + k] if at >= 0 else np.asarray(ends)).tolist(), b), end, [],
-            finished)
     if at >= 0:
         tl.commit_decodes(at, k, b, itl0, empty_end - bs * used_end + b * (k - 1), bs,
                           empty_first, len(ps.waiting))
     elif s.record_timeline:
         record_run(e, ends, dur, energy, kv_used, b, itl0, empty_end - bs * used_end,
-                   empty_first, tables)
+                   empty_first, tables, outs if server is not None else None)
     s.now = end
     s.step_count += k
     s.counts["output_tokens"] += b * k
@@ -993,11 +1025,13 @@ def _used_by_step(e: Any, steps: list[int], k: int, bs: int, used: int) -> list[
 
 
 def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
-                empty_less_used: int, empty_first: int = 0, tables: int = 1) -> None:
+                empty_less_used: int, empty_first: int = 0, tables: int = 1,
+                outs: list[float] | None = None) -> None:
     """The timeline rows of a decode run of `len(ends)` steps of `b` sequences, which end
     with `empty_less_used` + block_size * (blocks used) empty slots (`empty_first` more in
     its first step, held by requests released after it); each step's token fills a slot in
-    each of `tables` layer groups' tables."""
+    each of `tables` layer groups' tables; `outs`: behind an API server, when it handed out
+    each step's tokens."""
     s: EngineState = e
     ps: PolicyState = s.policy
     tl: Timeline = s.timeline
@@ -1009,7 +1043,7 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
     if k <= s._scalar_steps and tables == 1:
         # (step j: e0 - b*j + bs*used_j; step 0 also counts the finishing requests' slots)
         tl.add_decodes(ends, dur, b, itl0, kv_used, empty_less_used + b * (k - 1), bs,
-                       empty_first, energy, waiting)
+                       empty_first, energy, waiting, outs)
     else:
         itl = np.full(k, b, dtype=np.int64)
         itl[0] = itl0
@@ -1018,7 +1052,8 @@ def record_run(e: Any, ends, dur, energy, kv_used: list[int], b: int, itl0: int,
         empties[0] += empty_first
         tl.append(end=ends, dur=dur, tokens=b, prefill_tokens=0, batch=b,
                              sampled=b, itl_count=itl, kv_used=used, kv_empty=empties,
-                             energy=energy, waiting=waiting)
+                             energy=energy, waiting=waiting,
+                             out=0.0 if outs is None else np.asarray(outs))
 
 
 def run_times(e: Any, b: int, c0: int, kmax: int, t_ext: float):

@@ -2,7 +2,8 @@
 rows, with running totals of every full chunk.
 
 Token times are not stored per token: a request records runs of consecutive steps in which it
-received a token, and each token's time is its step's end time here. That keeps a 4-million-token
+received a token, and each token's time is its step's end time here (behind an API server, the
+time its clients received it is the step's `out`). That keeps a 4-million-token
 trace to a few hundred thousand rows and lets pooled ITL percentiles be computed with weights.
 Rows are staged and written to the columns in bulk, since a NumPy write per row would cost
 more than the step it records: what differs from step to step (end, duration, blocks used,
@@ -45,6 +46,9 @@ COLUMNS = {
     "kv_empty": np.int64,      # slots of those blocks holding no token (fragmentation)
     "energy": np.float64,      # joules spent in the step
     "waiting": np.int32,       # queue length when the step was scheduled
+    # behind an API server (sim.engine.frontend), when it handed the step's tokens to their
+    # clients (0 without one)
+    "out": np.float64,
 }
 NAMES = tuple(COLUMNS)
 CHUNK = 1 << 16  # rows per chunk (a power of two: chunk sums are of fixed row ranges)
@@ -129,6 +133,10 @@ class Timeline:
         self.sealed = Totals()         # totals of every sealed row
         self.itl = Samples(ITL_EXACT_ROWS)  # ITL gaps and token counts of sealed rows >= 1
         self._last_end = math.nan      # end time of the last sealed row
+        # Behind an API server: the same gaps as its clients see them (from `out`)
+        self.client = False
+        self.client_itl = Samples(ITL_EXACT_ROWS)
+        self._last_out = math.nan
         self._kv_from = 0              # first row not yet released by release_kv
 
     # --- writing --------------------------------------------------------------------------------
@@ -143,9 +151,10 @@ class Timeline:
         return self._first
 
     def _stage_columns(self, cap: int) -> None:
-        # Per step, rows [0, _s_k): end, dur, kv_used, energy.
+        # Per step, rows [0, _s_k): end, dur, kv_used, energy, out.
         self._s_cap = cap
         self._s_end = np.zeros(cap, dtype=np.float64)
+        self._s_out = np.zeros(cap, dtype=np.float64)
         self._s_dur = np.zeros(cap, dtype=np.float64)
         self._s_used = np.zeros(cap, dtype=np.int64)
         self._s_energy = np.zeros(cap, dtype=np.float64)
@@ -154,6 +163,7 @@ class Timeline:
         self._m_dur: Any = self._s_dur.data
         self._m_used: Any = self._s_used.data
         self._m_energy: Any = self._s_energy.data
+        self._m_out: Any = self._s_out.data
 
     def _stage_reset(self) -> None:
         # Per staged run of rows (a single step, or a run of decode steps, which shares them):
@@ -175,10 +185,11 @@ class Timeline:
 
     def add_row(self, end: float, dur: float, tokens: int, prefill_tokens: int, batch: int,
                 sampled: int, itl_count: int, kv_used: int, kv_empty: int, energy: float,
-                waiting: int) -> None:
+                waiting: int, out: float = 0.0) -> None:
         """Append one step (the fields of COLUMNS)."""
         j = self.reserve(1)
         self._m_end[j] = end
+        self._m_out[j] = out
         self._m_dur[j] = dur
         self._m_used[j] = kv_used
         self._m_energy[j] = energy
@@ -188,16 +199,19 @@ class Timeline:
 
     def add_decodes(self, ends: list[float], durs: list[float], batch: int, itl_first: int,
                     kv_used: list[int], empty_base: int, block_size: int, empty_first: int,
-                    energy: list[float], waiting: int) -> None:
+                    energy: list[float], waiting: int, outs: list[float] | None = None) -> None:
         """Append a run of decode-only steps of `batch` sequences (one token each; the first
         step has `itl_first` tokens that follow a token of the step before, the others
         `batch`): per-step end times, durations, blocks used and energies. Step j has
         empty_base - batch * j + block_size * kv_used[j] empty slots (`empty_first` more in
         step 0): the slots of the blocks used less the tokens they hold, which grow by
-        `batch` a step."""
+        `batch` a step. `outs`: behind an API server, when each step's tokens were handed
+        out."""
         k = len(ends)
         j = self.reserve(k)
         self._s_end[j:j + k] = ends
+        if outs is not None:
+            self._s_out[j:j + k] = outs
         self._s_dur[j:j + k] = durs
         self._s_used[j:j + k] = kv_used
         self._s_energy[j:j + k] = energy
@@ -220,7 +234,7 @@ class Timeline:
         """Stage the run of `k` decode steps written to rows j.. of the staging columns
         (`add_decodes` says what the rest means)."""
         if j != self._s_k:  # (a flush between reserve and now: the rows move up)
-            for col in (self._s_end, self._s_dur, self._s_used, self._s_energy):
+            for col in (self._s_end, self._s_dur, self._s_used, self._s_energy, self._s_out):
                 col[self._s_k:self._s_k + k] = col[j:j + k].copy()
         self._s_k += k
         self._stage_run(k, batch, 0, batch, batch, waiting, itl_first, empty_base,
@@ -287,7 +301,7 @@ class Timeline:
             cols = {"end": self._s_end[:k], "dur": self._s_dur[:k], "tokens": tokens,
                     "prefill_tokens": prefill, "batch": batch, "sampled": sampled,
                     "itl_count": itl, "kv_used": used, "kv_empty": empty,
-                    "energy": self._s_energy[:k], "waiting": waiting}
+                    "energy": self._s_energy[:k], "waiting": waiting, "out": self._s_out[:k]}
             self._stage_reset()
             self._write(cols, k)
 
@@ -331,9 +345,13 @@ class Timeline:
         """Fold the full tail into the totals and the ITL samples; keep what is still needed."""
         c = self._tail
         self.sealed.add(c, CHUNK)
-        gaps, counts = self._gaps(c["end"], c["itl_count"])
+        gaps, counts = self._gaps(c["end"], c["itl_count"], self._last_end)
         self.itl.extend(gaps, counts)
         self._last_end = float(c["end"][-1])
+        if self.client:
+            gaps, counts = self._gaps(c["out"], c["itl_count"], self._last_out)
+            self.client_itl.extend(gaps, counts)
+            self._last_out = float(c["out"][-1])
         self._chunks.append(c if self.keep else self._held(
             c, ("end",) if self.window_s is None else ROLLING))
         self._tail = {k: np.zeros(CHUNK, dtype=t) for k, t in COLUMNS.items()}
@@ -348,12 +366,13 @@ class Timeline:
             held["kv_used"] = c["kv_used"]
         return held
 
-    def _gaps(self, ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The ITL gaps of rows (end times `ends`, following the last sealed row) from row 1 on,
-        with their token counts."""
-        if math.isnan(self._last_end):
+    def _gaps(self, ends: np.ndarray, counts: np.ndarray,
+              last: float) -> tuple[np.ndarray, np.ndarray]:
+        """The ITL gaps of rows (token times `ends`, following a last sealed row of time
+        `last`: NaN, none) from row 1 on, with their token counts."""
+        if math.isnan(last):
             return ends[1:] - ends[:-1], counts[1:]
-        return np.diff(ends, prepend=self._last_end), counts
+        return np.diff(ends, prepend=last), counts
 
     def _trim(self) -> None:
         """Drop the sealed chunks (oldest first) whose rows no reader needs any more, and the
@@ -389,11 +408,14 @@ class Timeline:
         t.add(self._tail, self._tail_n)
         return self.sealed.plus(t)
 
-    def tail_itl(self) -> tuple[np.ndarray, np.ndarray]:
-        """ITL gaps and token counts of the rows not yet sealed (see `itl` for the others)."""
+    def tail_itl(self, client: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """ITL gaps and token counts of the rows not yet sealed (see `itl` for the others);
+        `client`: as the clients behind an API server see them (`client_itl`)."""
         self.flush()
         k = self._tail_n
-        return self._gaps(self._tail["end"][:k], self._tail["itl_count"][:k])
+        if client:
+            return self._gaps(self._tail["out"][:k], self._tail["itl_count"][:k], self._last_out)
+        return self._gaps(self._tail["end"][:k], self._tail["itl_count"][:k], self._last_end)
 
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Column `name` over rows [lo, hi) (absolute indices, clamped to those recorded).

@@ -4,7 +4,8 @@
  * An optimisation of the same arithmetic as sim/model/costmodel.py (`CostModel.step`, a decode step)
  * and sim/engine/stepping.py (`_used_by_step`): the same operations in the same order on IEEE doubles
  * and 64-bit integers, so the results are equal bit for bit (built with -ffp-contract=off: no
- * fused multiply-adds). Used only with the compiled build (sim/native/compiled.py), never under
+ * fused multiply-adds); `deliver_rows` does sim/engine/frontend.py's `FrontEnd.deliver` for a run
+ * of steps. Used only with the compiled build (sim/native/compiled.py), never under
  * SERVESIM_PURE=1; tests/sim/model/test_costmodel.py holds `decode_rows` to `CostModel.step` over
  * random coefficients, tests/test_compiled.py compares whole runs against pure Python.
  */
@@ -253,6 +254,46 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(last);
 }
 
+/* deliver_rows(end, out, at, k, free, cost) -> (first, last)
+ *
+ * Behind an API server (sim/engine/frontend.py `FrontEnd.deliver`, step after step): when it
+ * hands out the tokens of the k steps ending at rows at, ..., at + k - 1 of the float64 column
+ * `end`, each step's taking `cost` seconds after the server is free (from `free`) and its step
+ * has ended, written to the same rows of `out`. Returns the first and the last
+ * (tests/sim/engine/test_frontend.py holds them to `deliver` bit for bit). */
+static PyObject *deliver_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "_rows.deliver_rows(end, out, at, k, free, cost)");
+        return NULL;
+    }
+    Py_ssize_t at, k;
+    double d, cost;
+    if (get_size(args[2], &at) < 0 || get_size(args[3], &k) < 0
+            || get_double(args[4], &d) < 0 || get_double(args[5], &cost) < 0)
+        return NULL;
+    if (at < 0 || k < 1 || k > PY_SSIZE_T_MAX - at) {
+        PyErr_SetString(PyExc_ValueError, "_rows.deliver_rows: bad row or length");
+        return NULL;
+    }
+    Py_buffer ve, vo;
+    if (column(args[0], &ve, 'd', at + k) < 0)
+        return NULL;
+    if (column(args[1], &vo, 'd', at + k) < 0) {
+        PyBuffer_Release(&ve);
+        return NULL;
+    }
+    const double *end = (const double *)ve.buf + at;
+    double *out = (double *)vo.buf + at;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        d = (end[j] > d ? end[j] : d) + cost;
+        out[j] = d;
+    }
+    double first = out[0];
+    PyBuffer_Release(&ve);
+    PyBuffer_Release(&vo);
+    return Py_BuildValue("(dd)", first, d);
+}
+
 /* expand(runs, used, k, out) -> None
  *
  * The timeline's flush (sim/engine/timeline.py `Timeline.flush`): the staged runs' shared values onto
@@ -348,6 +389,7 @@ static PyMethodDef methods[] = {
     {"decode_rows", (PyCFunction)(void (*)(void))decode_rows, METH_FASTCALL, "A decode run's end times, durations and energies."},
     {"used_rows", (PyCFunction)(void (*)(void))used_rows, METH_FASTCALL, "A decode run's blocks used after each step."},
     {"expand", (PyCFunction)(void (*)(void))expand, METH_FASTCALL, "The timeline's staged runs onto their rows."},
+    {"deliver_rows", (PyCFunction)(void (*)(void))deliver_rows, METH_FASTCALL, "When an API server hands out a decode run's tokens."},
     {NULL, NULL, 0, NULL},
 };
 

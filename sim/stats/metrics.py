@@ -6,11 +6,10 @@ Definitions (times in seconds inside, milliseconds in the output):
 - ITL = the gaps between consecutive output tokens of a request, all requests pooled;
 - TPOT = (last token - first token) / (n - 1), over finished requests with n >= 2;
 - E2E = completion - arrival, over finished requests.
-Behind an API server (sim.engine.frontend) TTFT, TPOT and E2E are the client's: from when it
-sent the request to when it received the first token or the end, and between its first and last
-token's receipt; `engine_side` holds the engine's, from the request's arrival at the engine to
-the token's sampling. ITL is the engine's gaps on both (the client's differ only while the
-server has a backlog, and then its TPOT shows the server's rate).
+Behind an API server (sim.engine.frontend) TTFT, ITL, TPOT and E2E are the client's: from when
+it sent the request to when it received the first token or the end, and between the times it
+received its tokens; `engine_side` holds the engine's, from the request's arrival at the engine
+to the tokens' sampling.
 Percentiles are of the observed values (inverted CDF: p99 is the smallest value with at least
 99% of the values at or below it), weighted where ITL gaps are pooled by count.
 """
@@ -84,11 +83,15 @@ def _summary(whole, parts: list) -> dict:
     used_dur = sum(t.used_dur for t in tot)
     energy = sum(t.energy + e.cost.idle_energy(e.idle_time) for t, e in zip(tot, parts))
     out_tokens = c["output_tokens"]
-    itl = pooled_distribution_ms(  # (pooled by engine, in step order: the sketch depends on it)
+    fe = parts[0].frontend is not None  # (TTFT, ITL, TPOT and E2E are the client's)
+    # (pooled by engine, in step order: the sketch depends on it)
+    engine_itl = pooled_distribution_ms(
         [x for e in parts for x in (e.timeline.itl, e.timeline.tail_itl(), e.itl_extra)])
+    itl = pooled_distribution_ms(
+        [x for e in parts for x in (e.timeline.client_itl, e.timeline.tail_itl(client=True),
+                                    e.client_itl_extra)]) if fe else engine_itl
     # (behind an API server the run lasts, for its clients, until its last token reached
     # them: throughput and goodput are theirs)
-    fe = parts[0].frontend is not None  # (TTFT, TPOT and E2E are the client's)
     served = received(whole, parts)
     per_s = (lambda x: x / served) if served > 0 else (lambda x: 0.0)
     nb = sum(e.kv.num_blocks for e in parts)
@@ -116,6 +119,7 @@ def _summary(whole, parts: list) -> dict:
         "e2e_ms": pooled_distribution_ms([e.client_e2e if fe else e.e2e for e in parts]),
         "queue_ms": pooled_distribution_ms([e.queue_wait for e in parts]),
         **({"engine_side": {"ttft_ms": pooled_distribution_ms([e.ttft for e in parts]),
+                            "itl_ms": engine_itl,
                             "tpot_ms": pooled_distribution_ms([e.tpot for e in parts]),
                             "e2e_ms": pooled_distribution_ms([e.e2e for e in parts])}}
            if fe else {}),

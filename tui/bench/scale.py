@@ -29,7 +29,9 @@ def child(scenario: str, n: int, keep_history: bool) -> dict:
     held = reachable_bytes(engine, skip=[engine.workload, sc, *vars(engine.workload).values()])
     parts = getattr(engine, "instances", [engine])
     exact = all(x.exact for e in parts for x in (e.ttft, e.tpot, e.e2e, e.queue_wait,
-                                                 e.itl_extra, e.timeline.itl))
+                                                 e.itl_extra, e.timeline.itl, e.client_ttft,
+                                                 e.client_tpot, e.client_e2e,
+                                                 e.client_itl_extra, e.timeline.client_itl))
     return {"requests": n, "wall_s": wall if n else 0.0, "steps": engine.step_count,
             "engine_bytes_after": held, "workload_bytes": reachable_bytes(engine.workload),
             "exact_percentiles": exact, "max_rss_bytes": peak_rss_bytes()}

@@ -59,7 +59,7 @@ def test_the_server_hands_out_each_steps_tokens_after_the_steps_before():
     ends = [0.021 + 0.0003 * j for j in range(40)]
     one, each = FrontEnd(0.0, 0.0, 100.0), FrontEnd(0.0, 0.0, 100.0)
     one.out_free = each.out_free = fe.out_free
-    assert one.deliver_run(ends, 4) == [each.deliver(t, 4) for t in ends][-1]
+    assert one.deliver_run(ends, 4) == [each.deliver(t, 4) for t in ends]
     # 4 tokens a step take 0.4 ms, longer than a 0.3 ms step: the backlog grows
     assert one.out_free == pytest.approx(0.0201 + 40 * 0.0004 + 0.0009, rel=1e-9)
 
@@ -94,6 +94,26 @@ def test_open_loop_requests_reach_the_engine_after_the_server_and_the_client_see
         e.workload.arrival.tolist()
 
 
+def test_the_clients_itl_is_the_gaps_between_the_times_their_tokens_were_handed_out():
+    # a mix of single steps, decode runs and preemptions (gaps across steps), with a backlog
+    e = run(*CLOSED, "workload.concurrency=32", "kv.num_blocks=400",
+            "engine.frontend_output_token_us=1500")
+    lane = lane_of(e, 1500e-6)
+    gaps = []
+    for r in e.requests.values():
+        steps = [s + j for s, n in r.token_segments for j in range(n)]
+        gaps += [lane[b] - lane[a] for a, b in zip(steps, steps[1:])]
+    assert e.counts["preemptions"] > 0
+    s = summarize(e)
+    assert s["itl_ms"]["count"] == len(gaps) == s["engine_side"]["itl_ms"]["count"]
+    assert s["itl_ms"]["mean"] == pytest.approx(1e3 * sum(gaps) / len(gaps), rel=1e-9)
+    assert s["itl_ms"]["max"] == pytest.approx(1e3 * max(gaps), rel=1e-9)
+    # an open loop whose steps sample more tokens than the server hands out meanwhile: its
+    # clients' gaps are the server's time over a step's tokens, longer than the step
+    s = summarize(run(*OPEN, "workload.rate=12", "engine.frontend_output_token_us=1500"))
+    assert s["itl_ms"]["p50"] > 2 * s["engine_side"]["itl_ms"]["p50"]
+
+
 def test_a_saturated_server_bounds_what_the_clients_receive():
     # 64 users, short prompts, long outputs: the engine samples far more than 2,000 tokens
     # a second, a server at 500 us a token hands out at most 2,000
@@ -115,8 +135,7 @@ def test_the_summary_gives_the_clients_ttft_and_e2e_and_the_engines_beside_them(
     assert s["ttft_ms"]["count"] == s["engine_side"]["ttft_ms"]["count"] == 150
     assert s["ttft_ms"]["p50"] > s["engine_side"]["ttft_ms"]["p50"] + 4.0
     assert s["e2e_ms"]["mean"] > s["engine_side"]["e2e_ms"]["mean"] + 4.0
-    # ITL is the engine's on both sides: it is not repeated
-    assert set(s["engine_side"]) == {"ttft_ms", "tpot_ms", "e2e_ms"}
+    assert set(s["engine_side"]) == {"ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"}
     # (at this load the server keeps up: the client's TPOT is the engine's within its time)
     assert s["tpot_ms"]["count"] == s["engine_side"]["tpot_ms"]["count"]
     assert s["tpot_ms"]["mean"] == pytest.approx(s["engine_side"]["tpot_ms"]["mean"], rel=0.02)
@@ -249,3 +268,29 @@ def test_the_fits_replay_hands_tokens_out_as_the_server_does():
     assert np.abs(_delivered(ends, sampled * 20e-6) - step).max() < 1e-12
     assert max(np.array(step) - ends) > 0.003  # (a backlog, then idle: both cases seen)
     assert abs(min(np.array(step) - ends - sampled * 20e-6)) < 1e-12
+
+
+def test_a_decode_runs_tokens_handed_out_in_c_are_those_of_the_python_rule():
+    # sim/native/_rows.c's deliver_rows (a compiled build's decode runs) against
+    # FrontEnd.deliver, bit for bit, with and without a backlog
+    import numpy as np
+
+    from sim.native import compiled
+
+    rows = compiled.c_module("sim.native._rows")
+    if rows is None:
+        pytest.skip("no compiled build")
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        k, at = int(rng.integers(1, 60)), int(rng.integers(0, 20))
+        end = np.zeros(at + k + 3)
+        end[at:at + k] = np.cumsum(rng.uniform(0.0, 0.002, k)) + rng.uniform(0, 1)
+        out = np.zeros(at + k + 3)
+        fe = FrontEnd(0.0, 0.0, float(rng.uniform(0, 80)))
+        fe.out_free = float(end[at] + rng.uniform(-0.05, 0.05))
+        b = int(rng.integers(1, 300))
+        start = fe.out_free
+        want = fe.deliver_run(end[at:at + k].tolist(), b)
+        first, last = rows.deliver_rows(end, out, at, k, start, b * fe.token_s)
+        assert out[at:at + k].tolist() == want and (first, last) == (want[0], want[-1])
+        assert not out[:at].any() and not out[at + k:].any()

@@ -13,7 +13,8 @@ def _rows(n, seed=0):
             "prefill_tokens": rng.integers(0, 100, n), "batch": rng.integers(1, 64, n),
             "sampled": rng.integers(0, 64, n), "itl_count": rng.integers(0, 64, n),
             "kv_used": rng.integers(0, 900, n), "kv_empty": rng.integers(0, 300, n),
-            "energy": rng.uniform(1, 9, n), "waiting": rng.integers(0, 40, n)}
+            "energy": rng.uniform(1, 9, n), "waiting": rng.integers(0, 40, n),
+            "out": np.cumsum(dur) + rng.uniform(0.0, 0.02, n)}
 
 
 def _fill(tl, cols, n):
@@ -38,6 +39,7 @@ def test_chunked_columns_and_totals_equal_the_whole_columns(small_chunks):
     n = 1000
     cols = _rows(n)
     tl = Timeline()
+    tl.client = True  # (behind an API server: its clients' gaps too, from `out`)
     _fill(tl, cols, n)
     assert tl.n == n
     for c in NAMES:
@@ -51,6 +53,10 @@ def test_chunked_columns_and_totals_equal_the_whole_columns(small_chunks):
     gaps, counts = tl.itl.arrays()
     tg, tc = tl.tail_itl()
     assert np.array_equal(np.concatenate((gaps, tg)), np.diff(cols["end"]))
+    assert np.array_equal(np.concatenate((counts, tc)), cols["itl_count"][1:])
+    gaps, counts = tl.client_itl.arrays()
+    tg, tc = tl.tail_itl(client=True)
+    assert np.array_equal(np.concatenate((gaps, tg)), np.diff(cols["out"]))
     assert np.array_equal(np.concatenate((counts, tc)), cols["itl_count"][1:])
     for t_ in (0.0, cols["end"][0], cols["end"][500], cols["end"][-1], 1e9):
         for side in ("left", "right"):
@@ -74,10 +80,11 @@ def test_a_decode_run_staged_at_once_equals_its_steps_one_by_one(small_chunks):
         # (step j's empty slots: base - b*j + bs*used_j, `first` more in step 0)
         empty = [base - b * j + bs * used[j] + (first if j == 0 else 0) for j in range(k)]
         energy = rng.uniform(1, 9, k).tolist()
-        runs.add_decodes(ends, durs, b, itl0, used, base, bs, first, energy, waiting)
+        outs = (np.array(ends) + rng.uniform(0.0, 0.005, k)).tolist()
+        runs.add_decodes(ends, durs, b, itl0, used, base, bs, first, energy, waiting, outs)
         for j in range(k):
             one.add_row(ends[j], durs[j], b, 0, b, b, itl0 if j == 0 else b, used[j],
-                        empty[j], energy[j], waiting)
+                        empty[j], energy[j], waiting, outs[j])
         if r % 9 == 0:  # a single step in between
             t += 0.03
             for tl in (one, runs):
