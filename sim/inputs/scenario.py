@@ -266,8 +266,13 @@ class SchedulerConfig:
     policy: str = _f("chunked", kind="policy",
                      doc="or `disaggregated`: prefill and decode instances "
                          "(`cluster.prefill_instances`, `decode_instances`; 1 and 1: 2 GPUs)")
-    max_num_seqs: int = _f(256, min=1)
-    max_num_batched_tokens: int = _f(2048, min=1)
+    max_num_seqs: int = _f(0, min=0, doc="0 = as the engine by default on the GPU (vllm-v1: "
+                                         "1024 on a GPU of 70 GB or more other than an A100, "
+                                         "else 256; other engines 256)")
+    max_num_batched_tokens: int = _f(0, min=0, doc="0 = as the engine by default on the GPU "
+                                                   "(vllm-v1: 8192 on a GPU of 70 GB or more "
+                                                   "other than an A100, else 2048; other "
+                                                   "engines 2048)")
     preemption: str = _f("recompute", choices=["recompute", "swap"],
                          doc="recompute: free and re-prefill later; swap: copy to host memory")
     watermark: float = _f(0.0, min=0, max=0.5,
@@ -897,6 +902,16 @@ def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:
 
 
 def _fill_presets(sc: Scenario) -> None:
+    _fill_sizes(sc)
+    s, hw = sc.scheduler, sc.hardware
+    seqs, tokens = presets.scheduler_defaults(sc.engine.preset, hw.preset, hw.memory_gb)
+    if s.max_num_seqs == 0:
+        s.max_num_seqs = seqs
+    if s.max_num_batched_tokens == 0:
+        s.max_num_batched_tokens = tokens
+
+
+def _fill_sizes(sc: Scenario) -> None:
     for sec, table in (("model", presets.MODELS), ("hardware", presets.HARDWARE)):
         cfg = getattr(sc, sec)
         base = table.get(cfg.preset, {})

@@ -191,3 +191,18 @@ ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", 
 ENGINE_PRESETS = [*ENGINES, "roofline"]
 # What a user running today's vLLM gets.
 DEFAULT_ENGINE = "vllm-v1"
+
+# The scheduler's limits a scenario leaves out ([scheduler] max_num_seqs and
+# max_num_batched_tokens at 0): vLLM V1's `vllm serve` takes 1,024 sequences and 8,192 tokens a
+# step on a GPU of 70 GiB or more other than an A100, else 256 and 2,048
+# (`EngineArgs.get_batch_defaults` in vllm/engine/arg_utils.py: the A100 is kept at the smaller
+# budget, which measured faster on it, vLLM pull request #17885). Other engines: 256 and 2,048.
+SCHEDULER_DEFAULTS = {"large": (1024, 8192), "other": (256, 2048)}
+
+
+def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) that `engine` (a profile's name) takes on a GPU
+    (`hardware`: its preset's name, or "" for one given by its sizes) of `memory_gb`."""
+    if engine == "vllm-v1" and memory_gb >= 70 and not hardware.startswith("a100"):
+        return SCHEDULER_DEFAULTS["large"]
+    return SCHEDULER_DEFAULTS["other"]

@@ -42,7 +42,7 @@ def test_defaults_fill_presets_and_derive_blocks(tmp_path):
     ("kv.block_size=24", "kv.block_size = 24: must be a power of two"),
     ("kv.num_blocks=1.5", "kv.num_blocks = 1.5: expected an integer"),
     ("scheduler.policy=\"fifo\"", "scheduler.policy = 'fifo': unknown policy"),
-    ("scheduler.max_num_seqs=0", "scheduler.max_num_seqs = 0: must be at least 1"),
+    ("scheduler.max_num_seqs=-1", "scheduler.max_num_seqs = -1: must be at least 0"),
     ("model.preset=\"llama-9\"", "model.preset = 'llama-9': expected one of"),
     ("workload.arival=\"poisson\"", "did you mean 'arrival'?"),
     ("workload.prompt_tokens.dist=\"zipf\"", "workload.prompt_tokens.dist = 'zipf'"),
@@ -476,3 +476,27 @@ def test_a_configs_sizes_meet_the_model_fields_bounds(tmp_path):
     with pytest.raises(ScenarioError, match=r"gives model.max_model_len = 10{30}: must fit in "
                                             "64 bits"):
         load_scenario("chat", [f'model.config="{tmp_path}"'])
+
+
+@pytest.mark.parametrize("overrides, want", [
+    # vLLM V1 on a GPU of 70 GB or more other than an A100: 1,024 sequences, 8,192 tokens
+    (['hardware.preset="h100-sxm"'], (1024, 8192)),
+    (['hardware.preset="h200"'], (1024, 8192)),
+    (['hardware.preset="b200"'], (1024, 8192)),
+    (['hardware.preset="mi300x"'], (1024, 8192)),
+    # an A100 keeps the smaller budget, as does a smaller GPU
+    (['hardware.preset="a100-80gb"'], (256, 2048)),
+    (['hardware.preset="l40s"'], (256, 2048)),
+    (['hardware.preset="h100-sxm"', "hardware.memory_gb=64"], (256, 2048)),
+    # other engines: 256 and 2,048 on any GPU
+    (['hardware.preset="h100-sxm"', 'engine.preset="sglang"'], (256, 2048)),
+    (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm"'], (256, 2048)),
+    # a limit the scenario gives is kept, the other still the engine's
+    (['hardware.preset="h100-sxm"', "scheduler.max_num_seqs=64"], (64, 8192)),
+    (['hardware.preset="a100-80gb"', "scheduler.max_num_batched_tokens=512"], (256, 512)),
+])
+def test_the_schedulers_limits_left_out_are_the_engines_defaults_on_the_gpu(tmp_path,
+                                                                            overrides, want):
+    path = write(tmp_path, "[model]\npreset = \"llama-3.1-8b\"\n[workload]\nnum_requests = 10\n")
+    sc = load_scenario(path, overrides)
+    assert (sc.scheduler.max_num_seqs, sc.scheduler.max_num_batched_tokens) == want
