@@ -268,11 +268,11 @@ class SchedulerConfig:
                          "(`cluster.prefill_instances`, `decode_instances`; 1 and 1: 2 GPUs)")
     max_num_seqs: int = _f(0, min=0, doc="0 = as the engine by default on the GPU (vllm-v1: "
                                          "1024 on a GPU of 70 GB or more other than an A100, "
-                                         "else 256; other engines 256)")
+                                         "else 256; sglang 2048; others 256)")
     max_num_batched_tokens: int = _f(0, min=0, doc="0 = as the engine by default on the GPU "
                                                    "(vllm-v1: 8192 on a GPU of 70 GB or more "
-                                                   "other than an A100, else 2048; other "
-                                                   "engines 2048)")
+                                                   "other than an A100, else 2048; sglang 2048 "
+                                                   "to 16384 by the GPU memory; others 2048)")
     preemption: str = _f("recompute", choices=["recompute", "swap"],
                          doc="recompute: free and re-prefill later; swap: copy to host memory")
     watermark: float = _f(0.0, min=0, max=0.5,

@@ -13,6 +13,8 @@ was fitted on and its leave-one-out error.
 
 from __future__ import annotations
 
+import math
+
 MODELS: dict[str, dict] = {
     "llama-3.1-8b": dict(
         num_params=8.03e9, num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8,
@@ -193,16 +195,24 @@ ENGINE_PRESETS = [*ENGINES, "roofline"]
 DEFAULT_ENGINE = "vllm-v1"
 
 # The scheduler's limits a scenario leaves out ([scheduler] max_num_seqs and
-# max_num_batched_tokens at 0): vLLM V1's `vllm serve` takes 1,024 sequences and 8,192 tokens a
-# step on a GPU of 70 GiB or more other than an A100, else 256 and 2,048
-# (`EngineArgs.get_batch_defaults` in vllm/engine/arg_utils.py: the A100 is kept at the smaller
-# budget, which measured faster on it, vLLM pull request #17885). Other engines: 256 and 2,048.
-SCHEDULER_DEFAULTS = {"large": (1024, 8192), "other": (256, 2048)}
+# max_num_batched_tokens at 0), as each engine sets them by default:
+# - vLLM V1's `vllm serve`: 1,024 sequences and 8,192 tokens a step on a GPU of 70 GiB or more
+#   other than an A100, else 256 and 2,048 (`EngineArgs.get_batch_defaults` in
+#   vllm/engine/arg_utils.py; the A100 is kept at the smaller budget, which measured faster on
+#   it, vLLM pull request #17885);
+# - SGLang: a prefill batch of `chunked_prefill_size` tokens by the GPU's memory (2,048 below
+#   35 GB, 4,096 below 60, 8,192 below 160, 16,384 above: `ServerArgs._handle_gpu_memory_settings`
+#   in python/sglang/srt/server_args.py) and at least 2,048 requests (`max_running_requests`
+#   from the KV pool, clamped to 2,048-4,096: the pool binds first);
+# - the others: 256 and 2,048.
+SGLANG_PREFILL_TOKENS = ((35, 2048), (60, 4096), (160, 8192), (math.inf, 16384))
 
 
 def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) that `engine` (a profile's name) takes on a GPU
     (`hardware`: its preset's name, or "" for one given by its sizes) of `memory_gb`."""
     if engine == "vllm-v1" and memory_gb >= 70 and not hardware.startswith("a100"):
-        return SCHEDULER_DEFAULTS["large"]
-    return SCHEDULER_DEFAULTS["other"]
+        return 1024, 8192
+    if engine == "sglang":
+        return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)
+    return 256, 2048

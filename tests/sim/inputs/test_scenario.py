@@ -488,9 +488,15 @@ def test_a_configs_sizes_meet_the_model_fields_bounds(tmp_path):
     (['hardware.preset="a100-80gb"'], (256, 2048)),
     (['hardware.preset="l40s"'], (256, 2048)),
     (['hardware.preset="h100-sxm"', "hardware.memory_gb=64"], (256, 2048)),
-    # other engines: 256 and 2,048 on any GPU
-    (['hardware.preset="h100-sxm"', 'engine.preset="sglang"'], (256, 2048)),
+    # SGLang: 2,048 requests, a prefill batch by the GPU's memory
+    (['hardware.preset="h100-sxm"', 'engine.preset="sglang"'], (2048, 8192)),
+    (['hardware.preset="l40s"', 'engine.preset="sglang"'], (2048, 4096)),
+    (['hardware.preset="b200"', 'engine.preset="sglang"'], (2048, 16384)),
+    (['hardware.preset="h100-sxm"', 'engine.preset="sglang"', "hardware.memory_gb=24"],
+     (2048, 2048)),
+    # the others: 256 and 2,048 on any GPU
     (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm"'], (256, 2048)),
+    (['hardware.preset="h100-sxm"', 'engine.preset="sglang-0.3"'], (256, 2048)),
     # a limit the scenario gives is kept, the other still the engine's
     (['hardware.preset="h100-sxm"', "scheduler.max_num_seqs=64"], (64, 8192)),
     (['hardware.preset="a100-80gb"', "scheduler.max_num_batched_tokens=512"], (256, 512)),
