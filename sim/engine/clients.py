@@ -29,9 +29,10 @@ class ClientFigures(StepObserver):
         counts[req.state.value] += 1
         if req.state is not RequestState.FINISHED:
             return
-        ttft, e2e = req.client_ttft, req.client_e2e  # (the client's, behind a front end)
+        # (the client's, behind a front end: its TTFT, TPOT and E2E)
+        ttft, e2e = req.client_ttft, req.client_e2e
         assert ttft is not None and e2e is not None  # (a finished request has both)
         self.ttft[req.tag].add(ttft)
         self.e2e[req.tag].add(e2e)
-        if meets_slo(slo_bounds(engine, req), ttft, req.tpot, e2e):
+        if meets_slo(slo_bounds(engine, req), ttft, req.client_tpot, e2e):
             counts["slo_met"] += 1

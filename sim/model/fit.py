@@ -190,7 +190,9 @@ class RunRecord:
         with np.errstate(invalid="ignore", divide="ignore"):
             tpot = np.where(n > 1, (tl - tf) / np.maximum(n - 1, 1), np.nan)
         return {"ttft": tf - self.since, "tpot": tpot, "e2e": tl - self.since,
-                "output_tokens": int(n.sum()), "duration": float(ends[-1]) if len(ends) else 0.0}
+                "output_tokens": int(n.sum()),
+                # (as `summarize` counts throughput: until the last token reached its client)
+                "duration": float(out[-1]) if len(out) else 0.0}
 
 
 def record_run(scenario) -> RunRecord:

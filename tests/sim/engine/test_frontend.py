@@ -294,3 +294,29 @@ def test_a_decode_runs_tokens_handed_out_in_c_are_those_of_the_python_rule():
         first, last = rows.deliver_rows(end, out, at, k, start, b * fe.token_s)
         assert out[at:at + k].tolist() == want and (first, last) == (want[0], want[-1])
         assert not out[:at].any() and not out[at + k:].any()
+
+
+def test_a_client_mix_judges_its_slo_on_what_its_clients_receive():
+    # a TPOT bound between the engine's and the clients' (a server handing out 1 ms a token):
+    # the mix's per-client counts and the run's own agree, both on the clients' TPOT
+    mix = ('workload.clients=[{name="a", share=0.5, tpot_ms=40}, '
+           '{name="b", share=0.5, tpot_ms=40}]')
+    e = run(*OPEN, "workload.rate=8", "engine.frontend_output_token_us=1000", mix)
+    s = summarize(e)
+    assert s["engine_side"]["tpot_ms"]["p50"] < 40 < s["tpot_ms"]["p50"]
+    met = sum(c["slo_attainment"] * c["requests"]["finished"] for c in s["clients"].values())
+    assert met == pytest.approx(e.slo_met) and e.slo_met < s["requests"]["finished"] / 2
+
+
+def test_a_closed_loop_user_never_sends_before_its_cancelled_request_ended():
+    # requests cancelled while queued or preempted: their last token reached the client before
+    # the cancellation, and the user sends its next one only after it
+    e = run(*CLOSED, "workload.cancel_fraction=0.5", "kv.num_blocks=300",
+            "engine.frontend_output_token_us=200")
+    reqs = sorted(e.requests.values(), key=lambda r: r.sent_time)
+    cancelled = [r for r in reqs if r.state is RequestState.CANCELLED]
+    assert len(cancelled) > 10 and any(
+        r.client_last_time is not None and r.client_last_time < r.finish_time for r in cancelled)
+    ends = sorted(max(r.client_last_time or r.finish_time, r.finish_time) + 0.25 for r in reqs)
+    assert [r.sent_time for r in reqs[4:]] == pytest.approx(ends[:len(reqs) - 4], abs=1e-12)
+
