@@ -211,12 +211,19 @@ class Request:
         return None if first is None else first - self.sent_time
 
     @property
+    def client_end_time(self) -> float | None:
+        """When the response ended for its client: its end reached it (behind an API server,
+        when its last token was handed out) or it was cancelled; None while it runs."""
+        end, last = self.finish_time, self.client_last_time
+        if end is None or last is None or last < end:
+            return end
+        return last
+
+    @property
     def client_e2e(self) -> float | None:
         """E2E as the client measures it: from sending to receiving the end of the response."""
-        if self.finish_time is None:
-            return None
-        end = self.client_last_time
-        return (self.finish_time if end is None else end) - self.sent_time
+        end = self.client_end_time
+        return None if end is None else end - self.sent_time
 
     @property
     def client_tpot(self) -> float | None:

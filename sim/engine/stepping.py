@@ -468,16 +468,23 @@ def fold_finished(e: Any, req: Request, t: float) -> None:
     if tpot is not None:
         s.tpot.add(tpot)
     s.finished_output_tokens += req.num_output_tokens
-    # (the SLO is the client's: behind a front end, its TTFT, TPOT and E2E)
-    ttft, e2e = req.client_ttft, req.client_e2e
-    assert ttft is not None and e2e is not None  # (a finished request has sampled)
     if s.frontend is not None:
+        e2e = req.client_e2e
+        assert e2e is not None  # (it has finished)
         s.client_e2e.add(e2e)
         tpot = req.client_tpot
         if tpot is not None:
             s.client_tpot.add(tpot)
-    if meets_slo(slo_bounds(e, req), ttft, tpot, e2e):
+    if met_slo(e, req):
         s.slo_met += 1
+
+
+def met_slo(e: Any, req: Request) -> bool:
+    """Whether finished `req` met the bounds it is held to, judged on what its client saw
+    (behind a front end, its TTFT, TPOT and E2E as the client measures them)."""
+    ttft, e2e = req.client_ttft, req.client_e2e
+    assert ttft is not None and e2e is not None  # (a finished request has sampled)
+    return meets_slo(slo_bounds(e, req), ttft, req.client_tpot, e2e)
 
 
 def slo_bounds(e: Any, req: Request) -> tuple:

@@ -137,11 +137,8 @@ class ClosedLoop(StepObserver):
                         (user.history_ids, np.asarray(req.output_token_ids, dtype=np.int32)))
             else:  # the conversation is over (or cut short): the next request starts another
                 user.turn, user.history, user.history_ids = 0, 0, None
-        # (the user sends again once it has seen the end of the response, and thought; a
-        # response it cancelled ends for it when it cancels, though its last token reached
-        # it before)
-        end = req.client_last_time
-        t = float(req.finish_time if end is None else max(end, req.finish_time)) + self.think
+        # (the user sends again once the response has ended for it, and it has thought)
+        t = float(req.client_end_time) + self.think
         if self.sent >= self.rows or not t < self.stop:
             return
         self.sent += 1

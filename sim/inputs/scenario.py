@@ -222,8 +222,8 @@ class EngineConfig:
     gqa_reread: float = _f(_ENGINE["gqa_reread"], min=0, max=1,
                            doc="with gqa_shared_kv = false: the fraction of the repeated K/V "
                                "reads of a GQA group that reach DRAM (the rest hit in L2)")
-    # The API server in front of the engine (sim.engine.frontend): TTFT, TPOT and E2E are the
-    # client's.
+    # The API server in front of the engine (sim.engine.frontend): TTFT, ITL, TPOT and E2E are
+    # the client's.
     frontend_request_us: float = _f(_ENGINE["frontend_request_us"], min=0,
                                     doc="API server time per request before the engine sees "
                                         "it (HTTP, checks, hand-off to the engine)")
