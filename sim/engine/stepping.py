@@ -376,9 +376,9 @@ def arrival_blocks(e: Any, prompt_len: int, max_output_tokens: int) -> int:
     request must be able to hold at once, or it is rejected on arrival."""
     s: EngineState = e
     kv: KVCacheManager = s.kv
-    policy: Any = s.policy
-    chunk: int = policy.cfg.max_num_batched_tokens if policy.chunks_prompts else 0
-    return kv_arrival_blocks(prompt_len, max_output_tokens, s.block_size, kv.groups, chunk)
+    ps: PolicyState = s.policy
+    return kv_arrival_blocks(prompt_len, max_output_tokens, s.block_size, kv.groups,
+                             ps.chunk_tokens)
 
 
 def finish(e: Any, req: Request, t: float) -> None:

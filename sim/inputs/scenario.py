@@ -24,6 +24,7 @@ from sim.engine.kv import arrival_blocks
 from sim.model.costmodel import CostModel, ModelShape, kv_groups
 from sim.model.hfconfig import read_config
 from sim.policies import POLICIES
+from sim.policies.base import prefill_chunk
 from sim.limits import (INT64_MAX, MAX_TIME_S, MAX_TOKENS, PRIORITY_RANGE,
                         USD_PER_GPU_HOUR_TEXT, check_deployment, usd_per_gpu_hour_ok)
 
@@ -216,6 +217,10 @@ class EngineConfig:
     num_scheduler_steps: int = _f(_ENGINE["num_scheduler_steps"], min=1, max=64,
                                   doc="decode steps per scheduling decision (vLLM multi-step "
                                       "scheduling): arrivals wait for the end of the window")
+    chunked_prefill: bool = _f(_ENGINE["chunked_prefill"],
+                               doc="the `chunked` policies may split a prompt over steps within "
+                                   "the token budget (false: a prompt is computed whole in one "
+                                   "step, or waits; one longer than the budget goes alone)")
     gqa_shared_kv: bool = _f(_ENGINE["gqa_shared_kv"],
                              doc="decode attention reads K/V once per KV head (false: once per "
                                  "query head)")
@@ -268,11 +273,12 @@ class SchedulerConfig:
                          "(`cluster.prefill_instances`, `decode_instances`; 1 and 1: 2 GPUs)")
     max_num_seqs: int = _f(0, min=0, doc="0 = as the engine by default on the GPU (vllm-v1: "
                                          "1024 on a GPU of 70 GB or more other than an A100, "
-                                         "else 256; sglang 2048; others 256)")
+                                         "else 256; sglang and tensorrt-llm 2048; others 256)")
     max_num_batched_tokens: int = _f(0, min=0, doc="0 = as the engine by default on the GPU "
                                                    "(vllm-v1: 8192 on a GPU of 70 GB or more "
                                                    "other than an A100, else 2048; sglang 2048 "
-                                                   "to 16384 by the GPU memory; others 2048)")
+                                                   "to 16384 by the GPU memory; tensorrt-llm "
+                                                   "8192; others 2048)")
     preemption: str = _f("recompute", choices=["recompute", "swap"],
                          doc="recompute: free and re-prefill later; swap: copy to host memory")
     watermark: float = _f(0.0, min=0, max=0.5,
@@ -360,7 +366,8 @@ class WorkloadConfig:
                                  "and the sending of its next")
     ramp_up_s: float = _f(0.0, min=0, max=MAX_TIME_S,
                           doc="closed loop: user u sends its first request at u x ramp_up_s "
-                              "/ concurrency")
+                              "/ concurrency, and 0.1 ms after the user before at least (a "
+                              "client sends one request at a time)")
     turns: int = _f(1, min=1, max=100_000,
                     doc="closed loop: turns per conversation; turn k's prompt is the turns "
                         "before it (prompts and outputs) followed by prompt_tokens new tokens")
@@ -885,7 +892,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # Engine keys added after session logs were first written, with the value that gives the
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
-ENGINE_KEYS_ADDED = {"gqa_reread": 1.0}
+ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True}
 
 
 def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:
@@ -1087,7 +1094,7 @@ def _check_whole(sc: Scenario, check_workload: bool = True) -> None:
             f"smallest the workload makes has {smallest + 1} tokens)")
     # (the engine's own arrival rule: sim.engine.kv.arrival_blocks)
     policy = POLICIES.get(sc.scheduler.policy)
-    chunk = sc.scheduler.max_num_batched_tokens if policy and policy.chunks_prompts else 0
+    chunk = prefill_chunk(policy, sc.scheduler, sc.engine) if policy else 0
     need = arrival_blocks(min_length(sc, "prompt_tokens") + w.shared_prefix_tokens,
                           max(1, min_length(sc, "output_tokens")), sc.kv.block_size,
                           kv_groups(pipeline_stage(sc)), chunk)

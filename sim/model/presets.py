@@ -121,15 +121,19 @@ _KERNELS = dict(
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_output_token_us=0.0)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, num_scheduler_steps=1,
-                 **NO_FRONTEND)
+                 chunked_prefill=True, **NO_FRONTEND)
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
-    # about half of a GQA group's re-reads reaching HBM (the others hit in L2).
+    # about half of a GQA group's re-reads reaching HBM (the others hit in L2). TensorRT-LLM
+    # computes a prompt whole unless chunked context is turned on: off by default in its
+    # executor (`ExecutorConfig`, the Triton backend's `enable_chunked_context`) and in its LLM
+    # API and `trtllm-serve` (`enable_chunked_prefill: bool = Field(default=False)`,
+    # tensorrt_llm/llmapi/llm_args.py).
     "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8145,
                              kv_bandwidth_efficiency=1.0,
                              cpu_base_us=3068.7, cpu_per_seq_us=4.293)
     | dict(gqa_shared_kv=False, gqa_reread=0.5382, allreduce_latency_us=50.90,
-           custom_allreduce_us=0.0),
+           custom_allreduce_us=0.0, chunked_prefill=False),
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
@@ -157,8 +161,11 @@ ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, 
                                **COLLECTIVES)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
-# experts on a B200 and a dense 8B on an H200.
-ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=33.5)
+# experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
+# turns chunked context on by default (`--enable_chunked_context/--disable_chunked_context`,
+# default on): so does this profile (`trtllm-serve` keeps it off: `chunked_prefill = false`).
+ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=33.5,
+                                       chunked_prefill=True)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'. Its time per streamed output token (detokenising it, building its chunk, writing
@@ -204,6 +211,8 @@ DEFAULT_ENGINE = "vllm-v1"
 #   35 GB, 4,096 below 60, 8,192 below 160, 16,384 above: `ServerArgs._handle_gpu_memory_settings`
 #   in python/sglang/srt/server_args.py) and at least 2,048 requests (`max_running_requests`
 #   from the KV pool, clamped to 2,048-4,096: the pool binds first);
+# - TensorRT-LLM (its executor and PyTorch backend): 2,048 sequences and 8,192 tokens, its LLM
+#   API's `max_batch_size` and `max_num_tokens` (tensorrt_llm/llmapi/llm_args.py);
 # - the others: 256 and 2,048.
 SGLANG_PREFILL_TOKENS = ((35, 2048), (60, 4096), (160, 8192), (math.inf, 16384))
 
@@ -215,4 +224,6 @@ def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[in
         return 1024, 8192
     if engine == "sglang":
         return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)
+    if engine in ("tensorrt-llm", "tensorrt-llm-pytorch"):
+        return 2048, 8192
     return 256, 2048

@@ -85,7 +85,8 @@ DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_ove
                                                  **presets.COLLECTIVES}),
            # (its CPU time per sequence fitted apart, on a held-out row: presets.ENGINES)
            "tensorrt-llm-pytorch": ("tensorrt-llm", {
-               "cpu_per_seq_us": presets.ENGINES["tensorrt-llm-pytorch"]["cpu_per_seq_us"]}),
+               "cpu_per_seq_us": presets.ENGINES["tensorrt-llm-pytorch"]["cpu_per_seq_us"],
+               "chunked_prefill": True}),
            "sglang": ("sglang-0.3", {"cpu_overlap": True}),
            # (its API server's time fitted apart, on held-out rows: presets.V1_FRONTEND)
            "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True,

@@ -22,6 +22,16 @@ from sim.policies.batch import PolicyState, SchedulerOutput
 from sim.engine.request import Request, RequestState
 
 
+def prefill_chunk(policy: Any, scheduler_cfg: Any, engine_cfg: Any) -> int:
+    """The most of a prompt one step computes under the policy class `policy`, its
+    `[scheduler]` and `[engine]` sections: the token budget where the policy chunks prompts
+    (`chunks_prompts`) and the engine chunks prefills (`engine.chunked_prefill`), else 0 (a
+    prompt is computed whole, in one step)."""
+    if policy.chunks_prompts and engine_cfg.chunked_prefill:
+        return int(scheduler_cfg.max_num_batched_tokens)
+    return 0
+
+
 @mypyc_attr(allow_interpreted_subclasses=True)
 class Policy(PolicyState):
     """Base scheduler: FCFS queue order, most recently admitted request as preemption victim."""
@@ -34,7 +44,8 @@ class Policy(PolicyState):
     # Whether the policy models vLLM V1's scheduler: it then takes `scheduler.async_scheduling`,
     # `reserve_full_sequence` and the watermark as vLLM V1 applies them.
     models_v1: ClassVar[bool] = False
-    # Whether a prompt may be computed in chunks of at most max_num_batched_tokens (else whole)
+    # Whether a prompt may be computed in chunks of at most max_num_batched_tokens (else whole),
+    # where the engine chunks prefills (`engine.chunked_prefill`): `prefill_chunk`
     chunks_prompts: ClassVar[bool] = False
 
     def __init__(self, engine) -> None:
@@ -52,6 +63,8 @@ class Policy(PolicyState):
         # it in the batch try (only `priority` can have any: others preempt the last one).
         self.continue_after_self_preemption = (self.models_v1
                                                and self.cfg.continue_after_self_preemption)
+        # The most of a prompt one step computes (0: the whole prompt)
+        self.chunk_tokens = prefill_chunk(type(self), self.cfg, engine.scenario.engine)
 
     # --- queue management (called by the engine) ------------------------------------------------
     def add(self, req: Request) -> None:

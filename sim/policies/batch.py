@@ -32,6 +32,7 @@ class PolicyState:
     running: list[Request]
     async_scheduling: bool
     continue_after_self_preemption: bool
+    chunk_tokens: int
 
 
 class SchedulerOutput:

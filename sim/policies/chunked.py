@@ -8,10 +8,15 @@ most recently admitted request is preempted; no new request is admitted in a ste
 Admission follows vLLM V1: a waiting (or preempted) request is admitted only if blocks for all
 its tokens so far fit (`scheduler.reserve_full_sequence`), leaving the watermark free while
 anything runs; the first request that does not fit ends admission for the step.
+
+Where the engine does not chunk prefills (`engine.chunked_prefill = false`: TensorRT-LLM's
+default, vLLM's `--no-enable-chunked-prefill`), a prompt is computed whole in one step beside the
+decodes (in-flight batching), and waits while it does not fit in what is left of the budget.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
@@ -47,13 +52,25 @@ class ChunkedPolicy(Policy):
         """Admit from the queue, in the policy's order (`next_waiting`), within what is left
         of the token budget and `max_num_seqs`, while blocks for each fit and leave the
         watermark free (`watermark_blocks`, while anything runs); the first that does not fit
-        ends admission unless `make_room` preempts for it."""
+        ends admission unless `make_room` preempts for it. Where the engine computes prompts
+        whole (`chunk_tokens` 0), a request whose tokens exceed what is left of the budget
+        waits, as the first that does not fit (vLLM V1 without chunked prefill, TensorRT-LLM
+        without chunked context), unless they exceed the whole budget and it is the step's
+        first admission: it then goes whole (an engine refuses such a prompt; one that served
+        it had a budget that held it)."""
         kv = self.kv
         full = self.cfg.reserve_full_sequence
         watermark = self.watermark_blocks()
+        whole = self.chunk_tokens == 0
+        first = True
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            n, hits = self.plan_waiting(req, budget)
+            if whole:
+                n, hits = self.plan_waiting(req, math.inf)
+                if n > budget and (not first or n <= self.cfg.max_num_batched_tokens):
+                    break
+            else:
+                n, hits = self.plan_waiting(req, budget)
             # (positionally: reserve, prefix, full_sequence)
             if not kv.allocate_slots(req, n, watermark if self.running else 0, hits, full):
                 given_back = self.make_room(out, req)
@@ -63,6 +80,7 @@ class ChunkedPolicy(Policy):
                 continue
             self.schedule_admitted(out, req, n)
             budget -= n
+            first = False
 
     def make_room(self, out: SchedulerOutput, req) -> int | None:
         """`req`, next in the queue, does not fit: preempt for it and return the tokens given

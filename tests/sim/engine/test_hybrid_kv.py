@@ -89,9 +89,11 @@ def test_blocks_held_by_one_request_as_it_decodes():
 
 
 @pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("policy", ["chunked", "fcfs"])
-def test_invariants_hold_every_step_under_memory_pressure(caching, policy):
+@pytest.mark.parametrize("policy, chunking", [("chunked", True), ("chunked", False),
+                                              ("fcfs", True)])
+def test_invariants_hold_every_step_under_memory_pressure(caching, policy, chunking):
     sc = small_scenario(*GPT_OSS, "kv.num_blocks=160", f"scheduler.policy=\"{policy}\"",
+                        f"engine.chunked_prefill={str(chunking).lower()}",
                         "scheduler.max_num_batched_tokens=256",
                         f"kv.enable_prefix_caching={str(caching).lower()}",
                         "workload.shared_prefix_tokens=200", "workload.shared_prefix_groups=2",
@@ -168,14 +170,23 @@ def test_a_prefix_hit_ends_where_each_window_group_holds_its_last_blocks():
     assert len(kv.match_prefix(fourth)) == 4
 
 
-def test_a_request_that_could_never_fit_is_rejected_not_left_waiting():
-    """Its chunk sits whole in the window group until its step ends: a request whose peak
-    exceeds the pool is rejected on arrival, whatever blocks it would hold once slid."""
-    sc = small_scenario(*GPT_OSS, "kv.num_blocks=60", "scheduler.policy=\"fcfs\"")
-    e = Engine(sc, workload=workload_of([(0.0, 600, 10), (0.0, 200, 10)]))
-    e.run()
-    assert e.get(0).state.name == "REJECTED" and "blocks" in e.get(0).reject_reason
-    assert e.get(1).state.name == "FINISHED"
+@pytest.mark.parametrize("policy, chunking", [("fcfs", True), ("chunked", False)])
+def test_a_request_that_could_never_fit_is_rejected_not_left_waiting(policy, chunking):
+    """Its prompt, computed whole, sits whole in the window group until its step ends: a
+    request whose peak exceeds the pool is rejected on arrival, whatever blocks it would hold
+    once slid. In chunks of 64 tokens the same request fits."""
+    rows = [(0.0, 600, 10), (0.0, 200, 10)]
+    for chunks in (False, True):
+        sc = small_scenario(*GPT_OSS, "kv.num_blocks=60", "scheduler.max_num_batched_tokens=64",
+                            f"scheduler.policy=\"{'chunked' if chunks else policy}\"",
+                            f"engine.chunked_prefill={str(chunks or chunking).lower()}")
+        e = Engine(sc, workload=workload_of(rows))
+        e.run()
+        if chunks:
+            assert e.get(0).state.name == "FINISHED"
+        else:
+            assert e.get(0).state.name == "REJECTED" and "blocks" in e.get(0).reject_reason
+        assert e.get(1).state.name == "FINISHED"
 
 
 def test_same_tokens_with_and_without_layer_groups():

@@ -7,6 +7,7 @@ from hypothesis import given, strategies as st
 
 from sim import Engine, load_scenario
 from sim.engine.request import RequestState
+from sim.engine.users import SEND_GAP_S
 from tests.fuzz import fuzz_settings
 from tests.helpers import NO_FRONTEND, check_invariants
 
@@ -41,12 +42,29 @@ def test_never_more_than_n_in_flight_and_each_next_arrival_is_an_end_plus_think(
     assert len(reqs) == 120 and all(r.state.is_done for r in reqs)
     assert {r.state for r in reqs} >= {RequestState.FINISHED, RequestState.CANCELLED}
     assert in_flight_max(reqs) == 6
-    # the first 6 start at 0; every later one is the end of an earlier one plus the think time
-    assert [r.arrival_time for r in reqs[:6]] == [0.0] * 6
+    # the first 6 start at 0, one after another as a client sends them; every later one is
+    # the end of an earlier one plus the think time
+    assert [r.arrival_time for r in reqs[:6]] == pytest.approx([u * SEND_GAP_S for u in range(6)])
     ends = sorted(r.finish_time for r in reqs)[:120 - 6]
     assert sorted(r.arrival_time for r in reqs[6:]) == [t + think for t in ends]
     # request ids are rows in arrival order
     assert [r.arrival_time for r in reqs] == sorted(r.arrival_time for r in reqs)
+
+
+def test_users_started_together_reach_an_idle_engine_one_after_another():
+    """The client sends its users' first requests one at a time: the idle engine starts a
+    step on the first, the others join the next. With fixed lengths they would otherwise stay
+    one batch, all prompts prefilled together, for the whole run."""
+    e = Engine(closed("workload.prompt_tokens=500", "workload.output_tokens=100",
+                      "workload.num_requests=30", "workload.concurrency=5"), skip_ahead=False)
+    e.step()
+    e.step()
+    first, second = [ev for ev in e.events if ev.kind == "steps"][:2]
+    assert [c[0] for c in first.prefill] == [0]
+    assert sorted(c[0] for c in second.prefill) == [1, 2, 3, 4]
+    e.run()
+    # the two groups keep apart: no later step prefills five prompts
+    assert max(len(ev.prefill) for ev in e.events if ev.kind == "steps") == 4
 
 
 def test_ramp_up_spreads_the_first_requests():

@@ -494,8 +494,11 @@ def test_a_configs_sizes_meet_the_model_fields_bounds(tmp_path):
     (['hardware.preset="b200"', 'engine.preset="sglang"'], (2048, 16384)),
     (['hardware.preset="h100-sxm"', 'engine.preset="sglang"', "hardware.memory_gb=24"],
      (2048, 2048)),
+    # TensorRT-LLM (its executor and PyTorch backend): 2,048 and 8,192 on any GPU
+    (['hardware.preset="l40s"', 'engine.preset="tensorrt-llm"'], (2048, 8192)),
+    (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm-pytorch"'], (2048, 8192)),
     # the others: 256 and 2,048 on any GPU
-    (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm"'], (256, 2048)),
+    (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm-0.6"'], (256, 2048)),
     (['hardware.preset="h100-sxm"', 'engine.preset="sglang-0.3"'], (256, 2048)),
     # a limit the scenario gives is kept, the other still the engine's
     (['hardware.preset="h100-sxm"', "scheduler.max_num_seqs=64"], (64, 8192)),

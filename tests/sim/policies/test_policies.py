@@ -68,6 +68,42 @@ def test_chunked_puts_decodes_first_and_splits_long_prompts():
     assert pos == 1000
 
 
+def test_without_chunked_prefill_prompts_go_whole_beside_the_decodes_or_wait():
+    """engine.chunked_prefill = false (TensorRT-LLM's default): in-flight batching of whole
+    prompts. A prompt that does not fit in what the decodes leave of the budget waits for a
+    step where it does (it is not split, and nothing behind it goes first); one longer than
+    the whole budget goes alone, whole, rather than never."""
+    rows = [(0.0, 40, 30), (0.0, 40, 30), (0.01, 200, 5), (0.011, 220, 5), (0.012, 30, 5),
+            (0.5, 1000, 5)]
+    split = {}
+    for chunking in (True, False):
+        sc = small_scenario("scheduler.policy=\"chunked\"", "scheduler.max_num_batched_tokens=256",
+                            f"engine.chunked_prefill={str(chunking).lower()}")
+        e = Engine(sc, workload=workload_of(rows))
+        steps = run_steps(e)
+        pieces = {}
+        for s in steps:
+            for rid, start, n in s.prefill:
+                pieces.setdefault(rid, []).append((s, start, n))
+        split[chunking] = any(len(v) > 1 for v in pieces.values())
+        if chunking:
+            continue
+        for rid, ((s, start, n),) in pieces.items():  # one step each, from its start
+            assert start == 0 and n == e.get(rid).prompt_len
+            if rid != 5:
+                assert sum(c[2] for c in s.prefill) + len(s.decode) <= 256
+        # 200 and 220 tokens do not fit together: the 220 waits, and the 30 behind it too
+        (s2, _, _), = pieces[2]
+        (s3, _, _), = pieces[3]
+        (s4, _, _), = pieces[4]
+        assert s3.t > s2.t and s4.t >= s3.t
+        # the 1,000-token prompt, past the whole budget, goes alone beside the decodes
+        (s5, _, _), = pieces[5]
+        assert [c[0] for c in s5.prefill] == [5]
+        assert all(r.state is RequestState.FINISHED for r in e.requests.values())
+    assert split == {True: True, False: False}
+
+
 def test_preemption_picks_the_most_recently_admitted_and_requeues_it_first():
     for policy in ("fcfs", "chunked"):
         sc = small_scenario(f"scheduler.policy=\"{policy}\"", "kv.num_blocks=24",
