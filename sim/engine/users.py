@@ -26,14 +26,6 @@ from sim.engine.request import Request, RequestState
 from sim.engine.tokens import SESSION_STREAM, prompt_token_ids
 
 
-# The time between two requests a benchmark client sends at once: one event loop writes them one
-# after another (an aiohttp client's 5 or 50 concurrent POSTs reached a local server 0.05-0.13 ms
-# apart, sim/README.md). The users' first requests reach the idle engine that far apart, and it
-# starts a step on the first: users started together are not one batch for the whole run. (Later
-# requests due together reach a busy engine within one step, and are batched together.)
-SEND_GAP_S = 1e-4
-
-
 class _User:
     __slots__ = ("session", "turn", "history", "history_ids", "group", "row", "sent")
 
@@ -70,12 +62,15 @@ class ClosedLoop(StepObserver):
         # a request takes its row when it is sent, and passes the server in the order sent.
         self.frontend = engine.frontend
         self.next_row = 0
-        # (user u starts at u x ramp_up_s / concurrency, and SEND_GAP_S after the user before
-        # at least: sorted as the users are)
-        ramp = cfg.ramp_up_s / cfg.concurrency
+        # User u starts at u x ramp_up_s / concurrency, and start_gap_s after the user before
+        # at least (sorted as the users are): a client sends one request at a time, so users
+        # started together reach the idle engine one after another, and it starts a step on
+        # the first; they are not one batch for the whole run. (Later requests due together
+        # reach a busy engine within one step, and are batched together.)
+        ramp, gap = cfg.ramp_up_s / cfg.concurrency, cfg.start_gap_s
         firsts = list(itertools.accumulate(
             (u * ramp for u in range(len(self.users))),
-            lambda before, t: max(t, before + SEND_GAP_S)))
+            lambda before, t: max(t, before + gap)))
         self.pending = [(t, u, u) for u, t in enumerate(firsts) if t < self.stop]
         self.arrivals = [t for t, _, _ in self.pending]
         self.sent = len(self.pending)   # arrivals scheduled so far (rows they will take)

@@ -366,8 +366,12 @@ class WorkloadConfig:
                                  "and the sending of its next")
     ramp_up_s: float = _f(0.0, min=0, max=MAX_TIME_S,
                           doc="closed loop: user u sends its first request at u x ramp_up_s "
-                              "/ concurrency, and 0.1 ms after the user before at least (a "
-                              "client sends one request at a time)")
+                              "/ concurrency, and start_gap_s after the user before at least")
+    start_gap_s: float = _f(1e-4, min=0, max=MAX_TIME_S,
+                            doc="closed loop: the least time between the first requests of "
+                                "two users (a benchmark client sends one request at a time: the "
+                                "concurrent requests of an aiohttp client reach a server "
+                                "0.05-0.13 ms apart; 0: all at once)")
     turns: int = _f(1, min=1, max=100_000,
                     doc="closed loop: turns per conversation; turn k's prompt is the turns "
                         "before it (prompts and outputs) followed by prompt_tokens new tokens")
@@ -836,6 +840,8 @@ def scenario_from_dict(raw: dict, *, source: str = "<scenario>",
     for key, value in raw.items():
         if key == "engine" and isinstance(value, dict):
             value = resolve_engine(value, source, base)
+        if key == "workload" and isinstance(value, dict):
+            value = resolve_workload(value)
         if key in TOP_LEVEL:
             kwargs[key] = _check_type(f"{source}: {key}", value, TOP_LEVEL[key])
             if isinstance(value, str) and CONTROL.search(value):
@@ -893,6 +899,18 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True}
+# The same for the workload table (a log's holds every key but those left out while unset).
+WORKLOAD_KEYS_ADDED = {"start_gap_s": 0.0}
+
+
+def resolve_workload(raw: dict) -> dict:
+    """The `[workload]` table, with the keys added since a session log's was written set as
+    they behaved before (WORKLOAD_KEYS_ADDED) when it is a log's: one holding every other key
+    a log writes."""
+    keys = [f.name for f in dataclasses.fields(WorkloadConfig) if not f.metadata["unset"]]
+    if all(k in raw for k in keys if k not in WORKLOAD_KEYS_ADDED):
+        return {**WORKLOAD_KEYS_ADDED, **raw}
+    return raw
 
 
 def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:

@@ -7,7 +7,6 @@ from hypothesis import given, strategies as st
 
 from sim import Engine, load_scenario
 from sim.engine.request import RequestState
-from sim.engine.users import SEND_GAP_S
 from tests.fuzz import fuzz_settings
 from tests.helpers import NO_FRONTEND, check_invariants
 
@@ -44,7 +43,7 @@ def test_never_more_than_n_in_flight_and_each_next_arrival_is_an_end_plus_think(
     assert in_flight_max(reqs) == 6
     # the first 6 start at 0, one after another as a client sends them; every later one is
     # the end of an earlier one plus the think time
-    assert [r.arrival_time for r in reqs[:6]] == pytest.approx([u * SEND_GAP_S for u in range(6)])
+    assert [r.arrival_time for r in reqs[:6]] == pytest.approx([u * 1e-4 for u in range(6)])
     ends = sorted(r.finish_time for r in reqs)[:120 - 6]
     assert sorted(r.arrival_time for r in reqs[6:]) == [t + think for t in ends]
     # request ids are rows in arrival order
@@ -55,8 +54,10 @@ def test_users_started_together_reach_an_idle_engine_one_after_another():
     """The client sends its users' first requests one at a time: the idle engine starts a
     step on the first, the others join the next. With fixed lengths they would otherwise stay
     one batch, all prompts prefilled together, for the whole run."""
-    e = Engine(closed("workload.prompt_tokens=500", "workload.output_tokens=100",
-                      "workload.num_requests=30", "workload.concurrency=5"), skip_ahead=False)
+    base = ("workload.prompt_tokens=500", "workload.output_tokens=100",
+            "workload.num_requests=30", "workload.concurrency=5",
+            "scheduler.max_num_batched_tokens=8192")
+    e = Engine(closed(*base), skip_ahead=False)
     e.step()
     e.step()
     first, second = [ev for ev in e.events if ev.kind == "steps"][:2]
@@ -65,6 +66,25 @@ def test_users_started_together_reach_an_idle_engine_one_after_another():
     e.run()
     # the two groups keep apart: no later step prefills five prompts
     assert max(len(ev.prefill) for ev in e.events if ev.kind == "steps") == 4
+    # sent in the same instant (start_gap_s = 0), the five are one batch throughout
+    e = Engine(closed(*base, "workload.start_gap_s=0"))
+    e.run()
+    prefills = [len(ev.prefill) for ev in e.events if ev.kind == "steps" and ev.prefill]
+    assert prefills == [5] * 6
+
+
+def test_a_log_written_before_start_gap_s_loads_with_the_users_started_at_once():
+    """A session log's workload table holds every key; one without `start_gap_s` was written
+    when the users' first requests left together, and replays so. A scenario file leaving it
+    out gets the client's gap."""
+    from sim.inputs.scenario import scenario_from_dict
+
+    table = closed().to_dict()
+    assert table["workload"]["start_gap_s"] == 1e-4
+    del table["workload"]["start_gap_s"]
+    assert scenario_from_dict(table).workload.start_gap_s == 0.0
+    partial = {"workload": {"concurrency": 3, "num_requests": 9}}
+    assert scenario_from_dict(partial).workload.start_gap_s == 1e-4
 
 
 def test_ramp_up_spreads_the_first_requests():

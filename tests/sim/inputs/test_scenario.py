@@ -249,16 +249,20 @@ def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
                                               'cpu_base_us = 5.0\n'))
     assert sc.engine.cpu_base_us == 5.0
     assert sc.engine.gqa_shared_kv is False  # the rest from the profile
-    # A full table (a session log's) written before gqa_reread existed keeps the behaviour it
-    # was written with (every re-read charged), not the refitted profile's value.
-    full = {k: v for k, v in ENGINES["tensorrt-llm-0.6"].items() if k != "gqa_reread"}
+    # A full table (a session log's) written before gqa_reread and chunked_prefill existed
+    # keeps the behaviour it was written with (every re-read charged, prompts in chunks), not
+    # the profile's values.
+    full = {k: v for k, v in ENGINES["tensorrt-llm-0.6"].items()
+            if k not in ("gqa_reread", "chunked_prefill")}
     old = load_scenario(write(tmp_path, BASE + "[engine]\npreset = \"tensorrt-llm-0.6\"\n"
                               + "".join(f"{k} = {str(v).lower()}\n" for k, v in full.items())))
     assert old.engine.gqa_reread == 1.0 != ENGINES["tensorrt-llm-0.6"]["gqa_reread"]
+    assert old.engine.chunked_prefill is True is not ENGINES["tensorrt-llm-0.6"]["chunked_prefill"]
     del full["cpu_base_us"]  # not a full table: the profile fills what it leaves out
     part = load_scenario(write(tmp_path, BASE + "[engine]\npreset = \"tensorrt-llm-0.6\"\n"
                                + "".join(f"{k} = {str(v).lower()}\n" for k, v in full.items())))
     assert part.engine.gqa_reread == ENGINES["tensorrt-llm-0.6"]["gqa_reread"]
+    assert part.engine.chunked_prefill is False
     with pytest.raises(ScenarioError, match=r"engine.preset = 'sglang3': unknown engine .*"
                                             r"did you mean 'sglang"):
         load_scenario(write(tmp_path, BASE + '[engine]\npreset = "sglang3"\n'))
