@@ -427,8 +427,9 @@ def bench_workload(run: BenchRun):
 
 
 def replay_bench(run: BenchRun, scenario) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Per-request predicted TTFT and TPOT (s) of the measured requests on `scenario`, and the
-    run's summary."""
+    """Per-request predicted TTFT and TPOT (s) of the measured requests on `scenario`, as the
+    benchmark's client measured them (from sending, through the API server in front when the
+    profile has one), and the run's summary."""
 
     engine = build(scenario, workload=bench_workload(run), record_events=False)
     if hasattr(engine, "instances"):
@@ -437,11 +438,9 @@ def replay_bench(run: BenchRun, scenario) -> tuple[np.ndarray, np.ndarray, dict]
     engine.run()
     reqs = sorted((r for r in engine.requests.values() if r.parent_id is None),
                   key=lambda r: r.req_id)
-    ttft = np.array([r.first_token_time - r.arrival_time if r.first_token_time is not None
-                     else np.nan for r in reqs])
-    tpot = np.array([(r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1)
-                     if r.num_output_tokens > 1 and r.finish_time is not None else np.nan
-                     for r in reqs])
+    ttft = np.array([np.nan if r.client_ttft is None else r.client_ttft for r in reqs])
+    tpot = np.array([r.client_tpot if r.num_output_tokens > 1 and r.finish_time is not None
+                     and r.client_tpot is not None else np.nan for r in reqs])
     return ttft, tpot, summarize(engine)
 
 

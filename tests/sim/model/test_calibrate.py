@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from sim import Engine, build
-from sim.model.calibrate import fit_bench, read_bench_json, read_kernel_csv, fit_kernels
+from sim.model.calibrate import (fit_bench, read_bench_json, read_kernel_csv, fit_kernels,
+                                  replay_bench)
 from sim.model.costmodel import CostModel
 from sim.model.fit import RecordingCost, record_run
 from sim.stats.metrics import summarize
@@ -110,6 +111,23 @@ def bench_result(tmp_path, coeffs, n=80, name="bench.json", rate=6):
     p = tmp_path / name
     p.write_text(json.dumps(data))
     return p, sc
+
+
+def test_a_bench_result_replays_to_what_its_client_measured_behind_an_api_server(tmp_path):
+    """`vllm bench serve` measures from sending: a replay on the deployment that made the
+    result gives back each request's TTFT and TPOT as its client saw them, the API server's
+    time included (compared with the engine's own, a fit put the server's time into the GPU's
+    coefficients)."""
+    path, sc = bench_result(tmp_path, {}, n=60, rate=20)
+    assert sc.engine.frontend_request_us > 0  # (the chat scenario's vllm-v1: a server in front)
+    run = read_bench_json(path)
+    ttft, tpot, _ = replay_bench(run, sc)
+    assert ttft == pytest.approx(run.ttft, rel=1e-9)
+    eng = build(sc, record_events=False)
+    eng.run()
+    reqs = sorted(eng.requests.values(), key=lambda r: r.req_id)
+    assert tpot == pytest.approx([r.client_tpot for r in reqs], rel=1e-9, nan_ok=True)
+    assert np.all(ttft > [r.ttft for r in reqs])  # (the engine's alone is shorter)
 
 
 def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path):
