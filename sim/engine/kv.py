@@ -314,15 +314,16 @@ def arrival_blocks(prompt_len: int, max_output_tokens: int, block_size: int,
                    groups: KVGroups | None, chunk_tokens: int) -> int:
     """The blocks a request must be able to hold at once, or it could never run (rejected on
     arrival): those of its prompt and all but its last output token (never held), and with
-    layer groups its peak, a step's chunk (at most `chunk_tokens` of its prompt; 0: the whole
-    prompt) sitting whole in each window group until the step ends, beside the blocks that
-    group keeps of one window."""
+    layer groups its peak, a step's chunk sitting whole in each window group until the step
+    ends, beside the blocks that group keeps of one window. The largest chunk is of a
+    recompute after a preemption, which computes the prompt and the outputs so far: at most
+    `chunk_tokens` of them (0: all of them, in one step)."""
     total = prompt_len + max_output_tokens - 1
     n = blocks_for(total, block_size)
     if groups is None:
         return n
     full, win, window = groups
-    chunk = min(prompt_len, chunk_tokens) if chunk_tokens else prompt_len
+    chunk = min(total, chunk_tokens) if chunk_tokens else total
     span = blocks_for(window - 1, block_size)
     return full * n + win * min(n, span + 2 + blocks_for(chunk, block_size))
 

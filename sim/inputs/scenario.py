@@ -892,32 +892,40 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
     if base not in presets.ENGINES:
         raise ScenarioError(f"{path}: engine.preset = {shown(base, 80)}: must name a built-in engine "
                             f"({', '.join(presets.ENGINES)})")
-    return {**presets.ENGINES[base], **{k: v for k, v in table.items() if k != "preset"}}
+    own = {k: v for k, v in table.items() if k != "preset"}
+    return {**presets.ENGINES[base], **_keys_added(own), **own}
 
 
 # Engine keys added after session logs were first written, with the value that gives the
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True}
-# The same for the workload table (a log's holds every key but those left out while unset).
-WORKLOAD_KEYS_ADDED = {"start_gap_s": 0.0}
+# The same for a closed loop's workload table (a log's holds every key but those left out
+# while unset).
+CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0}
 
 
 def resolve_workload(raw: dict) -> dict:
     """The `[workload]` table, with the keys added since a session log's was written set as
-    they behaved before (WORKLOAD_KEYS_ADDED) when it is a log's: one holding every other key
-    a log writes."""
+    they behaved before (CLOSED_LOOP_KEYS_ADDED) when it is a closed loop's log: one holding
+    `concurrency` and every other key a log writes."""
     keys = [f.name for f in dataclasses.fields(WorkloadConfig) if not f.metadata["unset"]]
-    if all(k in raw for k in keys if k not in WORKLOAD_KEYS_ADDED):
-        return {**WORKLOAD_KEYS_ADDED, **raw}
+    if "concurrency" in raw and all(k in raw for k in keys if k not in CLOSED_LOOP_KEYS_ADDED):
+        return {**CLOSED_LOOP_KEYS_ADDED, **raw}
     return raw
+
+
+def _keys_added(table: dict) -> dict:
+    """ENGINE_KEYS_ADDED where `table` holds every other engine key (written whole: a session
+    log's, or a profile `servesim calibrate` wrote before those keys existed), else nothing."""
+    keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "preset"]
+    return ENGINE_KEYS_ADDED if all(k in table for k in keys if k not in ENGINE_KEYS_ADDED) else {}
 
 
 def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:
     """The `[engine]` table with every key it leaves out taken from its preset. A table that
     already holds every key (a session log's) is returned as it is, its preset not read."""
-    keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "preset"]
-    if all(k in raw for k in keys if k not in ENGINE_KEYS_ADDED):
+    if _keys_added(raw):
         return {**ENGINE_KEYS_ADDED, **raw}
     name = raw.get("preset", presets.DEFAULT_ENGINE)
     if not isinstance(name, str):
@@ -1127,7 +1135,8 @@ def _check_closed_loop(sc: Scenario) -> None:
     """`workload.concurrency` and the keys that only a closed loop reads."""
     src, w = sc.source, sc.workload
     if not w.concurrency:
-        for key, unset in (("think_time_s", 0.0), ("ramp_up_s", 0.0), ("turns", 1)):
+        for key, unset in (("think_time_s", 0.0), ("ramp_up_s", 0.0), ("turns", 1),
+                           ("start_gap_s", _default(_FIELDS["workload"]["start_gap_s"]))):
             if getattr(w, key) != unset:
                 raise ScenarioError(f"{src}: workload.{key} = {getattr(w, key)!r}: applies to "
                                     "a closed loop; it needs workload.concurrency")

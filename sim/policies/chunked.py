@@ -55,9 +55,11 @@ class ChunkedPolicy(Policy):
         ends admission unless `make_room` preempts for it. Where the engine computes prompts
         whole (`chunk_tokens` 0), a request whose tokens exceed what is left of the budget
         waits, as the first that does not fit (vLLM V1 without chunked prefill, TensorRT-LLM
-        without chunked context), unless they exceed the whole budget and it is the step's
-        first admission: it then goes whole (an engine refuses such a prompt; one that served
-        it had a budget that held it)."""
+        without chunked context), unless its tokens not yet computed, cached prefix or not,
+        exceed the whole budget and it is the step's first admission: it then goes whole (an
+        engine refuses such a prompt; one that served it had a budget that held it). (That
+        count does not change while it waits: a cached prefix evicted meanwhile can keep it
+        waiting longer, never let it in.)"""
         kv = self.kv
         full = self.cfg.reserve_full_sequence
         watermark = self.watermark_blocks()
@@ -67,7 +69,8 @@ class ChunkedPolicy(Policy):
             req = self.next_waiting()
             if whole:
                 n, hits = self.plan_waiting(req, math.inf)
-                if n > budget and (not first or n <= self.cfg.max_num_batched_tokens):
+                if n > budget and (not first or req.num_tokens - req.num_computed_tokens
+                                   <= self.cfg.max_num_batched_tokens):
                     break
             else:
                 n, hits = self.plan_waiting(req, budget)

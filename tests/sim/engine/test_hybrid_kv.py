@@ -189,6 +189,27 @@ def test_a_request_that_could_never_fit_is_rejected_not_left_waiting(policy, chu
         assert e.get(1).state.name == "FINISHED"
 
 
+@pytest.mark.parametrize("chunking", [True, False])
+def test_a_recompute_never_needs_more_blocks_than_the_pool(chunking):
+    """A request preempted by recompute computes its prompt and its outputs so far again, in
+    one step with prompts whole: that chunk sits whole in each window group. A request whose
+    recompute could not fit is refused on arrival; left in, it waited forever at the head of
+    the queue (the engine stalled)."""
+    rows = [(1.019, 707, 331), (1.193, 565, 908), (1.502, 105, 1490), (1.918, 646, 361),
+            (1.981, 609, 158), (2.605, 466, 1072), (2.818, 88, 874)]
+    sc = small_scenario(*GPT_OSS, "kv.num_blocks=121", "scheduler.max_num_batched_tokens=256",
+                        f"engine.chunked_prefill={str(chunking).lower()}")
+    e = Engine(sc, workload=workload_of(rows))
+    for _ in range(20000):  # (a stalled engine steps on without end)
+        if e.done:
+            break
+        e.step()
+        check_invariants(e)
+    assert e.done
+    states = {r.state.name for r in e.requests.values()}
+    assert states <= {"FINISHED", "REJECTED"} and "FINISHED" in states
+
+
 def test_same_tokens_with_and_without_layer_groups():
     """Memory changes what runs together, never the tokens."""
     rows = [(0.0, 40, 24), (0.0, 175, 40), (0.01, 130, 48), (0.02, 33, 30), (0.03, 300, 32)]

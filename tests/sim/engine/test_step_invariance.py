@@ -100,6 +100,46 @@ def test_whole_sliced_and_stepped_runs_agree_under_every_policy(policy):
     assert whole.timeline.n > 2 * sum(1 for x in whole.events if x.kind == "steps")
 
 
+WHOLE_PROMPTS = {
+    # a request that waits for room in the budget while decode steps evict its cached prefix
+    "evicted prefix": ('scheduler.policy="sjf"', "scheduler.max_num_batched_tokens=64",
+                       "kv.num_blocks=100", "kv.enable_prefix_caching=true",
+                       "scheduler.async_scheduling=false", "scheduler.max_num_seqs=16",
+                       "workload.num_requests=60", "workload.duration_s=0", "workload.rate=5",
+                       'workload.output_tokens={dist="uniform", min=1, max=900}',
+                       'workload.prompt_tokens={dist="uniform", min=1, max=100}',
+                       'scheduler.sjf_key="total"'),
+    **{policy: (f'scheduler.policy="{policy}"', *PRESSURE, "kv.enable_prefix_caching=true",
+                "workload.shared_prefix_tokens=200", "workload.shared_prefix_groups=2",
+                "scheduler.max_num_batched_tokens=512")
+       for policy in ("chunked", "priority", "lpm")},
+}
+
+
+@pytest.mark.parametrize("case", sorted(WHOLE_PROMPTS))
+def test_whole_sliced_and_stepped_runs_agree_with_prompts_computed_whole(case):
+    """`engine.chunked_prefill = false`: a request waits for a step whose budget holds it;
+    what lets it in (room in the budget, its prefix's blocks) must not change in a run of
+    decode steps the engine takes without asking the policy."""
+    sc = small_scenario("engine.chunked_prefill=false", *WHOLE_PROMPTS[case])
+    runs = {m: scripted(Engine(sc), m, []) for m in ("whole", "sliced", "stepped")}
+    unskipped = scripted(Engine(sc, skip_ahead=False), "whole", [])
+    whole = runs["whole"]
+    assert whole.counts["finished"] > 20 and whole.counts["preemptions"] > 0
+    for m, e in [*runs.items(), ("unskipped", unskipped)]:
+        assert events_of(e) == events_of(whole), m
+        assert state_of(e) == state_of(whole), m
+    for e in runs.values():  # (prompts whole: no prefill goes on where the last one ended)
+        ended: dict[int, int] = {}
+        for ev in e.events:
+            if ev.kind == "steps":
+                for rid, start, n in ev.prefill:
+                    assert ended.get(rid) != start, (rid, start)
+                    ended[rid] = start + n
+                for rid in ev.decode:
+                    ended.pop(rid, None)
+
+
 # Layer groups (sim.engine.kv): gpt-oss's window of 128 ends runs early, Llama 4's 8192 not
 GROUPS = {"gpt-oss": ('model.preset=""', 'model.config="gpt-oss-20b"'),
           "llama-4": ('model.preset=""', 'model.config="llama-4-scout"', "model.tensor_parallel=8",

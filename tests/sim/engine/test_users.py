@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from sim import Engine, load_scenario
+from sim.errors import ServesimError
 from sim.engine.request import RequestState
 from tests.fuzz import fuzz_settings
 from tests.helpers import NO_FRONTEND, check_invariants
@@ -85,6 +86,13 @@ def test_a_log_written_before_start_gap_s_loads_with_the_users_started_at_once()
     assert scenario_from_dict(table).workload.start_gap_s == 0.0
     partial = {"workload": {"concurrency": 3, "num_requests": 9}}
     assert scenario_from_dict(partial).workload.start_gap_s == 1e-4
+    # an open loop's log loads as before (the key means nothing there), and a file that sets
+    # it on an open loop is told it applies to a closed loop
+    table = load_scenario("chat", NO_FRONTEND).to_dict()
+    del table["workload"]["start_gap_s"]
+    assert scenario_from_dict(table).workload.start_gap_s == 1e-4
+    with pytest.raises(ServesimError, match="workload.start_gap_s = 0.001: applies to a closed"):
+        load_scenario("chat", ["workload.start_gap_s=0.001"])
 
 
 def test_ramp_up_spreads_the_first_requests():

@@ -288,6 +288,16 @@ def test_engine_profile_from_a_calibrated_file(tmp_path):
     (tmp_path / "mine.toml").write_text('[engine]\npreset = "nope"\n')
     with pytest.raises(ScenarioError, match="must name a built-in engine"):
         load_scenario(path)
+    # a whole profile written before chunked_prefill existed was fitted with prompts in
+    # chunks, and keeps them, whatever its base profile does now
+    from sim.model.presets import ENGINES
+
+    whole = {k: v for k, v in ENGINES["tensorrt-llm"].items() if k != "chunked_prefill"}
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "tensorrt-llm"\n' + "".join(
+        f"{k} = {str(v).lower()}\n" for k, v in whole.items()))
+    assert load_scenario(path).engine.chunked_prefill is True
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "tensorrt-llm"\ncpu_base_us = 1.0\n')
+    assert load_scenario(path).engine.chunked_prefill is False  # (a partial one: its base's)
 
 
 def test_a_scenario_nested_too_deeply_is_one_line(tmp_path):
