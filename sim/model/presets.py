@@ -157,15 +157,24 @@ ENGINES: dict[str, dict] = {
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
-ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
-                               **COLLECTIVES)
+# Served (NVIDIA NIM's TensorRT-LLM backend), each step also spends host time on every sequence's
+# output in the engine's loop, the GPU waiting: its CPU time per step and per sequence, serial,
+# fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2: the throughput of
+# 250 users; the values on a grid of 100 us and 2.5 us that bring both within 0.5%), the other
+# rows of that table held out (sim/README.md).
+TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1800.0, cpu_per_seq_us=67.5)
+ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, **COLLECTIVES,
+                               **TRT_SERVING)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
 # experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
 # turns chunked context on by default (`--enable_chunked_context/--disable_chunked_context`,
 # default on): so does this profile (`trtllm-serve` keeps it off: `chunked_prefill = false`).
-ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm"], cpu_per_seq_us=33.5,
-                                       chunked_prefill=True)
+# Offline (`trtllm-bench`): the same kernels, its host time (0.6's per step, its own per
+# sequence) overlapping the GPU's.
+TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=33.5,
+                   chunked_prefill=True)
+ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm-0.6"], **TRT_OFFLINE)
 ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'. Its time per streamed output token (detokenising it, building its chunk, writing

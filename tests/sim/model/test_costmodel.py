@@ -249,22 +249,29 @@ def test_engines_differ_in_cpu_and_multi_step():
     assert ENGINES["sglang"]["cpu_overlap"]
 
 
-def test_tensorrt_llm_pytorch_backend_is_its_kernels_with_pythons_host_time():
-    """The PyTorch backend: TensorRT-LLM's coefficients but the CPU time per sequence, which
-    a large enough batch makes the step's (overlapped: the longer of the two), and chunked
-    prefill on (as `trtllm-bench` runs it, where the executor's default is off)."""
+def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
+    """Served (`tensorrt-llm`): each sequence's output handled in the engine's loop, the GPU
+    waiting (serial host time per step and per sequence); offline (`tensorrt-llm-pytorch`,
+    trtllm-bench): Python's host time per sequence overlapped with the GPU (the longer of the
+    two), prompts in chunks (trtllm-bench's default; the executor's is off). The kernels are
+    the same."""
     from sim.model.presets import ENGINES
 
     cpp, py = ENGINES["tensorrt-llm"], ENGINES["tensorrt-llm-pytorch"]
-    assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill"}
+    assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
+                                                   "cpu_overlap", "chunked_prefill"}
     assert py["chunked_prefill"] and not cpp["chunked_prefill"]
-    m = model('engine.preset="tensorrt-llm-pytorch"', 'model.quantization="fp8"',
-              'hardware.preset="b200"')
+    assert py["cpu_overlap"] and not cpp["cpu_overlap"]
+    assert py["cpu_base_us"] == ENGINES["tensorrt-llm-0.6"]["cpu_base_us"]
+    fp8_b200 = ('model.quantization="fp8"', 'hardware.preset="b200"')
+    m = model('engine.preset="tensorrt-llm-pytorch"', *fp8_b200)
     b = 1500
     assert decode(m, b, 100) == pytest.approx(m._cpu0 + b * py["cpu_per_seq_us"] * 1e-6)
-    assert decode(m, b, 100) > 1.5 * decode(model('engine.preset="tensorrt-llm"',
-                                                  'model.quantization="fp8"',
-                                                  'hardware.preset="b200"'), b, 100)
+    gpu = decode(model('engine.preset="tensorrt-llm"', *fp8_b200, "engine.cpu_base_us=0",
+                       "engine.cpu_per_seq_us=0"), b, 100)
+    served = decode(model('engine.preset="tensorrt-llm"', *fp8_b200), b, 100)
+    assert served == pytest.approx(gpu + (cpp["cpu_base_us"] + b * cpp["cpu_per_seq_us"]) * 1e-6)
+    assert gpu < decode(m, b, 100) < served
 
 
 def test_presets_change_speed():
