@@ -157,14 +157,15 @@ ENGINES: dict[str, dict] = {
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
-# Served (NVIDIA NIM's TensorRT-LLM backend), each step also spends host time on every sequence's
-# output in the engine's loop, the GPU waiting: its CPU time per step and per sequence, serial,
-# fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2: the throughput of
-# 250 users; the values on a grid of 100 us and 2.5 us that bring both within 0.5%), the other
-# rows of that table held out (sim/README.md).
+ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
+                               **COLLECTIVES)
+# NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
+# sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
+# sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
+# the throughput of 250 users; the values on a grid of 100 us and 2.5 us that bring both within
+# 0.5%), the other rows of that table held out (sim/README.md).
 TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1800.0, cpu_per_seq_us=67.5)
-ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, **COLLECTIVES,
-                               **TRT_SERVING)
+ENGINES["nim"] = dict(ENGINES["tensorrt-llm"], **TRT_SERVING)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
 # experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
@@ -205,7 +206,7 @@ ENGINES["vllm-0.5"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
                            cpu_per_seq_us=341.3, **NO_FRONTEND)
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
-                                   "tensorrt-llm-0.6")}
+                                   "tensorrt-llm-0.6", "nim")}
 ENGINE_PRESETS = [*ENGINES, "roofline"]
 # What a user running today's vLLM gets.
 DEFAULT_ENGINE = "vllm-v1"
@@ -220,7 +221,7 @@ DEFAULT_ENGINE = "vllm-v1"
 #   35 GB, 4,096 below 60, 8,192 below 160, 16,384 above: `ServerArgs._handle_gpu_memory_settings`
 #   in python/sglang/srt/server_args.py) and at least 2,048 requests (`max_running_requests`
 #   from the KV pool, clamped to 2,048-4,096: the pool binds first);
-# - TensorRT-LLM (its executor and PyTorch backend): 2,048 sequences and 8,192 tokens, its LLM
+# - TensorRT-LLM (its executor and PyTorch backend, NIM): 2,048 sequences and 8,192 tokens, its LLM
 #   API's `max_batch_size` and `max_num_tokens` (tensorrt_llm/llmapi/llm_args.py);
 # - the others: 256 and 2,048.
 SGLANG_PREFILL_TOKENS = ((35, 2048), (60, 4096), (160, 8192), (math.inf, 16384))
@@ -233,6 +234,6 @@ def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[in
         return 1024, 8192
     if engine == "sglang":
         return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)
-    if engine in ("tensorrt-llm", "tensorrt-llm-pytorch"):
+    if engine in ("tensorrt-llm", "tensorrt-llm-pytorch", "nim"):
         return 2048, 8192
     return 256, 2048

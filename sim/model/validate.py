@@ -137,10 +137,12 @@ def engine_preset_for(engine: str) -> str | None:
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
     V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
     (`VLLM_USE_V1=0`) -> vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
-    NVIDIA NIM naming no other engine -> tensorrt-llm (its optimized profiles, those its
-    benchmarks measure, are TensorRT-LLM engines).
+    NVIDIA NIM naming neither vLLM nor SGLang -> nim (its optimized profiles, those its
+    benchmarks measure, are TensorRT-LLM engines, served with its host time in their loop).
     """
     t = engine.lower()
+    if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
+        return "nim"
     if re.search(r"tensorrt|trt[ -]?llm", t):
         v = _version(t)
         if v is not None and v[:2] <= (0, 6):
@@ -160,8 +162,6 @@ def engine_preset_for(engine: str) -> str | None:
         if v is None or v[:2] >= (0, 8):
             return "vllm-v1"
         return "vllm-0.5" if v[:2] <= (0, 5) else "vllm-0.6"
-    if re.search(r"\bnim\b", t):
-        return "tensorrt-llm"
     return None
 
 

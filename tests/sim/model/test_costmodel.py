@@ -250,26 +250,27 @@ def test_engines_differ_in_cpu_and_multi_step():
 
 
 def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
-    """Served (`tensorrt-llm`): each sequence's output handled in the engine's loop, the GPU
+    """Served by NIM (`nim`): each sequence's output handled in the engine's loop, the GPU
     waiting (serial host time per step and per sequence); offline (`tensorrt-llm-pytorch`,
     trtllm-bench): Python's host time per sequence overlapped with the GPU (the longer of the
     two), prompts in chunks (trtllm-bench's default; the executor's is off). The kernels are
-    the same."""
+    `tensorrt-llm`'s."""
     from sim.model.presets import ENGINES
 
-    cpp, py = ENGINES["tensorrt-llm"], ENGINES["tensorrt-llm-pytorch"]
+    trt, cpp, py = ENGINES["tensorrt-llm"], ENGINES["nim"], ENGINES["tensorrt-llm-pytorch"]
     assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
                                                    "cpu_overlap", "chunked_prefill"}
-    assert py["chunked_prefill"] and not cpp["chunked_prefill"]
+    assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill"}
+    assert py["chunked_prefill"] and not cpp["chunked_prefill"] and not trt["chunked_prefill"]
     assert py["cpu_overlap"] and not cpp["cpu_overlap"]
     assert py["cpu_base_us"] == ENGINES["tensorrt-llm-0.6"]["cpu_base_us"]
     fp8_b200 = ('model.quantization="fp8"', 'hardware.preset="b200"')
     m = model('engine.preset="tensorrt-llm-pytorch"', *fp8_b200)
     b = 1500
     assert decode(m, b, 100) == pytest.approx(m._cpu0 + b * py["cpu_per_seq_us"] * 1e-6)
-    gpu = decode(model('engine.preset="tensorrt-llm"', *fp8_b200, "engine.cpu_base_us=0",
+    gpu = decode(model('engine.preset="nim"', *fp8_b200, "engine.cpu_base_us=0",
                        "engine.cpu_per_seq_us=0"), b, 100)
-    served = decode(model('engine.preset="tensorrt-llm"', *fp8_b200), b, 100)
+    served = decode(model('engine.preset="nim"', *fp8_b200), b, 100)
     assert served == pytest.approx(gpu + (cpp["cpu_base_us"] + b * cpp["cpu_per_seq_us"]) * 1e-6)
     assert gpu < decode(m, b, 100) < served
 

@@ -117,9 +117,9 @@ def test_a_fit_gives_the_pytorch_backend_its_stage_3_coefficients():
     got = P.profiles(c)
     assert got["tensorrt-llm-pytorch"]["cpu_per_seq_us"] == 77.0
     assert got["tensorrt-llm-pytorch"]["gemm_efficiency"] == 0.6
-    # (the served profile keeps its own host time, fixed apart: presets.TRT_SERVING)
-    assert got["tensorrt-llm"]["cpu_per_seq_us"] == 67.5
-    assert got["tensorrt-llm"]["gemm_efficiency"] == 0.6
+    assert got["tensorrt-llm"]["cpu_per_seq_us"] == 3.0
+    # (NIM's profile keeps its own host time, fixed apart: presets.TRT_SERVING)
+    assert got["nim"]["cpu_per_seq_us"] == 67.5 and got["nim"]["gemm_efficiency"] == 0.6
     assert all(p["moe_gemm_efficiency"] == 0.2 for p in got.values())
 
 

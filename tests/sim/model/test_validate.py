@@ -58,9 +58,9 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("vLLM", "vllm-v1"),
     ("SGLang 0.3.0", "sglang-0.3"),
     ("SGLang v0.4.1", "sglang"),
-    ("NVIDIA NIM 1.8.0", "tensorrt-llm"),
+    ("NVIDIA NIM 1.8.0", "nim"),
     ("NIM for LLMs 1.10 (vLLM backend)", "vllm-v1"),
-    ("NVIDIA NIM 1.8.0 (TensorRT-LLM engine)", "tensorrt-llm"),
+    ("NVIDIA NIM 1.8.0 (TensorRT-LLM engine)", "nim"),
     ("Animus 2", None),
     ("LMDeploy 0.6", None),
 ])
