@@ -893,7 +893,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
         raise ScenarioError(f"{path}: engine.preset = {shown(base, 80)}: must name a built-in engine "
                             f"({', '.join(presets.ENGINES)})")
     own = {k: v for k, v in table.items() if k != "preset"}
-    return {**presets.ENGINES[base], **_keys_added(own), **own}
+    return {**presets.ENGINES[base], **_keys_added(EngineConfig, own, ENGINE_KEYS_ADDED), **own}
 
 
 # Engine keys added after session logs were first written, with the value that gives the
@@ -909,23 +909,24 @@ def resolve_workload(raw: dict) -> dict:
     """The `[workload]` table, with the keys added since a session log's was written set as
     they behaved before (CLOSED_LOOP_KEYS_ADDED) when it is a closed loop's log: one holding
     `concurrency` and every other key a log writes."""
-    keys = [f.name for f in dataclasses.fields(WorkloadConfig) if not f.metadata["unset"]]
-    if "concurrency" in raw and all(k in raw for k in keys if k not in CLOSED_LOOP_KEYS_ADDED):
-        return {**CLOSED_LOOP_KEYS_ADDED, **raw}
-    return raw
+    if "concurrency" not in raw:
+        return raw
+    return {**_keys_added(WorkloadConfig, raw, CLOSED_LOOP_KEYS_ADDED), **raw}
 
 
-def _keys_added(table: dict) -> dict:
-    """ENGINE_KEYS_ADDED where `table` holds every other engine key (written whole: a session
-    log's, or a profile `servesim calibrate` wrote before those keys existed), else nothing."""
-    keys = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "preset"]
-    return ENGINE_KEYS_ADDED if all(k in table for k in keys if k not in ENGINE_KEYS_ADDED) else {}
+def _keys_added(cls: type, table: dict, added: dict) -> dict:
+    """`added` where `table` holds every other key of section `cls` that a whole table holds
+    (a session log's, or a profile `servesim calibrate` wrote before those keys existed: all
+    but `preset` and the keys left out while unset), else nothing."""
+    keys = [f.name for f in dataclasses.fields(cls)
+            if f.name != "preset" and not f.metadata["unset"]]
+    return added if all(k in table for k in keys if k not in added) else {}
 
 
 def resolve_engine(raw: dict, source: str, base_dir: Path) -> dict:
     """The `[engine]` table with every key it leaves out taken from its preset. A table that
     already holds every key (a session log's) is returned as it is, its preset not read."""
-    if _keys_added(raw):
+    if _keys_added(EngineConfig, raw, ENGINE_KEYS_ADDED):
         return {**ENGINE_KEYS_ADDED, **raw}
     name = raw.get("preset", presets.DEFAULT_ENGINE)
     if not isinstance(name, str):

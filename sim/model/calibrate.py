@@ -439,8 +439,9 @@ def replay_bench(run: BenchRun, scenario) -> tuple[np.ndarray, np.ndarray, dict]
     reqs = sorted((r for r in engine.requests.values() if r.parent_id is None),
                   key=lambda r: r.req_id)
     ttft = np.array([np.nan if r.client_ttft is None else r.client_ttft for r in reqs])
-    tpot = np.array([r.client_tpot if r.num_output_tokens > 1 and r.finish_time is not None
-                     and r.client_tpot is not None else np.nan for r in reqs])
+    # (client_tpot: None with fewer than two tokens)
+    tpot = np.array([np.nan if r.finish_time is None or r.client_tpot is None else r.client_tpot
+                     for r in reqs])
     return ttft, tpot, summarize(engine)
 
 

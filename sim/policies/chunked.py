@@ -67,13 +67,10 @@ class ChunkedPolicy(Policy):
         first = True
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
-            if whole:
-                n, hits = self.plan_waiting(req, math.inf)
-                if n > budget and (not first or req.num_tokens - req.num_computed_tokens
-                                   <= self.cfg.max_num_batched_tokens):
-                    break
-            else:
-                n, hits = self.plan_waiting(req, budget)
+            n, hits = self.plan_waiting(req, math.inf if whole else budget)
+            if whole and n > budget and (not first or req.num_tokens - req.num_computed_tokens
+                                         <= self.cfg.max_num_batched_tokens):
+                break
             # (positionally: reserve, prefix, full_sequence)
             if not kv.allocate_slots(req, n, watermark if self.running else 0, hits, full):
                 given_back = self.make_room(out, req)
