@@ -259,13 +259,15 @@ class Timeline:
             self.flush()
 
     def append(self, **cols) -> int:
-        """Append k rows (every column a scalar or an array of length k).
+        """Append k rows (every column a scalar, or an array or list of length k).
 
         Returns the index of the first new row.
         """
         self.flush()
         i = self.n
-        self._write({name: cols.get(name, 0) for name in NAMES}, len(cols["end"]))
+        # (a list is a column, not a scalar: _write splits columns where a chunk fills)
+        self._write({name: np.asarray(v) if isinstance(v, (list, tuple)) else v
+                     for name in NAMES for v in (cols.get(name, 0),)}, len(cols["end"]))
         return i
 
     def flush(self) -> None:

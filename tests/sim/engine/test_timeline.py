@@ -63,6 +63,18 @@ def test_chunked_columns_and_totals_equal_the_whole_columns(small_chunks):
             assert tl.index(t_, side) == np.searchsorted(cols["end"], t_, side), (t_, side)
 
 
+def test_columns_given_as_lists_are_split_where_a_chunk_fills(small_chunks):
+    """A decode run's times may come as lists (the scalar path's); a run that fills a chunk
+    midway writes each list's rows on both sides of the seal."""
+    n = 150
+    cols = _rows(n)
+    tl = Timeline()
+    tl.append(**{c: cols[c][:60] for c in NAMES})
+    tl.append(**{c: cols[c][60:].tolist() for c in NAMES})  # crosses row 64
+    for c in NAMES:
+        assert np.array_equal(tl.column(c), cols[c]), c
+
+
 def test_a_decode_run_staged_at_once_equals_its_steps_one_by_one(small_chunks):
     """`add_decodes` (the engine's decode runs) writes the rows `add_row` would, each column
     in its place, across stage flushes and sealed chunks."""
