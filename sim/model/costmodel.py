@@ -84,12 +84,13 @@ GPU's (expert, token) assignments and the experts it touches:
 
     N = min(T r min(k, E/ep),  T r (k/ep + s k/E) + z_ep sqrt(T r k/ep (1 - 1/ep) (E-k)/(E-1)))
     U = E/ep (1 - 1 / (1 + x + x^2/2 + x^3/6)),  x = -T r ln(1 - k/E)   (~ 1 - (1 - k/E)^(T r))
-    c_x = 2 Lx P_x / (F e_g e_x / (tp/ep)),  m_x = qb Lx P_x / (B e_b e_x / (tp/ep))
+    c_x = 2 Lx P_x / (F e_g e_x / (tp/ep)),  m_x = qb Lx P_x / (B e_b e_s / (tp/ep))
 
 with `z_ep` the expected largest of `ep` standard normal draws, and `a_x = min(k/ep + s k/E,
 min(k, E/ep)) r` the GPU's (token, expert) assignments per token, each passed over
-`ROUTED_PASSES` times by the routing's elementwise kernels. The dispatch gathers every
-rank's tokens on every GPU of the experts (whatever experts they use) and the combine
+`ROUTED_PASSES` times by the routing's elementwise kernels; `e_s = e_x` for quantized experts
+(qb < 2 bytes: their block scales), else 1 (16-bit experts stream as the dense weights do).
+The dispatch gathers every rank's tokens on every GPU of the experts (whatever experts they use) and the combine
 reduce-scatters the outputs back, so its bytes grow with the ranks, not with k. `t_a2a` is
 folded into `_ar_tok` and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
 decode attention `2 L nh (2 r + dr)` FLOPs per position (the absorbed form), prefill `2 L nh
@@ -328,9 +329,11 @@ class CostModel:
         # the experts are split inside the engine's GPUs; whole when over more), at the grouped
         # GEMMs' share of the dense linear layers' rates
         p_exp = n_moe * mlp_params(m.hidden_size, m.moe_intermediate_size)
-        split = max(tp / ep, 1.0) * e.moe_gemm_efficiency
-        self._moe_c = 2.0 * p_exp / (split * gemm / tp)
-        self._moe_m = self.block_weight_bytes * p_exp / (split * stream / tp) * (E / ep)
+        split = max(tp / ep, 1.0)
+        self._moe_c = 2.0 * p_exp / (split * e.moe_gemm_efficiency * gemm / tp)
+        qb = self.block_weight_bytes
+        e_stream = e.moe_gemm_efficiency if qb < 2.0 else 1.0
+        self._moe_m = qb * p_exp / (split * e_stream * stream / tp) * (E / ep)
         # With ep > tensor_parallel the experts span ep / tp data-parallel ranks (model.
         # data_parallel's, or implicit ones beside this engine), each taken to send a batch like
         # this one: the GPU's experts see ep / tp times the tokens.

@@ -157,14 +157,23 @@ ENGINES: dict[str, dict] = {
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # sim.model.profiles.DERIVED and RATIOS say how).
+# TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
+# the session of its older benchmarks) launches every kernel of every layer from the host: CUDA
+# graphs are off by default (`ExtendedRuntimePerfKnobConfig(..., bool cudaGraphMode = false)` in
+# cpp/include/tensorrt_llm/executor/executor.h; the Triton backend's `cuda_graph_mode` the
+# same). Its fixed time per layer and its decode attention's share of the memory's bandwidth
+# fixed on published TensorRT-LLM 0.9 points of Llama 2 7B and 70B on H100s (sim/README.md: the
+# grid and its held-out error on the other GPUs and models); one layer's kernels launched one by
+# one cost about twice what the shared fit finds for engines replaying CUDA graphs.
+TRT_CPP = dict(layer_overhead_us=55.0, kv_bandwidth_efficiency=0.8)
 ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
-                               **COLLECTIVES)
+                               **COLLECTIVES, **TRT_CPP)
 # NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
 # sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
 # sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
 # the throughput of 250 users; the values on a grid of 100 us and 2.5 us that bring both within
 # 0.5%), the other rows of that table held out (sim/README.md).
-TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1800.0, cpu_per_seq_us=67.5)
+TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
 ENGINES["nim"] = dict(ENGINES["tensorrt-llm"], **TRT_SERVING)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of

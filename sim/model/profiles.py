@@ -81,11 +81,13 @@ POINT_SPREAD = 0.1
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
 # API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
 # executor; TensorRT-LLM 0.7 on shares K/V across a GQA group (XQA kernels).
+# (TensorRT-LLM's C++ runtime: its kernels launched without CUDA graphs, fixed apart on
+# published points of their own: presets.TRT_CPP)
 DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_overlap": True,
-                                                 **presets.COLLECTIVES}),
+                                                 **presets.COLLECTIVES, **presets.TRT_CPP}),
            # (its serial CPU time fixed apart, on held-out rows: presets.TRT_SERVING)
            "nim": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, **presets.COLLECTIVES,
-                                        **presets.TRT_SERVING}),
+                                        **presets.TRT_CPP, **presets.TRT_SERVING}),
            # (its CPU time per sequence fitted apart, in stage 3: presets.TRT_OFFLINE)
            "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", dict(presets.TRT_OFFLINE)),
            "sglang": ("sglang-0.3", {"cpu_overlap": True}),

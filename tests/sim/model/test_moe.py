@@ -36,7 +36,7 @@ def moe_time(m, T):
 def test_a_moe_reads_only_the_experts_its_tokens_use():
     m = cost('model.config="qwen3-30b-a3b"', 'hardware.preset="h100-sxm"')
     e = load_scenario("chat").engine
-    stream = 3350e9 * e.bandwidth_efficiency * e.moe_gemm_efficiency
+    stream = 3350e9 * e.bandwidth_efficiency  # (16-bit experts: the dense weights' rate)
     expert_bytes = 48 * 128 * 3 * 2048 * 768 * 2
     # one token: 8 assignments, 8 of the 128 experts read per layer (1 - e^-x, x = -ln(1 - 8/128))
     assert moe_time(m, 1) == pytest.approx(math.hypot(m._moe_c * 8,
@@ -124,14 +124,33 @@ def test_the_gather_moves_every_token_whatever_its_experts():
 
 @pytest.mark.parametrize("T", [1, 64, 4096])
 def test_grouped_gemm_efficiency_scales_the_experts_time_only(T):
-    """t_moe (compute and weight reads both) is the dense rates' time over
-    moe_gemm_efficiency; the rest of the step does not move."""
-    base = ('model.config="qwen3-30b-a3b"', 'hardware.preset="h100-sxm"')
+    """t_moe of quantized experts (compute and weight reads both) is the dense rates' time
+    over moe_gemm_efficiency; the rest of the step does not move."""
+    base = ('model.config="qwen3-30b-a3b"', 'hardware.preset="h100-sxm"',
+            'model.quantization="fp8"')
     full, half = cost(*base, "engine.moe_gemm_efficiency=1"), cost(
         *base, "engine.moe_gemm_efficiency=0.5")
     assert moe_time(half, T) == pytest.approx(2 * moe_time(full, T), rel=1e-12)
     full._moe = half._moe = False
     assert full.step(T, T, 0, 0, 0, 1, 0) == half.step(T, T, 0, 0, 0, 1, 0)
+
+
+def test_sixteen_bit_experts_stream_at_the_dense_rate():
+    """16-bit experts are read at the dense weights' rate whatever moe_gemm_efficiency (a
+    batch-1 decode of Mixtral reads its two experts as fast as a dense model's weights); their
+    compute, and both sides of quantized experts, take it."""
+    base = ('model.config="mixtral-8x7b"', 'hardware.preset="h100-sxm"', "model.tensor_parallel=2")
+    full, half = cost(*base, "engine.moe_gemm_efficiency=1"), cost(
+        *base, "engine.moe_gemm_efficiency=0.5")
+    assert half._moe_m == full._moe_m and half._moe_c == pytest.approx(2 * full._moe_c)
+    # one token reads its two experts of eight, sharded over two GPUs, at the dense rate
+    e = load_scenario("chat").engine
+    experts = 32 * 2 * 3 * 4096 * 14336 * 2 / 2
+    assert moe_time(half, 1) == pytest.approx(
+        math.hypot(half._moe_c * 2, experts / (3350e9 * e.bandwidth_efficiency)), rel=0.02)
+    q = [cost(*base, 'model.quantization="fp8"', f"engine.moe_gemm_efficiency={x}")
+         for x in (1, 0.5)]
+    assert q[1]._moe_m == pytest.approx(2 * q[0]._moe_m)
 
 
 def test_each_routed_assignment_costs_elementwise_passes_over_its_hidden_state():
