@@ -51,6 +51,18 @@ HARDWARE: dict[str, dict] = {
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
                  int8_tops=733.0, fp4_tflops=0.0),
+    # NVIDIA L40 data sheet: 48 GB GDDR6 at 864 GB/s; FP16 / BF16 tensor 181 TFLOP/s, FP8 and
+    # INT8 362 (dense: the sheet's sparse figures halved); 300 W; PCIe Gen4 x16, no NVLink.
+    "l40": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=181.0, fp8_tflops=362.0,
+                tdp_w=300.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
+                int8_tops=362.0, fp4_tflops=0.0),
+    # NVIDIA GH200 Grace Hopper Superchip data sheet, its Hopper GPU with 96 GB of HBM3 at
+    # 4 TB/s (the 144 GB HBM3e part is faster: give its sizes) and the H100 SXM's tensor peaks;
+    # 700 W for the GPU module (the sheet's 450-1000 W is the superchip's range); NVLink 4 to
+    # other GPUs as the H100's; NVLink-C2C to its own CPU at 450 GB/s each way (swap).
+    "gh200": dict(memory_gb=96.0, mem_bandwidth_gbps=4000.0, peak_tflops=989.0,
+                  fp8_tflops=1979.0, tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0,
+                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0),
     # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
     # dense: the sheet's sparse figures halved): 180 GB HBM3e, BF16 2.25, FP8 and INT8 4.5,
     # FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together. The memory's
