@@ -90,8 +90,9 @@ with `z_ep` the expected largest of `ep` standard normal draws, and `a_x = min(k
 min(k, E/ep)) r` the GPU's (token, expert) assignments per token, each passed over
 `ROUTED_PASSES` times by the routing's elementwise kernels; `e_s = e_x` for quantized experts
 (qb < 2 bytes: their block scales), else 1 (16-bit experts stream as the dense weights do).
-The dispatch gathers every rank's tokens on every GPU of the experts (whatever experts they use) and the combine
-reduce-scatters the outputs back, so its bytes grow with the ranks, not with k. `t_a2a` is
+The dispatch gathers every rank's tokens on every GPU of the experts (whatever experts they
+use) and the combine reduce-scatters the outputs back, so its bytes grow with the ranks, not
+with k. `t_a2a` is
 folded into `_ar_tok` and `_fixed`. MLA (`kv_lora_rank` r, `rope_head_dim` dr): `kv = L (r + dr) kvb` on every GPU,
 decode attention `2 L nh (2 r + dr)` FLOPs per position (the absorbed form), prefill `2 L nh
 (2 hd + dr)`, `g = 1`. Quantized blocks (`model.quantization`): `qb` bytes per weight in place of

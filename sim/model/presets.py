@@ -168,7 +168,7 @@ ENGINES: dict[str, dict] = {
     | dict(frontend_request_us=7600.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
-# sim.model.profiles.DERIVED and RATIOS say how).
+# DERIVED below and sim.model.profiles.RATIOS say how).
 # TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
 # the session of its older benchmarks) launches every kernel of every layer from the host: CUDA
 # graphs are off by default (`ExtendedRuntimePerfKnobConfig(..., bool cudaGraphMode = false)` in
@@ -178,15 +178,15 @@ ENGINES: dict[str, dict] = {
 # grid and its held-out error on the other GPUs and models); one layer's kernels launched one by
 # one cost about twice what the shared fit finds for engines replaying CUDA graphs.
 TRT_CPP = dict(layer_overhead_us=55.0, kv_bandwidth_efficiency=0.8)
-ENGINES["tensorrt-llm"] = dict(ENGINES["tensorrt-llm-0.6"], gqa_shared_kv=True, cpu_overlap=True,
-                               **COLLECTIVES, **TRT_CPP)
+# Later TensorRT-LLM (0.7 on) shares K/V across a GQA group (XQA kernels), and its executor
+# overlaps its CPU work with the GPU.
+TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, **COLLECTIVES, **TRT_CPP)
 # NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
 # sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
 # sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
 # the throughput of 250 users; the values on a grid of 100 us and 2.5 us that bring both within
 # 0.5%), the other rows of that table held out (sim/README.md).
 TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
-ENGINES["nim"] = dict(ENGINES["tensorrt-llm"], **TRT_SERVING)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
 # experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
@@ -196,8 +196,6 @@ ENGINES["nim"] = dict(ENGINES["tensorrt-llm"], **TRT_SERVING)
 # sequence) overlapping the GPU's.
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=33.5,
                    chunked_prefill=True)
-ENGINES["tensorrt-llm-pytorch"] = dict(ENGINES["tensorrt-llm-0.6"], **TRT_OFFLINE)
-ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'. Its time per streamed output token (detokenising it, building its chunk, writing
 # it: one process for every stream) from the one published run where one API server bounds the
@@ -218,13 +216,27 @@ ENGINES["sglang"] = dict(ENGINES["sglang-0.3"], cpu_overlap=True)
 # about 18 ms. F1, F2 and F4-F6 are held out.
 V1_FRONTEND = dict(frontend_request_us=30100.0, frontend_prompt_token_us=1.1,
                    frontend_output_token_us=65.0)
-ENGINES["vllm-v1"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1, cpu_overlap=True,
-                          **V1_FRONTEND)
-# V0 without multi-step: serial CPU time, refitted to the vLLM team's published ratios.
-ENGINES["vllm-0.6"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=129.2, **NO_FRONTEND)
-ENGINES["vllm-0.5"] = dict(ENGINES["vllm-0.6-multistep"], num_scheduler_steps=1,
-                           cpu_per_seq_us=341.3, **NO_FRONTEND)
+# The derived profiles: each takes every coefficient of the fitted one it names, and its own
+# flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
+# The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
+# API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
+# executor.
+DERIVED: dict[str, tuple[str, dict]] = {
+    "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR),
+    "nim": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVING),
+    "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE),
+    "sglang": ("sglang-0.3", dict(cpu_overlap=True)),
+    "vllm-v1": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, cpu_overlap=True,
+                                           **V1_FRONTEND)),
+    # V0 without multi-step: serial CPU time, its time per sequence refitted to the vLLM team's
+    # published ratios (below; sim.model.profiles.RATIOS)
+    "vllm-0.6": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, **NO_FRONTEND)),
+    "vllm-0.5": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, **NO_FRONTEND)),
+}
+for _name, (_source, _flags) in DERIVED.items():
+    ENGINES[_name] = {**ENGINES[_source], **_flags}
+ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 129.2
+ENGINES["vllm-0.5"]["cpu_per_seq_us"] = 341.3
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
                                    "tensorrt-llm-0.6", "nim")}

@@ -77,25 +77,11 @@ FIT_MOE: dict[str, dict[str, tuple[float, float]]] = {
 # The spread of log(predicted / published) expected of a good model (measurement noise and what
 # no model of this size captures): it weighs the points against the priors.
 POINT_SPREAD = 0.1
-# Profiles that take every coefficient of a fitted one but their own flags.
-# The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
-# API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
-# executor; TensorRT-LLM 0.7 on shares K/V across a GQA group (XQA kernels).
-# (TensorRT-LLM's C++ runtime: its kernels launched without CUDA graphs, fixed apart on
-# published points of their own: presets.TRT_CPP)
-DERIVED = {"tensorrt-llm": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, "cpu_overlap": True,
-                                                 **presets.COLLECTIVES, **presets.TRT_CPP}),
-           # (its serial CPU time fixed apart, on held-out rows: presets.TRT_SERVING)
-           "nim": ("tensorrt-llm-0.6", {"gqa_shared_kv": True, **presets.COLLECTIVES,
-                                        **presets.TRT_CPP, **presets.TRT_SERVING}),
-           # (its CPU time per sequence fitted apart, in stage 3: presets.TRT_OFFLINE)
-           "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", dict(presets.TRT_OFFLINE)),
-           "sglang": ("sglang-0.3", {"cpu_overlap": True}),
-           # (its API server's time fitted apart, on held-out rows: presets.V1_FRONTEND)
-           "vllm-v1": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, "cpu_overlap": True,
-                                              **presets.V1_FRONTEND}),
-           "vllm-0.6": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, **presets.NO_FRONTEND}),
-           "vllm-0.5": ("vllm-0.6-multistep", {"num_scheduler_steps": 1, **presets.NO_FRONTEND})}
+# Profiles that take every coefficient of a fitted one but their own flags (presets.DERIVED:
+# TensorRT-LLM's C++ runtime's launches, NIM's serial host time and vLLM V1's API server's time
+# fixed apart on published points of their own; the PyTorch backend's time per sequence fitted
+# in stage 3).
+DERIVED = presets.DERIVED
 
 
 def _kind(name: str) -> str:
