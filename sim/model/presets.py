@@ -119,13 +119,23 @@ DEQUANT = 8.0 / 128.0
 # in a serving step (`allreduce_sync_us`) is fitted with the shared coefficients.
 COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7)
 
+# TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
+# the session of its older benchmarks) launches every kernel of every layer from the host: CUDA
+# graphs are off by default (`ExtendedRuntimePerfKnobConfig(..., bool cudaGraphMode = false)` in
+# cpp/include/tensorrt_llm/executor/executor.h; the Triton backend's `cuda_graph_mode` the
+# same). So a layer costs it a fixed time of its own, which the shared `layer_overhead_us`
+# (engines replaying CUDA graphs) is not: fixed on published TensorRT-LLM 0.9 points of Llama 2
+# 7B and 70B on H100s (sim/README.md: the grid and its held-out error on the other GPUs and
+# models), about two and a half times the graph-replaying engines' fixed time per layer. Held
+# apart from the shared fit (sim.model.profiles.PINNED).
+TRT_LAUNCHES = dict(layer_overhead_us=55.0)
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
 # what is fitted and how); sim/README.md reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
-    fp8_gemm_efficiency=0.6647, bandwidth_efficiency=0.8329, attention_efficiency=0.4904,
-    elementwise_efficiency=0.5, layer_overhead_us=25.61, allreduce_sync_us=12.75,
+    fp8_gemm_efficiency=0.6657, bandwidth_efficiency=0.8342, attention_efficiency=0.4905,
+    elementwise_efficiency=0.5, layer_overhead_us=20.0, allreduce_sync_us=13.0,
     # (the third stage's terms: its rows' minimum without its priors, sim/README.md)
     moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.29,
 ) | COLLECTIVES
@@ -141,46 +151,40 @@ ENGINES: dict[str, dict] = {
     # executor (`ExecutorConfig`, the Triton backend's `enable_chunked_context`) and in its LLM
     # API and `trtllm-serve` (`enable_chunked_prefill: bool = Field(default=False)`,
     # tensorrt_llm/llmapi/llm_args.py).
-    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8145,
+    # Its C++ runtime launches each layer's kernels one by one (TRT_LAUNCHES, above).
+    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8147,
                              kv_bandwidth_efficiency=1.0,
-                             cpu_base_us=3068.7, cpu_per_seq_us=4.293)
-    | dict(gqa_shared_kv=False, gqa_reread=0.5382, allreduce_latency_us=50.90,
-           custom_allreduce_us=0.0, chunked_prefill=False),
+                             cpu_base_us=2118.0, cpu_per_seq_us=4.331)
+    | dict(gqa_shared_kv=False, gqa_reread=0.5330, allreduce_latency_us=43.61,
+           custom_allreduce_us=0.0, chunked_prefill=False) | TRT_LAUNCHES,
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
     # HuggingFace tokenizers, at their rate for one sequence as sglang-0.3's below; the time per
     # request fitted on S4, its one light-load TTFT row (the value, to 0.1 ms, that brings S4's
-    # median TTFT to the published 100.48 ms: 100.46); S5-S7 are held out. It takes in whatever
+    # median TTFT to the published 100.48 ms: 100.49); S5-S7 are held out. It takes in whatever
     # else a light-load TTFT spends under multi-step scheduling, so the one-step profiles
     # derived from this one keep none.
-    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7593,
-                               kv_bandwidth_efficiency=0.7388,
-                               cpu_base_us=3163.5, cpu_per_seq_us=8.32)
-    | dict(num_scheduler_steps=10, frontend_request_us=9300.0, frontend_prompt_token_us=1.1),
+    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7598,
+                               kv_bandwidth_efficiency=0.7654,
+                               cpu_base_us=3492.2, cpu_per_seq_us=7.645)
+    | dict(num_scheduler_steps=10, frontend_request_us=6200.0, frontend_prompt_token_us=1.1),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
     # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
-    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.98).
-    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7520, kv_bandwidth_efficiency=0.7675,
-                       cpu_base_us=2251.9, cpu_per_seq_us=50.93)
-    | dict(frontend_request_us=7600.0, frontend_prompt_token_us=1.1),
+    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.94).
+    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7582, kv_bandwidth_efficiency=0.7646,
+                       cpu_base_us=2484.4, cpu_per_seq_us=53.40)
+    | dict(frontend_request_us=7200.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # DERIVED below and sim.model.profiles.RATIOS say how).
-# TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
-# the session of its older benchmarks) launches every kernel of every layer from the host: CUDA
-# graphs are off by default (`ExtendedRuntimePerfKnobConfig(..., bool cudaGraphMode = false)` in
-# cpp/include/tensorrt_llm/executor/executor.h; the Triton backend's `cuda_graph_mode` the
-# same). Its fixed time per layer and its decode attention's share of the memory's bandwidth
-# fixed on published TensorRT-LLM 0.9 points of Llama 2 7B and 70B on H100s (sim/README.md: the
-# grid and its held-out error on the other GPUs and models); one layer's kernels launched one by
-# one cost about twice what the shared fit finds for engines replaying CUDA graphs.
-TRT_CPP = dict(layer_overhead_us=55.0, kv_bandwidth_efficiency=0.8)
-# Later TensorRT-LLM (0.7 on) shares K/V across a GQA group (XQA kernels), and its executor
-# overlaps its CPU work with the GPU.
-TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, **COLLECTIVES, **TRT_CPP)
+# Later TensorRT-LLM (0.7 on) shares K/V across a GQA group (XQA kernels), its decode attention
+# reaching 0.8 of the memory's bandwidth (fixed with TRT_LAUNCHES, on the same points), and its
+# executor overlaps its CPU work with the GPU.
+TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficiency=0.8,
+                    **COLLECTIVES)
 # NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
 # sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
 # sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
@@ -194,8 +198,9 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
 # default on): so does this profile (`trtllm-serve` keeps it off: `chunked_prefill = false`).
 # Offline (`trtllm-bench`): the same kernels, its host time (0.6's per step, its own per
 # sequence) overlapping the GPU's.
+# It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=33.5,
-                   chunked_prefill=True)
+                   chunked_prefill=True, layer_overhead_us=_KERNELS["layer_overhead_us"])
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'. Its time per streamed output token (detokenising it, building its chunk, writing
 # it: one process for every stream) from the one published run where one API server bounds the
@@ -211,10 +216,10 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 # 0.14.1, a report of its baseline: scenarios/fidelity/published.csv) and Qwen3-0.6B on one H100
 # at 16 req/s (vLLM 0.19.0, kvcached pull request #331's raw results,
 # https://github.com/ovg-project/kvcached/pull/331), the value, to 0.1 ms, that brings their
-# median |log error| to its minimum (F7 1.000 of its published 36.03 ms, F3 1.22). F7's GPU time
+# median |log error| to its minimum (F7 1.000 of its published 36.03 ms, F3 1.17). F7's GPU time
 # is a seventh of its TTFT, so its row pins the server's; the 70B rows (F3-F6, E1-E3) ask for
 # about 18 ms. F1, F2 and F4-F6 are held out.
-V1_FRONTEND = dict(frontend_request_us=30100.0, frontend_prompt_token_us=1.1,
+V1_FRONTEND = dict(frontend_request_us=29600.0, frontend_prompt_token_us=1.1,
                    frontend_output_token_us=65.0)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
@@ -235,7 +240,7 @@ DERIVED: dict[str, tuple[str, dict]] = {
 }
 for _name, (_source, _flags) in DERIVED.items():
     ENGINES[_name] = {**ENGINES[_source], **_flags}
-ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 129.2
+ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 128.2
 ENGINES["vllm-0.5"]["cpu_per_seq_us"] = 341.3
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",

@@ -82,6 +82,11 @@ POINT_SPREAD = 0.1
 # fixed apart on published points of their own; the PyTorch backend's time per sequence fitted
 # in stage 3).
 DERIVED = presets.DERIVED
+# Coefficients a fitted profile holds apart from the shared fit, fixed on points of their own:
+# TensorRT-LLM's C++ runtime launches a layer's kernels without CUDA graphs, so the fixed time
+# per layer the shared fit gives the graph-replaying engines is not its (presets.TRT_LAUNCHES).
+# Its derived profiles keep it unless their flags set it.
+PINNED: dict[str, dict] = {"tensorrt-llm-0.6": presets.TRT_LAUNCHES}
 
 
 def _kind(name: str) -> str:
@@ -126,13 +131,15 @@ def _own(c: dict, engine: str) -> dict:
 
 
 def _coeffs(row: _Row, c: dict) -> dict:
-    """The engine coefficients `row` runs with under the flat fit vector `c`: the shared ones,
-    those of the profile its engine derives from (less what the derived flags set) and its
-    engine's own; a row no stage-3 coefficient touches takes none of them."""
+    """The engine coefficients `row` runs with under the flat fit vector `c`: the shared ones
+    (less what its source profile pins: PINNED), those of the profile its engine derives from
+    (less what the derived flags set) and its engine's own; a row no stage-3 coefficient
+    touches takes none of them."""
     name = row.scenario.engine.preset
     src, flags = _source(name)
     shared = [*FIT["shared"], *(FIT_MOE["shared"] if touched(row.scenario) else ())]
     out = {k: c[k] for k in shared if k in c}
+    out.update({k: v for k, v in PINNED.get(src, {}).items() if k not in flags})
     if src != name:
         out.update({k: v for k, v in _own(c, src).items() if k not in flags})
     out.update(_own(c, name))
@@ -289,11 +296,14 @@ def profiles(c: dict) -> dict[str, dict]:
             continue
         base = dict(presets.ENGINES[name])
         base.update({k: c[k] for k in shared if k in c})
+        base.update(PINNED.get(name, {}))
         base.update(_own(c, name))
         out[name] = base
     for name, (src, flags) in DERIVED.items():
         if src in out:
             out[name] = {**out[src], **flags}
+            # (a flag that sets a shared coefficient back takes the fit's value of it)
+            out[name].update({k: c[k] for k in flags if k in c and k in shared})
             out[name].update(_own(c, name))
     return out
 

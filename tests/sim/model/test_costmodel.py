@@ -254,17 +254,21 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     waiting (serial host time per step and per sequence); offline (`tensorrt-llm-pytorch`,
     trtllm-bench): Python's host time per sequence overlapped with the GPU (the longer of the
     two), prompts in chunks (trtllm-bench's default; the executor's is off). The kernels are
-    `tensorrt-llm`'s; the C++ runtime's (`tensorrt-llm`, `nim`) launched without CUDA graphs
-    (TRT_CPP), the PyTorch backend's replayed from graphs (the shared fixed cost per layer)."""
-    from sim.model.presets import ENGINES, TRT_CPP, _KERNELS
+    `tensorrt-llm`'s; the C++ runtime's (`tensorrt-llm`, `nim`, and 0.6's) launched without CUDA
+    graphs (TRT_LAUNCHES), the PyTorch backend's replayed from graphs (the shared fixed cost per
+    layer, as vLLM's and SGLang's)."""
+    from sim.model.presets import ENGINES, TRT_LAUNCHES, _KERNELS
 
     trt, cpp, py = ENGINES["tensorrt-llm"], ENGINES["nim"], ENGINES["tensorrt-llm-pytorch"]
-    runtime = set(TRT_CPP)
+    runtime = {*TRT_LAUNCHES, "kv_bandwidth_efficiency"}
     assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
                                                    "cpu_overlap", "chunked_prefill", *runtime}
     assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill", *runtime}
-    assert all(trt[k] == cpp[k] == v for k, v in TRT_CPP.items())
-    assert py["layer_overhead_us"] == _KERNELS["layer_overhead_us"] < trt["layer_overhead_us"]
+    assert all(trt[k] == cpp[k] == ENGINES["tensorrt-llm-0.6"][k] == v
+               for k, v in TRT_LAUNCHES.items())
+    graphs = _KERNELS["layer_overhead_us"]
+    assert py["layer_overhead_us"] == ENGINES["vllm-v1"]["layer_overhead_us"] == graphs
+    assert graphs < trt["layer_overhead_us"]
     assert py["chunked_prefill"] and not cpp["chunked_prefill"] and not trt["chunked_prefill"]
     assert py["cpu_overlap"] and not cpp["cpu_overlap"]
     assert py["cpu_base_us"] == ENGINES["tensorrt-llm-0.6"]["cpu_base_us"]
