@@ -21,7 +21,7 @@ Two kinds of measurements:
   efficiencies and the CPU time per step and per sequence are fitted to every request's measured
   TTFT and TPOT.
 
-Every fitted coefficient keeps the prior of `sim.model.profiles.FIT`, so a coefficient the
+Every fitted coefficient keeps the prior of `sim.model.profiles.FIT` (or `OWN_PRIORS`), so a coefficient the
 measurements do not constrain stays at its physical value. A file with a missing column, an
 unknown unit or kind, a negative or non-numeric time, a value in a column its row's kind does
 not read, too few points, or rows that contradict each other raises MeasurementError naming the
@@ -185,7 +185,15 @@ def _forward_args(r: Row) -> tuple:
     return (v["tokens"], k * (m * c + m * (m + 1) / 2), k * c, 0, 0, k, k)
 
 
+# Priors of what calibration fits and the bundled fit does not: a layer's fixed time, at the
+# graph-replaying engines' value (Vidur's profiles: sim.model.presets), loosely.
+OWN_PRIORS = {"layer_overhead_us": (presets.ENGINES[presets.DEFAULT_ENGINE]["layer_overhead_us"],
+                                    1.0)}
+
+
 def _prior(name: str) -> tuple[float, float]:
+    if name in OWN_PRIORS:
+        return OWN_PRIORS[name]
     for group in FIT.values():
         if name in group:
             return group[name]

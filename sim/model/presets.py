@@ -126,8 +126,7 @@ COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce
 # same). So a layer costs it a fixed time of its own, which the shared `layer_overhead_us`
 # (engines replaying CUDA graphs) is not: fixed on published TensorRT-LLM 0.9 points of Llama 2
 # 7B and 70B on H100s (sim/README.md: the grid and its held-out error on the other GPUs and
-# models), about two and a half times the graph-replaying engines' fixed time per layer. Held
-# apart from the shared fit (sim.model.profiles.PINNED).
+# models), about two and a half times the graph-replaying engines' (`_KERNELS`).
 TRT_LAUNCHES = dict(layer_overhead_us=55.0)
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
@@ -135,7 +134,10 @@ TRT_LAUNCHES = dict(layer_overhead_us=55.0)
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
     fp8_gemm_efficiency=0.6657, bandwidth_efficiency=0.8342, attention_efficiency=0.4905,
-    elementwise_efficiency=0.5, layer_overhead_us=20.0, allreduce_sync_us=13.0,
+    elementwise_efficiency=0.5, allreduce_sync_us=13.0,
+    # (a layer's fixed time where the engine replays CUDA graphs, not fitted: Vidur's profiles of
+    # vLLM's kernels on A100s and H100s, ~15-35 us per layer once the bytes' time is taken out)
+    layer_overhead_us=20.0,
     # (the third stage's terms: its rows' minimum without its priors, sim/README.md)
     moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.29,
 ) | COLLECTIVES
@@ -199,7 +201,7 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
 # Offline (`trtllm-bench`): the same kernels, its host time (0.6's per step, its own per
 # sequence) overlapping the GPU's.
 # It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
-TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=33.5,
+TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.4,
                    chunked_prefill=True, layer_overhead_us=_KERNELS["layer_overhead_us"])
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'. Its time per streamed output token (detokenising it, building its chunk, writing

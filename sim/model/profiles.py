@@ -1,9 +1,11 @@
 """Fitting the built-in engine profiles (`sim.model.presets.ENGINES`) to published measurements, and
 their leave-one-out and leave-group-out errors.
 
-What is fitted (`FIT`): the kernel efficiencies and fixed GPU costs are shared by every engine
-(the GEMM, attention and collective libraries are largely the same, and few points would
-otherwise pin them), and each engine with points has its own CPU time per step. Every fitted
+What is fitted (`FIT`): the kernel efficiencies and the all-reduce's time beyond its kernel are
+shared by every engine (the GEMM, attention and collective libraries are largely the same, and
+few points would otherwise pin them), and each engine with points has its own CPU time per step.
+The fixed time per layer is not fitted: the profiles' own (sim.model.presets: launched one by one
+by TensorRT-LLM's C++ runtime, 0.6's included, or replayed from CUDA graphs by the others). Every fitted
 coefficient has a prior, a value and a spread in log space from public micro-benchmarks
 (Vidur's per-operator profiles of vLLM on A100/H100, NCCL all-reduce latencies), so that a
 coefficient the points do not constrain stays where the physics puts it rather than drifting to
@@ -44,7 +46,6 @@ FIT: dict[str, dict[str, tuple[float, float]]] = {
         "fp8_gemm_efficiency": (0.6, 0.3),
         "bandwidth_efficiency": (0.85, 0.1),
         "attention_efficiency": (0.5, 0.5),
-        "layer_overhead_us": (20.0, 1.0),
         "allreduce_sync_us": (10.0, 1.0),  # (no measurement: a loose prior)
     },
     # (its all-reduce: NCCL called outside CUDA graphs, no one-shot kernel; the prior is Vidur's
@@ -82,11 +83,6 @@ POINT_SPREAD = 0.1
 # fixed apart on published points of their own; the PyTorch backend's time per sequence fitted
 # in stage 3).
 DERIVED = presets.DERIVED
-# Coefficients a fitted profile holds apart from the shared fit, fixed on points of their own:
-# TensorRT-LLM's C++ runtime launches a layer's kernels without CUDA graphs, so the fixed time
-# per layer the shared fit gives the graph-replaying engines is not its (presets.TRT_LAUNCHES).
-# Its derived profiles keep it unless their flags set it.
-PINNED: dict[str, dict] = {"tensorrt-llm-0.6": presets.TRT_LAUNCHES}
 
 
 def _kind(name: str) -> str:
@@ -131,15 +127,13 @@ def _own(c: dict, engine: str) -> dict:
 
 
 def _coeffs(row: _Row, c: dict) -> dict:
-    """The engine coefficients `row` runs with under the flat fit vector `c`: the shared ones
-    (less what its source profile pins: PINNED), those of the profile its engine derives from
-    (less what the derived flags set) and its engine's own; a row no stage-3 coefficient
-    touches takes none of them."""
+    """The engine coefficients `row` runs with under the flat fit vector `c`: the shared ones,
+    those of the profile its engine derives from (less what the derived flags set) and its
+    engine's own; a row no stage-3 coefficient touches takes none of them."""
     name = row.scenario.engine.preset
     src, flags = _source(name)
     shared = [*FIT["shared"], *(FIT_MOE["shared"] if touched(row.scenario) else ())]
     out = {k: c[k] for k in shared if k in c}
-    out.update({k: v for k, v in PINNED.get(src, {}).items() if k not in flags})
     if src != name:
         out.update({k: v for k, v in _own(c, src).items() if k not in flags})
     out.update(_own(c, name))
@@ -296,14 +290,11 @@ def profiles(c: dict) -> dict[str, dict]:
             continue
         base = dict(presets.ENGINES[name])
         base.update({k: c[k] for k in shared if k in c})
-        base.update(PINNED.get(name, {}))
         base.update(_own(c, name))
         out[name] = base
     for name, (src, flags) in DERIVED.items():
         if src in out:
             out[name] = {**out[src], **flags}
-            # (a flag that sets a shared coefficient back takes the fit's value of it)
-            out[name].update({k: c[k] for k in flags if k in c and k in shared})
             out[name].update(_own(c, name))
     return out
 

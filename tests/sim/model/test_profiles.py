@@ -127,26 +127,22 @@ def test_a_fit_gives_the_pytorch_backend_its_stage_3_coefficients():
     assert all(p["moe_gemm_efficiency"] == 0.2 for p in got.values())
 
 
-def test_the_cpp_runtimes_time_per_layer_is_held_apart_from_the_shared_fit(rows):
+def test_a_fit_keeps_each_runtimes_time_per_layer(rows):
     """TensorRT-LLM's C++ runtime (0.6's rows, and the profiles derived from it but the PyTorch
-    backend) launches without CUDA graphs: its fixed time per layer is its own, whatever the
-    shared fit gives the graph-replaying engines."""
-    from sim.model.presets import TRT_LAUNCHES
+    backend) launches without CUDA graphs: its fixed time per layer is its own, and no fit
+    moves it or the graph-replaying engines' one, whatever the rows ask."""
+    from sim.model.presets import ENGINES, TRT_LAUNCHES, _KERNELS
 
-    by = {r.point.id: r for r in rows}
-    pinned = TRT_LAUNCHES["layer_overhead_us"]
-    assert by["D2"].scenario.engine.preset == "tensorrt-llm-0.6"
-    assert P.predict(by["D2"], {"layer_overhead_us": 5.0}) == P.predict(
-        by["D2"], {"layer_overhead_us": 500.0})
-    assert P._coeffs(by["D2"], {"layer_overhead_us": 5.0})["layer_overhead_us"] == pinned
-    assert P._coeffs(by["X1"], {"layer_overhead_us": 5.0})["layer_overhead_us"] == 5.0
-    assert P.predict(by["X1"], {"layer_overhead_us": 5.0}) > P.predict(
-        by["X1"], {"layer_overhead_us": 500.0})
-    got = P.profiles({"layer_overhead_us": 5.0})
+    cpp, graphs = TRT_LAUNCHES["layer_overhead_us"], _KERNELS["layer_overhead_us"]
+    assert graphs < cpp
+    got = P.profiles(P.fit(rows))
     for name in ("tensorrt-llm-0.6", "tensorrt-llm", "nim"):
-        assert got[name]["layer_overhead_us"] == pinned, name
+        assert got[name]["layer_overhead_us"] == ENGINES[name]["layer_overhead_us"] == cpp, name
     for name in ("tensorrt-llm-pytorch", "vllm-v1", "sglang", "vllm-0.6-multistep"):
-        assert got[name]["layer_overhead_us"] == 5.0, name
+        assert got[name]["layer_overhead_us"] == ENGINES[name]["layer_overhead_us"] == graphs
+    by = {r.point.id: r for r in rows}  # (the rows' scenarios, built from their profiles)
+    assert by["D2"].scenario.engine.layer_overhead_us == cpp
+    assert by["X1"].scenario.engine.layer_overhead_us == graphs
 
 
 def test_holding_out_a_moe_row_refits_stage_3_without_it(rows):
@@ -233,7 +229,9 @@ def test_the_bundled_fit_pins_the_host_time_on_two_gpus_and_two_models(capsys):
                      f"engine.cpu_per_seq_us={cpu}"]) == 0
         return {r["id"]: r["ratio"] for r in json.loads(capsys.readouterr().out)["points"]}
 
-    base, half = ratios(33.5), ratios(16.75)
+    from sim.model.presets import ENGINES
+    cpu = ENGINES["tensorrt-llm-pytorch"]["cpu_per_seq_us"]
+    base, half = ratios(cpu), ratios(cpu / 2)
     moved = [pid for pid in base if half[pid] / base[pid] > 1.05]
     where = {(P.GROUPS["hardware"](fitted[pid]), P.GROUPS["model"](fitted[pid]))
              for pid in moved}
