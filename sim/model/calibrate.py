@@ -187,8 +187,7 @@ def _forward_args(r: Row) -> tuple:
 
 # Priors of what calibration fits and the bundled fit does not: a layer's fixed time, at the
 # graph-replaying engines' value (Vidur's profiles: sim.model.presets), loosely.
-OWN_PRIORS = {"layer_overhead_us": (presets.ENGINES[presets.DEFAULT_ENGINE]["layer_overhead_us"],
-                                    1.0)}
+OWN_PRIORS = {"layer_overhead_us": (presets._KERNELS["layer_overhead_us"], 1.0)}
 
 
 def _prior(name: str) -> tuple[float, float]:

@@ -126,7 +126,7 @@ COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce
 # same). So a layer costs it a fixed time of its own, which the shared `layer_overhead_us`
 # (engines replaying CUDA graphs) is not: fixed on published TensorRT-LLM 0.9 points of Llama 2
 # 7B and 70B on H100s (sim/README.md: the grid and its held-out error on the other GPUs and
-# models), about two and a half times the graph-replaying engines' (`_KERNELS`).
+# models), nearly three times the graph-replaying engines' (`_KERNELS`).
 TRT_LAUNCHES = dict(layer_overhead_us=55.0)
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
