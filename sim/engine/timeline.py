@@ -265,10 +265,12 @@ class Timeline:
         """
         self.flush()
         i = self.n
-        rows = {name: cols.get(name, 0) for name in NAMES}
         # (a list is a column, not a scalar: _write splits columns where a chunk fills)
-        self._write({name: np.asarray(v) if isinstance(v, (list, tuple)) else v
-                     for name, v in rows.items()}, len(cols["end"]))
+        rows = {}
+        for name in NAMES:
+            v = cols.get(name, 0)
+            rows[name] = np.asarray(v) if isinstance(v, (list, tuple)) else v
+        self._write(rows, len(cols["end"]))
         return i
 
     def flush(self) -> None:
