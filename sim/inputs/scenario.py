@@ -225,8 +225,16 @@ class EngineConfig:
                              doc="decode attention reads K/V once per KV head (false: once per "
                                  "query head)")
     gqa_reread: float = _f(_ENGINE["gqa_reread"], min=0, max=1,
-                           doc="with gqa_shared_kv = false: the fraction of the repeated K/V "
-                               "reads of a GQA group that reach DRAM (the rest hit in L2)")
+                           doc="where K/V is read per query head (gqa_shared_kv = false, or "
+                               "heads below gqa_shared_kv_min_head_dim): the fraction of the "
+                               "repeated K/V reads of a GQA group that reach DRAM (the rest hit "
+                               "in L2)")
+    gqa_shared_kv_min_head_dim: int = _f(_ENGINE["gqa_shared_kv_min_head_dim"], min=0,
+                                         max=1024,
+                                         doc="with gqa_shared_kv: the smallest head size the "
+                                             "shared-K/V decode kernels are built for (0: any); "
+                                             "a model with smaller heads reads K/V per query "
+                                             "head, as with gqa_shared_kv = false")
     # The API server in front of the engine (sim.engine.frontend): TTFT, ITL, TPOT and E2E are
     # the client's.
     frontend_request_us: float = _f(_ENGINE["frontend_request_us"], min=0,
@@ -899,7 +907,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # Engine keys added after session logs were first written, with the value that gives the
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
-ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True}
+ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
 CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0}

@@ -66,9 +66,10 @@ kernel (the wait for the slowest GPU, the gap around the call), is fitted.
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
-the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`), where `r =
-gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others hit in L2: the
-group's query heads run at about the same time), else 1. The linear layers' quadrature sum is the
+the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`, or heads
+smaller than the shared-K/V kernels take: `gqa_shared_kv_min_head_dim`), where `r = gqa_reread`
+is the fraction of a group's repeated reads that reach DRAM (the others hit in L2: the group's
+query heads run at about the same time), else 1. The linear layers' quadrature sum is the
 smooth knee between their two rooflines: a GEMM of a few hundred tokens is neither bandwidth- nor
 compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline where the two meet),
 so their efficiency grows with T. Only the embedding rows a step uses are read (the `wb h / tp` per
@@ -260,7 +261,8 @@ class CostModel:
             self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
             self._attn_p = self._attn_f
         self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
-        self._kv_read = self._kv * (1.0 if e.gqa_shared_kv or m.kv_lora_rank
+        shared = e.gqa_shared_kv and hd >= e.gqa_shared_kv_min_head_dim
+        self._kv_read = self._kv * (1.0 if shared or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)

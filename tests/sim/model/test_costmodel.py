@@ -112,6 +112,29 @@ def test_gqa_kernels_that_do_not_share_kv_read_it_per_query_head():
     assert decode(model(*BARE, "engine.gqa_reread=0.2"), 64, 4000) == decode(shared, 64, 4000)
 
 
+def test_heads_smaller_than_the_shared_kv_kernels_take_read_kv_per_query_head():
+    """TensorRT-LLM before 0.16 built its XQA kernels for heads of 128 and 256 only: a model
+    with heads of 64 decodes with the per-query-head kernel, the same model with heads of 128
+    (the same K/V bytes: half the KV heads' count would change them, so the head count halves
+    with the size) keeps the shared reads."""
+    small = ("model.head_dim=64", "model.num_heads=64", "model.num_kv_heads=16")
+    kv = {}
+    for name, shape in (("64", small), ("128", ())):
+        for limit in (0, 128, 256):
+            m = model(*BARE, *shape, "engine.gqa_reread=0.5",
+                      f"engine.gqa_shared_kv_min_head_dim={limit}")
+            kv[name, limit] = decode(m, 64, 4000) - decode(m, 64, 0)
+    assert kv["64", 0] == pytest.approx(kv["128", 0], rel=0.01)  # the same bytes, shared
+    assert kv["64", 128] == pytest.approx((1 + 3 * 0.5) * kv["64", 0], rel=0.05)
+    assert kv["128", 128] == kv["128", 0]
+    assert kv["128", 256] == pytest.approx(kv["64", 128], rel=0.05)
+    # the profile of the releases that had those kernels: only it sets the limit
+    from sim.model.presets import ENGINES
+    assert {n for n, e in ENGINES.items() if e["gqa_shared_kv_min_head_dim"]} == {
+        "tensorrt-llm-0.15"}
+    assert ENGINES["tensorrt-llm-0.15"]["gqa_shared_kv_min_head_dim"] == 128
+
+
 def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
     """Two all-reduces per layer, each the faster of the engine's one-shot kernel (its latency
     plus (tp - 1) times the bytes: every GPU reads its peers' buffers) and a ring (NCCL's
@@ -266,6 +289,8 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill", *runtime}
     assert all(trt[k] == cpp[k] == ENGINES["tensorrt-llm-0.6"][k] == v
                for k, v in TRT_LAUNCHES.items())
+    old = ENGINES["tensorrt-llm-0.15"]  # XQA for heads of 128 and 256 only: all else as later
+    assert {k for k in old if old[k] != trt[k]} == {"gqa_shared_kv_min_head_dim"}
     graphs = _KERNELS["layer_overhead_us"]
     assert py["layer_overhead_us"] == ENGINES["vllm-v1"]["layer_overhead_us"] == graphs
     assert graphs < trt["layer_overhead_us"]
