@@ -188,6 +188,12 @@ class EngineConfig:
     allreduce_latency_us: float = _f(_ENGINE["allreduce_latency_us"], min=0,
                                      doc="fixed time of one NCCL all-reduce (ring; and of one "
                                          "all-to-all)")
+    allreduce_latency_pcie_us: float = _f(_ENGINE["allreduce_latency_pcie_us"], min=0,
+                                          doc="fixed time of one NCCL all-reduce between GPUs "
+                                              "linked by PCIe only (hardware.interconnect_gbps "
+                                              "no faster than hardware.pcie_gbps), where no "
+                                              "engine runs its one-shot kernel (0: such GPUs "
+                                              "as NVLink ones)")
     custom_allreduce_us: float = _f(_ENGINE["custom_allreduce_us"], min=0,
                                     doc="fixed time of one all-reduce of the engine's own "
                                         "one-shot kernel over NVLink, taken where it is faster "
@@ -907,7 +913,8 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # Engine keys added after session logs were first written, with the value that gives the
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
-ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0}
+ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
+                     "allreduce_latency_pcie_us": 0.0}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
 CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0}

@@ -62,7 +62,9 @@ one-shot, large ones (prefill) the ring; the switch-over is where the two lines 
 M (tp-1)(1 - 2/tp) = min(2 c, a) - c (any size at tp = 2, where both move the bytes once).
 c = 0 (no custom kernel) leaves NCCL for every size. a, c and e_n are measured collective
 figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's time beyond its
-kernel (the wait for the slowest GPU, the gap around the call), is fitted.
+kernel (the wait for the slowest GPU, the gap around the call), is fitted. GPUs linked by PCIe
+only (`pcie_only`: no link faster than the host's) take NCCL for every size, at its PCIe latency
+(a = `allreduce_latency_pcie_us`, c = 0).
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -143,6 +145,8 @@ class CostModel:
     _kv_read: float
     _ar_fix: float
     _ar_tok: float
+    _nccl_us: float
+    _custom_us: float
     _ar: bool
     _ar_a0: float
     _ar_a1: float
@@ -266,6 +270,10 @@ class CostModel:
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
+        # GPUs linked by PCIe only: NCCL at its PCIe latency, no one-shot kernel
+        pcie = pcie_only(h) and e.allreduce_latency_pcie_us > 0
+        self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
+        self._custom_us = 0.0 if pcie else e.custom_allreduce_us
         self._allreduce_init(e, tp, L, hid * ab, link)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
@@ -290,10 +298,10 @@ class CostModel:
             return
         calls = 2.0 * L
         ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
-        nccl = calls * e.allreduce_latency_us * 1e-6
-        custom = calls * e.custom_allreduce_us * 1e-6
+        nccl = calls * self._nccl_us * 1e-6
+        custom = calls * self._custom_us * 1e-6
         sync = calls * e.allreduce_sync_us * 1e-6  # (whichever kernel runs)
-        if e.custom_allreduce_us > 0:  # one-shot: every GPU reads the others' whole buffers
+        if self._custom_us > 0:  # one-shot: every GPU reads the others' whole buffers
             self._ar_a0 = sync + custom
             self._ar_a1 = calls * (tp - 1) * row / link if link > 0 else 0.0
             self._ar_b0 = sync + _min(2.0 * custom, nccl)  # two-shot or NCCL: the same bytes
@@ -359,7 +367,7 @@ class CostModel:
             if link > 0:
                 self._ar_tok += 2.0 * n_moe * (ranks - 1.0) * m.hidden_size \
                     * m.act_dtype_bytes / link
-            self._ar_fix += 2.0 * n_moe * e.allreduce_latency_us * 1e-6
+            self._ar_fix += 2.0 * n_moe * self._nccl_us * 1e-6
 
     def weight_bytes_per_gpu(self) -> float:
         return self._weight_bytes_gpu
@@ -482,6 +490,12 @@ class CostModel:
 # writes it (one pass, as the activations are cast), the second GEMM writes the expert's
 # output and the finalize reads it back for the weighted sum.
 ROUTED_PASSES = 4.0
+
+
+def pcie_only(h) -> bool:
+    """The GPUs talk over PCIe only: their link to each other no faster than the host's (no
+    NVLink or Infinity Fabric between them)."""
+    return 0 < h.interconnect_gbps <= h.pcie_gbps
 
 
 def kv_groups(sc) -> tuple[int, int, int] | None:

@@ -117,7 +117,14 @@ DEQUANT = 8.0 / 128.0
 # a CUDA graph 16.5 us at 2 KiB. The bytes go at about 0.7 of the data-sheet link bandwidth
 # (TP 4: 0.65 for the ring, 0.83 for the one-shot). The time a call takes beyond its kernel
 # in a serving step (`allreduce_sync_us`) is fitted with the shared coefficients.
-COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7)
+# Between GPUs linked by PCIe only (no NVLink: the L40S, the L40) the engines run no one-shot
+# kernel (TensorRT-LLM's custom all-reduce is for NVLink GPUs; vLLM's refuses more than two
+# PCIe GPUs), and NCCL's all-reduce of a few bytes took 42 us on eight PCIe GPUs (RTX 4090,
+# nccl-tests `all_reduce_perf -g 8`: https://github.com/NVIDIA/nccl/issues/1530) and 54 us on
+# eight RTX 3090s (https://github.com/NVIDIA/nccl/issues/1439): about 45 us, against 18 over
+# NVLink.
+COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7,
+                   allreduce_latency_pcie_us=45.0)
 
 # TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
 # the session of its older benchmarks) launches every kernel of every layer from the host: CUDA

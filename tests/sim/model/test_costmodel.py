@@ -165,6 +165,33 @@ def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
     assert (one._ar_a0, one._ar_a1, one._ar_b0, one._ar_b1) == (0.0,) * 4  # one GPU: none
 
 
+def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
+    """An L40S has no NVLink (its GPU link is no faster than its PCIe): no one-shot kernel,
+    NCCL for every size at `allreduce_latency_pcie_us`; an H100's keep the one-shot. The same
+    L40S with the PCIe latency at 0 is costed as NVLink GPUs were (an older log's replay)."""
+    from sim.model.costmodel import pcie_only
+
+    base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE,
+            "engine.allreduce_efficiency=0.7", "engine.custom_allreduce_us=6",
+            "engine.allreduce_latency_us=18", "engine.allreduce_sync_us=0")
+    l40s = ("hardware.preset=\"l40s\"", "model.dtype_bytes=1")
+    pcie = model(*base, *l40s, "engine.allreduce_latency_pcie_us=45")
+    as_nvlink = model(*base, *l40s, "engine.allreduce_latency_pcie_us=0")
+    assert pcie_only(load_scenario("chat", list(l40s)).hardware)
+    assert not pcie_only(load_scenario("chat", []).hardware)  # an H100: NVLink
+    link, row = 32e9 * 0.7, 8192 * 2
+    for rows in (1, 8):  # one row: the one-shot was the faster; eight: the two-shot
+        ring = 1.5 * rows * row / link
+        nvlink = min(6e-6 + 3 * rows * row / link, 12e-6 + ring)
+        assert decode(pcie, rows, 100) - decode(as_nvlink, rows, 100) == pytest.approx(
+            160 * (45e-6 + ring - nvlink))
+    # every size on the ring: a prefill's all-reduces are NCCL's at 45 us, not the two-shot's 12
+    assert prefill(pcie, 4096) - prefill(as_nvlink, 4096) == pytest.approx(160 * (45e-6 - 12e-6))
+    # the H100's all-reduces do not see the PCIe figure
+    h100 = [model(*base, f"engine.allreduce_latency_pcie_us={a}") for a in (0, 45, 90)]
+    assert len({decode(m, 8, 100) for m in h100}) == 1
+
+
 def test_fewer_kv_heads_than_gpus_replicates_them_in_the_pool_and_its_moves():
     """Llama-3.1-70B has 8 KV heads: on 16 GPUs each holds one (replicated), not half of one,
     so its pool is what one head's blocks fill of each GPU's free memory; swaps and hand-offs
