@@ -191,7 +191,7 @@ class EngineConfig:
     allreduce_latency_pcie_us: float = _f(_ENGINE["allreduce_latency_pcie_us"], min=0,
                                           doc="fixed time of one NCCL all-reduce between GPUs "
                                               "linked by PCIe only (hardware.interconnect_gbps "
-                                              "no faster than hardware.pcie_gbps), where no "
+                                              "at most PCIe 5.0 x16's 64), where no "
                                               "engine runs its one-shot kernel (0: such GPUs "
                                               "as NVLink ones)")
     custom_allreduce_us: float = _f(_ENGINE["custom_allreduce_us"], min=0,

@@ -63,7 +63,7 @@ M (tp-1)(1 - 2/tp) = min(2 c, a) - c (any size at tp = 2, where both move the by
 c = 0 (no custom kernel) leaves NCCL for every size. a, c and e_n are measured collective
 figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's time beyond its
 kernel (the wait for the slowest GPU, the gap around the call), is fitted. GPUs linked by PCIe
-only (`pcie_only`: no link faster than the host's) take NCCL for every size, at its PCIe latency
+only (`pcie_only`: a link no faster than PCIe 5.0) take NCCL for every size, at its PCIe latency
 (a = `allreduce_latency_pcie_us`, c = 0).
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
@@ -119,7 +119,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from sim.model.presets import DEQUANT, QUANTIZATIONS
+from sim.model.presets import DEQUANT, PCIE_MAX_GBPS, QUANTIZATIONS
 
 
 class CostModel:
@@ -493,9 +493,9 @@ ROUTED_PASSES = 4.0
 
 
 def pcie_only(h) -> bool:
-    """The GPUs talk over PCIe only: their link to each other no faster than the host's (no
-    NVLink or Infinity Fabric between them)."""
-    return 0 < h.interconnect_gbps <= h.pcie_gbps
+    """The GPUs talk over PCIe only: their link to each other no faster than PCIe 5.0 x16
+    (`presets.PCIE_MAX_GBPS`; NVLink and Infinity Fabric links are several times that)."""
+    return 0 < h.interconnect_gbps <= PCIE_MAX_GBPS
 
 
 def kv_groups(sc) -> tuple[int, int, int] | None:

@@ -82,6 +82,12 @@ HARDWARE: dict[str, dict] = {
                    pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0),
 }
 
+# The fastest PCIe link, 5.0 x16, per direction (GB/s): GPUs whose link to each other is no
+# faster talk over PCIe only (sim.model.costmodel.pcie_only); NVLink (A100 300, H100 450) and
+# Infinity Fabric (MI300X 448) are several times it. (A GH200's host link, NVLink-C2C, is as
+# fast as its GPU link: the host link tells nothing.)
+PCIE_MAX_GBPS = 64.0
+
 # Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type).
 OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops")
 

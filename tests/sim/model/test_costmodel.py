@@ -166,7 +166,7 @@ def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
 
 
 def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
-    """An L40S has no NVLink (its GPU link is no faster than its PCIe): no one-shot kernel,
+    """An L40S has no NVLink (its GPU link is no faster than PCIe 5.0): no one-shot kernel,
     NCCL for every size at `allreduce_latency_pcie_us`; an H100's keep the one-shot. The same
     L40S with the PCIe latency at 0 is costed as NVLink GPUs were (an older log's replay)."""
     from sim.model.costmodel import pcie_only
@@ -179,6 +179,8 @@ def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
     as_nvlink = model(*base, *l40s, "engine.allreduce_latency_pcie_us=0")
     assert pcie_only(load_scenario("chat", list(l40s)).hardware)
     assert not pcie_only(load_scenario("chat", []).hardware)  # an H100: NVLink
+    # a GH200's host link (NVLink-C2C) is as fast as its GPU link: still NVLink between GPUs
+    assert not pcie_only(load_scenario("chat", ['hardware.preset="gh200"']).hardware)
     link, row = 32e9 * 0.7, 8192 * 2
     for rows in (1, 8):  # one row: the one-shot was the faster; eight: the two-shot
         ring = 1.5 * rows * row / link
