@@ -194,6 +194,10 @@ class EngineConfig:
                                               "at most PCIe 5.0 x16's 64), where no "
                                               "engine runs its one-shot kernel (0: such GPUs "
                                               "as NVLink ones)")
+    custom_allreduce_pcie_gpus: int = _f(
+        _ENGINE["custom_allreduce_pcie_gpus"], min=0, max=1024,
+        doc="between GPUs linked by PCIe only, the most GPUs the engine's one-shot kernel still "
+            "runs on, over their peer-to-peer link (vLLM, SGLang: 2; TensorRT-LLM: 0)")
     custom_allreduce_us: float = _f(_ENGINE["custom_allreduce_us"], min=0,
                                     doc="fixed time of one all-reduce of the engine's own "
                                         "one-shot kernel over NVLink, taken where it is faster "
@@ -914,7 +918,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
-                     "allreduce_latency_pcie_us": 0.0}
+                     "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
 CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0}

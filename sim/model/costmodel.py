@@ -63,8 +63,9 @@ M (tp-1)(1 - 2/tp) = min(2 c, a) - c (any size at tp = 2, where both move the by
 c = 0 (no custom kernel) leaves NCCL for every size. a, c and e_n are measured collective
 figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's time beyond its
 kernel (the wait for the slowest GPU, the gap around the call), is fitted. GPUs linked by PCIe
-only (`pcie_only`: a link no faster than PCIe 5.0) take NCCL for every size, at its PCIe latency
-(a = `allreduce_latency_pcie_us`, c = 0).
+only (`pcie_only`: a link no faster than PCIe 5.0) take NCCL at its PCIe latency (a =
+`allreduce_latency_pcie_us`), and the one-shot only on up to `custom_allreduce_pcie_gpus` of
+them (else c = 0).
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -270,10 +271,12 @@ class CostModel:
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
-        # GPUs linked by PCIe only: NCCL at its PCIe latency, no one-shot kernel
+        # GPUs linked by PCIe only: NCCL at its PCIe latency, the one-shot kernel on at most
+        # custom_allreduce_pcie_gpus of them
         pcie = pcie_only(h) and e.allreduce_latency_pcie_us > 0
         self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
-        self._custom_us = 0.0 if pcie else e.custom_allreduce_us
+        one_shot = not pcie or tp <= e.custom_allreduce_pcie_gpus
+        self._custom_us = e.custom_allreduce_us if one_shot else 0.0
         self._allreduce_init(e, tp, L, hid * ab, link)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix

@@ -128,9 +128,12 @@ DEQUANT = 8.0 / 128.0
 # PCIe GPUs), and NCCL's all-reduce of a few bytes took 42 us on eight PCIe GPUs (RTX 4090,
 # nccl-tests `all_reduce_perf -g 8`: https://github.com/NVIDIA/nccl/issues/1530) and 54 us on
 # eight RTX 3090s (https://github.com/NVIDIA/nccl/issues/1439): about 45 us, against 18 over
-# NVLink.
+# NVLink. vLLM's one-shot kernel (and SGLang's, taken from it) does run on two PCIe GPUs, over
+# their peer-to-peer link (`custom_all_reduce.py`: more than two need full NVLink);
+# TensorRT-LLM's not at all (TRT_NVLINK).
 COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7,
-                   allreduce_latency_pcie_us=45.0)
+                   allreduce_latency_pcie_us=45.0, custom_allreduce_pcie_gpus=2)
+TRT_NVLINK = dict(custom_allreduce_pcie_gpus=0)
 
 # TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
 # the session of its older benchmarks) launches every kernel of every layer from the host: CUDA
@@ -172,7 +175,7 @@ ENGINES: dict[str, dict] = {
                              kv_bandwidth_efficiency=1.0,
                              cpu_base_us=2118.0, cpu_per_seq_us=4.331)
     | dict(gqa_shared_kv=False, gqa_reread=0.5330, allreduce_latency_us=43.61,
-           custom_allreduce_us=0.0, chunked_prefill=False) | TRT_LAUNCHES,
+           custom_allreduce_us=0.0, chunked_prefill=False) | TRT_LAUNCHES | TRT_NVLINK,
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
@@ -200,7 +203,7 @@ ENGINES: dict[str, dict] = {
 # reaching 0.8 of the memory's bandwidth (fixed with TRT_LAUNCHES, on the same points), and its
 # executor overlaps its CPU work with the GPU.
 TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficiency=0.8,
-                    **COLLECTIVES)
+                    **COLLECTIVES) | TRT_NVLINK
 # Before 0.16 its XQA kernels were built for heads of 128 and 256 only (0.16.0's release notes:
 # "Added head size 64 support for the XQA kernel"; the kernel tables of the earlier releases,
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention, list no other head size): a model
@@ -222,7 +225,8 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
 # sequence) overlapping the GPU's.
 # It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.4,
-                   chunked_prefill=True, layer_overhead_us=_KERNELS["layer_overhead_us"])
+                   chunked_prefill=True,
+                   layer_overhead_us=_KERNELS["layer_overhead_us"]) | TRT_NVLINK
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
 # the others'. Its time per streamed output token (detokenising it, building its chunk, writing
 # it: one process for every stream) from the one published run where one API server bounds the

@@ -189,6 +189,18 @@ def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
             160 * (45e-6 + ring - nvlink))
     # every size on the ring: a prefill's all-reduces are NCCL's at 45 us, not the two-shot's 12
     assert prefill(pcie, 4096) - prefill(as_nvlink, 4096) == pytest.approx(160 * (45e-6 - 12e-6))
+    # vLLM's one-shot kernel still runs on two PCIe GPUs (over their peer-to-peer link), not on
+    # four; TensorRT-LLM's on none
+    for gpus, tp, kept in ((2, 2, True), (2, 4, False), (0, 2, False)):
+        m = model(*base, *l40s, f"model.tensor_parallel={tp}",
+                  "engine.allreduce_latency_pcie_us=45",
+                  f"engine.custom_allreduce_pcie_gpus={gpus}")
+        assert (m._custom_us == 6.0) == kept and m._nccl_us == 45.0
+    from sim.model.presets import ENGINES
+    assert {n: e["custom_allreduce_pcie_gpus"] for n, e in ENGINES.items()
+            if n.startswith(("vllm", "sglang", "tensorrt", "nim"))} == {
+        n: 0 if n.startswith(("tensorrt", "nim")) else 2 for n in ENGINES
+        if n.startswith(("vllm", "sglang", "tensorrt", "nim"))}
     # the H100's all-reduces do not see the PCIe figure
     h100 = [model(*base, f"engine.allreduce_latency_pcie_us={a}") for a in (0, 45, 90)]
     assert len({decode(m, 8, 100) for m in h100}) == 1
