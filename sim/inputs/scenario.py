@@ -235,10 +235,14 @@ class EngineConfig:
                              doc="decode attention reads K/V once per KV head (false: once per "
                                  "query head)")
     gqa_reread: float = _f(_ENGINE["gqa_reread"], min=0, max=1,
-                           doc="where K/V is read per query head (gqa_shared_kv = false, or "
-                               "heads below gqa_shared_kv_min_head_dim): the fraction of the "
+                           doc="where K/V is read per query head (gqa_shared_kv = false, or a "
+                               "shape the shared kernels are not built for): the fraction of the "
                                "repeated K/V reads of a GQA group that reach DRAM (the rest hit "
                                "in L2)")
+    gqa_shared_kv_group: int = _f(
+        _ENGINE["gqa_shared_kv_group"], min=0, max=1024,
+        doc="with gqa_shared_kv: the one GQA group size (query heads per K/V head) the shared-K/V "
+            "decode kernels are built for (0: any); other groups read K/V per query head")
     gqa_shared_kv_min_head_dim: int = _f(_ENGINE["gqa_shared_kv_min_head_dim"], min=0,
                                          max=1024,
                                          doc="with gqa_shared_kv: the smallest head size the "
@@ -918,6 +922,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # behaviour from before each existed: a log holding every other key gets these, not its
 # preset's current value (a refitted profile must not change how an old log replays).
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
+                     "gqa_shared_kv_group": 0,
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).

@@ -69,14 +69,15 @@ them (else c = 0).
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
-the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`, or heads
-smaller than the shared-K/V kernels take: `gqa_shared_kv_min_head_dim`), where `r = gqa_reread`
-is the fraction of a group's repeated reads that reach DRAM (the others hit in L2: the group's
-query heads run at about the same time), else 1. The linear layers' quadrature sum is the
-smooth knee between their two rooflines: a GEMM of a few hundred tokens is neither bandwidth- nor
-compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline where the two meet),
-so their efficiency grows with T. Only the embedding rows a step uses are read (the `wb h / tp` per
-token in t_elem). A mixed step pays prefill and decode attention both, as the separate kernels do.
+the engine's decode kernels read K/V once per query head (`gqa_shared_kv = false`, or a shape
+the shared-K/V kernels are not built for: `gqa_shared_kv_group`, `gqa_shared_kv_min_head_dim`),
+where `r = gqa_reread` is the fraction of a group's repeated reads that reach DRAM (the others hit
+in L2: the group's query heads run at about the same time), else 1. The linear layers' quadrature
+sum is the smooth knee between their two rooflines: a GEMM of a few hundred tokens is neither
+bandwidth- nor compute-saturated (Vidur's per-operator profiles show 1.4x the larger roofline where
+the two meet), so their efficiency grows with T. Only the embedding rows a step uses are read (the
+`wb h / tp` per token in t_elem). A mixed step pays prefill and decode attention both, as the
+separate kernels do.
 
 Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
 experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
@@ -266,7 +267,9 @@ class CostModel:
             self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
             self._attn_p = self._attn_f
         self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
-        shared = e.gqa_shared_kv and hd >= e.gqa_shared_kv_min_head_dim
+        group = e.gqa_shared_kv_group
+        shared = e.gqa_shared_kv and hd >= e.gqa_shared_kv_min_head_dim \
+            and (group == 0 or nh == group * nkv)
         self._kv_read = self._kv * (1.0 if shared or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency

@@ -160,7 +160,7 @@ _KERNELS = dict(
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_output_token_us=0.0)
-_ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0,
+_ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
                  gqa_shared_kv_min_head_dim=0, num_scheduler_steps=1,
                  chunked_prefill=True, **NO_FRONTEND)
 ENGINES: dict[str, dict] = {
@@ -204,12 +204,14 @@ ENGINES: dict[str, dict] = {
 # executor overlaps its CPU work with the GPU.
 TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficiency=0.8,
                     **COLLECTIVES) | TRT_NVLINK
-# Before 0.16 its XQA kernels were built for heads of 128 and 256 only (0.16.0's release notes:
-# "Added head size 64 support for the XQA kernel"; the kernel tables of the earlier releases,
-# cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention, list no other head size): a model
-# with smaller heads (Falcon's 64) decodes with the masked multi-head kernel, reading K/V per
-# query head as 0.6 did (its `gqa_reread`).
-TRT_XQA_HEADS = dict(gqa_shared_kv_min_head_dim=128)
+# Its first XQA kernels (0.8, 0.9) were built for Llama 2 70B's shape only: eight query heads
+# to a K/V head, heads of 128 or 256 (the precompiled kernel table,
+# cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/cubin/xqa_kernel_cubin.h, lists
+# `nqpkv` 8 alone; its docs: "It currently only supports a limited number of model
+# configurations, such as the LLAMA2 70B model"; heads of 64 came in 0.16). Any other GQA model
+# (Mistral's groups of 4, Falcon 180B's 29 query heads of 64) decodes with the masked
+# multi-head kernel, reading K/V per query head as 0.6 did (its `gqa_reread`).
+TRT_XQA_SHAPES = dict(gqa_shared_kv_group=8, gqa_shared_kv_min_head_dim=128)
 # NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
 # sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
 # sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
@@ -254,7 +256,7 @@ V1_FRONTEND = dict(frontend_request_us=29600.0, frontend_prompt_token_us=1.1,
 # executor.
 DERIVED: dict[str, tuple[str, dict]] = {
     "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR),
-    "tensorrt-llm-0.15": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_HEADS),
+    "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES),
     "nim": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVING),
     "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE),
     "sglang": ("sglang-0.3", dict(cpu_overlap=True)),
@@ -271,7 +273,7 @@ ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 128.2
 ENGINES["vllm-0.5"]["cpu_per_seq_us"] = 341.3
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
-                                   "tensorrt-llm-0.15", "tensorrt-llm-0.6", "nim")}
+                                   "tensorrt-llm-0.9", "tensorrt-llm-0.6", "nim")}
 ENGINE_PRESETS = [*ENGINES, "roofline"]
 # What a user running today's vLLM gets.
 DEFAULT_ENGINE = "vllm-v1"
@@ -299,6 +301,6 @@ def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[in
         return 1024, 8192
     if engine == "sglang":
         return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)
-    if engine in ("tensorrt-llm", "tensorrt-llm-pytorch", "tensorrt-llm-0.15", "nim"):
+    if engine in ("tensorrt-llm", "tensorrt-llm-pytorch", "tensorrt-llm-0.9", "nim"):
         return 2048, 8192
     return 256, 2048

@@ -132,8 +132,8 @@ def engine_preset_for(engine: str) -> str | None:
     none servesim has. The mapping (sim/README.md's table):
 
     TensorRT-LLM up to 0.6 -> tensorrt-llm-0.6 (its decode attention read K/V per query head);
-    its PyTorch backend -> tensorrt-llm-pytorch; 0.7 to 0.15 -> tensorrt-llm-0.15 (XQA for
-    heads of 128 and 256 only); later, or of no stated version -> tensorrt-llm. SGLang up to 0.3 ->
+    its PyTorch backend -> tensorrt-llm-pytorch; 0.7 to 0.9 -> tensorrt-llm-0.9 (XQA for
+    Llama 2 70B's shape only); later, or of no stated version -> tensorrt-llm. SGLang up to 0.3 ->
     sglang-0.3; later (its overlap scheduler) or of no stated version -> sglang. vLLM with
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
     V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
@@ -150,7 +150,7 @@ def engine_preset_for(engine: str) -> str | None:
             return "tensorrt-llm-pytorch"
         if v is not None and v[:2] <= (0, 6):
             return "tensorrt-llm-0.6"
-        return "tensorrt-llm-0.15" if v is not None and v[:2] <= (0, 15) else "tensorrt-llm"
+        return "tensorrt-llm-0.9" if v is not None and v[:2] <= (0, 9) else "tensorrt-llm"
     if "sglang" in t:
         v = _version(t)
         return "sglang-0.3" if v is not None and v[:2] <= (0, 3) else "sglang"

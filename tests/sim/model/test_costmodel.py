@@ -113,7 +113,7 @@ def test_gqa_kernels_that_do_not_share_kv_read_it_per_query_head():
 
 
 def test_heads_smaller_than_the_shared_kv_kernels_take_read_kv_per_query_head():
-    """TensorRT-LLM before 0.16 built its XQA kernels for heads of 128 and 256 only: a model
+    """TensorRT-LLM 0.9 built its XQA kernels for heads of 128 and 256 only: a model
     with heads of 64 decodes with the per-query-head kernel, the same model with heads of 128
     (the same K/V bytes: half the KV heads' count would change them, so the head count halves
     with the size) keeps the shared reads."""
@@ -128,11 +128,26 @@ def test_heads_smaller_than_the_shared_kv_kernels_take_read_kv_per_query_head():
     assert kv["64", 128] == pytest.approx((1 + 3 * 0.5) * kv["64", 0], rel=0.05)
     assert kv["128", 128] == kv["128", 0]
     assert kv["128", 256] == pytest.approx(kv["64", 128], rel=0.05)
-    # the profile of the releases that had those kernels: only it sets the limit
+    # the profile of the releases that had those kernels: only it sets the limits
     from sim.model.presets import ENGINES
-    assert {n for n, e in ENGINES.items() if e["gqa_shared_kv_min_head_dim"]} == {
-        "tensorrt-llm-0.15"}
-    assert ENGINES["tensorrt-llm-0.15"]["gqa_shared_kv_min_head_dim"] == 128
+    for key, value in (("gqa_shared_kv_min_head_dim", 128), ("gqa_shared_kv_group", 8)):
+        assert {n: e[key] for n, e in ENGINES.items() if e[key]} == {"tensorrt-llm-0.9": value}
+
+
+def test_gqa_groups_the_shared_kv_kernels_are_not_built_for_read_kv_per_query_head():
+    """TensorRT-LLM 0.9's XQA kernels took groups of eight query heads per K/V head (Llama 2
+    70B's) alone: Llama 3.1 8B's groups of four read K/V per query head under that limit, its
+    70B's groups of eight do not."""
+    def kv(*o):
+        m = model(*BARE, "engine.gqa_reread=0.5", *o)
+        return decode(m, 64, 4000) - decode(m, 64, 0)
+    eight = ('model.preset="llama-3.1-70b"', "model.tensor_parallel=8")
+    assert kv("engine.gqa_shared_kv_group=4") == kv("engine.gqa_shared_kv_group=0")
+    assert kv("engine.gqa_shared_kv_group=8") == pytest.approx(
+        (1 + 3 * 0.5) * kv("engine.gqa_shared_kv_group=0"), rel=0.05)
+    assert kv(*eight, "engine.gqa_shared_kv_group=8") == kv(*eight, "engine.gqa_shared_kv_group=0")
+    assert kv(*eight, "engine.gqa_shared_kv_group=4") == pytest.approx(
+        (1 + 7 * 0.5) * kv(*eight, "engine.gqa_shared_kv_group=0"), rel=0.05)
 
 
 def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
@@ -330,8 +345,9 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill", *runtime}
     assert all(trt[k] == cpp[k] == ENGINES["tensorrt-llm-0.6"][k] == v
                for k, v in TRT_LAUNCHES.items())
-    old = ENGINES["tensorrt-llm-0.15"]  # XQA for heads of 128 and 256 only: all else as later
-    assert {k for k in old if old[k] != trt[k]} == {"gqa_shared_kv_min_head_dim"}
+    old = ENGINES["tensorrt-llm-0.9"]  # XQA for Llama 2 70B's shape only: all else as later
+    assert {k for k in old if old[k] != trt[k]} == {"gqa_shared_kv_min_head_dim",
+                                                    "gqa_shared_kv_group"}
     graphs = _KERNELS["layer_overhead_us"]
     assert py["layer_overhead_us"] == ENGINES["vllm-v1"]["layer_overhead_us"] == graphs
     assert graphs < trt["layer_overhead_us"]

@@ -45,8 +45,9 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
 
 @pytest.mark.parametrize("engine,preset", [
     ("TensorRT-LLM v0.5/v0.6.1 gptSessionBenchmark", "tensorrt-llm-0.6"),
-    ("TensorRT-LLM 0.9.0", "tensorrt-llm-0.15"),
-    ("TensorRT-LLM v0.15.0", "tensorrt-llm-0.15"),
+    ("TensorRT-LLM 0.9.0", "tensorrt-llm-0.9"),
+    ("TensorRT-LLM v0.8.0", "tensorrt-llm-0.9"),
+    ("TensorRT-LLM 0.10.0", "tensorrt-llm"),
     ("TensorRT-LLM 0.16.0", "tensorrt-llm"),
     ("TensorRT-LLM 0.18.2 (C++ runtime)", "tensorrt-llm"),
     ("TRT-LLM", "tensorrt-llm"),
