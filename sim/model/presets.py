@@ -48,6 +48,11 @@ HARDWARE: dict[str, dict] = {
     "a100-80gb": dict(memory_gb=80.0, mem_bandwidth_gbps=2039.0, peak_tflops=312.0, fp8_tflops=0.0,
                       tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0, pcie_gbps=32.0,
                       int8_tops=624.0, fp4_tflops=0.0),
+    # The A100's 40 GB SXM part: HBM2 at 1,555 GB/s (NVIDIA A100 data sheet), the 80 GB part's
+    # compute, NVLink and power.
+    "a100-40gb": dict(memory_gb=40.0, mem_bandwidth_gbps=1555.0, peak_tflops=312.0,
+                      fp8_tflops=0.0, tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0,
+                      pcie_gbps=32.0, int8_tops=624.0, fp4_tflops=0.0),
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
                  int8_tops=733.0, fp4_tflops=0.0),
