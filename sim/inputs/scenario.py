@@ -189,10 +189,11 @@ class EngineConfig:
                                      doc="fixed time of one NCCL all-reduce (ring; and of one "
                                          "all-to-all)")
     allreduce_latency_pcie_us: float = _f(_ENGINE["allreduce_latency_pcie_us"], min=0,
-                                          doc="fixed time of one NCCL all-reduce between GPUs "
-                                              "linked by PCIe only (hardware.interconnect_gbps "
-                                              "at most PCIe 5.0 x16's 64), where no "
-                                              "engine runs its one-shot kernel (0: such GPUs "
+                                          doc="fixed time of one NCCL all-reduce (and "
+                                              "all-to-all) between GPUs linked by PCIe only "
+                                              "(hardware.interconnect_gbps at most PCIe 5.0 "
+                                              "x16's 64), where the one-shot kernel runs on at "
+                                              "most custom_allreduce_pcie_gpus (0: such GPUs "
                                               "as NVLink ones)")
     custom_allreduce_pcie_gpus: int = _f(
         _ENGINE["custom_allreduce_pcie_gpus"], min=0, max=1024,

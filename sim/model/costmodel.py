@@ -267,6 +267,8 @@ class CostModel:
             self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
             self._attn_p = self._attn_f
         self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
+        # (the model's group: with fewer K/V heads than GPUs a GPU's kernel sees nh / tp query
+        # heads to its one K/V head, which this does not tell apart, as g below does not)
         group = e.gqa_shared_kv_group
         shared = e.gqa_shared_kv and hd >= e.gqa_shared_kv_min_head_dim \
             and (group == 0 or nh == group * nkv)

@@ -204,7 +204,7 @@ ENGINES: dict[str, dict] = {
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # DERIVED below and sim.model.profiles.RATIOS say how).
-# Later TensorRT-LLM (0.7 on) shares K/V across a GQA group (XQA kernels), its decode attention
+# Later TensorRT-LLM shares K/V across a GQA group (XQA kernels, from 0.8), its decode attention
 # reaching 0.8 of the memory's bandwidth (fixed with TRT_LAUNCHES, on the same points), and its
 # executor overlaps its CPU work with the GPU.
 TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficiency=0.8,
@@ -213,9 +213,11 @@ TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficienc
 # to a K/V head, heads of 128 or 256 (the precompiled kernel table,
 # cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/cubin/xqa_kernel_cubin.h, lists
 # `nqpkv` 8 alone; its docs: "It currently only supports a limited number of model
-# configurations, such as the LLAMA2 70B model"; heads of 64 came in 0.16). Any other GQA model
-# (Mistral's groups of 4, Falcon 180B's 29 query heads of 64) decodes with the masked
-# multi-head kernel, reading K/V per query head as 0.6 did (its `gqa_reread`).
+# configurations, such as the LLAMA2 70B model"). Any other GQA model (Mistral's groups of 4,
+# Falcon 180B's groups of 29 query heads of size 64) decodes with the masked multi-head kernel,
+# reading K/V per query head as 0.6 did (its `gqa_reread`); 0.7, before XQA, is taken as these.
+# From 0.10 the kernels are compiled at run time for other groups (`tensorrt-llm`); heads of 64
+# came only in 0.16 (its release notes), which `tensorrt-llm` does not model apart.
 TRT_XQA_SHAPES = dict(gqa_shared_kv_group=8, gqa_shared_kv_min_head_dim=128)
 # NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
 # sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per

@@ -122,8 +122,12 @@ def metric_value(metric: Metric, summary: dict, tensor_parallel: int = 1) -> flo
 
 
 # --- which engine profile a publication's engine column means -------------------------------------
-def _version(text: str) -> tuple[int, ...] | None:
-    m = re.search(r"\bv?(\d+)\.(\d+)(?:\.(\d+))?", text)
+def _version(text: str, after: str = "") -> tuple[int, ...] | None:
+    """The first version number in `text`, or the first after the pattern `after` where it
+    matches (the engine's own, not a container's: "Triton 24.05 TensorRT-LLM 0.9")."""
+    m = re.search(after, text) if after else None
+    rest = text[m.end():] if m else text
+    m = re.search(r"\bv?(\d+)\.(\d+)(?:\.(\d+))?", rest)
     return tuple(int(g) for g in m.groups() if g is not None) if m else None
 
 
@@ -145,14 +149,14 @@ def engine_preset_for(engine: str) -> str | None:
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
         return "nim"
     if re.search(r"tensorrt|trt[ -]?llm", t):
-        v = _version(t)
+        v = _version(t, r"tensorrt[ -]?llm|trt[ -]?llm")
         if "pytorch" in t:
             return "tensorrt-llm-pytorch"
         if v is not None and v[:2] <= (0, 6):
             return "tensorrt-llm-0.6"
         return "tensorrt-llm-0.9" if v is not None and v[:2] <= (0, 9) else "tensorrt-llm"
     if "sglang" in t:
-        v = _version(t)
+        v = _version(t, "sglang")
         return "sglang-0.3" if v is not None and v[:2] <= (0, 3) else "sglang"
     if "vllm" in t:
         if re.search(r"scheduler[ -]steps|multi[ -]?step", t):
@@ -161,7 +165,7 @@ def engine_preset_for(engine: str) -> str | None:
             return "vllm-0.6"
         if re.search(r"\bv1\b|vllm_use_v1", t):
             return "vllm-v1"
-        v = _version(t)
+        v = _version(t, "vllm")
         if v is None or v[:2] >= (0, 8):
             return "vllm-v1"
         return "vllm-0.5" if v[:2] <= (0, 5) else "vllm-0.6"

@@ -298,6 +298,27 @@ def test_engine_profile_from_a_calibrated_file(tmp_path):
     assert load_scenario(path).engine.chunked_prefill is True
     (tmp_path / "mine.toml").write_text('[engine]\npreset = "tensorrt-llm"\ncpu_base_us = 1.0\n')
     assert load_scenario(path).engine.chunked_prefill is False  # (a partial one: its base's)
+    # one written before the K/V-sharing shapes and the PCIe all-reduce existed reads K/V as it
+    # did (shared for every shape) and costs PCIe GPUs' all-reduces as NVLink ones
+    new = {"gqa_shared_kv_group", "gqa_shared_kv_min_head_dim", "allreduce_latency_pcie_us",
+           "custom_allreduce_pcie_gpus"}
+    older = {k: v for k, v in ENGINES["tensorrt-llm-0.9"].items() if k not in new}
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "tensorrt-llm-0.9"\n' + "".join(
+        f"{k} = {str(v).lower()}\n" for k, v in older.items()))
+    e = load_scenario(path).engine
+    assert (e.gqa_shared_kv_group, e.gqa_shared_kv_min_head_dim, e.allreduce_latency_pcie_us,
+            e.custom_allreduce_pcie_gpus) == (0, 0, 0.0, 0)
+    from sim.model.costmodel import CostModel
+    l40s = ['hardware.preset="l40s"', 'model.preset="mistral-7b"', "model.tensor_parallel=4"]
+    then = CostModel(load_scenario(path, l40s))
+    as_nvlink = CostModel(load_scenario(path, l40s + ["engine.allreduce_latency_pcie_us=0",
+                                                      "engine.gqa_shared_kv_group=0",
+                                                      "engine.gqa_shared_kv_min_head_dim=0"]))
+    now = CostModel(load_scenario(path, l40s + ["engine.allreduce_latency_pcie_us=45",
+                                                "engine.gqa_shared_kv_group=8"]))
+    assert (then._nccl_us, then._custom_us, then._kv_read) == (
+        as_nvlink._nccl_us, as_nvlink._custom_us, as_nvlink._kv_read) == (18.0, 6.0, then._kv)
+    assert now._nccl_us == 45.0 and now._kv_read > now._kv  # (what the keys now change)
 
 
 def test_a_scenario_nested_too_deeply_is_one_line(tmp_path):
@@ -511,6 +532,7 @@ def test_a_configs_sizes_meet_the_model_fields_bounds(tmp_path):
     # TensorRT-LLM (its executor and PyTorch backend): 2,048 and 8,192 on any GPU
     (['hardware.preset="l40s"', 'engine.preset="tensorrt-llm"'], (2048, 8192)),
     (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm-pytorch"'], (2048, 8192)),
+    (['hardware.preset="a100-40gb"', 'engine.preset="tensorrt-llm-0.9"'], (2048, 8192)),
     # the others: 256 and 2,048 on any GPU
     (['hardware.preset="h100-sxm"', 'engine.preset="tensorrt-llm-0.6"'], (256, 2048)),
     (['hardware.preset="h100-sxm"', 'engine.preset="sglang-0.3"'], (256, 2048)),

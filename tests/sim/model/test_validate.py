@@ -48,6 +48,10 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("TensorRT-LLM 0.9.0", "tensorrt-llm-0.9"),
     ("TensorRT-LLM v0.8.0", "tensorrt-llm-0.9"),
     ("TensorRT-LLM 0.10.0", "tensorrt-llm"),
+    ("Triton 24.05 with TensorRT-LLM 0.9.0", "tensorrt-llm-0.9"),  # the engine's version
+    ("Triton 24.03, TensorRT-LLM v0.10.0", "tensorrt-llm"),
+    ("SGLang 0.3.0 on CUDA 12.4", "sglang-0.3"),
+    ("CUDA 12.4, vLLM 0.5.3", "vllm-0.5"),
     ("TensorRT-LLM 0.16.0", "tensorrt-llm"),
     ("TensorRT-LLM 0.18.2 (C++ runtime)", "tensorrt-llm"),
     ("TRT-LLM", "tensorrt-llm"),
