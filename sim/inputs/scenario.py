@@ -78,6 +78,10 @@ class ModelConfig:
     tie_word_embeddings: bool = _f(False, doc="the LM head is the embedding table: one "
                                               "vocab x hidden matrix in num_params (Hugging "
                                               "Face's config field)")
+    parallel_attention: bool = _f(False, doc="each block's attention and MLP read the same "
+                                             "input and their outputs are summed (Falcon, "
+                                             "GPT-J, GPT-NeoX): one tensor-parallel all-reduce "
+                                             "per layer, not two")
     max_model_len: int = _f(0, min=0, doc="longest prompt+output a request may have")
     dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per weight (and per KV element "
                                                     "unless kv_dtype_bytes says otherwise)")

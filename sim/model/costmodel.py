@@ -53,7 +53,8 @@ added left to right; the constant factors folded once per model: `_blk_c` is 2 P
 (tp F e_g), `_fixed` is t_layer plus t_a2a's latency, `_ar_tok` t_a2a's bytes per token,
 `_ar_a0 + _ar_a1 T` and `_ar_b0 + _ar_b1 T` t_ar's two lines).
 
-The all-reduce (two per layer, after attention and after the MLP) is the faster of the
+The all-reduce (two per layer, after attention and after the MLP; one, of their sum, where they
+run side by side: `model.parallel_attention`, so `2 L` below is then `L`) is the faster of the
 engine's one-shot kernel, in which every GPU reads its peers' whole buffers over NVLink
 (latency c = `custom_allreduce_us`, tp - 1 times the bytes), and a ring that moves 2 (tp-1)/tp
 times the bytes: the engine's two-shot kernel (reduce-scatter and all-gather, 2 c) or NCCL's
@@ -282,7 +283,8 @@ class CostModel:
         self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
         one_shot = not pcie or tp <= e.custom_allreduce_pcie_gpus
         self._custom_us = e.custom_allreduce_us if one_shot else 0.0
-        self._allreduce_init(e, tp, L, hid * ab, link)
+        # (a block whose attention and MLP run side by side reduces their sum once)
+        self._allreduce_init(e, tp, L * (1 if m.parallel_attention else 2), hid * ab, link)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
@@ -296,15 +298,14 @@ class CostModel:
             self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
             self._ar_b1)
 
-    def _allreduce_init(self, e, tp: int, L: int, row: float, link: float) -> None:
+    def _allreduce_init(self, e, tp: int, calls: int, row: float, link: float) -> None:
         """The tensor-parallel all-reduces' coefficients (the module docstring's t_ar): two
-        lines in the step's tokens, of which a step pays the lower. `row` is the bytes one
-        token's activations take; all 0 on one GPU."""
+        lines in the step's tokens, of which a step pays the lower. `calls` is the all-reduces
+        per step, `row` the bytes one token's activations take; all 0 on one GPU."""
         self._ar_a0 = self._ar_a1 = self._ar_b0 = self._ar_b1 = 0.0
         self._ar = tp > 1
         if not self._ar:
             return
-        calls = 2.0 * L
         ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
         nccl = calls * self._nccl_us * 1e-6
         custom = calls * self._custom_us * 1e-6

@@ -178,6 +178,13 @@ def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
     one = model("model.preset=\"llama-3.1-70b\"", "kv.num_blocks=100", *BARE,
                 "engine.allreduce_latency_us=50")
     assert (one._ar_a0, one._ar_a1, one._ar_b0, one._ar_b1) == (0.0,) * 4  # one GPU: none
+    # attention and MLP side by side (Falcon, GPT-J): one all-reduce of their sum a layer
+    side = model(*base, "engine.custom_allreduce_us=6", "engine.allreduce_latency_us=18",
+                 "model.parallel_attention=true")
+    s = load_scenario("chat", []).engine.allreduce_sync_us * 1e-6  # (each call's own)
+    assert decode(custom, 8, 100) - decode(side, 8, 100) == pytest.approx(80 * (s + one_shot))
+    assert (side._ar_a0, side._ar_a1, side._ar_b0, side._ar_b1) == pytest.approx(
+        tuple(x / 2 for x in (custom._ar_a0, custom._ar_a1, custom._ar_b0, custom._ar_b1)))
 
 
 def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
