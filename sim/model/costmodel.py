@@ -108,7 +108,7 @@ decode attention `2 L nh (2 r + dr)` FLOPs per position (the absorbed form), pre
 
     t_compute = (2 P T + 4 L nh hd A) / tp / (peak_tflops * 1e12 * flops_efficiency)
     t_memory  = (P wb + kvt (Kr + T)) / tp / (mem_bandwidth_gbps * 1e9 * bandwidth_efficiency)
-    t_comm    = 2 L 2 (tp - 1) / tp T h wb / N                                        (tp > 1)
+    t_comm    = 2 L 2 (tp - 1) / tp T h wb / N    (tp > 1; L, not 2 L, with parallel_attention)
     step      = max(t_compute, t_memory) + t_comm + step_overhead_ms / 1e3
 
 with A = Ap + Kd + D, Kr = Kp + Kd, kvt = 2 L nkv hd wb, busy = max(t_compute, t_memory).
@@ -231,7 +231,8 @@ class CostModel:
         self._inv_flops = 1.0 / (tp * h.peak_tflops * 1e12 * h.flops_efficiency)
         self._inv_bw = 1.0 / (tp * h.mem_bandwidth_gbps * 1e9 * h.bandwidth_efficiency)
         if tp > 1 and h.interconnect_gbps > 0:
-            self._comm = (2 * m.num_layers * 2 * (tp - 1) / tp * m.hidden_size
+            calls = (1 if m.parallel_attention else 2) * m.num_layers
+            self._comm = (calls * 2 * (tp - 1) / tp * m.hidden_size
                           * wb / (h.interconnect_gbps * 1e9))
         else:
             self._comm = 0.0

@@ -151,10 +151,11 @@ def test_gqa_groups_the_shared_kv_kernels_are_not_built_for_read_kv_per_query_he
 
 
 def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
-    """Two all-reduces per layer, each the faster of the engine's one-shot kernel (its latency
-    plus (tp - 1) times the bytes: every GPU reads its peers' buffers) and a ring (NCCL's
-    latency, or two one-shot latencies for the engine's two-shot kernel, plus 2 (tp - 1) / tp
-    times the bytes): small messages take the one-shot, large ones the ring."""
+    """Two all-reduces per layer (one where attention and MLP run side by side), each the
+    faster of the engine's one-shot kernel (its latency plus (tp - 1) times the bytes: every GPU
+    reads its peers' buffers) and a ring (NCCL's latency, or two one-shot latencies for the
+    engine's two-shot kernel, plus 2 (tp - 1) / tp times the bytes): small messages take the
+    one-shot, large ones the ring."""
     base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE,
             "engine.allreduce_efficiency=0.7")
     custom = model(*base, "engine.custom_allreduce_us=6", "engine.allreduce_latency_us=18")
@@ -185,6 +186,10 @@ def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
     assert decode(custom, 8, 100) - decode(side, 8, 100) == pytest.approx(80 * (s + one_shot))
     assert (side._ar_a0, side._ar_a1, side._ar_b0, side._ar_b1) == pytest.approx(
         tuple(x / 2 for x in (custom._ar_a0, custom._ar_a1, custom._ar_b0, custom._ar_b1)))
+    # the teaching roofline's all-reduce bytes as well
+    roof = [model(ROOFLINE, "model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4",
+                  f"model.parallel_attention={flag}")._comm for flag in ("false", "true")]
+    assert roof[1] == pytest.approx(roof[0] / 2) and roof[0] > 0
 
 
 def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
