@@ -44,7 +44,7 @@ from sim.fileio import csv_rows, json_loads, read_input_text, reason
 from sim.model.fit import least_squares, nelder_mead
 from sim.limits import MAX_TIME_S, MAX_TOKENS
 from sim.model.profiles import FIT, POINT_SPREAD
-from sim.model.costmodel import CostModel, pcie_only
+from sim.model.costmodel import CostModel, nccl_over_pcie
 from sim.inputs.workload import Workload
 from sim.deploy.build import build
 from sim.stats.metrics import summarize
@@ -277,7 +277,7 @@ def fit_kernels(rows: list[Row], scenario, path) -> Fit:
         if per_byte > 0 and link > 0:
             coeffs["allreduce_efficiency"] = float(min(1.0, 1.0 / (per_byte * link)))
         # (the latency of the GPUs' link: PCIe's where that is all they have)
-        pcie = pcie_only(scenario.hardware) and scenario.engine.allreduce_latency_pcie_us > 0
+        pcie = nccl_over_pcie(scenario.hardware, scenario.engine)
         coeffs["allreduce_latency_pcie_us" if pcie else "allreduce_latency_us"] = latency * 1e6
         # (the measured line, whichever kernel ran, stands for every size: no one-shot apart)
         coeffs["custom_allreduce_us"] = 0.0

@@ -231,8 +231,7 @@ class CostModel:
         self._inv_flops = 1.0 / (tp * h.peak_tflops * 1e12 * h.flops_efficiency)
         self._inv_bw = 1.0 / (tp * h.mem_bandwidth_gbps * 1e9 * h.bandwidth_efficiency)
         if tp > 1 and h.interconnect_gbps > 0:
-            calls = (1 if m.parallel_attention else 2) * m.num_layers
-            self._comm = (calls * 2 * (tp - 1) / tp * m.hidden_size
+            self._comm = (self.shape.allreduces * 2 * (tp - 1) / tp * m.hidden_size
                           * wb / (h.interconnect_gbps * 1e9))
         else:
             self._comm = 0.0
@@ -280,12 +279,11 @@ class CostModel:
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
         # GPUs linked by PCIe only: NCCL at its PCIe latency, the one-shot kernel on at most
         # custom_allreduce_pcie_gpus of them
-        pcie = pcie_only(h) and e.allreduce_latency_pcie_us > 0
+        pcie = nccl_over_pcie(h, e)
         self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
         one_shot = not pcie or tp <= e.custom_allreduce_pcie_gpus
         self._custom_us = e.custom_allreduce_us if one_shot else 0.0
-        # (a block whose attention and MLP run side by side reduces their sum once)
-        self._allreduce_init(e, tp, L * (1 if m.parallel_attention else 2), hid * ab, link)
+        self._allreduce_init(e, tp, shape.allreduces, hid * ab, link)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
@@ -508,6 +506,12 @@ def pcie_only(h) -> bool:
     return 0 < h.interconnect_gbps <= PCIE_MAX_GBPS
 
 
+def nccl_over_pcie(h, e) -> bool:
+    """The engine `e` costs the all-reduces of GPUs `h` at NCCL's PCIe latency: they are linked
+    by PCIe only and it has a PCIe figure (0 costs them as NVLink GPUs, as older logs replay)."""
+    return pcie_only(h) and e.allreduce_latency_pcie_us > 0
+
+
 def kv_groups(sc) -> tuple[int, int, int] | None:
     """How a model's layers share the KV pool (sim.engine.kv): (full-attention groups, window
     groups, window), or None where every layer keeps the whole context.
@@ -571,6 +575,9 @@ class ModelShape:
         L, hid = m.num_layers, m.hidden_size
         p_head = float(m.vocab_size * hid)
         self.p_embed = (1.0 if m.tie_word_embeddings else 2.0) * p_head
+        # tensor-parallel all-reduces per step: two a layer (after attention, after the MLP),
+        # one of their sum where they run side by side (`model.parallel_attention`)
+        self.allreduces = (1 if m.parallel_attention else 2) * L
         self.moe_layers = m.num_layers - m.dense_layers if m.num_experts else 0
         # GPUs the experts span: with data_parallel ranks the MoE layers are expert-parallel
         # over all of them (EP = data_parallel x tensor_parallel), else model.expert_parallel

@@ -131,6 +131,9 @@ def _version(text: str, after: str = "") -> tuple[int, ...] | None:
     return tuple(int(g) for g in m.groups() if g is not None) if m else None
 
 
+TRT_NAME = r"tensorrt(?:[ -]?llm)?|trt[ -]?llm"  # how a publication names TensorRT-LLM
+
+
 def engine_preset_for(engine: str) -> str | None:
     """The engine profile for a publication's engine name and version, or None when it names
     none servesim has. The mapping (sim/README.md's table):
@@ -148,8 +151,8 @@ def engine_preset_for(engine: str) -> str | None:
     t = engine.lower()
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
         return "nim"
-    if re.search(r"tensorrt|trt[ -]?llm", t):
-        v = _version(t, r"tensorrt[ -]?llm|trt[ -]?llm")
+    if re.search(TRT_NAME, t):
+        v = _version(t, TRT_NAME)
         if "pytorch" in t:
             return "tensorrt-llm-pytorch"
         if v is not None and v[:2] <= (0, 6):
