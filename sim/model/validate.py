@@ -164,7 +164,8 @@ def engine_preset_for(engine: str) -> str | None:
     if "vllm" in t:
         if re.search(r"scheduler[ -]steps|multi[ -]?step", t):
             return "vllm-0.6-multistep"
-        if re.search(r"\bv0\b|vllm_use_v1=0", t):  # the V0 engine of 0.6-0.10
+        # the V0 engine of 0.6-0.10 ("V0", not a version: "v0.11.0" is V1's)
+        if re.search(r"\bv0\b(?!\.\d)|vllm_use_v1=0", t):
             return "vllm-0.6"
         if re.search(r"\bv1\b|vllm_use_v1", t):
             return "vllm-v1"

@@ -62,6 +62,9 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("vLLM v0.6.3", "vllm-0.6"),
     ("vLLM V1 (0.7.3, VLLM_USE_V1=1)", "vllm-v1"),
     ("vLLM 0.10.1", "vllm-v1"),
+    ("vLLM v0.11.0", "vllm-v1"),  # a version, not the V0 engine
+    ("vLLM v0.7.3", "vllm-0.6"),
+    ("vLLM V0 (v0.9.2)", "vllm-0.6"),
     ("vLLM 0.9.2 V0 engine (VLLM_USE_V1=0)", "vllm-0.6"),
     ("vLLM", "vllm-v1"),
     ("SGLang 0.3.0", "sglang-0.3"),
