@@ -64,7 +64,7 @@ from sim.gcpause import paused_gc
 from sim.stats.metrics import KVPeak
 from sim.policies import POLICIES
 from sim.stats.quantiles import Samples
-from sim.engine.frontend import FrontEnd, open_loop
+from sim.engine.frontend import FrontEnd, chat_requests, open_loop
 from sim.engine.request import Request, RequestState
 from sim.deploy.routers import ROUTERS
 from sim.inputs.workload import Workload, build_workload
@@ -240,7 +240,7 @@ class Cluster:
         self.focus = 0  # the instance whose block map a snapshot carries
         # The workload, routed here (the instances' own workloads are empty): when each
         # request reaches the deployment, after the API server in front of it (sim.engine.frontend).
-        self.frontend = FrontEnd.of(scenario.engine)
+        self.frontend = FrontEnd.of(scenario.engine, chat_requests(scenario))
         times, sent = open_loop(self.frontend, w.arrival, w.prompt)
         self._w_arrival = times.tolist()
         self._w_sent = None if sent is None else sent.tolist()

@@ -41,7 +41,7 @@ from sim.engine.stepping import EngineState
 from sim.engine.observer import StepObserver
 from sim.engine.timeline import Timeline
 from sim.engine.users import ClosedLoop
-from sim.engine.frontend import FrontEnd, open_loop
+from sim.engine.frontend import FrontEnd, chat_requests, open_loop
 from sim.engine.admission import Admission
 from sim.engine.clients import ClientFigures
 from sim.engine.tokens import prompt_token_ids
@@ -245,7 +245,7 @@ class Engine(EngineState):
         # workload's arrival column holds when its clients send; _w_times holds when each
         # request reaches the engine, and _w_sent the sent times (None without a front end).
         # (a closed loop's users send through the front end themselves: sim.engine.users)
-        self.frontend = FrontEnd.of(scenario.engine)
+        self.frontend = FrontEnd.of(scenario.engine, chat_requests(scenario))
         self._w_times, sent = open_loop(None if scenario.workload.concurrency else self.frontend,
                                         w.arrival, w.prompt)
         self._w_sent = (None if sent is None

@@ -896,9 +896,10 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
     if server is not None:
         fe: FrontEnd = server
         if at >= 0:
-            out_first, out_last = _deliver_rows(tl._m_end, tl._m_out, at, k, fe.out_free,
-                                                b * fe.token_s)
+            out_first, out_last, fe.spell_at = _deliver_rows(
+                tl._m_end, tl._m_out, at, k, fe.out_free, b * fe.token_s, fe.spells, fe.spell_at)
             fe.out_free = out_last
+            fe.seek_spell()
         else:
             outs = fe.deliver_run(np.asarray(ends).tolist(), b)
             out_first, out_last = outs[0], outs[-1]

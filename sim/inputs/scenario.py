@@ -83,6 +83,10 @@ class ModelConfig:
                                              "GPT-J, GPT-NeoX): one tensor-parallel all-reduce "
                                              "per layer, not two")
     max_model_len: int = _f(0, min=0, doc="longest prompt+output a request may have")
+    chat_template: bool = _f(True, doc="a chat request's prompt is rendered from the model's "
+                                       "Jinja chat template (the API server's "
+                                       "engine.frontend_chat_request_us); false: gpt-oss's "
+                                       "Harmony format, rendered by a compiled encoder")
     dtype_bytes: int = _f(2, choices=[1, 2, 4], doc="bytes per weight (and per KV element "
                                                     "unless kv_dtype_bytes says otherwise)")
     kv_dtype_bytes: int = _f(0, choices=[0, 1, 2, 4], doc="bytes per KV-cache element "
@@ -261,6 +265,16 @@ class EngineConfig:
                                         "it (HTTP, checks, hand-off to the engine)")
     frontend_prompt_token_us: float = _f(_ENGINE["frontend_prompt_token_us"], min=0,
                                          doc="tokenisation per prompt token, in the API server")
+    frontend_chat_request_us: float = _f(_ENGINE["frontend_chat_request_us"], min=0,
+                                         doc="the API server's own time on each "
+                                             "chat-completions request (workload.endpoint = "
+                                             "\"chat\": the chat template, the chat request's "
+                                             "handling), one request after another as its "
+                                             "tokenising")
+    frontend_one_loop: bool = _f(_ENGINE["frontend_one_loop"],
+                                 doc="the API server takes in requests and streams tokens in "
+                                     "one event loop (vLLM's): tokens sampled while it takes "
+                                     "in requests wait until it is done with them")
     frontend_output_token_us: float = _f(_ENGINE["frontend_output_token_us"], min=0,
                                          doc="the API server's time on each streamed token "
                                              "(detokenising, its chunk, the write), one step's "
@@ -380,6 +394,10 @@ class WorkloadConfig:
                                       "serve's prefix_repetition dataset); false: each "
                                       "request draws one")
     num_samples: int = _f(1, min=1, max=64, doc="parallel samples per request (n)")
+    endpoint: str = _f("completions", choices=["completions", "chat"],
+                       doc="the API its clients call: completions (vllm bench serve's "
+                           "default) or chat completions, which costs the API server "
+                           "engine.frontend_chat_request_us more per request")
     clients: Any = _f([], kind="clients",
                       doc="a mix of clients, each an `[[workload.clients]]` table (below)")
     # Closed loop (`vllm bench serve --max-concurrency`): left out (0), arrivals are open loop.
@@ -928,10 +946,11 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 # preset's current value (a refitted profile must not change how an old log replays).
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
                      "gqa_shared_kv_group": 0,
-                     "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0}
+                     "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
+                     "frontend_chat_request_us": 0.0, "frontend_one_loop": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
-CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0}
+CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0, "endpoint": "completions"}
 
 
 def resolve_workload(raw: dict) -> dict:
@@ -1014,6 +1033,8 @@ def _from_config(sc: Scenario) -> dict:
     m.preset = ""  # (the config replaces the preset)
     if got.pop("tie_word_embeddings"):
         m.tie_word_embeddings = True
+    if not got.pop("chat_template", True):  # (gpt-oss: Harmony, not a Jinja template)
+        m.chat_template = False
     quant = got.pop("quantization", "")
     if not m.quantization and m.dtype_bytes == 2:
         m.quantization = quant

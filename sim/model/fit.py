@@ -28,6 +28,7 @@ import numpy as np
 from sim.deploy.build import is_deployment
 from sim.model.costmodel import CostModel
 from sim.engine.engine import Engine, StepObserver
+from sim.engine.frontend import FrontEnd
 from sim.errors import ScenarioError
 from sim.stats.metrics import summarize
 
@@ -170,6 +171,9 @@ class RunRecord:
     # has handed them out
     token_s: float = 0.0
     sampled: np.ndarray | None = None
+    # with one loop taking in requests and streaming tokens (`FrontEnd.one_loop`): its intake's
+    # busy spells, which the tokens of steps ending in them wait out
+    spells: Any = None  # (array('d'), or None without them)
 
     def durations(self, cost) -> np.ndarray:
         """Each step's duration under `cost` (a sim.model.costmodel.CostModel)."""
@@ -183,7 +187,13 @@ class RunRecord:
         s = np.cumsum(d)
         prev = s - d  # time spent before step k if never idle
         ends = s + np.maximum.accumulate(np.maximum(self.ready - prev, 0.0))
-        out = ends if self.token_s == 0 else _delivered(ends, self.sampled * self.token_s)
+        if self.spells is not None and len(self.spells):  # (step by step: the server's rule)
+            fe = FrontEnd(0.0, 0.0, self.token_s * 1e6, one_loop=True)
+            fe.wait_out(self.spells)
+            out = np.array([fe.deliver(t, int(n)) for t, n in zip(ends.tolist(),
+                                                                 self.sampled.tolist())])
+        else:
+            out = ends if self.token_s == 0 else _delivered(ends, self.sampled * self.token_s)
         tf = out[self.first]
         tl = out[self.last]
         n = self.num_output
@@ -204,6 +214,8 @@ def record_run(scenario) -> RunRecord:
     rec = RecordingCost(CostModel(scenario))
     engine = Engine(scenario, cost=rec, observers=[rec])
     rec.bind(engine)
+    if engine.frontend is not None:
+        engine.frontend.keep_spells = True  # (the replay waits every delivery out as it did)
     engine.run()
     cols, ready, swap = rec.features(engine.step_count)
     reqs = [r for r in engine.requests.values()
@@ -217,7 +229,8 @@ def record_run(scenario) -> RunRecord:
                      summarize(engine), swap,
                      np.array([r.sent_time for r in reqs], dtype=np.float64),
                      0.0 if engine.frontend is None else engine.frontend.token_s,
-                     np.asarray(engine.timeline.column("sampled"), dtype=np.float64))
+                     np.asarray(engine.timeline.column("sampled"), dtype=np.float64),
+                     None if engine.frontend is None else engine.frontend.spells)
 
 
 def _delivered(ends: np.ndarray, cost: np.ndarray) -> np.ndarray:

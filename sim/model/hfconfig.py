@@ -285,6 +285,8 @@ def parse_config(raw: dict, where: str = "config.json") -> dict:
     out["num_params"] = float(rest + mlp)
     out["active_params"] = float(rest + active)  # (reported, not a [model] field)
     out["sliding_window"], out["sliding_window_layers"] = _sliding(c, L, family)
+    if family == "GptOssForCausalLM":  # Harmony: vLLM renders it with openai-harmony, not Jinja
+        out["chat_template"] = False
     quant = _quantization(raw.get("quantization_config"), where)
     if quant:
         out["quantization"] = quant

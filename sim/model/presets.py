@@ -164,7 +164,8 @@ _KERNELS = dict(
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
-                   frontend_output_token_us=0.0)
+                   frontend_output_token_us=0.0, frontend_chat_request_us=0.0,
+                   frontend_one_loop=False)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
                  gqa_shared_kv_min_head_dim=0, num_scheduler_steps=1,
                  chunked_prefill=True, **NO_FRONTEND)
@@ -254,19 +255,38 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 # median |log error| to its minimum (F7 1.000 of its published 36.03 ms, F3 1.17). F7's GPU time
 # is a seventh of its TTFT, so its row pins the server's; the 70B rows (F3-F6, E1-E3) ask for
 # about 18 ms. F1, F2 and F4-F6 are held out.
+# A chat-completions request costs its API server more, one request after another: rendering the
+# model's Jinja chat template and the chat request's handling. GPUStack's performance lab
+# (https://github.com/gpustack/gpustack, docs/performance-lab: `vllm bench serve --backend
+# openai-chat`, 1,000 requests of 128 tokens in, 4 out, sent at once) measured 1,000 such
+# requests taking 21-23 s through vLLM 0.11 whatever the GPU and model behind it (Qwen3-14B on an
+# H100 or an A100, DeepSeek-R1 on eight H200s, GLM-4.5-Air on four GPUs), but 4.7-5.4 s for
+# gpt-oss (Harmony, not Jinja: `model.chat_template = false`) and 6-10 s through SGLang: a
+# server's time per request, not the GPU's. The value, to 0.1 ms, that brings the Qwen3-14B H100
+# run's throughput to its published figure (G4: 0.999); the light-load chat TTFT rows are held
+# out. vLLM's API server takes in requests and streams tokens in one event loop
+# (`frontend_one_loop`): in that burst the median TTFT, 18.1 s, sits near the end of the 22.7 s
+# run, as the loop's intake holds back every first token.
 V1_FRONTEND = dict(frontend_request_us=29600.0, frontend_prompt_token_us=1.1,
-                   frontend_output_token_us=65.0)
+                   frontend_output_token_us=65.0, frontend_chat_request_us=22400.0,
+                   frontend_one_loop=True)
+# SGLang 0.5's chat requests, fitted as vLLM's on the same lab's SGLang run (Qwen3-14B-FP8 on an
+# H100: G9, 1.005); its burst's first tokens spread over the run (median TTFT 4.1 s of 7.8 s),
+# so its streaming is not held back behind its intake. trtllm-serve's (TensorRT-LLM 1.2) on its
+# one such run (Qwen3-32B-FP8 on an H100, chunked prefill on: G12, 0.998).
+SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
+TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
 # API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
 # executor.
 DERIVED: dict[str, tuple[str, dict]] = {
-    "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR),
+    "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT),
     "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES),
     "nim": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVING),
     "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE),
-    "sglang": ("sglang-0.3", dict(cpu_overlap=True)),
+    "sglang": ("sglang-0.3", dict(cpu_overlap=True, **SGLANG_CHAT)),
     "vllm-v1": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, cpu_overlap=True,
                                            **V1_FRONTEND)),
     # V0 without multi-step: serial CPU time, its time per sequence refitted to the vLLM team's

@@ -254,44 +254,78 @@ static PyObject *used_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyLong_FromLongLong(last);
 }
 
-/* deliver_rows(end, out, at, k, free, cost) -> (first, last)
+/* deliver_rows(end, out, at, k, free, cost, spells, i) -> (first, last, i)
  *
  * Behind an API server (sim/engine/frontend.py `FrontEnd.deliver`, step after step): when it
  * hands out the tokens of the k steps ending at rows at, ..., at + k - 1 of the float64 column
- * `end`, each step's taking `cost` seconds after the server is free (from `free`) and its step
- * has ended, written to the same rows of `out`. Returns the first and the last
+ * `end`, each step's taking `cost` seconds after the server is free (from `free`), its step has
+ * ended and, with one loop, the intake spell it meets is over (`spells`: a float64 buffer of
+ * the spells' starts and ends, read from index `i` on), written to the same rows of `out`.
+ * Returns the first, the last and the spell index reached
  * (tests/sim/engine/test_frontend.py holds them to `deliver` bit for bit). */
 static PyObject *deliver_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "_rows.deliver_rows(end, out, at, k, free, cost)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "_rows.deliver_rows(end, out, at, k, free, cost, spells, i)");
         return NULL;
     }
-    Py_ssize_t at, k;
+    Py_ssize_t at, k, i;
     double d, cost;
     if (get_size(args[2], &at) < 0 || get_size(args[3], &k) < 0
-            || get_double(args[4], &d) < 0 || get_double(args[5], &cost) < 0)
+            || get_double(args[4], &d) < 0 || get_double(args[5], &cost) < 0
+            || get_size(args[7], &i) < 0)
         return NULL;
     if (at < 0 || k < 1 || k > PY_SSIZE_T_MAX - at) {
         PyErr_SetString(PyExc_ValueError, "_rows.deliver_rows: bad row or length");
         return NULL;
     }
-    Py_buffer ve, vo;
-    if (column(args[0], &ve, 'd', at + k) < 0)
+    Py_buffer ve, vo, vs;
+    const Py_ssize_t size = PyObject_Length(args[6]);
+    if (size < 0)
         return NULL;
+    if (size == 0) {  /* (an empty array's buffer need not be aligned: none to read) */
+        vs.buf = NULL;
+        vs.len = 0;
+        vs.obj = NULL;
+    } else if (column(args[6], &vs, 'd', 0) < 0) {
+        return NULL;
+    }
+    const Py_ssize_t n = vs.len / 8;
+    if (n % 2 != 0 || i % 2 != 0 || i < 0 || i > n) {
+        if (size)
+            PyBuffer_Release(&vs);
+        PyErr_SetString(PyExc_ValueError, "_rows.deliver_rows: bad spells");
+        return NULL;
+    }
+    if (column(args[0], &ve, 'd', at + k) < 0) {
+        if (size)
+            PyBuffer_Release(&vs);
+        return NULL;
+    }
     if (column(args[1], &vo, 'd', at + k) < 0) {
         PyBuffer_Release(&ve);
+        if (size)
+            PyBuffer_Release(&vs);
         return NULL;
     }
     const double *end = (const double *)ve.buf + at;
     double *out = (double *)vo.buf + at;
+    const double *spell = (const double *)vs.buf;
     for (Py_ssize_t j = 0; j < k; j++) {
-        d = (end[j] > d ? end[j] : d) + cost;
+        d = end[j] > d ? end[j] : d;
+        while (i < n && spell[i + 1] <= d)
+            i += 2;
+        if (i < n && spell[i] < d)
+            d = spell[i + 1];
+        d = d + cost;
         out[j] = d;
     }
     double first = out[0];
     PyBuffer_Release(&ve);
     PyBuffer_Release(&vo);
-    return Py_BuildValue("(dd)", first, d);
+    if (size)
+        PyBuffer_Release(&vs);
+    return Py_BuildValue("(ddn)", first, d, i);
 }
 
 /* expand(runs, used, k, out) -> None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 
+import numpy as np
 import pytest
 
 from sim import Engine, load_scenario, rolling, summarize
@@ -65,8 +66,10 @@ def test_the_server_hands_out_each_steps_tokens_after_the_steps_before():
 
 
 def lane_of(e, token_s):
-    """Each step's delivery time, from the timeline's rows and `FrontEnd.deliver`."""
-    fe = FrontEnd(0.0, 0.0, token_s * 1e6)
+    """Each step's delivery time, from the timeline's rows and `FrontEnd.deliver` (with one loop,
+    waiting out the spells the engine's server spent taking in requests)."""
+    fe = FrontEnd(0.0, 0.0, token_s * 1e6, one_loop=e.frontend.one_loop)
+    fe.wait_out(e.frontend.spells)
     return [fe.deliver(t, int(n)) for t, n in zip(e.timeline.column("end").tolist(),
                                                    e.timeline.column("sampled").tolist())]
 
@@ -220,6 +223,51 @@ def test_a_log_written_before_the_terms_replays_without_them(tmp_path):
     assert divergence is None
 
 
+def test_chat_requests_take_the_servers_own_time_one_after_another():
+    fe = FrontEnd(1000.0, 10.0, 0.0, 5000.0)  # + 5 ms of its own on each chat request
+    assert fe.intake(0.0, 100) == pytest.approx(0.007)
+    assert fe.intake(0.0, 100) == pytest.approx(0.013)  # sent together: queued behind it
+    assert fe.intake(1.0, 0) == pytest.approx(1.006)
+    # a scenario's requests are chat ones only with endpoint = "chat", and pay the term only
+    # where the model's prompt comes from a Jinja template (not gpt-oss's Harmony)
+    term = "engine.frontend_chat_request_us=5000"
+    for overrides, chat_s in ((['workload.endpoint="chat"', term], 0.005), ([term], 0.0),
+                              (['workload.endpoint="chat"', term, 'model.config="gpt-oss-20b"'],
+                               0.0)):
+        assert run(*OPEN, *overrides).frontend.chat_s == chat_s
+    # a burst of 40 chat requests reaches the engine 5 ms apart (and their tokenising)
+    e = run("workload.arrival=\"batch\"", "workload.num_requests=40", *FE, term,
+            'workload.endpoint="chat"', "engine.frontend_one_loop=false")
+    arrivals = sorted(r.arrival_time for r in e.requests.values())
+    assert np.diff(arrivals).min() >= 0.005
+
+
+def test_one_loop_holds_every_streams_tokens_while_it_takes_in_a_burst():
+    # 40 chat requests at once, 50 ms of the server's own time each: 2 s of intake; with one
+    # loop (vLLM's API server) no token reaches a client before the last request is taken in
+    burst = ["workload.arrival=\"batch\"", "workload.num_requests=40", *FE,
+             "engine.frontend_chat_request_us=50000", 'workload.endpoint="chat"']
+    one = run(*burst, "engine.frontend_one_loop=true")
+    two = run(*burst, "engine.frontend_one_loop=false")
+    intake_end = one.frontend.spells[-1]
+    assert one.frontend.spells.tolist() == [0.0, intake_end] and intake_end >= 40 * 0.05
+    firsts = [r.client_first_time for r in one.requests.values()]
+    assert min(firsts) >= intake_end
+    assert min(r.client_first_time for r in two.requests.values()) < 0.5
+    # the engine ran the same steps either way: only when the clients saw the tokens differs
+    assert one.timeline.column("end").tolist() == two.timeline.column("end").tolist()
+    s = summarize(one)
+    assert s["ttft_ms"]["p50"] > 2000 > summarize(two)["ttft_ms"]["p50"]
+    assert s["engine_side"]["ttft_ms"] == summarize(two)["engine_side"]["ttft_ms"]
+
+
+@pytest.mark.parametrize("value", ['"chats"', "1"])
+def test_an_unknown_endpoint_is_refused_in_one_line(value, capsys):
+    with pytest.raises(ScenarioError, match="workload.endpoint"):
+        load_scenario("chat", [f"workload.endpoint={value}"])
+    assert main(["sim", "chat", "-q", "--set", f"workload.endpoint={value}"]) == 2
+
+
 def test_replicas_take_the_requests_after_the_server():
     s = summarize(run(*OPEN, *FE, "cluster.replicas=2"))
     assert s["ttft_ms"]["count"] == 150
@@ -272,7 +320,8 @@ def test_the_fits_replay_hands_tokens_out_as_the_server_does():
 
 def test_a_decode_runs_tokens_handed_out_in_c_are_those_of_the_python_rule():
     # sim/native/_rows.c's deliver_rows (a compiled build's decode runs) against
-    # FrontEnd.deliver, bit for bit, with and without a backlog
+    # FrontEnd.deliver, bit for bit, with and without a backlog, and with one loop whose
+    # intake spells the tokens wait out (spells before, inside and after the run)
     import numpy as np
 
     from sim.native import compiled
@@ -281,19 +330,31 @@ def test_a_decode_runs_tokens_handed_out_in_c_are_those_of_the_python_rule():
     if rows is None:
         pytest.skip("no compiled build")
     rng = np.random.default_rng(5)
-    for trial in range(200):
+    hopped = 0
+    for trial in range(400):
         k, at = int(rng.integers(1, 60)), int(rng.integers(0, 20))
         end = np.zeros(at + k + 3)
         end[at:at + k] = np.cumsum(rng.uniform(0.0, 0.002, k)) + rng.uniform(0, 1)
         out = np.zeros(at + k + 3)
-        fe = FrontEnd(0.0, 0.0, float(rng.uniform(0, 80)))
+        fe = FrontEnd(0.0, 2.0, float(rng.uniform(0, 80)), float(rng.uniform(0, 3000)),
+                      one_loop=bool(trial % 2))
+        if fe.one_loop:  # requests sent around the run: the server's intake spells
+            for t in np.sort(rng.uniform(end[at] - 0.05, end[at + k - 1] + 0.01, 12)).tolist():
+                fe.intake(t, int(rng.integers(0, 2000)))
         fe.out_free = float(end[at] + rng.uniform(-0.05, 0.05))
         b = int(rng.integers(1, 300))
-        start = fe.out_free
+        start, spell = fe.out_free, fe.spell_at
+        plain = FrontEnd(0.0, 0.0, 0.0)  # (the same server, without the spells)
+        plain.token_s, plain.out_free = fe.token_s, start
+        unheld = plain.deliver_run(end[at:at + k].tolist(), b)
         want = fe.deliver_run(end[at:at + k].tolist(), b)
-        first, last = rows.deliver_rows(end, out, at, k, start, b * fe.token_s)
+        hopped += want != unheld
+        first, last, at_spell = rows.deliver_rows(end, out, at, k, start, b * fe.token_s,
+                                                  fe.spells, spell)
         assert out[at:at + k].tolist() == want and (first, last) == (want[0], want[-1])
+        assert at_spell == fe.spell_at
         assert not out[:at].any() and not out[at + k:].any()
+    assert hopped > 50  # (the spells held tokens back in many trials)
 
 
 def test_a_client_mix_judges_its_slo_on_what_its_clients_receive():

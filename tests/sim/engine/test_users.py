@@ -84,6 +84,10 @@ def test_a_log_written_before_start_gap_s_loads_with_the_users_started_at_once()
     assert table["workload"]["start_gap_s"] == 1e-4
     del table["workload"]["start_gap_s"]
     assert scenario_from_dict(table).workload.start_gap_s == 0.0
+    # one written before `endpoint` too (its clients called completions) loads the same way
+    del table["workload"]["endpoint"]
+    old = scenario_from_dict(table).workload
+    assert (old.start_gap_s, old.endpoint) == (0.0, "completions")
     partial = {"workload": {"concurrency": 3, "num_requests": 9}}
     assert scenario_from_dict(partial).workload.start_gap_s == 1e-4
     # an open loop's log loads as before (the key means nothing there), and a file that sets

@@ -354,12 +354,15 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     runtime = {*TRT_LAUNCHES, "kv_bandwidth_efficiency"}
     assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
                                                    "cpu_overlap", "chunked_prefill", *runtime}
-    assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill", *runtime}
+    # (and trtllm-serve's time per chat request: the offline trtllm-bench has no server)
+    assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill",
+                                                   "frontend_chat_request_us", *runtime}
     assert all(trt[k] == cpp[k] == ENGINES["tensorrt-llm-0.6"][k] == v
                for k, v in TRT_LAUNCHES.items())
     old = ENGINES["tensorrt-llm-0.9"]  # XQA for Llama 2 70B's shape only: all else as later
     assert {k for k in old if old[k] != trt[k]} == {"gqa_shared_kv_min_head_dim",
-                                                    "gqa_shared_kv_group"}
+                                                    "gqa_shared_kv_group",
+                                                    "frontend_chat_request_us"}
     graphs = _KERNELS["layer_overhead_us"]
     assert py["layer_overhead_us"] == ENGINES["vllm-v1"]["layer_overhead_us"] == graphs
     assert graphs < trt["layer_overhead_us"]

@@ -30,6 +30,8 @@ PUBLISHED = {
     "llama-3.1-8b": (8.03, 8.03),
     "llama-3.3-70b": (70.6, 70.6),
     "qwen3-8b": (8.2, 8.2),
+    "qwen3-14b": (14.8, 14.8),
+    "qwen3-32b": (32.8, 32.8),
     "qwen3-0.6b": (0.6, 0.6),
     "gemma-2-9b": (9.24, 9.24),
 }
@@ -61,6 +63,8 @@ def test_interleaved_and_sliding_layers():
     oss = read_config("gpt-oss-120b", ROOT)
     assert (oss["sliding_window"], oss["sliding_window_layers"]) == (128, 18)
     assert oss["quantization"] == "mxfp4"
+    assert oss["chat_template"] is False  # Harmony, which vLLM renders without Jinja
+    assert "chat_template" not in read_config("qwen3-8b", ROOT)  # (a Jinja template: the default)
     gemma = read_config("gemma-2-9b", ROOT)
     assert gemma["tie_word_embeddings"] and gemma["sliding_window_layers"] == 21
 
