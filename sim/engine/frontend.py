@@ -25,7 +25,9 @@ intake nor its output work lengthens engine steps, and each is modelled as a que
 Where one event loop does both (`frontend_one_loop`: vLLM's API server), tokens sampled while
 the server is taking in requests wait until it is done with those already sent: a burst of
 requests holds back every stream's tokens, first tokens included, until the last of the burst
-is taken in. (The other way round, intake waiting behind a backlog of outputs, is left out.)
+is taken in. (The other way round, intake waiting behind a backlog of outputs, is left out;
+so is the coupling in a deployment, whose instances hand out their tokens on servers of their
+own, apart from the deployment's intake.)
 
 Only the workload's requests pass its intake: a request injected into the engine (the
 dashboard, `servesim serve`, whose HTTP server is real) arrives at the engine as it is sent.
@@ -100,11 +102,16 @@ class FrontEnd:
         start = sent if sent > self.free else self.free
         self.free = start + self.chat_s + prompt_len * self.prompt_token_s
         if self.one_loop:
+            # (tokens it had handed out by then, up to `out_free`, went before this request: a
+            # closed loop's users send while deliveries are under way)
+            busy = start if start > self.out_free else self.out_free
             spells = self.spells
-            if len(spells) and spells[-1] >= start:  # (busy since the spell before)
+            if self.free <= busy:
+                pass
+            elif len(spells) and spells[-1] >= busy:  # (busy since the spell before)
                 spells[-1] = self.free
             else:
-                spells.append(start)
+                spells.append(busy)
                 spells.append(self.free)
             if self.spell_at + 2 >= len(spells):  # (the spell ahead is this one)
                 self.seek_spell()
@@ -134,8 +141,8 @@ class FrontEnd:
         changed), and drop, once there are many, those every later delivery is past
         (deliveries come in time order): a long run holds only the spells still ahead."""
         spells, i = self.spells, self.spell_at
-        if i >= 2048 and not self.keep_spells:
-            del spells[:i]
+        if i >= 2048 and 2 * i >= len(spells) and not self.keep_spells:
+            del spells[:i]  # (at most half of them left to move)
             i = self.spell_at = 0
         if i < len(spells):
             self.spell_start, self.spell_end = spells[i], spells[i + 1]
@@ -144,8 +151,8 @@ class FrontEnd:
 
     def wait_out(self, spells: Any) -> None:
         """Deliver as if these intake spells (an array('d') as `spells` holds) had been taken
-        in (sim.model.fit's replay of a recorded run)."""
-        self.spells, self.spell_at = spells, 0
+        in (sim.model.fit's replay of a recorded run). They are not this server's to drop."""
+        self.spells, self.spell_at, self.keep_spells = spells, 0, True
         self.seek_spell()
 
     def deliver_run(self, ends: list[float], sampled: int) -> list[float]:

@@ -169,6 +169,11 @@ def test_bench_result_replays_the_requests_and_recovers_the_step_times(tmp_path)
               "engine.frontend_output_token_us=300"]),                # an API server in front
     ("chat", ["workload.concurrency=64", "workload.num_requests=200",
               "engine.frontend_output_token_us=400"]),                # ... with a backlog
+    ("chat", ["workload.concurrency=64", "workload.num_requests=200",
+              'workload.endpoint="chat"',
+              "engine.frontend_output_token_us=400"]),                # ... its intake holding it
+    ("chat", ["workload.num_requests=300", "workload.rate=1e9",
+              'workload.endpoint="chat"']),                           # a burst held back
     ("prefill-stalls", ["workload.duration_s=20"]),               # chunked prefills, mixed steps
     ("fragmentation", ["workload.duration_s=30"]),                # preemptions
     ("burst", ['scheduler.preemption="swap"', "hardware.pcie_gbps=25"]),  # swaps
@@ -339,3 +344,17 @@ def test_all_reduce_timings_of_pcie_gpus_set_their_pcie_latency(tmp_path):
     c = fit_kernels(read_kernel_csv(path), h100, path).coeffs
     assert c["allreduce_latency_us"] == pytest.approx(50.0, rel=0.01)
     assert "allreduce_latency_pcie_us" not in c
+
+
+def test_a_replay_leaves_its_record_as_it_was():
+    # a record's intake spells (one loop, thousands of requests) are the run's: replaying it
+    # must not drop any, or every later trial of a fit would time a different run
+    sc = load_scenario("chat", ["workload.num_requests=2500", "workload.rate=10",
+                                'workload.endpoint="chat"'])
+    rec = record_run(sc)
+    spells = rec.spells.tolist()
+    assert len(spells) > 3000  # (a server free to drop them would, from 2,048 on)
+    first = rec.replay(CostModel(sc))
+    assert rec.spells.tolist() == spells
+    again = rec.replay(CostModel(sc))
+    assert np.array_equal(first["ttft"], again["ttft"])
