@@ -106,15 +106,14 @@ class FrontEnd:
             # closed loop's users send while deliveries are under way)
             busy = start if start > self.out_free else self.out_free
             spells = self.spells
-            if self.free <= busy:
-                pass
-            elif len(spells) and spells[-1] >= busy:  # (busy since the spell before)
-                spells[-1] = self.free
-            else:
-                spells.append(busy)
-                spells.append(self.free)
-            if self.spell_at + 2 >= len(spells):  # (the spell ahead is this one)
-                self.seek_spell()
+            if self.free > busy:
+                if len(spells) and spells[-1] >= busy:  # (busy since the spell before)
+                    spells[-1] = self.free
+                else:
+                    spells.append(busy)
+                    spells.append(self.free)
+                if self.spell_at + 2 >= len(spells):  # (the spell ahead is this one)
+                    self.seek_spell()
         return self.free + self.request_s
 
     def deliver(self, end: float, sampled: int) -> float:

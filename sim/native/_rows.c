@@ -32,8 +32,9 @@ static int column(PyObject *obj, Py_buffer *view, char kind, Py_ssize_t need) {
                      kind == 'd' ? "float64" : "int64");
         return -1;
     }
-    if (((uintptr_t)view->buf) % _Alignof(long long) != 0
-            || ((uintptr_t)view->buf) % _Alignof(double) != 0) {
+    if (view->len > 0 && (((uintptr_t)view->buf) % _Alignof(long long) != 0
+                          || ((uintptr_t)view->buf) % _Alignof(double) != 0)) {
+        /* (an empty buffer is never read: its pointer need not be aligned) */
         PyBuffer_Release(view);
         PyErr_SetString(PyExc_ValueError, "_rows: a column not aligned to 8 bytes");
         return -1;
@@ -280,32 +281,21 @@ static PyObject *deliver_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_buffer ve, vo, vs;
-    const Py_ssize_t size = PyObject_Length(args[6]);
-    if (size < 0)
+    if (column(args[6], &vs, 'd', 0) < 0)
         return NULL;
-    if (size == 0) {  /* (an empty array's buffer need not be aligned: none to read) */
-        vs.buf = NULL;
-        vs.len = 0;
-        vs.obj = NULL;
-    } else if (column(args[6], &vs, 'd', 0) < 0) {
-        return NULL;
-    }
     const Py_ssize_t n = vs.len / 8;
     if (n % 2 != 0 || i % 2 != 0 || i < 0 || i > n) {
-        if (size)
-            PyBuffer_Release(&vs);
+        PyBuffer_Release(&vs);
         PyErr_SetString(PyExc_ValueError, "_rows.deliver_rows: bad spells");
         return NULL;
     }
     if (column(args[0], &ve, 'd', at + k) < 0) {
-        if (size)
-            PyBuffer_Release(&vs);
+        PyBuffer_Release(&vs);
         return NULL;
     }
     if (column(args[1], &vo, 'd', at + k) < 0) {
         PyBuffer_Release(&ve);
-        if (size)
-            PyBuffer_Release(&vs);
+        PyBuffer_Release(&vs);
         return NULL;
     }
     const double *end = (const double *)ve.buf + at;
@@ -323,8 +313,7 @@ static PyObject *deliver_rows(PyObject *self, PyObject *const *args, Py_ssize_t 
     double first = out[0];
     PyBuffer_Release(&ve);
     PyBuffer_Release(&vo);
-    if (size)
-        PyBuffer_Release(&vs);
+    PyBuffer_Release(&vs);
     return Py_BuildValue("(ddn)", first, d, i);
 }
 
