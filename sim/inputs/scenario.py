@@ -155,6 +155,9 @@ class HardwareConfig:
     idle_w: float = _f(0.0, min=0, doc="board power when idle, W")
     interconnect_gbps: float = _f(0.0, min=0, doc="GPU-GPU link per direction, GB/s")
     pcie_gbps: float = _f(0.0, min=0, doc="host link, GB/s (swap)")
+    sm_count: int = _f(0, min=0, max=100000,
+                       doc="streaming multiprocessors (compute units): how many GEMM tiles run "
+                           "at once (0 = no wave factor)")
     flops_efficiency: float = _f(0.6, gt=0, max=1, doc="engine.preset = \"roofline\" only: "
                                                        "achieved / peak FLOP/s")
     bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="roofline only: achieved / peak "
@@ -173,7 +176,8 @@ class EngineConfig:
                      doc="an engine profile (" + ", ".join(f"`{n}`" for n in presets.ENGINE_PRESETS)
                          + ") or a TOML file written by `servesim calibrate`")
     gemm_efficiency: float = _f(_ENGINE["gemm_efficiency"], gt=0, max=1,
-                                doc="linear layers: achieved / peak FLOP/s at large token counts")
+                                doc="linear layers: achieved / peak FLOP/s at large token counts, "
+                                    "in whole waves of tiles")
     fp8_gemm_efficiency: float = _f(_ENGINE["fp8_gemm_efficiency"], gt=0, max=1,
                                     doc="linear layers of 1-byte weights: achieved / "
                                         "hardware.fp8_tflops at large token counts")
@@ -181,6 +185,10 @@ class EngineConfig:
                                     doc="linear layers of FP4 weights (nvfp4, mxfp4) on FP4 "
                                         "tensor cores: achieved / hardware.fp4_tflops at large "
                                         "token counts")
+    gemm_wave_exposure: float = _f(_ENGINE["gemm_wave_exposure"], min=0, max=4,
+                                   doc="linear layers: how much of the time lost to partial "
+                                       "waves of GEMM tiles the kernels keep (0 = none, 1 = "
+                                       "all; needs hardware.sm_count)")
     bandwidth_efficiency: float = _f(_ENGINE["bandwidth_efficiency"], gt=0, max=1,
                                      doc="streaming the weights: achieved / peak bandwidth")
     kv_bandwidth_efficiency: float = _f(_ENGINE["kv_bandwidth_efficiency"], gt=0, max=1,
@@ -947,7 +955,8 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
                      "gqa_shared_kv_group": 0,
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
-                     "frontend_chat_request_us": 0.0, "frontend_one_loop": False}
+                     "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
+                     "gemm_wave_exposure": 0.0}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
 CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0, "endpoint": "completions"}

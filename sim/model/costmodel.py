@@ -29,7 +29,7 @@ Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwi
 all-reduce efficiencies; e_x the experts' grouped GEMMs (a share of e_g and e_b), e_d the MoE
 dispatch and combine's link efficiency.
 
-    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T / (tp F e_g),  m = qb P_blocks / (tp B e_b)
+    linear    t_blocks = sqrt(c^2 + m^2),  c = 2 P_blocks T W(T) / (tp F e_g),  m = qb P_blocks / (tp B e_b)
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
     elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp
                             + Lx a_x ROUTED_PASSES h ab) / (B e_e)   (a_x: MoE only, below)
@@ -52,6 +52,17 @@ with T = Tp + D (Tp prefill tokens). `CostModel.step` is these lines, in this or
 added left to right; the constant factors folded once per model: `_blk_c` is 2 P_blocks /
 (tp F e_g), `_fixed` is t_layer plus t_a2a's latency, `_ar_tok` t_a2a's bytes per token,
 `_ar_a0 + _ar_a1 T` and `_ar_b0 + _ar_b1 T` t_ar's two lines).
+
+W(T) is the wave factor: a GEMM of T rows and N output columns (on one GPU) runs as
+`ceil(T / t) ceil(N / t)` tiles of t x t (`presets.GEMM_TILE`), `sms` at a time
+(`hardware.sm_count`), so it takes `waves = ceil(tiles / sms)` tile times and keeps
+`u = T N / (waves sms t^2)` of the tensor cores busy (the padding of its last row and column
+of tiles included). Over a layer's four projections (QKV: N = (nh + 2 nkv) hd / tp; output:
+h; gate and up: 2 I / tp; down: h), each weighed by its share of the layer's FLOPs,
+`W(T) = sum share u^-x` with x = `gemm_wave_exposure` (the part of the loss the libraries'
+other tile shapes, split-K and stream-K kernels do not recover); W = 1 with x = 0 or no
+`sm_count`, and e_g is then a GEMM's efficiency in whole waves. (MoE experts' grouped GEMMs
+and the LM head are costed without it.)
 
 The all-reduce (two per layer, after attention and after the MLP; one, of their sum, where they
 run side by side: `model.parallel_attention`, so `2 L` below is then `L`) is the faster of the
@@ -117,12 +128,13 @@ with A = Ap + Kd + D, Kr = Kp + Kd, kvt = 2 L nkv hd wb, busy = max(t_compute, t
 from __future__ import annotations
 
 import math
+from array import array
 from statistics import NormalDist
 from typing import Any, Protocol
 
 import numpy as np
 
-from sim.model.presets import DEQUANT, PCIE_MAX_GBPS, QUANTIZATIONS
+from sim.model.presets import DEQUANT, GEMM_TILE, PCIE_MAX_GBPS, QUANTIZATIONS
 
 
 class CostModel:
@@ -139,6 +151,11 @@ class CostModel:
     _comm: float
     overhead: float
     _blk_c: float
+    _wave_x: float
+    _wave_sms: float
+    _wave_gemms: list[tuple[float, float]]
+    _wave_memo: Any
+    _wave_cap: int
     _blk_m: float
     _head_c: float
     _head_m: float
@@ -219,6 +236,7 @@ class CostModel:
         lw = m.sliding_window_layers if m.sliding_window and not self.roofline else 0
         self.window: int = m.sliding_window if lw else 0
         self._win = lw / m.num_layers
+        self._wave_init(m, h, e, shape.mlp_width, scenario.scheduler)
         if self.roofline:
             self._roofline_init(m, h, wb)
         else:
@@ -252,7 +270,7 @@ class CostModel:
         qb = self.block_weight_bytes
         stream = tp * bw * e.bandwidth_efficiency
         # Seconds per unit of each step quantity (see the module docstring).
-        self._blk_c = 2.0 * p_blocks / gemm  # per token
+        self._blk_c = 2.0 * p_blocks / gemm  # per token (times the wave factor)
         self._blk_m = qb * p_blocks / stream
         self._head_c = 2.0 * p_head / head_gemm  # per sampled row
         self._head_m = wb * p_head / stream
@@ -296,6 +314,53 @@ class CostModel:
             self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
             self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
             self._ar_b1)
+
+    def _wave_init(self, m, h, e, inter: float, sched) -> None:
+        """The wave factor's terms (the module docstring's W): a layer's four projections'
+        output columns on one GPU and their shares of its FLOPs; and the table that keeps the
+        factors of the token counts a step can have under the scheduler's limits (its size
+        fixed here: a long run's memory does not grow with it)."""
+        tp, hid, hd = self.tp, m.hidden_size, m.head_dim
+        self._wave_x = 0.0 if self.roofline else e.gemm_wave_exposure
+        self._wave_sms = float(h.sm_count)
+        self._wave_cap = 0
+        self._wave_memo = None
+        shapes = [((m.num_heads + 2 * m.num_kv_heads) * hd / tp, hid),
+                  (float(hid), m.num_heads * hd / tp), (2.0 * inter / tp, hid),
+                  (float(hid), inter / tp)]
+        total = sum(n * k for n, k in shapes)
+        self._wave_gemms = [(n, n * k / total) for n, k in shapes if n * k > 0]
+        if self._wave_sms <= 0 or total <= 0:
+            self._wave_x = 0.0
+        if self._wave_x > 0:
+            self._wave_cap = min(max(sched.max_num_batched_tokens, sched.max_num_seqs), WAVE_MEMO)
+            self._wave_memo = array("d", bytes(8 * (self._wave_cap + 1)))
+
+    def wave_factor(self, T: float) -> float:
+        """The wave factor W(T) of a step of T tokens (the module docstring's; 1 without
+        one). Each value is computed by this one rule; those of whole token counts up to the
+        table's size are kept."""
+        if self._wave_x == 0.0 or T <= 0:
+            return 1.0
+        i = int(T)
+        kept = i <= self._wave_cap and i == T
+        if kept:
+            w: float = self._wave_memo[i]
+            if w > 0:
+                return w
+        w = 0.0
+        for n, share in self._wave_gemms:
+            w += share * tile_utilisation(T, n, self._wave_sms) ** -self._wave_x
+        if kept:
+            self._wave_memo[i] = w
+        return w
+
+    def wave_factors(self, T) -> Any:
+        """`wave_factor` of each entry of an array (the same values, bit for bit)."""
+        a = np.asarray(T, dtype=np.float64)
+        values, where = np.unique(a, return_inverse=True)
+        w = np.array([self.wave_factor(float(v)) for v in values], dtype=np.float64)
+        return w[where].reshape(a.shape)
 
     def _allreduce_init(self, e, tp: int, calls: int, row: float, link: float) -> None:
         """The tensor-parallel all-reduces' coefficients (the module docstring's t_ar): two
@@ -412,8 +477,8 @@ class CostModel:
         engine's runs of decode steps call it step by step (`decode_times`), and sim/native/_rows.c's
         decode loop is held to it bit for bit by tests/sim/model/test_costmodel.py. Typed, it runs
         in machine floats when compiled (counts are integers far below 2**53: as floats, their
-        sums are exact). Only `_max`, `_min`, `_sqrt` and `_positive` differ between floats and
-        arrays.
+        sums are exact). Only `_max`, `_min`, `_sqrt`, `_positive` and `_waves` differ between
+        floats and arrays.
         """
         T = p_tokens + d_seqs
         if self.roofline:
@@ -424,7 +489,7 @@ class CostModel:
             busy = _max(t_compute, t_memory)
             dur = busy + self._comm * T + self.overhead
             return dur, self._idle * dur + self._dyn * busy
-        c = self._blk_c * T
+        c = self._blk_c * _waves(self, T) * T
         t_blocks = _sqrt(c * c + self._blk_m * self._blk_m)
         c = self._head_c * sampled
         m = self._head_m * _positive(sampled)
@@ -453,8 +518,9 @@ class CostModel:
     def steps(self, p_tokens, p_attended, p_cached, d_seqs, d_cached, num_seqs, sampled,
               p_beyond=0.0, p_skip=0.0, d_beyond=0.0):
         """`step` over NumPy arrays (any argument may be a scalar), elementwise: `step`'s own
-        source run with NumPy's elementwise maximum, square root and `> 0` (`_elementwise`),
-        so the same operations in the same order give the same bits."""
+        source run with NumPy's elementwise maximum, square root and `> 0` and the wave factor
+        of each entry (`_elementwise`), so the same operations in the same order give the same
+        bits."""
         return _elementwise()(self, p_tokens, p_attended, p_cached, d_seqs, d_cached,
                               num_seqs, sampled, p_beyond, p_skip, d_beyond)
 
@@ -612,6 +678,25 @@ def _sqrt(x: float) -> float:
     return math.sqrt(x)
 
 
+# The most wave factors a cost model keeps: those of 1 to the scheduler's largest step (its token
+# budget or its sequences, whichever is larger), at most this many; larger steps compute theirs.
+WAVE_MEMO = 1 << 16
+
+
+def tile_utilisation(rows: float, cols: float, sms: float) -> float:
+    """The share of the tensor cores a GEMM's tiles keep busy (the module docstring's u): its
+    `rows` x `cols` output in GEMM_TILE-square tiles, `sms` of them at a time, every wave
+    taking a whole tile's time."""
+    tile = float(GEMM_TILE)
+    tiles = math.ceil(rows / tile) * math.ceil(cols / tile)
+    return rows * cols / (math.ceil(tiles / sms) * sms * tile * tile)
+
+
+def _waves(cost: CostModel, T: float) -> float:
+    """The wave factor of T tokens (`CostModel.wave_factor`)."""
+    return cost.wave_factor(T)
+
+
 def _positive(x: float) -> float:
     """1 where x > 0, else 0 (the LM head's weights are read only when a row samples)."""
     return 1.0 if x > 0 else 0.0
@@ -622,8 +707,8 @@ _ELEMENTWISE: Any = None  # (`_elementwise`'s function, made once)
 
 def _elementwise() -> Any:
     """`CostModel.step` made from its source again, with NumPy's elementwise `maximum`,
-    `minimum`, `sqrt` and `greater(x, 0)` for `_max`, `_min`, `_sqrt` and `_positive`: the one
-    definition run
+    `minimum`, `sqrt` and `greater(x, 0)` for `_max`, `_min`, `_sqrt` and `_positive`, and
+    `CostModel.wave_factors` for `_waves`: the one definition run
     over arrays. (From the source file, not the function object: the compiled build's `step`
     has no code object, and takes floats only.)"""
     global _ELEMENTWISE
@@ -637,7 +722,8 @@ def _elementwise() -> Any:
         [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CostModel"]
         [fn] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
         space: dict[str, Any] = {"_max": np.maximum, "_min": np.minimum, "_sqrt": np.sqrt,
-                                 "_positive": lambda x: np.greater(x, 0)}
+                                 "_positive": lambda x: np.greater(x, 0),
+                                 "_waves": lambda cost, T: cost.wave_factors(T)}
         exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), space)
         _ELEMENTWISE = space["step"]
     return _ELEMENTWISE

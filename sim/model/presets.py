@@ -41,33 +41,33 @@ MODELS: dict[str, dict] = {
 HARDWARE: dict[str, dict] = {
     "h100-sxm": dict(memory_gb=80.0, mem_bandwidth_gbps=3350.0, peak_tflops=989.0, fp8_tflops=1979.0,
                      tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
-                     int8_tops=1979.0, fp4_tflops=0.0),
+                     int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
     "h200": dict(memory_gb=141.0, mem_bandwidth_gbps=4800.0, peak_tflops=989.0, fp8_tflops=1979.0,
                  tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
-                 int8_tops=1979.0, fp4_tflops=0.0),
+                 int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
     "a100-80gb": dict(memory_gb=80.0, mem_bandwidth_gbps=2039.0, peak_tflops=312.0, fp8_tflops=0.0,
                       tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0, pcie_gbps=32.0,
-                      int8_tops=624.0, fp4_tflops=0.0),
+                      int8_tops=624.0, fp4_tflops=0.0, sm_count=108),
     # The A100's 40 GB SXM part: HBM2 at 1,555 GB/s (NVIDIA A100 data sheet), the 80 GB part's
     # compute, NVLink and power.
     "a100-40gb": dict(memory_gb=40.0, mem_bandwidth_gbps=1555.0, peak_tflops=312.0,
                       fp8_tflops=0.0, tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0,
-                      pcie_gbps=32.0, int8_tops=624.0, fp4_tflops=0.0),
+                      pcie_gbps=32.0, int8_tops=624.0, fp4_tflops=0.0, sm_count=108),
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
-                 int8_tops=733.0, fp4_tflops=0.0),
+                 int8_tops=733.0, fp4_tflops=0.0, sm_count=142),
     # NVIDIA L40 data sheet: 48 GB GDDR6 at 864 GB/s; FP16 / BF16 tensor 181 TFLOP/s, FP8 and
     # INT8 362 (dense: the sheet's sparse figures halved); 300 W; PCIe Gen4 x16, no NVLink.
     "l40": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=181.0, fp8_tflops=362.0,
                 tdp_w=300.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
-                int8_tops=362.0, fp4_tflops=0.0),
+                int8_tops=362.0, fp4_tflops=0.0, sm_count=142),
     # NVIDIA GH200 Grace Hopper Superchip data sheet, its Hopper GPU with 96 GB of HBM3 at
     # 4 TB/s (the 144 GB HBM3e part is faster: give its sizes) and the H100 SXM's tensor peaks;
     # 700 W for the GPU module (the sheet's 450-1000 W is the superchip's range); NVLink 4 to
     # other GPUs as the H100's; NVLink-C2C to its own CPU at 450 GB/s each way (swap).
     "gh200": dict(memory_gb=96.0, mem_bandwidth_gbps=4000.0, peak_tflops=989.0,
                   fp8_tflops=1979.0, tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0,
-                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0),
+                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
     # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
     # dense: the sheet's sparse figures halved): 180 GB HBM3e, BF16 2.25, FP8 and INT8 4.5,
     # FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together. The memory's
@@ -76,7 +76,7 @@ HARDWARE: dict[str, dict] = {
     # the HGX page's 64 TB/s for eight GPUs comes to.
     "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=7700.0, peak_tflops=2250.0,
                  fp8_tflops=4500.0, tdp_w=1000.0, idle_w=140.0, interconnect_gbps=900.0,
-                 pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0),
+                 pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0, sm_count=148),
     # AMD Instinct MI300X data sheet
     # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): 192 GB HBM3 at
     # 5.3 TB/s, dense matrix BF16 1307.4, FP8 and INT8 2614.9 TFLOP/s, 750 W; 7 Infinity Fabric
@@ -84,7 +84,7 @@ HARDWARE: dict[str, dict] = {
     # way). No FP4.
     "mi300x": dict(memory_gb=192.0, mem_bandwidth_gbps=5300.0, peak_tflops=1307.4,
                    fp8_tflops=2614.9, tdp_w=750.0, idle_w=140.0, interconnect_gbps=448.0,
-                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0),
+                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0, sm_count=304),
 }
 
 # The fastest PCIe link, 5.0 x16, per direction (GB/s): GPUs whose link to each other is no
@@ -93,8 +93,14 @@ HARDWARE: dict[str, dict] = {
 # fast as its GPU link: the host link tells nothing.)
 PCIE_MAX_GBPS = 64.0
 
-# Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type).
-OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops")
+# `sm_count`: the streaming multiprocessors (AMD: compute units) of each GPU, from its
+# architecture's white paper or data sheet (H100 SXM5 and the H200 / GH200's Hopper 132, A100
+# 108, the L40 / L40S's AD102 142, B200 148, MI300X 304): how many GEMM tiles run at once
+# (sim.model.costmodel's wave factor).
+
+# Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type; its SMs
+# not given: no wave factor).
+OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops", "sm_count")
 
 # Weight formats (`model.quantization`): bytes per weight, its scales included, and the tensor
 # cores that multiply it natively. On a GPU without them the engine's weight-only kernels
@@ -149,18 +155,29 @@ TRT_NVLINK = dict(custom_allreduce_pcie_gpus=0)
 # 7B and 70B on H100s (sim/README.md: the grid and its held-out error on the other GPUs and
 # models), nearly three times the graph-replaying engines' (`_KERNELS`).
 TRT_LAUNCHES = dict(layer_overhead_us=55.0)
+# The GEMMs' output tile (rows x columns, sim.model.costmodel's wave factor): 128 x 128, the
+# BF16 tile cuBLAS and CUTLASS most use on Ampere and Hopper (NVIDIA's "Matrix Multiplication
+# Background User's Guide", its tile and wave quantization sections).
+GEMM_TILE = 128
+# How much of a partial wave's loss the GEMMs keep (`gemm_wave_exposure`; 1 = every tile of a
+# wave takes the whole wave's time, 0 = none): the libraries' other tile shapes, split-K and
+# stream-K kernels recover the rest. Fitted, not on serving points, on Vidur's per-operator
+# profiles of vLLM's linear layers (github.com/microsoft/vidur, data/profiling/compute: 80,364
+# timings of the four projections of 8 models, 1 to 32,768 tokens, TP 1-8, on A100, H100 and
+# A40 GPUs; sim/README.md): one value for every GPU and shape, with each GPU's own efficiencies.
+WAVE_EXPOSURE = 0.33
 # Engine profiles (see the module docstring; `sim.model.costmodel` defines each coefficient).
 # The fitted values come from `servesim validate --fit` on the bundled points (sim.model.profiles says
 # what is fitted and how); sim/README.md reports their error and leave-one-out error.
 # Shared by every engine: the kernels' efficiencies and fixed costs.
 _KERNELS = dict(
-    fp8_gemm_efficiency=0.6657, bandwidth_efficiency=0.8342, attention_efficiency=0.4905,
-    elementwise_efficiency=0.5, allreduce_sync_us=13.0,
+    fp8_gemm_efficiency=0.662, bandwidth_efficiency=0.8495, attention_efficiency=0.4841,
+    elementwise_efficiency=0.5, allreduce_sync_us=12.34, gemm_wave_exposure=WAVE_EXPOSURE,
     # (a layer's fixed time where the engine replays CUDA graphs, not fitted: Vidur's profiles of
     # vLLM's kernels on A100s and H100s, ~15-35 us per layer once the bytes' time is taken out)
     layer_overhead_us=20.0,
     # (the third stage's terms: its rows' minimum without its priors, sim/README.md)
-    moe_gemm_efficiency=0.39, moe_comm_efficiency=0.44, fp4_gemm_efficiency=0.29,
+    moe_gemm_efficiency=0.3655, moe_comm_efficiency=0.5374, fp4_gemm_efficiency=0.2743,
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
@@ -177,31 +194,31 @@ ENGINES: dict[str, dict] = {
     # API and `trtllm-serve` (`enable_chunked_prefill: bool = Field(default=False)`,
     # tensorrt_llm/llmapi/llm_args.py).
     # Its C++ runtime launches each layer's kernels one by one (TRT_LAUNCHES, above).
-    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8147,
+    "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8279,
                              kv_bandwidth_efficiency=1.0,
-                             cpu_base_us=2118.0, cpu_per_seq_us=4.331)
-    | dict(gqa_shared_kv=False, gqa_reread=0.5330, allreduce_latency_us=43.61,
+                             cpu_base_us=1876.0, cpu_per_seq_us=4.33)
+    | dict(gqa_shared_kv=False, gqa_reread=0.5174, allreduce_latency_us=41.81,
            custom_allreduce_us=0.0, chunked_prefill=False) | TRT_LAUNCHES | TRT_NVLINK,
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
     # HuggingFace tokenizers, at their rate for one sequence as sglang-0.3's below; the time per
     # request fitted on S4, its one light-load TTFT row (the value, to 0.1 ms, that brings S4's
-    # median TTFT to the published 100.48 ms: 100.49); S5-S7 are held out. It takes in whatever
+    # median TTFT to the published 100.48 ms: 100.48); S5-S7 are held out. It takes in whatever
     # else a light-load TTFT spends under multi-step scheduling, so the one-step profiles
     # derived from this one keep none.
-    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7598,
-                               kv_bandwidth_efficiency=0.7654,
-                               cpu_base_us=3492.2, cpu_per_seq_us=7.645)
-    | dict(num_scheduler_steps=10, frontend_request_us=6200.0, frontend_prompt_token_us=1.1),
+    "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7751,
+                               kv_bandwidth_efficiency=0.7231,
+                               cpu_base_us=3312.0, cpu_per_seq_us=6.078)
+    | dict(num_scheduler_steps=10, frontend_request_us=6800.0, frontend_prompt_token_us=1.1),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
     # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
     # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
     # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
-    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.94).
-    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7582, kv_bandwidth_efficiency=0.7646,
-                       cpu_base_us=2484.4, cpu_per_seq_us=53.40)
-    | dict(frontend_request_us=7200.0, frontend_prompt_token_us=1.1),
+    # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.99).
+    "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7675, kv_bandwidth_efficiency=0.711,
+                       cpu_base_us=2332.0, cpu_per_seq_us=47.95)
+    | dict(frontend_request_us=6800.0, frontend_prompt_token_us=1.1),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # DERIVED below and sim.model.profiles.RATIOS say how).
@@ -223,9 +240,9 @@ TRT_XQA_SHAPES = dict(gqa_shared_kv_group=8, gqa_shared_kv_min_head_dim=128)
 # NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
 # sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
 # sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
-# the throughput of 250 users; the values on a grid of 100 us and 2.5 us that bring both within
-# 0.5%), the other rows of that table held out (sim/README.md).
-TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
+# the throughput of 250 users; the values on a grid of 100 us and 2.5 us that bring both closest:
+# N1 1.004, N2 1.007), the other rows of that table held out (sim/README.md).
+TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
 # experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
@@ -234,7 +251,7 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=900.0, cpu_per_seq_us=62.5)
 # Offline (`trtllm-bench`): the same kernels, its host time (0.6's per step, its own per
 # sequence) overlapping the GPU's.
 # It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
-TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.4,
+TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.31,
                    chunked_prefill=True,
                    layer_overhead_us=_KERNELS["layer_overhead_us"]) | TRT_NVLINK
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
@@ -252,7 +269,7 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 # 0.14.1, a report of its baseline: scenarios/fidelity/published.csv) and Qwen3-0.6B on one H100
 # at 16 req/s (vLLM 0.19.0, kvcached pull request #331's raw results,
 # https://github.com/ovg-project/kvcached/pull/331), the value, to 0.1 ms, that brings their
-# median |log error| to its minimum (F7 1.000 of its published 36.03 ms, F3 1.17). F7's GPU time
+# median |log error| to its minimum (F7 1.000 of its published 36.03 ms, F3 1.22). F7's GPU time
 # is a seventh of its TTFT, so its row pins the server's; the 70B rows (F3-F6, E1-E3) ask for
 # about 18 ms. F1, F2 and F4-F6 are held out.
 # A chat-completions request costs its API server more, one request after another: rendering the
@@ -267,7 +284,7 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 # out. vLLM's API server takes in requests and streams tokens in one event loop
 # (`frontend_one_loop`): in that burst the median TTFT, 18.1 s, sits near the end of the 22.7 s
 # run, as the loop's intake holds back every first token.
-V1_FRONTEND = dict(frontend_request_us=29600.0, frontend_prompt_token_us=1.1,
+V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=1.1,
                    frontend_output_token_us=65.0, frontend_chat_request_us=22400.0,
                    frontend_one_loop=True)
 # SGLang 0.5's chat requests, fitted as vLLM's on the same lab's SGLang run (Qwen3-14B-FP8 on an
@@ -296,8 +313,8 @@ DERIVED: dict[str, tuple[str, dict]] = {
 }
 for _name, (_source, _flags) in DERIVED.items():
     ENGINES[_name] = {**ENGINES[_source], **_flags}
-ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 128.2
-ENGINES["vllm-0.5"]["cpu_per_seq_us"] = 341.3
+ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 125.8
+ENGINES["vllm-0.5"]["cpu_per_seq_us"] = 337.2
 ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
                                    "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
                                    "tensorrt-llm-0.9", "tensorrt-llm-0.6", "nim")}

@@ -259,12 +259,14 @@ def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
     assert old.engine.gqa_reread == 1.0 != ENGINES["tensorrt-llm-0.6"]["gqa_reread"]
     assert old.engine.chunked_prefill is True is not ENGINES["tensorrt-llm-0.6"]["chunked_prefill"]
     # one of vllm-v1 written before its chat term and its one loop: a server without them
+    # and before the GEMMs' wave factor: none
     v1 = {k: v for k, v in ENGINES["vllm-v1"].items()
-          if k not in ("frontend_chat_request_us", "frontend_one_loop")}
+          if k not in ("frontend_chat_request_us", "frontend_one_loop", "gemm_wave_exposure")}
     before = load_scenario(write(tmp_path, BASE + "[engine]\npreset = \"vllm-v1\"\n"
                                  + "".join(f"{k} = {str(v).lower()}\n" for k, v in v1.items())))
-    assert (before.engine.frontend_chat_request_us, before.engine.frontend_one_loop) == (
-        0.0, False)
+    assert (before.engine.frontend_chat_request_us, before.engine.frontend_one_loop,
+            before.engine.gemm_wave_exposure) == (0.0, False, 0.0)
+    assert ENGINES["vllm-v1"]["gemm_wave_exposure"] > 0
     assert ENGINES["vllm-v1"]["frontend_chat_request_us"] > 0
     assert ENGINES["vllm-v1"]["frontend_one_loop"] is True
     del full["cpu_base_us"]  # not a full table: the profile fills what it leaves out

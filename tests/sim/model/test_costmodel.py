@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from sim.model.costmodel import CostModel, beyond_window
+from sim.model.costmodel import CostModel, beyond_window, tile_utilisation
+from sim.model.presets import WAVE_EXPOSURE
 from sim.errors import ScenarioError
 from sim.inputs.scenario import load_scenario
 
@@ -80,6 +81,69 @@ def test_gemm_efficiency_grows_with_the_tokens_in_a_step():
     # where the compute and memory rooflines meet, the step is 1.4x the larger of them
     ridge = (8.03e9 - 2 * 128256 * 4096) * 2 / (3350e9 * e.bandwidth_efficiency) / roof
     assert linear(int(ridge)) > 1.35 * max(roof * int(ridge), roof * ridge)
+
+
+def test_tile_utilisation_counts_whole_waves_of_tiles():
+    # 8,192 columns are 64 tiles of 128: 2 rows of tiles (256 tokens) fill 128 of 132 SMs in
+    # one wave; 264 tokens take a third row, 192 tiles, two waves
+    assert tile_utilisation(256, 8192, 132) == 256 * 8192 / (132 * 128 * 128)
+    assert tile_utilisation(264, 8192, 132) == 264 * 8192 / (2 * 132 * 128 * 128)
+    # a partial tile is padded: 1 token costs a whole row of tiles
+    assert tile_utilisation(1, 128, 1) == 1 / 128
+    assert tile_utilisation(128 * 132, 128, 132) == 1.0
+
+
+def test_the_wave_factor_slows_a_step_that_starts_a_new_wave():
+    bare = model(*BARE)
+    flat = model(*BARE, "engine.gemm_wave_exposure=0")
+    # a GPU given by its sizes (an H100's) without its SMs
+    none = model(*BARE, 'hardware.preset=""', "hardware.memory_gb=80",
+                 "hardware.mem_bandwidth_gbps=3350", "hardware.peak_tflops=989",
+                 "hardware.tdp_w=700", "hardware.idle_w=90", "hardware.pcie_gbps=64")
+
+    def linear(m, n):
+        return m.step(n, 0, 0, 0, 0, 1, 0)[0]
+
+    assert bare.wave_factor(0) == flat.wave_factor(256) == none.wave_factor(256) == 1.0
+    assert linear(flat, 300) == linear(none, 300)
+    # Llama 3.1 8B on an H100: 264 tokens put a third row of tiles on every projection, most
+    # of them past one wave of 132 SMs
+    assert bare.wave_factor(264) > bare.wave_factor(256) >= 1.0
+    assert linear(bare, 264) / linear(flat, 264) > linear(bare, 256) / linear(flat, 256)
+    for n in (1, 17, 256, 1000, 4096, 8192, 100_000):
+        assert bare.wave_factor(n) >= 1.0 and linear(bare, n) >= linear(flat, n)
+    # the GPU's SMs, from its data sheet
+    assert model('hardware.preset="a100-80gb"')._wave_sms == 108
+
+
+def test_the_wave_exposure_sits_where_measured_gemm_times_put_it():
+    """Vidur's profiles of vLLM's linear layers (github.com/microsoft/vidur,
+    data/profiling/compute, MIT licence; a few of their series in vidur_gemm_times.csv: one
+    projection of one model on one GPU from 256 to 1,536 tokens): each series' times against
+    its FLOPs over the tiles' utilisation to the power x, one scale fitted per series. The
+    bundled exposure explains them better than none (x = 0) and than every partial wave
+    kept whole (x = 1)."""
+    import csv
+    from pathlib import Path
+    from statistics import median
+
+    series: dict = {}
+    with open(Path(__file__).with_name("vidur_gemm_times.csv")) as f:
+        for r in csv.DictReader(f):
+            series.setdefault((r["gpu"], r["model"], r["tp"], r["projection"]), []).append(
+                (int(r["tokens"]), int(r["n"]), int(r["k"]), int(r["sm_count"]), float(r["ms"])))
+
+    def error(x):
+        total = 0.0
+        for rows in series.values():
+            logs = [math.log(ms / (t * n * k * tile_utilisation(t, n, sms) ** -x))
+                    for t, n, k, sms, ms in rows]
+            mid = median(logs)
+            total += median(abs(v - mid) for v in logs)
+        return total
+
+    assert len(series) == 4
+    assert error(WAVE_EXPOSURE) < error(0.0) and error(WAVE_EXPOSURE) < error(1.0)
 
 
 def test_lm_head_runs_only_for_sampling_rows():
@@ -423,7 +487,9 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
                  for k in MICROSECONDS]
         sets += [f"engine.cpu_overlap={str(overlap).lower()}",
                  f"engine.gqa_shared_kv={str(rnd.random() < 0.5).lower()}",
-                 f"engine.gqa_reread={rnd.random()!r}"]
+                 f"engine.gqa_reread={rnd.random()!r}",
+                 f"engine.gemm_wave_exposure={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 2)!r}",
+                 f"hardware.sm_count={rnd.choice([0, 1, 7, 108, 132, 304])}"]
     return model(*sets)
 
 
@@ -464,7 +530,7 @@ def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, moe
         at = data.draw(st.integers(0, 20))
         cols = [np.full(at + n + 3, -1.0) for _ in range(3)]
         k, first, last = stepping._ROWS.decode_rows(*cols, at, n, t0, t_ext, b, c0,
-                                                    m.kernel_coefficients)
+                                                    m.kernel_coefficients, m.wave_factor(b))
         assert (k, first, last) == (len(want), want[0][0], want[-1][0])
         assert list(zip(*(c[at:at + k].tolist() for c in cols))) == want  # (==: the same bits)
         assert all((c[:at] == -1).all() and (c[at + k:] == -1).all() for c in cols)
