@@ -176,7 +176,7 @@ _KERNELS = dict(
     # (a layer's fixed time where the engine replays CUDA graphs, not fitted: Vidur's profiles of
     # vLLM's kernels on A100s and H100s, ~15-35 us per layer once the bytes' time is taken out)
     layer_overhead_us=20.0,
-    # (the third stage's terms: its rows' minimum without its priors, sim/README.md)
+    # (the third stage's terms: `validate --fit`'s own values, sim/README.md)
     moe_gemm_efficiency=0.3655, moe_comm_efficiency=0.5374, fp4_gemm_efficiency=0.2743,
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.

@@ -39,13 +39,15 @@ class Replayer:
             # written before engine profiles: its clock was the single roofline
             raw = {**raw, "engine": {"preset": "roofline"}}
         engine = raw.get("engine") if isinstance(raw, dict) else None
-        if isinstance(engine, dict) and not any(k in engine for k in frontend.TERMS):
-            # written before profiles had an API server: its clients met the engine itself
-            raw = {**raw, "engine": {**engine, **dict.fromkeys(frontend.TERMS, 0.0)}}
-        engine = raw.get("engine") if isinstance(raw, dict) else None
-        if isinstance(engine, dict) and "gemm_wave_exposure" not in engine:
-            # written before the GEMMs' wave factor: none
-            raw = {**raw, "engine": {**engine, "gemm_wave_exposure": 0.0}}
+        if isinstance(engine, dict):
+            before: dict = {}
+            if not any(k in engine for k in frontend.TERMS):
+                # written before profiles had an API server: its clients met the engine itself
+                before.update(dict.fromkeys(frontend.TERMS, 0.0))
+            if "gemm_wave_exposure" not in engine:
+                before["gemm_wave_exposure"] = 0.0  # written before the GEMMs' wave factor
+            if before:
+                raw = {**raw, "engine": {**engine, **before}}
         kv = raw.get("kv") if isinstance(raw, dict) else None
         if isinstance(kv, dict) and "hybrid_kv_cache" not in kv:
             # written before layer groups: every layer kept the whole context
