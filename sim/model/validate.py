@@ -28,7 +28,7 @@ from sim.errors import ServesimError, shown
 from sim.deploy.build import build
 from sim.fileio import csv_rows, read_input_text, reason, save_figure, toml_loads
 from sim.gcpause import collect_frozen
-from sim.inputs.scenario import load_scenario
+from sim.inputs.scenario import load_scenario, parse_override
 from sim.model import trust
 from sim.stats.metrics import summarize
 
@@ -194,6 +194,9 @@ class Point:
     line: int
     origin: str  # the points file
     extra: dict = field(default_factory=dict)
+    # The row's own changes to its scenario (the `set` column: SECTION.KEY=VALUE, separated by
+    # ";"), applied before any the command line gives: rows of one table share one scenario.
+    overrides: list[str] = field(default_factory=list)
 
 
 REQUIRED = ("id", "engine", "metric", "published")
@@ -256,9 +259,15 @@ def load_points(spec: str | Path) -> list[Point]:
         if not sc_path.is_file():
             raise ValidationError(f"{path}:{line}: scenario: {sc_path} not found (one scenario "
                                   "per row: the scenario column, or scenarios/<id>.toml)")
+        sets = [t.strip() for t in (row.get("set") or "").split(";") if t.strip()]
+        for text in sets:
+            try:
+                parse_override(text, "set")
+            except ServesimError as e:
+                raise ValidationError(f"{path}:{line}: {e}") from None
         out.append(Point(pid, row["engine"], row.get("config", ""), row["metric"], metric, value,
                          row.get("regime", "") or "-", row.get("source", ""), use, sc_path, line,
-                         str(path)))
+                         str(path), overrides=sets))
     if not out:
         raise ValidationError(f"{path}: no rows")
     return out
@@ -269,7 +278,7 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     names one; else the profile its engine column maps to. Raises ServesimError."""
     import tomllib
 
-    sets = list(overrides or [])
+    sets = [*point.overrides, *(overrides or [])]
     try:
         raw = toml_loads(point.scenario_path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):

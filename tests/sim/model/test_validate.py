@@ -124,6 +124,41 @@ def test_a_points_folder_without_engine_sections_takes_the_engine_column(tmp_pat
     assert {r["profile"] for r in rows} == {"roofline"}
 
 
+def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
+    """Rows of one table share one scenario, each setting its own users and lengths: the
+    `set` column's overrides apply to that row alone, before the command line's."""
+    (tmp_path / "scenarios").mkdir()
+    shutil.copy(POINTS / "scenarios" / "N1.toml", tmp_path / "scenarios" / "one.toml")
+    head = "id,engine,metric,published,scenario,set\n"
+    row = "{},NIM,mean TTFT (ms),20,scenarios/one.toml,{}\n"
+    (tmp_path / "published.csv").write_text(
+        head + row.format("A", "") + row.format("B", "workload.prompt_tokens=4000")
+        + row.format("C", "workload.prompt_tokens = 4000 ; workload.concurrency=5;"))
+    pts = {p.id: p for p in load_points(tmp_path)}
+    assert pts["A"].overrides == [] and pts["B"].overrides == ["workload.prompt_tokens=4000"]
+    assert pts["C"].overrides == ["workload.prompt_tokens = 4000", "workload.concurrency=5"]
+    assert main(["validate", str(tmp_path), "--json"]) == 0
+    ttft = {r["id"]: r["predicted"] for r in json.loads(capsys.readouterr().out)["points"]}
+    # a prompt 20x as long takes longer to prefill; five users queue behind each other
+    assert ttft["B"] > 5 * ttft["A"] and ttft["C"] > 1.2 * ttft["B"]
+    # the command line's overrides come after the row's
+    assert main(["validate", str(tmp_path), "--json", "--set",
+                 "workload.prompt_tokens=200"]) == 0
+    again = {r["id"]: r["predicted"] for r in json.loads(capsys.readouterr().out)["points"]}
+    assert again["A"] == again["B"] == ttft["A"]
+
+
+def test_the_nim_course_table_loads_one_scenario_per_configuration():
+    pts = load_points(POINTS / "nim-course")
+    assert len(pts) == 2361 and {p.use for p in pts} == {"holdout"}
+    assert len({p.scenario_path for p in pts}) == 12
+    assert {p.metric.quantity for p in pts} == {"ttft", "itl", "output_tps"}
+    one = next(p for p in pts if p.id == "K8b_a100x2_fp16_200_1000_c1_itl")
+    assert one.published == pytest.approx(8.3325)  # N1's figure, the same run
+    r = run_point(one)
+    assert r["profile"] == "nim" and 0.9 < r["ratio"] < 1.1
+
+
 @pytest.mark.parametrize("csv_text,message", [
     ("id,engine,published\nA,x,1\n", ":1: missing column(s) metric"),
     ("id,engine,metric,published\nA,x,accuracy,1\n", ":2: metric:"),
@@ -140,6 +175,9 @@ def test_a_points_folder_without_engine_sections_takes_the_engine_column(tmp_pat
     ("id,engine,metric,published,use\nA,x,TTFT (ms),3," + "u" * 5000 + "\n", ":2: use: 'uuu"),
     ("id,engine,metric,published\nA,x," + "m" * 5000 + ",3\n", ":2: metric: 'mmm"),
     ("id,engine,metric,published\nT1,x,TTFT (ms),3\nT1,x,TTFT (ms),3\n", ":3: id: 'T1' appears twice"),
+    ("id,engine,metric,published,set\nT1,x,TTFT (ms),3,workload.concurrency\n",
+     ":2: set: 'workload.concurrency': expected SECTION.KEY=VALUE"),
+    ("id,engine,metric,published,set\nT1,x,TTFT (ms),3,a..b=1\n", ":2: set: 'a..b=1': an empty"),
 ], ids=lambda v: v[:40] if isinstance(v, str) else None)
 def test_bad_points_files_are_one_line_and_exit_2(tmp_path, capsys, csv_text, message):
     (tmp_path / "published.csv").write_text(csv_text)
