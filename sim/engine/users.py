@@ -1,7 +1,7 @@
 """Closed-loop arrivals: `workload.concurrency` users, each sending its next request when its last
-one has ended (finished, cancelled or rejected) plus `workload.think_time_s`, as `vllm bench
-serve --max-concurrency` keeps that many requests in flight; and multi-turn conversations,
-where each turn's prompt is the conversation so far.
+one has ended (finished, cancelled or rejected) plus `workload.think_time_s` and the client's
+`turnaround_s`, as `vllm bench serve --max-concurrency` keeps that many requests in flight; and
+multi-turn conversations, where each turn's prompt is the conversation so far.
 
 The requests' lengths, priorities and cancellation delays are the workload's rows, drawn before
 the run (sim.inputs.workload: arrival times all 0, `cancel_at` the delay after the request's
@@ -51,7 +51,8 @@ class ClosedLoop(StepObserver):
         w, cfg = engine.workload, engine.scenario.workload
         self.rows = len(w)
         self.users = [_User() for _ in range(min(cfg.concurrency, self.rows))]
-        self.think = cfg.think_time_s
+        # (a user's next request reaches the server this long after its last one ended for it)
+        self.think = cfg.think_time_s + cfg.turnaround_s
         self.turns = cfg.turns
         self.stop = cfg.duration_s or np.inf  # no request is sent from this time on
         self.seed = engine.scenario.seed
@@ -144,7 +145,8 @@ class ClosedLoop(StepObserver):
                         (user.history_ids, np.asarray(req.output_token_ids, dtype=np.int32)))
             else:  # the conversation is over (or cut short): the next request starts another
                 user.turn, user.history, user.history_ids = 0, 0, None
-        # (the user sends again once the response has ended for it, and it has thought)
+        # (the user sends again once the response has ended for it, it has thought and its
+        # client has turned round)
         t = float(req.client_end_time) + self.think
         if self.sent >= self.rows or not t < self.stop:
             return

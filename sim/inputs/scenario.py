@@ -425,6 +425,12 @@ class WorkloadConfig:
                                 "two users (a benchmark client sends one request at a time: the "
                                 "concurrent requests of an aiohttp client reach a server "
                                 "0.05-0.13 ms apart; 0: all at once)")
+    turnaround_s: float = _f(1e-4, min=0, max=MAX_TIME_S,
+                             doc="closed loop: the time from the end of a response reaching its "
+                                 "user to the next request reaching the server, think time "
+                                 "aside (the client's own handling and one request's transit, "
+                                 "as start_gap_s): a request sent on the last token of another "
+                                 "never joins the step that starts as that one ends")
     turns: int = _f(1, min=1, max=100_000,
                     doc="closed loop: turns per conversation; turn k's prompt is the turns "
                         "before it (prompts and outputs) followed by prompt_tokens new tokens")
@@ -959,7 +965,7 @@ ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_
                      "gemm_wave_exposure": 0.0}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
-CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0, "endpoint": "completions"}
+CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0, "endpoint": "completions", "turnaround_s": 0.0}
 
 
 def resolve_workload(raw: dict) -> dict:
@@ -1196,7 +1202,8 @@ def _check_closed_loop(sc: Scenario) -> None:
     src, w = sc.source, sc.workload
     if not w.concurrency:
         for key, unset in (("think_time_s", 0.0), ("ramp_up_s", 0.0), ("turns", 1),
-                           ("start_gap_s", _default(_FIELDS["workload"]["start_gap_s"]))):
+                           ("start_gap_s", _default(_FIELDS["workload"]["start_gap_s"])),
+                           ("turnaround_s", _default(_FIELDS["workload"]["turnaround_s"]))):
             if getattr(w, key) != unset:
                 raise ScenarioError(f"{src}: workload.{key} = {getattr(w, key)!r}: applies to "
                                     "a closed loop; it needs workload.concurrency")

@@ -171,8 +171,9 @@ def test_a_closed_loop_user_sends_again_when_it_has_seen_the_end():
     reqs = sorted(e.requests.values(), key=lambda r: r.sent_time)
     assert len(reqs) == 80 and all(r.state.is_done for r in reqs)
     # every later request is sent when an earlier one's end reached its client, plus thinking
+    # and the client's turnaround (0.1 ms)
     lane = lane_of(e, 150e-6)
-    seen = sorted(lane[r.token_segments[-1][0] + r.token_segments[-1][1] - 1] + 0.25
+    seen = sorted(lane[r.token_segments[-1][0] + r.token_segments[-1][1] - 1] + (0.25 + 1e-4)
                   for r in reqs)[:80 - 4]
     assert [r.sent_time for r in reqs[4:]] == pytest.approx(seen, abs=1e-12)
     for r in reqs:
@@ -378,6 +379,7 @@ def test_a_closed_loop_user_never_sends_before_its_cancelled_request_ended():
     cancelled = [r for r in reqs if r.state is RequestState.CANCELLED]
     assert len(cancelled) > 10 and any(
         r.client_last_time is not None and r.client_last_time < r.finish_time for r in cancelled)
-    ends = sorted(max(r.client_last_time or r.finish_time, r.finish_time) + 0.25 for r in reqs)
+    ends = sorted(max(r.client_last_time or r.finish_time, r.finish_time) + (0.25 + 1e-4)
+                  for r in reqs)
     assert [r.sent_time for r in reqs[4:]] == pytest.approx(ends[:len(reqs) - 4], abs=1e-12)
 

@@ -43,10 +43,10 @@ def test_never_more_than_n_in_flight_and_each_next_arrival_is_an_end_plus_think(
     assert {r.state for r in reqs} >= {RequestState.FINISHED, RequestState.CANCELLED}
     assert in_flight_max(reqs) == 6
     # the first 6 start at 0, one after another as a client sends them; every later one is
-    # the end of an earlier one plus the think time
+    # the end of an earlier one plus the think time and the client's turnaround (0.1 ms)
     assert [r.arrival_time for r in reqs[:6]] == pytest.approx([u * 1e-4 for u in range(6)])
     ends = sorted(r.finish_time for r in reqs)[:120 - 6]
-    assert sorted(r.arrival_time for r in reqs[6:]) == [t + think for t in ends]
+    assert sorted(r.arrival_time for r in reqs[6:]) == [t + (think + 1e-4) for t in ends]
     # request ids are rows in arrival order
     assert [r.arrival_time for r in reqs] == sorted(r.arrival_time for r in reqs)
 
@@ -74,6 +74,26 @@ def test_users_started_together_reach_an_idle_engine_one_after_another():
     assert prefills == [5] * 6
 
 
+def test_a_request_sent_on_the_last_token_of_another_misses_the_step_that_follows_it():
+    """A busy engine starts its next step as the last one ends; a user's next request, sent
+    when the end of its last response reached it, arrives during that step and waits for it
+    (the client turns round in `turnaround_s`). With none it would join that very step."""
+    base = ("workload.prompt_tokens=200", "workload.output_tokens=40",
+            "workload.num_requests=6", "workload.concurrency=2")
+    for turnaround, waits in ((1e-4, True), (0.0, False)):
+        e = Engine(closed(*base, f"workload.turnaround_s={turnaround}"))
+        e.run()
+        steps = [ev for ev in e.events if ev.kind == "steps"]
+        starts = sorted(t for s in steps for t in (s.t, *s.ends[:-1]))  # every step's
+        for r in ended(e)[2:]:  # the users' later requests
+            before = max(t for t in starts if t <= r.arrival_time)
+            first = min(s.t for s in steps if any(c[0] == r.req_id for c in s.prefill))
+            # an arrival on a step's start is in it; one inside it waits for the next
+            assert (first > r.arrival_time) is waits
+            assert (before < r.arrival_time) is waits
+        assert in_flight_max(ended(e)) == 2
+
+
 def test_a_log_written_before_start_gap_s_loads_with_the_users_started_at_once():
     """A session log's workload table holds every key; one without `start_gap_s` was written
     when the users' first requests left together, and replays so. A scenario file leaving it
@@ -88,6 +108,13 @@ def test_a_log_written_before_start_gap_s_loads_with_the_users_started_at_once()
     del table["workload"]["endpoint"]
     old = scenario_from_dict(table).workload
     assert (old.start_gap_s, old.endpoint) == (0.0, "completions")
+    # and one written before the client's turnaround resends on the instant a request ends
+    table = closed().to_dict()
+    assert table["workload"]["turnaround_s"] == 1e-4
+    del table["workload"]["turnaround_s"]
+    assert scenario_from_dict(table).workload.turnaround_s == 0.0
+    with pytest.raises(ServesimError, match="workload.turnaround_s = 0.001: applies to a closed"):
+        load_scenario("chat", ["workload.turnaround_s=0.001"])
     partial = {"workload": {"concurrency": 3, "num_requests": 9}}
     assert scenario_from_dict(partial).workload.start_gap_s == 1e-4
     # an open loop's log loads as before (the key means nothing there), and a file that sets
@@ -187,7 +214,7 @@ def test_the_closed_loop_invariants_hold_for_any_users(users, think, ramp, turns
     assert in_flight_max(reqs) <= users
     starts = [u * (ramp / users) for u in range(users)]
     later = sorted(r.arrival_time for r in reqs)[users:] if not ramp else None
-    if later is not None:  # every arrival after the first users' is an end plus the think time
-        ends = sorted(r.finish_time for r in reqs)[:60 - users]
-        assert later == [t + think for t in ends]
+    if later is not None:  # every arrival after the first users' is an end plus the think
+        ends = sorted(r.finish_time for r in reqs)[:60 - users]  # time and the turnaround
+        assert later == [t + (think + 1e-4) for t in ends]
     assert set(starts) <= {r.arrival_time for r in reqs}

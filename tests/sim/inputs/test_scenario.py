@@ -411,6 +411,8 @@ def test_a_description_may_hold_line_breaks_and_tabs():
     ("workload.concurrency=-4", "workload.concurrency = -4: must be greater than 0"),
     ("workload.think_time_s=-0.5", "workload.think_time_s = -0.5: must be at least 0"),
     ("workload.think_time_s=nan", "workload.think_time_s = nan: must be finite"),
+    ("workload.turnaround_s=-0.001", "workload.turnaround_s = -0.001: must be at least 0"),
+    ("workload.turnaround_s=nan", "workload.turnaround_s = nan: must be finite"),
     ("workload.ramp_up_s=-1", "workload.ramp_up_s = -1: must be at least 0"),
     ("workload.turns=0", "workload.turns = 0: must be at least 1"),
     ("workload.prompt_tokens={dist=\"random\", value=100, range_ratio=1.0}",
