@@ -17,7 +17,7 @@ building its streamed chunk and writing it), one step's outputs after the other'
 step's tokens reach their clients when it is done with them (`deliver`). At light load that is
 the time per token after the step; at hundreds of streams a step's tokens can take longer than
 the step, and the server's backlog grows: the clients then receive tokens at the server's rate,
-not the engine's, and a closed-loop user, who sends again when the end of its response has
+not the engine's, and a closed-loop user, who sends again after the end of its response has
 reached it, waits for the backlog too. So the client's TTFT, TPOT and E2E are from the times
 the server hands tokens out, the engine's from the times it sampled them. The server runs apart
 from the engine's own process in the engines modelled (vLLM since 0.6, SGLang), so neither its

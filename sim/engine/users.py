@@ -8,8 +8,8 @@ the run (sim.inputs.workload: arrival times all 0, `cancel_at` the delay after t
 own arrival); a row is given to each arrival in arrival order, so request ids are rows as in an
 open-loop run. Arrival times depend only on when requests end, so a replay that regenerates the
 same completions regenerates the same arrivals. Behind an API server (sim.engine.frontend) a user
-sends when the end of its last response has reached it, and a row goes to each request as it is
-sent, in that order.
+sends once the end of its last response has reached it (and it has thought and turned round),
+and a row goes to each request as it is sent, in that order.
 """
 
 from __future__ import annotations

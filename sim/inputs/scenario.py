@@ -411,7 +411,8 @@ class WorkloadConfig:
     # Closed loop (`vllm bench serve --max-concurrency`): left out (0), arrivals are open loop.
     concurrency: int = _f(0, gt=0, max=1_000_000, unset=True,
                           doc="closed loop: this many users, each sending its next request "
-                              "when its last one ends (plus think_time_s); needs "
+                              "when its last one ends (plus think_time_s and "
+                              "turnaround_s); needs "
                               "num_requests; arrival and rate are then unused (left out: "
                               "open loop)")
     think_time_s: float = _f(0.0, min=0, max=MAX_TIME_S,
@@ -429,8 +430,9 @@ class WorkloadConfig:
                              doc="closed loop: the time from the end of a response reaching its "
                                  "user to the next request reaching the server, think time "
                                  "aside (the client's own handling and one request's transit, "
-                                 "as start_gap_s): a request sent on the last token of another "
-                                 "never joins the step that starts as that one ends")
+                                 "as start_gap_s; counted before the request is sent): a request "
+                                 "sent on the last token of another never joins the step that "
+                                 "starts as that one ends")
     turns: int = _f(1, min=1, max=100_000,
                     doc="closed loop: turns per conversation; turn k's prompt is the turns "
                         "before it (prompts and outputs) followed by prompt_tokens new tokens")
@@ -625,12 +627,13 @@ def load_scenario(spec: str | None = None, overrides: list[str] | None = None) -
 def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
     """`section.key=value` -> (path, value); the value is read as TOML, else as a string."""
     if "=" not in text:
-        raise ScenarioError(f"{source}: {text!r}: expected SECTION.KEY=VALUE")
+        raise ScenarioError(f"{source}: {shown(text, 80)}: expected SECTION.KEY=VALUE")
     key, _, value = text.partition("=")
     parts = [k.strip() for k in key.strip().split(".")]
     if not all(parts):  # "", ".x", "kv..block_size"
-        raise ScenarioError(f"{source}: {text!r}: empty key" if not any(parts) else
-                            f"{source}: {text!r}: an empty part in the key {key.strip()!r}")
+        raise ScenarioError(f"{source}: {shown(text, 80)}: empty key" if not any(parts) else
+                            f"{source}: {shown(text, 80)}: an empty part in the key "
+                            f"{shown(key.strip(), 80)}")
     try:
         parsed = toml_loads(f"v = {value.strip()}")["v"]
     except tomllib.TOMLDecodeError as e:
@@ -641,10 +644,11 @@ def parse_override(text: str, source: str = "--set") -> tuple[list[str], Any]:
     return parts, parsed
 
 
-def _command_line_path(parts: list[str], value: Any) -> Any:
-    """A relative path typed with `--set` names a file from the current directory (a scenario
-    file's own paths name files from its folder): made absolute here. Path-valued keys: a
-    `.toml` `engine.preset`, `workload.trace` and an empirical distribution's `file`."""
+def override_path(parts: list[str], value: Any, base: Path) -> Any:
+    """An override's value with a relative path made absolute from `base`, where the key takes
+    a path: a `.toml` `engine.preset`, `workload.trace` and an empirical distribution's
+    `file` set alone (one in a table given whole names a file from the scenario's folder, as
+    the scenario's own do); any other value as it is."""
     if not isinstance(value, str) or not value:
         return value
     if not (parts == ["engine", "preset"] and value.endswith(".toml")
@@ -652,7 +656,13 @@ def _command_line_path(parts: list[str], value: Any) -> Any:
             or (parts[0] == "workload" and parts[-1] == "file")):
         return value
     path = Path(value).expanduser()
-    return value if path.is_absolute() else str(Path.cwd() / path)
+    return value if path.is_absolute() else str(base / path)
+
+
+def _command_line_path(parts: list[str], value: Any) -> Any:
+    """A relative path typed with `--set` names a file from the current directory (a scenario
+    file's own paths name files from its folder)."""
+    return override_path(parts, value, Path.cwd())
 
 
 def apply_override(raw: dict, text: str, source: str = "--set") -> None:

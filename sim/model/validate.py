@@ -5,7 +5,9 @@ published), `config`, `metric` (what was measured, in the publication's words), 
 (the value) and optionally `regime`, `source` and `use` (`fit`: the engine profiles were fitted
 on it; `holdout`: never fitted, validation only). Each row is reproduced by a scenario: the
 `scenario` column's path, else `scenarios/<id>.toml` next to the CSV (a folder holding
-`published.csv` and `scenarios/` is accepted for the CSV). A scenario that does not set
+`published.csv` and `scenarios/` is accepted for the CSV); an optional `set` column holds the
+row's own changes to it (`SECTION.KEY=VALUE` separated by `;`, a relative path from the CSV's
+folder), so that the rows of one table share one scenario. A scenario that does not set
 `[engine] preset` gets the profile `engine_preset_for` infers from the `engine` column.
 
 `parse_metric` understands the usual wordings: TTFT / time to first token / 1st-token latency,
@@ -17,6 +19,7 @@ user (1 / TPOT).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -28,7 +31,7 @@ from sim.errors import ServesimError, shown
 from sim.deploy.build import build
 from sim.fileio import csv_rows, read_input_text, reason, save_figure, toml_loads
 from sim.gcpause import collect_frozen
-from sim.inputs.scenario import load_scenario, parse_override
+from sim.inputs.scenario import load_scenario, override_path, parse_override
 from sim.model import trust
 from sim.stats.metrics import summarize
 
@@ -200,6 +203,9 @@ class Point:
 
 
 REQUIRED = ("id", "engine", "metric", "published")
+# The `set` column's entries: SECTION.KEY=VALUE, each `;` followed by a key and `=` starting the
+# next (a `;` inside a quoted value stays in it unless a key and `=` follow it).
+_SET_SPLIT = re.compile(r";(?=\s*[A-Za-z_][\w.]*\s*=)")
 # The least published figure taken (ms, tokens/s or requests/s): a prediction is divided by it,
 # and a subnormal one (1e-320) would make every ratio infinite.
 MIN_PUBLISHED = 1e-9
@@ -259,12 +265,19 @@ def load_points(spec: str | Path) -> list[Point]:
         if not sc_path.is_file():
             raise ValidationError(f"{path}:{line}: scenario: {sc_path} not found (one scenario "
                                   "per row: the scenario column, or scenarios/<id>.toml)")
-        sets = [t.strip() for t in (row.get("set") or "").split(";") if t.strip()]
-        for text in sets:
+        sets = []
+        for text in _SET_SPLIT.split((row.get("set") or "").strip().rstrip(";")):
+            if not text.strip():
+                continue
             try:
-                parse_override(text, "set")
+                parts, given = parse_override(text.strip(), "set")
             except ServesimError as e:
                 raise ValidationError(f"{path}:{line}: {e}") from None
+            # (a relative path names a file from the points file's folder)
+            resolved = override_path(parts, given, path.parent)
+            if resolved != given:
+                text = f"{'.'.join(parts)}={json.dumps(resolved)}"  # (a TOML string too)
+            sets.append(text.strip())
         out.append(Point(pid, row["engine"], row.get("config", ""), row["metric"], metric, value,
                          row.get("regime", "") or "-", row.get("source", ""), use, sc_path, line,
                          str(path), overrides=sets))
@@ -278,7 +291,7 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     names one; else the profile its engine column maps to. Raises ServesimError."""
     import tomllib
 
-    sets = [*point.overrides, *(overrides or [])]
+    sets = list(overrides or [])
     try:
         raw = toml_loads(point.scenario_path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
@@ -287,7 +300,14 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     preset = engine or (None if named else engine_preset_for(point.engine))
     if preset is not None:
         sets.insert(0, f'engine.preset="{preset}"')
-    return load_scenario(str(point.scenario_path), sets)
+    try:
+        return load_scenario(str(point.scenario_path), [*sets[:1], *point.overrides, *sets[1:]]
+                             if preset is not None else [*point.overrides, *sets])
+    except ServesimError as e:
+        if point.overrides:  # the row's own fields, when its scenario loads without them
+            load_scenario(str(point.scenario_path), sets)
+            raise ServesimError(f"set: {e}") from None
+        raise
 
 
 # --- summaries --------------------------------------------------------------------------------------

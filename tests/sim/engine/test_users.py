@@ -89,8 +89,8 @@ def test_a_request_sent_on_the_last_token_of_another_misses_the_step_that_follow
             before = max(t for t in starts if t <= r.arrival_time)
             first = min(s.t for s in steps if any(c[0] == r.req_id for c in s.prefill))
             # an arrival on a step's start is in it; one inside it waits for the next
-            assert (first > r.arrival_time) is waits
-            assert (before < r.arrival_time) is waits
+            assert bool(first > r.arrival_time) is waits
+            assert bool(before < r.arrival_time) is waits
         assert in_flight_max(ended(e)) == 2
 
 
@@ -117,6 +117,7 @@ def test_a_log_written_before_start_gap_s_loads_with_the_users_started_at_once()
         load_scenario("chat", ["workload.turnaround_s=0.001"])
     partial = {"workload": {"concurrency": 3, "num_requests": 9}}
     assert scenario_from_dict(partial).workload.start_gap_s == 1e-4
+    assert scenario_from_dict(partial).workload.turnaround_s == 1e-4  # (a file, not a log)
     # an open loop's log loads as before (the key means nothing there), and a file that sets
     # it on an open loop is told it applies to a closed loop
     table = load_scenario("chat", NO_FRONTEND).to_dict()

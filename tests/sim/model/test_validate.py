@@ -1,3 +1,4 @@
+import csv
 import json
 import shutil
 
@@ -148,6 +149,30 @@ def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
     assert again["A"] == again["B"] == ttft["A"]
 
 
+def test_a_rows_set_column_names_files_from_its_folder_and_is_blamed_for_its_errors(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "pts" / "scenarios").mkdir(parents=True)
+    shutil.copy(POINTS / "scenarios" / "N1.toml", tmp_path / "pts" / "scenarios" / "one.toml")
+    (tmp_path / "pts" / "lengths.csv").write_text(
+        "num_prefill_tokens,num_decode_tokens\n300,20\n500,40\n")
+    lengths = ('workload.prompt_tokens.dist="empirical"; workload.prompt_tokens.file=lengths.csv; '
+               'workload.prompt_tokens.column="num_prefill_tokens"')
+    with open(tmp_path / "pts" / "published.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "engine", "metric", "published", "scenario", "set"])
+        for pid, sets in (("A", lengths), ("B", 'description="a; b"; seed=3'),
+                          ("C", "workload.bogus=3")):
+            w.writerow([pid, "NIM", "mean TTFT (ms)", 20, "scenarios/one.toml", sets])
+    pts = {p.id: p for p in load_points(tmp_path / "pts")}
+    # a `;` inside a value that no key and `=` follow stays in it
+    assert pts["B"].overrides == ['description="a; b"', "seed=3"]
+    monkeypatch.chdir(tmp_path)  # (not the points file's folder)
+    assert run_point(pts["A"])["predicted"] > 0
+    assert main(["validate", str(tmp_path / "pts"), "--only", "C"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ":4: C: set: " in err and "workload.bogus: unknown key" in err
+
+
 def test_the_nim_course_table_loads_one_scenario_per_configuration():
     pts = load_points(POINTS / "nim-course")
     assert len(pts) == 2361 and {p.use for p in pts} == {"holdout"}
@@ -178,6 +203,7 @@ def test_the_nim_course_table_loads_one_scenario_per_configuration():
     ("id,engine,metric,published,set\nT1,x,TTFT (ms),3,workload.concurrency\n",
      ":2: set: 'workload.concurrency': expected SECTION.KEY=VALUE"),
     ("id,engine,metric,published,set\nT1,x,TTFT (ms),3,a..b=1\n", ":2: set: 'a..b=1': an empty"),
+    ("id,engine,metric,published,set\nT1,x,TTFT (ms),3," + "s" * 5000 + "\n", ":2: set: 'sss"),
 ], ids=lambda v: v[:40] if isinstance(v, str) else None)
 def test_bad_points_files_are_one_line_and_exit_2(tmp_path, capsys, csv_text, message):
     (tmp_path / "published.csv").write_text(csv_text)
