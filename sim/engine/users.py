@@ -51,8 +51,8 @@ class ClosedLoop(StepObserver):
         w, cfg = engine.workload, engine.scenario.workload
         self.rows = len(w)
         self.users = [_User() for _ in range(min(cfg.concurrency, self.rows))]
-        # (a user's next request reaches the server this long after its last one ended for it)
-        self.think = cfg.think_time_s + cfg.turnaround_s
+        # a user's next request reaches the server this long after its last one ended for it
+        self.resend = cfg.think_time_s + cfg.turnaround_s
         self.turns = cfg.turns
         self.stop = cfg.duration_s or np.inf  # no request is sent from this time on
         self.seed = engine.scenario.seed
@@ -147,7 +147,7 @@ class ClosedLoop(StepObserver):
                 user.turn, user.history, user.history_ids = 0, 0, None
         # (the user sends again once the response has ended for it, it has thought and its
         # client has turned round)
-        t = float(req.client_end_time) + self.think
+        t = float(req.client_end_time) + self.resend
         if self.sent >= self.rows or not t < self.stop:
             return
         self.sent += 1

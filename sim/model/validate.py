@@ -267,17 +267,18 @@ def load_points(spec: str | Path) -> list[Point]:
                                   "per row: the scenario column, or scenarios/<id>.toml)")
         sets = []
         for text in _SET_SPLIT.split((row.get("set") or "").strip().rstrip(";")):
-            if not text.strip():
+            text = text.strip()
+            if not text:
                 continue
             try:
-                parts, given = parse_override(text.strip(), "set")
+                parts, given = parse_override(text, "set")
             except ServesimError as e:
                 raise ValidationError(f"{path}:{line}: {e}") from None
             # (a relative path names a file from the points file's folder)
             resolved = override_path(parts, given, path.parent)
             if resolved != given:
                 text = f"{'.'.join(parts)}={json.dumps(resolved)}"  # (a TOML string too)
-            sets.append(text.strip())
+            sets.append(text)
         out.append(Point(pid, row["engine"], row.get("config", ""), row["metric"], metric, value,
                          row.get("regime", "") or "-", row.get("source", ""), use, sc_path, line,
                          str(path), overrides=sets))
@@ -291,21 +292,19 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     names one; else the profile its engine column maps to. Raises ServesimError."""
     import tomllib
 
-    sets = list(overrides or [])
     try:
         raw = toml_loads(point.scenario_path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         raw = {}  # load_scenario reports it
     named = isinstance(raw.get("engine"), dict) and "preset" in raw["engine"]
     preset = engine or (None if named else engine_preset_for(point.engine))
-    if preset is not None:
-        sets.insert(0, f'engine.preset="{preset}"')
+    head = [f'engine.preset="{preset}"'] if preset is not None else []
+    given = list(overrides or [])
     try:
-        return load_scenario(str(point.scenario_path), [*sets[:1], *point.overrides, *sets[1:]]
-                             if preset is not None else [*point.overrides, *sets])
+        return load_scenario(str(point.scenario_path), [*head, *point.overrides, *given])
     except ServesimError as e:
         if point.overrides:  # the row's own fields, when its scenario loads without them
-            load_scenario(str(point.scenario_path), sets)
+            load_scenario(str(point.scenario_path), [*head, *given])
             raise ServesimError(f"set: {e}") from None
         raise
 

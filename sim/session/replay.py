@@ -17,7 +17,7 @@ from sim.engine.engine import Engine
 from sim.errors import LogError, ServesimError
 from sim.gcpause import paused_gc
 from sim.session.log import KIND_CODE, SessionLog, check_record, decode, encode, is_flags
-from sim.inputs.scenario import scenario_from_dict
+from sim.inputs.scenario import ENGINE_KEYS_ADDED, scenario_from_dict
 from sim.deploy.build import deployment
 
 _ACTION = KIND_CODE["action"]
@@ -44,8 +44,8 @@ class Replayer:
             if not any(k in engine for k in frontend.TERMS):
                 # written before profiles had an API server: its clients met the engine itself
                 before.update(dict.fromkeys(frontend.TERMS, 0.0))
-            if "gemm_wave_exposure" not in engine:
-                before["gemm_wave_exposure"] = 0.0  # written before the GEMMs' wave factor
+            if "gemm_wave_exposure" not in engine:  # written before the GEMMs' wave factor
+                before["gemm_wave_exposure"] = ENGINE_KEYS_ADDED["gemm_wave_exposure"]
             if before:
                 raw = {**raw, "engine": {**engine, **before}}
         kv = raw.get("kv") if isinstance(raw, dict) else None
