@@ -42,6 +42,14 @@ HARDWARE: dict[str, dict] = {
     "h100-sxm": dict(memory_gb=80.0, mem_bandwidth_gbps=3350.0, peak_tflops=989.0, fp8_tflops=1979.0,
                      tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
                      int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
+    # NVIDIA H100 PCIe product brief (PB-11133-001) and data sheet: the same Hopper die with 114
+    # SMs on a 350 W card, 80 GB HBM2e at 2,000 GB/s, BF16 756, FP8 and INT8 1,513 TFLOP/s
+    # (the sheet's sparse figures halved); PCIe 5.0 x16. Its NVLink bridge joins two cards at
+    # 600 GB/s both ways: the preset is the card without one (GPUs talk over PCIe; a bridged
+    # pair is `interconnect_gbps = 300`).
+    "h100-pcie": dict(memory_gb=80.0, mem_bandwidth_gbps=2000.0, peak_tflops=756.0,
+                      fp8_tflops=1513.0, tdp_w=350.0, idle_w=50.0, interconnect_gbps=64.0,
+                      pcie_gbps=64.0, int8_tops=1513.0, fp4_tflops=0.0, sm_count=114),
     "h200": dict(memory_gb=141.0, mem_bandwidth_gbps=4800.0, peak_tflops=989.0, fp8_tflops=1979.0,
                  tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
                  int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
@@ -94,7 +102,8 @@ HARDWARE: dict[str, dict] = {
 PCIE_MAX_GBPS = 64.0
 
 # `sm_count`: the streaming multiprocessors (AMD: compute units) of each GPU, from its
-# architecture's white paper or data sheet (H100 SXM5 and the H200 / GH200's Hopper 132, A100
+# architecture's white paper or data sheet (H100 SXM5 and the H200 / GH200's Hopper 132, the
+# H100 PCIe's 114, A100
 # 108, the L40 / L40S's AD102 142, B200 148, MI300X 304): how many GEMM tiles run at once
 # (sim.model.costmodel's wave factor).
 

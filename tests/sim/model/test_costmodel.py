@@ -47,6 +47,23 @@ def test_roofline_big_prefill_is_compute_bound():
     assert prefill(m, n) == pytest.approx(flops / (989e12 * 0.6))
 
 
+def test_h100_pcie_preset_is_its_data_sheet_on_the_roofline():
+    """The H100 PCIe card: 2,000 GB/s of HBM2e, 756 dense BF16 TFLOP/s, 350 W; its GPUs talk
+    over PCIe unless a bridge (`interconnect_gbps`) joins them."""
+    from sim.model.costmodel import pcie_only
+
+    m = model(ROOFLINE, 'hardware.preset="h100-pcie"', "hardware.step_overhead_ms=0")
+    dur, energy = m.step(0, 0, 0, 1, 1000, 1, 1)
+    assert dur == pytest.approx((8.03e9 * 2 + 131072 * 1001) / (2000e9 * 0.85))
+    assert energy == pytest.approx(50 * dur + (350 - 50) * dur)
+    n = 8192
+    flops = 2 * 8.03e9 * n + 4 * 32 * 32 * 128 * (n * (n + 1) // 2)
+    assert prefill(m, n) == pytest.approx(flops / (756e12 * 0.6))
+    assert pcie_only(load_scenario("chat", ['hardware.preset="h100-pcie"']).hardware)
+    assert not pcie_only(load_scenario("chat", ['hardware.preset="h100-pcie"',
+                                                "hardware.interconnect_gbps=300"]).hardware)
+
+
 def test_roofline_tensor_parallel_divides_work_and_adds_communication():
     tp1 = model(ROOFLINE, "model.preset=\"llama-3.1-70b\"", "kv.num_blocks=1000")
     tp4 = model(ROOFLINE, "model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4")
