@@ -285,10 +285,13 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 # model's Jinja chat template and the chat request's handling. GPUStack's performance lab
 # (https://github.com/gpustack/gpustack, docs/performance-lab: `vllm bench serve --backend
 # openai-chat`, 1,000 requests of 128 tokens in, 4 out, sent at once) measured 1,000 such
-# requests taking 21-23 s through vLLM 0.11 whatever the GPU and model behind it (Qwen3-14B on an
-# H100 or an A100, DeepSeek-R1 on eight H200s, GLM-4.5-Air on four GPUs), but 4.7-5.4 s for
-# gpt-oss (Harmony, not Jinja: `model.chat_template = false`) and 6-10 s through SGLang: a
-# server's time per request, not the GPU's. The value, to 0.1 ms, that brings the Qwen3-14B H100
+# requests taking 21-27 s through vLLM 0.11 on very different GPUs (Qwen3-14B on an H100, 22.7,
+# or an A100, 26.8; DeepSeek-R1 on eight H200s, 22.1; GLM-4.5-Air on four A100s, 21.0), but
+# 4.7-5.4 s for gpt-oss (Harmony, not Jinja: `model.chat_template = false`) and 6-10 s through
+# SGLang: a server's time per request, not the GPU's. It is not one time for every model:
+# the same lab's Qwen3-235B-A22B-Instruct-2507 took 8.8 s on eight H100s (17.7 on eight A100s)
+# and GLM-4.6 13.9 s on eight H200s, so this term over-predicts their bursts (the Qwen3 run's
+# throughput 0.39 of the published). The value, to 0.1 ms, that brings the Qwen3-14B H100
 # run's throughput to its published figure (G4: 0.999); the light-load chat TTFT rows are held
 # out. vLLM's API server takes in requests and streams tokens in one event loop
 # (`frontend_one_loop`): in that burst the median TTFT, 18.1 s, sits near the end of the 22.7 s
