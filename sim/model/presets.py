@@ -96,16 +96,16 @@ HARDWARE: dict[str, dict] = {
 }
 
 # The fastest PCIe link, 5.0 x16, per direction (GB/s): GPUs whose link to each other is no
-# faster talk over PCIe only (sim.model.costmodel.pcie_only); NVLink (A100 300, H100 450) and
-# Infinity Fabric (MI300X 448) are several times it. (A GH200's host link, NVLink-C2C, is as
+# faster talk over PCIe only (sim.model.costmodel.pcie_only: the L40S, the L40, H100 PCIe cards
+# without a bridge); NVLink (A100 300, H100 SXM 450) and Infinity Fabric (MI300X 448) are
+# several times it. (A GH200's host link, NVLink-C2C, is as
 # fast as its GPU link: the host link tells nothing.)
 PCIE_MAX_GBPS = 64.0
 
 # `sm_count`: the streaming multiprocessors (AMD: compute units) of each GPU, from its
 # architecture's white paper or data sheet (H100 SXM5 and the H200 / GH200's Hopper 132, the
-# H100 PCIe's 114, A100
-# 108, the L40 / L40S's AD102 142, B200 148, MI300X 304): how many GEMM tiles run at once
-# (sim.model.costmodel's wave factor).
+# H100 PCIe's 114, A100 108, the L40 / L40S's AD102 142, B200 148, MI300X 304): how many GEMM
+# tiles run at once (sim.model.costmodel's wave factor).
 
 # Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type; its SMs
 # not given: no wave factor).

@@ -47,19 +47,26 @@ def test_roofline_big_prefill_is_compute_bound():
     assert prefill(m, n) == pytest.approx(flops / (989e12 * 0.6))
 
 
-def test_h100_pcie_preset_is_its_data_sheet_on_the_roofline():
+def test_h100_pcie_preset_is_its_data_sheet():
     """The H100 PCIe card: 2,000 GB/s of HBM2e, 756 dense BF16 TFLOP/s, 350 W; its GPUs talk
     over PCIe unless a bridge (`interconnect_gbps`) joins them."""
     from sim.model.costmodel import pcie_only
 
-    m = model(ROOFLINE, 'hardware.preset="h100-pcie"', "hardware.step_overhead_ms=0")
+    m = model(ROOFLINE, 'hardware.preset="h100-pcie"', "hardware.step_overhead_ms=1")
     dur, energy = m.step(0, 0, 0, 1, 1000, 1, 1)
-    assert dur == pytest.approx((8.03e9 * 2 + 131072 * 1001) / (2000e9 * 0.85))
-    assert energy == pytest.approx(50 * dur + (350 - 50) * dur)
+    busy = (8.03e9 * 2 + 131072 * 1001) / (2000e9 * 0.85)
+    assert dur == pytest.approx(busy + 1e-3)
+    assert energy == pytest.approx(50 * dur + (350 - 50) * busy)  # idle draw over the whole step
     n = 8192
     flops = 2 * 8.03e9 * n + 4 * 32 * 32 * 128 * (n * (n + 1) // 2)
-    assert prefill(m, n) == pytest.approx(flops / (756e12 * 0.6))
-    assert pcie_only(load_scenario("chat", ['hardware.preset="h100-pcie"']).hardware)
+    assert prefill(m, n) == pytest.approx(flops / (756e12 * 0.6) + 1e-3)
+    # the kernel model: FP8 weights on its FP8 tensor cores, at the dense 1,513 TFLOP/s
+    fp8 = model('hardware.preset="h100-pcie"', 'model.quantization="fp8"')
+    e = load_scenario("chat").engine
+    assert fp8._blk_c == pytest.approx(2 * fp8.shape.p_blocks / (1513e12 * e.fp8_gemm_efficiency))
+    hw = load_scenario("chat", ['hardware.preset="h100-pcie"']).hardware
+    assert (hw.memory_gb, hw.int8_tops, hw.fp4_tflops, hw.sm_count) == (80, 1513, 0, 114)
+    assert pcie_only(hw)
     assert not pcie_only(load_scenario("chat", ['hardware.preset="h100-pcie"',
                                                 "hardware.interconnect_gbps=300"]).hardware)
 
