@@ -226,14 +226,19 @@ def cmd_sim(args) -> int:
     summary = summarize(engine)
     if args.log:
         write_log(args.log, engine, summary)
-    figures = T.attach(summary, T.load()) if args.trust else None
+    trust = T.load() if args.trust else None
+    figures = T.attach(summary, trust) if trust else None
+    cover = T.coverage(sc, trust) if trust else None
     if args.json:
-        print(json.dumps({**summary, "trust": figures} if args.trust else summary, indent=2))
+        extra = {"trust": figures, "trust_coverage": cover} if trust else {}
+        print(json.dumps({**summary, **extra}, indent=2))
     else:
         print(f"{sc.name}: {sc.description}")
         print(format_table(summary_columns(summary, summary["policy"])))
         if figures:
             print("\n".join(T.describe(figures)))
+        if cover:
+            print("\n".join(T.describe_coverage(cover)))
     return 0
 
 
@@ -507,7 +512,7 @@ def _fit_profiles(points, args) -> int:
         runs = {r["id"]: r for r in (V.run_point(p) for p in points if p.use in ("fit", "holdout"))}
         ratios = {**{p.id: runs[p.id]["ratio"] for p in points if p.use == "holdout"},
                   **out["leave_one_out"]}
-        oos = {pid: {"regime": runs[pid]["trust_regime"], "ratio": ratio}
+        oos = {pid: {"regime": runs[pid]["trust_regime"], "ratio": ratio, **runs[pid]["groups"]}
                for pid, ratio in ratios.items()}
         out["out_of_sample_by_regime"] = T.table(oos)
         if args.trust:

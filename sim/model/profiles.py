@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 
 from sim.deploy.build import is_deployment
-from sim.model import presets
+from sim.model import presets, trust
 from sim.model.fit import least_squares, nelder_mead, record_run
 from sim.model.validate import Point, metric_value, point_scenario, simulate as simulate_run
 from sim.model.costmodel import CostModel
@@ -318,17 +317,9 @@ def leave_one_out(rows: list[_Row], log=None) -> list[tuple[Point, float]]:
     return [pair for _, pairs in folds for pair in pairs]
 
 
-# What `leave_group_out` can hold out together: each point's value of it, from its scenario.
-GROUPS = {
-    # (a model read from a config.json is named by the file, which is a preset's name for the
-    # bundled ones: Llama 3.1 8B is one model whether a row names its preset or its config)
-    "model": lambda sc: (sc.model.preset or Path(sc.model.config).name.removesuffix(".json")
-                         or f"{sc.model.num_params:.3g} parameters"),
-    "hardware": lambda sc: sc.hardware.preset or f"{sc.hardware.mem_bandwidth_gbps:g} GB/s",
-    "dtype": lambda sc: f"{sc.model.dtype_bytes}-byte weights",
-    "tp": lambda sc: f"tensor_parallel {sc.model.tensor_parallel}",
-    "engine": lambda sc: sc.engine.preset,
-}
+# What `leave_group_out` can hold out together: each point's value of it, from its scenario
+# (the one definition, which the trust file's coverage counts too).
+GROUPS = trust.GROUPS
 
 
 def leave_group_out(rows: list[_Row], key: str,

@@ -19,6 +19,12 @@ one as a published point does:
 | `first token` | TTFT | otherwise |
 | `decode, small batch` | TPOT, ITL, E2E, tokens/s per user | mean running batch <= 16 |
 | `decode, large batch` | the same | mean running batch > 16 |
+
+The interval says how the model has done on runs like this one; it does not say whether any of
+them ran on this run's GPU, model or engine. So the trust file also records each point's GPU,
+model and engine profile (`GROUPS`, the keys `validate --leave-out` holds out together), and
+`coverage` counts the points that share the run's: a GPU no published point ran on is predicted
+from its data sheet and profiles fitted on other GPUs, and its intervals are borrowed.
 """
 
 from __future__ import annotations
@@ -39,6 +45,20 @@ QUEUED_SHARE = 0.5  # the queue is at least this share of TTFT: the figure measu
 MIN_POINTS_FOR_PERCENTILES = 10
 
 THROUGHPUTS = ("output_tps", "total_tps", "input_tps", "request_tps")
+
+# A point's (or a scenario's) value of each key `validate --leave-out` can hold out together.
+GROUPS = {
+    # (a model read from a config.json is named by the file, which is a preset's name for the
+    # bundled ones: Llama 3.1 8B is one model whether a row names its preset or its config)
+    "model": lambda sc: (sc.model.preset or Path(sc.model.config).name.removesuffix(".json")
+                         or f"{sc.model.num_params:.3g} parameters"),
+    "hardware": lambda sc: sc.hardware.preset or f"{sc.hardware.mem_bandwidth_gbps:g} GB/s",
+    "dtype": lambda sc: f"{sc.model.dtype_bytes}-byte weights",
+    "tp": lambda sc: f"tensor_parallel {sc.model.tensor_parallel}",
+    "engine": lambda sc: sc.engine.preset,
+}
+# Those the trust file records for each point, and `coverage` counts.
+COVERAGE = ("hardware", "model", "engine")
 
 
 class TrustError(ServesimError):
@@ -82,6 +102,11 @@ def table(points: dict[str, dict]) -> dict:
             for name in REGIMES}
 
 
+def group_values(scenario) -> dict[str, str]:
+    """The scenario's GPU, model and engine profile, as `GROUPS` names them."""
+    return {k: GROUPS[k](scenario) for k in COVERAGE}
+
+
 def load(path: Path = TRUST_FILE) -> dict:
     """A trust file written by `validate --fit --loo --trust`: its points and their table.
     Raises TrustError naming the file and what is wrong."""
@@ -101,6 +126,9 @@ def load(path: Path = TRUST_FILE) -> dict:
         if not ok:
             raise TrustError(f"{path}: points.{pid}: expected a regime ({', '.join(REGIMES)}) "
                              "and a positive ratio")
+        for k in COVERAGE:
+            if k in p and not isinstance(p[k], str):
+                raise TrustError(f"{path}: points.{pid}.{k}: expected a string")
     return {"points": points, "regimes": table(points)}
 
 
@@ -125,6 +153,37 @@ def attach(summary: dict, trust: dict) -> dict:
         out[f"{section}.{key}"] = {"value": value, "regime": name, "points": s["count"],
                                    "low": s["low"], "high": s["high"]}
     return out
+
+
+def coverage(scenario, trust: dict) -> dict | None:
+    """How many of the trust file's points share the scenario's GPU, model and engine profile:
+    {"hardware": {"value": "h100-sxm", "points": 61}, "model": ..., "engine": ...}. None where
+    the file does not record them for every point (a file written without them)."""
+    points = list(trust["points"].values())
+    if not points or any(k not in p for p in points for k in COVERAGE):
+        return None
+    mine = group_values(scenario)
+    return {k: {"value": mine[k], "points": sum(p[k] == mine[k] for p in points)}
+            for k in COVERAGE}
+
+
+COVERAGE_NAMES = {"hardware": "on this GPU", "model": "of this model",
+                  "engine": "through this engine profile"}
+
+
+def describe_coverage(cov: dict) -> list[str]:
+    """One line per key of `coverage`: "published points on this GPU (h100-pcie): none, ..."."""
+    lines = []
+    for k, c in cov.items():
+        head = f"published points {COVERAGE_NAMES[k]} ({c['value']}): "
+        if c["points"]:
+            lines.append(f"{head}{c['points']}")
+        elif k == "hardware":
+            lines.append(f"{head}none: its figures rest on its data sheet, the intervals above "
+                         "on other GPUs")
+        else:
+            lines.append(f"{head}none: the intervals above come from others")
+    return lines
 
 
 def describe(figures: dict) -> list[str]:

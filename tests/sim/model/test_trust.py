@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from sim.inputs.scenario import BUNDLED_DIR
+from sim.inputs.scenario import BUNDLED_DIR, load_scenario
 from sim.model import trust as T
-from sim.model.validate import load_points, run_point
+from sim.model.validate import load_points, point_scenario, run_point
 from tui.cli import main
 
 
@@ -73,9 +73,49 @@ def test_the_bundled_trust_file_covers_every_out_of_sample_point():
     assert sum(s["count"] for s in trust["regimes"].values()) == len(wanted)
 
 
+def test_coverage_counts_the_points_that_share_the_runs_gpu_model_and_engine():
+    def point(hardware, model="llama-3.1-8b", engine="vllm-v1"):
+        return {"regime": "throughput", "ratio": 1.0, "hardware": hardware, "model": model,
+                "engine": engine}
+    trust = {"points": {"a": point("h100-sxm"), "b": point("h100-sxm", engine="sglang"),
+                        "c": point("a100-80gb", model="llama-3.1-70b")}}
+    sxm = load_scenario("chat", ['engine.preset="vllm-v1"'])
+    assert T.group_values(sxm) == {"hardware": "h100-sxm", "model": "llama-3.1-8b",
+                                   "engine": "vllm-v1"}
+    assert T.coverage(sxm, trust) == {"hardware": {"value": "h100-sxm", "points": 2},
+                                      "model": {"value": "llama-3.1-8b", "points": 2},
+                                      "engine": {"value": "vllm-v1", "points": 2}}
+    pcie = load_scenario("chat", ['hardware.preset="h100-pcie"', 'engine.preset="sglang"'])
+    cov = T.coverage(pcie, trust)
+    assert cov["hardware"] == {"value": "h100-pcie", "points": 0}
+    assert cov["engine"]["points"] == 1
+    lines = T.describe_coverage(cov)
+    assert lines[0].startswith("published points on this GPU (h100-pcie): none")
+    assert "data sheet" in lines[0] and lines[2].endswith("(sglang): 1")
+    # a file that does not record them (written without them) makes no claim
+    del trust["points"]["c"]["engine"]
+    assert T.coverage(sxm, trust) is None
+
+
+def test_the_bundled_trust_file_records_each_points_gpu_model_and_engine():
+    trust = T.load()
+    for p in load_points(BUNDLED_DIR / "fidelity"):
+        if p.id in trust["points"]:
+            entry = trust["points"][p.id]
+            assert {k: entry[k] for k in T.COVERAGE} == T.group_values(point_scenario(p)), p.id
+
+
+def test_a_validated_point_carries_its_groups():
+    t1 = next(p for p in load_points(BUNDLED_DIR / "fidelity") if p.id == "T1")
+    assert run_point(t1)["groups"] == T.group_values(point_scenario(t1))
+    assert run_point(t1)["groups"]["hardware"] == "a100-80gb"
+
+
 @pytest.mark.parametrize("text,why", [("{", "not JSON"), ('{"points": 3}', "points"),
                                       ('{"points": {"x": {"regime": "fast", "ratio": 1}}}',
                                        "points.x"),
+                                      ('{"points": {"x": {"regime": "queued", "ratio": 1, '
+                                       '"hardware": 3}}}', "points.x.hardware: expected a string"),
                                       # json's recursive parser ran out of stack
                                       ("[" * 100_000 + "]" * 100_000, "not JSON: a value nested "
                                                                       "too deeply")])
@@ -95,6 +135,12 @@ def test_sim_trust_attaches_intervals(capsys):
     assert f["value"] == out["ttft_ms"]["p50"] and f["regime"] in T.REGIMES
     assert main(["sim", "chat", "--trust", "-q", "--set", "workload.num_requests=40"]) == 0
     assert "expected within" in capsys.readouterr().out
+    cover = out["trust_coverage"]
+    assert cover["hardware"]["value"] == "h100-sxm" and cover["hardware"]["points"] > 0
+    # a GPU no published point ran on: said so, beside the borrowed intervals
+    assert main(["sim", "chat", "--trust", "-q", "--set", "workload.num_requests=40",
+                 "--set", 'hardware.preset="h100-pcie"']) == 0
+    assert "published points on this GPU (h100-pcie): none" in capsys.readouterr().out
 
 
 def test_trust_file_needs_the_leave_one_out(tmp_path, capsys):
