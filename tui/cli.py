@@ -237,8 +237,8 @@ def cmd_sim(args) -> int:
         print(format_table(summary_columns(summary, summary["policy"])))
         if figures:
             print("\n".join(T.describe(figures)))
-        if cover:
-            print("\n".join(T.describe_coverage(cover)))
+            if cover:
+                print("\n".join(T.describe_coverage(cover)))
     return 0
 
 
@@ -512,7 +512,7 @@ def _fit_profiles(points, args) -> int:
         runs = {r["id"]: r for r in (V.run_point(p) for p in points if p.use in ("fit", "holdout"))}
         ratios = {**{p.id: runs[p.id]["ratio"] for p in points if p.use == "holdout"},
                   **out["leave_one_out"]}
-        oos = {pid: {"regime": runs[pid]["trust_regime"], "ratio": ratio, **runs[pid]["groups"]}
+        oos = {pid: {"regime": runs[pid]["trust_regime"], "ratio": ratio, **runs[pid]["setup"]}
                for pid, ratio in ratios.items()}
         out["out_of_sample_by_regime"] = T.table(oos)
         if args.trust:
@@ -709,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --fit --loo: write each point's regime and out-of-sample ratio "
                         "(what `sim --trust` reads; the bundled one is "
                         "scenarios/fidelity/trust.json)")
-    s.add_argument("--leave-out", choices=sorted(P.GROUPS),
+    s.add_argument("--leave-out", choices=sorted(T.GROUPS),
                    help="with the fit, its error on each model, GPU, data type, tensor-parallel "
                         "degree or engine held out whole")
     s.set_defaults(func=cmd_validate)

@@ -317,19 +317,15 @@ def leave_one_out(rows: list[_Row], log=None) -> list[tuple[Point, float]]:
     return [pair for _, pairs in folds for pair in pairs]
 
 
-# What `leave_group_out` can hold out together: each point's value of it, from its scenario
-# (the one definition, which the trust file's coverage counts too).
-GROUPS = trust.GROUPS
-
-
 def leave_group_out(rows: list[_Row], key: str,
                     log=None) -> list[tuple[str, list[tuple[Point, float]]]]:
-    """Hold out every row sharing a value of `key` (one of GROUPS) at once, fit the rest from
-    the priors and predict the held-out rows: the error on a model, a GPU, a data type, a
-    degree of tensor parallelism or an engine the fit has not seen. Returns, per value,
+    """Hold out every row sharing a value of `key` (one of `trust.GROUPS`: what a point's
+    scenario names) at once, fit the rest from the priors and predict the held-out rows: the
+    error on a model, a GPU, a data type, a degree of tensor parallelism or an engine the fit
+    has not seen. Returns, per value,
     (value, [(point, predicted / published)]). A value held by every row is skipped (nothing
     would be left to fit)."""
-    of = GROUPS[key]
+    of = trust.GROUPS[key]
     values: dict[str, list[int]] = {}
     for i, r in enumerate(rows):
         values.setdefault(of(r.scenario), []).append(i)

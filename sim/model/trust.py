@@ -22,9 +22,10 @@ one as a published point does:
 
 The interval says how the model has done on runs like this one; it does not say whether any of
 them ran on this run's GPU, model or engine. So the trust file also records each point's GPU,
-model and engine profile (`GROUPS`, the keys `validate --leave-out` holds out together), and
-`coverage` counts the points that share the run's: a GPU no published point ran on is predicted
-from its data sheet and profiles fitted on other GPUs, and its intervals are borrowed.
+model and engine profile (its `setup`, named as `validate --leave-out` names them: `GROUPS`),
+and `coverage` counts the points that share each of the run's, separately, and all three
+together: a GPU no published point ran on is predicted from its data sheet and profiles fitted
+on other GPUs, and its intervals come from those.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ GROUPS = {
     "tp": lambda sc: f"tensor_parallel {sc.model.tensor_parallel}",
     "engine": lambda sc: sc.engine.preset,
 }
-# Those the trust file records for each point, and `coverage` counts.
-COVERAGE = ("hardware", "model", "engine")
+# A point's setup: the groups the trust file records for each point, and `coverage` counts.
+SETUP = ("hardware", "model", "engine")
 
 
 class TrustError(ServesimError):
@@ -102,9 +103,9 @@ def table(points: dict[str, dict]) -> dict:
             for name in REGIMES}
 
 
-def group_values(scenario) -> dict[str, str]:
+def setup(scenario) -> dict[str, str]:
     """The scenario's GPU, model and engine profile, as `GROUPS` names them."""
-    return {k: GROUPS[k](scenario) for k in COVERAGE}
+    return {k: GROUPS[k](scenario) for k in SETUP}
 
 
 def load(path: Path = TRUST_FILE) -> dict:
@@ -126,9 +127,14 @@ def load(path: Path = TRUST_FILE) -> dict:
         if not ok:
             raise TrustError(f"{path}: points.{pid}: expected a regime ({', '.join(REGIMES)}) "
                              "and a positive ratio")
-        for k in COVERAGE:
+        for k in SETUP:
             if k in p and not isinstance(p[k], str):
                 raise TrustError(f"{path}: points.{pid}.{k}: expected a string")
+    # (a file `validate --loo --trust` wrote records every point's setup, or none: an older one)
+    recorded = {k for p in points.values() for k in SETUP if k in p}
+    for pid, p in points.items():
+        for k in sorted(recorded - p.keys()):
+            raise TrustError(f"{path}: points.{pid}: no {k} (other points record theirs)")
     return {"points": points, "regimes": table(points)}
 
 
@@ -156,33 +162,39 @@ def attach(summary: dict, trust: dict) -> dict:
 
 
 def coverage(scenario, trust: dict) -> dict | None:
-    """How many of the trust file's points share the scenario's GPU, model and engine profile:
-    {"hardware": {"value": "h100-sxm", "points": 61}, "model": ..., "engine": ...}. None where
-    the file does not record them for every point (a file written without them)."""
+    """How many of the trust file's points share the scenario's GPU, model and engine profile,
+    each counted on its own, and all three at once (`setup`): {"hardware": {"value":
+    "h100-sxm", "points": 100}, "model": ..., "engine": ..., "setup": {"value": "h100-sxm,
+    llama-3.1-8b, vllm-v1", "points": 0}}. None where the file records no setups (written
+    without them)."""
     points = list(trust["points"].values())
-    if not points or any(k not in p for p in points for k in COVERAGE):
+    if not points or any(k not in p for p in points for k in SETUP):
         return None
-    mine = group_values(scenario)
-    return {k: {"value": mine[k], "points": sum(p[k] == mine[k] for p in points)}
-            for k in COVERAGE}
+    mine = setup(scenario)
+    out = {k: {"value": mine[k], "points": sum(p[k] == mine[k] for p in points)} for k in SETUP}
+    out["setup"] = {"value": ", ".join(mine[k] for k in SETUP),
+                    "points": sum(all(p[k] == mine[k] for k in SETUP) for p in points)}
+    return out
 
 
 COVERAGE_NAMES = {"hardware": "on this GPU", "model": "of this model",
-                  "engine": "through this engine profile"}
+                  "engine": "through this engine profile",
+                  "setup": "of this GPU, model and engine profile together"}
 
 
 def describe_coverage(cov: dict) -> list[str]:
-    """One line per key of `coverage`: "published points on this GPU (h100-pcie): none, ..."."""
+    """One line per entry of `coverage`: "published points on this GPU (h100-pcie): none:
+    predicted from its data sheet and profiles fitted on other GPUs"."""
     lines = []
     for k, c in cov.items():
         head = f"published points {COVERAGE_NAMES[k]} ({c['value']}): "
         if c["points"]:
             lines.append(f"{head}{c['points']}")
         elif k == "hardware":
-            lines.append(f"{head}none: its figures rest on its data sheet, the intervals above "
-                         "on other GPUs")
+            lines.append(f"{head}none: predicted from its data sheet and profiles fitted on "
+                         "other GPUs")
         else:
-            lines.append(f"{head}none: the intervals above come from others")
+            lines.append(f"{head}none")
     return lines
 
 

@@ -349,7 +349,7 @@ def run_point(point: Point, engine: str | None = None,
             "metric": point.metric_text, "published": point.published,
             "predicted": predicted, "ratio": predicted / point.published,
             "regime": point.regime, "trust_regime": trust.regime(point.metric.quantity, run),
-            "groups": trust.group_values(sc), "use": point.use, "source": point.source}
+            "setup": trust.setup(sc), "use": point.use, "source": point.source}
 
 
 def summary(results: list[dict]) -> dict:

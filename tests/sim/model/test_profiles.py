@@ -7,7 +7,7 @@ import gc
 import pytest
 
 from sim import gcpause
-from sim.model import presets, profiles as P
+from sim.model import presets, profiles as P, trust as T
 from sim.model.validate import load_points
 
 HEAD = "id,engine,config,metric,published,regime,use,source,scenario\n"
@@ -234,7 +234,7 @@ def test_the_bundled_fit_pins_the_host_time_on_two_gpus_and_two_models(capsys):
     cpu = ENGINES["tensorrt-llm-pytorch"]["cpu_per_seq_us"]
     base, half = ratios(cpu), ratios(cpu / 2)
     moved = [pid for pid in base if half[pid] / base[pid] > 1.05]
-    where = {(P.GROUPS["hardware"](fitted[pid]), P.GROUPS["model"](fitted[pid]))
+    where = {(T.GROUPS["hardware"](fitted[pid]), T.GROUPS["model"](fitted[pid]))
              for pid in moved}
     assert len({g for g, _ in where}) >= 2 and len({m for _, m in where}) >= 2, where
 
@@ -249,6 +249,6 @@ def test_a_model_is_one_group_whether_named_by_preset_or_by_config(tmp_path):
                               'config = "qwen3-30b-a3b"']):
         f = tmp_path / f"s{i}.toml"
         f.write_text(f"[model]\n{line}\n[workload]\nnum_requests = 1\n")
-        keys.append(P.GROUPS["model"](load_scenario(str(f))))
+        keys.append(T.GROUPS["model"](load_scenario(str(f))))
     assert keys[0] == keys[1] == "llama-3.1-8b"
     assert keys[2] == "qwen3-30b-a3b"

@@ -78,37 +78,59 @@ def test_coverage_counts_the_points_that_share_the_runs_gpu_model_and_engine():
         return {"regime": "throughput", "ratio": 1.0, "hardware": hardware, "model": model,
                 "engine": engine}
     trust = {"points": {"a": point("h100-sxm"), "b": point("h100-sxm", engine="sglang"),
-                        "c": point("a100-80gb", model="llama-3.1-70b")}}
+                        "c": point("a100-80gb", model="llama-3.1-70b"),
+                        "d": point("a100-80gb", engine="sglang")}}
     sxm = load_scenario("chat", ['engine.preset="vllm-v1"'])
-    assert T.group_values(sxm) == {"hardware": "h100-sxm", "model": "llama-3.1-8b",
-                                   "engine": "vllm-v1"}
-    assert T.coverage(sxm, trust) == {"hardware": {"value": "h100-sxm", "points": 2},
-                                      "model": {"value": "llama-3.1-8b", "points": 2},
-                                      "engine": {"value": "vllm-v1", "points": 2}}
+    assert T.setup(sxm) == {"hardware": "h100-sxm", "model": "llama-3.1-8b", "engine": "vllm-v1"}
+    assert T.coverage(sxm, trust) == {
+        "hardware": {"value": "h100-sxm", "points": 2}, "model": {"value": "llama-3.1-8b",
+                                                                  "points": 3},
+        "engine": {"value": "vllm-v1", "points": 2},
+        "setup": {"value": "h100-sxm, llama-3.1-8b, vllm-v1", "points": 1}}
+    # each shared on its own, none all three at once: the setup says so
+    a100 = load_scenario("chat", ['hardware.preset="a100-80gb"', 'engine.preset="vllm-v1"'])
+    cov = T.coverage(a100, trust)
+    assert [cov[k]["points"] for k in ("hardware", "model", "engine", "setup")] == [2, 3, 2, 0]
+    assert T.describe_coverage(cov)[3] == ("published points of this GPU, model and engine "
+                                           "profile together (a100-80gb, llama-3.1-8b, "
+                                           "vllm-v1): none")
     pcie = load_scenario("chat", ['hardware.preset="h100-pcie"', 'engine.preset="sglang"'])
     cov = T.coverage(pcie, trust)
     assert cov["hardware"] == {"value": "h100-pcie", "points": 0}
-    assert cov["engine"]["points"] == 1
     lines = T.describe_coverage(cov)
-    assert lines[0].startswith("published points on this GPU (h100-pcie): none")
-    assert "data sheet" in lines[0] and lines[2].endswith("(sglang): 1")
-    # a file that does not record them (written without them) makes no claim
-    del trust["points"]["c"]["engine"]
+    assert lines[0] == ("published points on this GPU (h100-pcie): none: predicted from its data "
+                        "sheet and profiles fitted on other GPUs")
+    assert lines[2].endswith("(sglang): 2")
+    # a file that records no setups (written without them) makes no claim
+    for p in trust["points"].values():
+        del p["engine"], p["hardware"], p["model"]
     assert T.coverage(sxm, trust) is None
 
 
-def test_the_bundled_trust_file_records_each_points_gpu_model_and_engine():
+def test_a_trust_file_records_every_points_setup_or_none(tmp_path):
+    p = tmp_path / "t.json"
+    both = {"regime": "queued", "ratio": 1.0}
+    p.write_text(json.dumps({"points": {"a": both, "b": both}}))
+    assert T.load(p)["points"]["a"] == both  # an older file: no setups
+    p.write_text(json.dumps({"points": {"a": {**both, "hardware": "h100-sxm", "model": "m",
+                                              "engine": "e"}, "b": both}}))
+    with pytest.raises(T.TrustError, match=r"t.json: points.b: no engine \(other points"):
+        T.load(p)
+
+
+def test_the_bundled_trust_file_records_each_points_setup():
     trust = T.load()
     for p in load_points(BUNDLED_DIR / "fidelity"):
         if p.id in trust["points"]:
             entry = trust["points"][p.id]
-            assert {k: entry[k] for k in T.COVERAGE} == T.group_values(point_scenario(p)), p.id
+            assert {k: entry[k] for k in T.SETUP} == T.setup(point_scenario(p)), p.id
 
 
-def test_a_validated_point_carries_its_groups():
+def test_a_validated_point_carries_its_setup():
     t1 = next(p for p in load_points(BUNDLED_DIR / "fidelity") if p.id == "T1")
-    assert run_point(t1)["groups"] == T.group_values(point_scenario(t1))
-    assert run_point(t1)["groups"]["hardware"] == "a100-80gb"
+    row = run_point(t1)
+    assert row["setup"] == T.setup(point_scenario(t1))
+    assert row["setup"]["hardware"] == "a100-80gb"
 
 
 @pytest.mark.parametrize("text,why", [("{", "not JSON"), ('{"points": 3}', "points"),
@@ -140,7 +162,9 @@ def test_sim_trust_attaches_intervals(capsys):
     # a GPU no published point ran on: said so, beside the borrowed intervals
     assert main(["sim", "chat", "--trust", "-q", "--set", "workload.num_requests=40",
                  "--set", 'hardware.preset="h100-pcie"']) == 0
-    assert "published points on this GPU (h100-pcie): none" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "published points on this GPU (h100-pcie): none: predicted from its data sheet" in text
+    assert "of this GPU, model and engine profile together (h100-pcie, " in text
 
 
 def test_trust_file_needs_the_leave_one_out(tmp_path, capsys):

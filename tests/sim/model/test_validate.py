@@ -237,18 +237,25 @@ def test_plot_is_written(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_fit_and_leave_one_out_on_a_few_points(capsys):
+def test_fit_and_leave_one_out_on_a_few_points(capsys, tmp_path):
     """`validate --loo` on four static rows: one refit per left-out row, each predicting a row
-    it never saw, so the held-out error is no better than the in-sample error of the full fit."""
+    it never saw, so the held-out error is no better than the in-sample error of the full fit.
+    `--trust` writes each row's out-of-sample ratio, regime and setup."""
     from sim.model import profiles as P
+    from sim.model import trust as T
     from sim.model.validate import error_stats
 
     ids = ["T1", "T2", "T5", "T6"]
-    assert main(["validate", "--only", ",".join(ids), "--loo", "--json"]) == 0
+    trust_file = tmp_path / "t.json"
+    assert main(["validate", "--only", ",".join(ids), "--loo", "--json",
+                 "--trust", str(trust_file)]) == 0
     out = json.loads(capsys.readouterr().out)
     loo = out["leave_one_out"]
     assert sorted(loo) == sorted(ids) and all(0.2 < r < 5 for r in loo.values())
     assert out["leave_one_out_error"]["count"] == 4
+    written = T.load(trust_file)["points"]
+    assert {i: written[i]["ratio"] for i in ids} == loo
+    assert written["T1"]["hardware"] == "a100-80gb" and written["T1"]["model"] == "llama-2-7b"
 
     rows = P.prepare([p for p in load_points(BUNDLED_DIR / "fidelity") if p.id in ids])
     c = out["coefficients"]
