@@ -98,8 +98,8 @@ HARDWARE: dict[str, dict] = {
 # The fastest PCIe link, 5.0 x16, per direction (GB/s): GPUs whose link to each other is no
 # faster talk over PCIe only (sim.model.costmodel.pcie_only: the L40S, the L40, H100 PCIe cards
 # without a bridge); NVLink (A100 300, H100 SXM 450) and Infinity Fabric (MI300X 448) are
-# several times it. (A GH200's host link, NVLink-C2C, is as
-# fast as its GPU link: the host link tells nothing.)
+# several times it. (A GH200's host link, NVLink-C2C, is as fast as its GPU link: the host link
+# tells nothing.)
 PCIE_MAX_GBPS = 64.0
 
 # `sm_count`: the streaming multiprocessors (AMD: compute units) of each GPU, from its

@@ -322,9 +322,8 @@ def leave_group_out(rows: list[_Row], key: str,
     """Hold out every row sharing a value of `key` (one of `trust.GROUPS`: what a point's
     scenario names) at once, fit the rest from the priors and predict the held-out rows: the
     error on a model, a GPU, a data type, a degree of tensor parallelism or an engine the fit
-    has not seen. Returns, per value,
-    (value, [(point, predicted / published)]). A value held by every row is skipped (nothing
-    would be left to fit)."""
+    has not seen. Returns, per value, (value, [(point, predicted / published)]). A value held
+    by every row is skipped (nothing would be left to fit)."""
     of = trust.GROUPS[key]
     values: dict[str, list[int]] = {}
     for i, r in enumerate(rows):

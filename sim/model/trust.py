@@ -133,8 +133,9 @@ def load(path: Path = TRUST_FILE) -> dict:
     # (a file `validate --loo --trust` wrote records every point's setup, or none: an older one)
     recorded = {k for p in points.values() for k in SETUP if k in p}
     for pid, p in points.items():
-        for k in sorted(recorded - p.keys()):
-            raise TrustError(f"{path}: points.{pid}: no {k} (other points record theirs)")
+        missing = sorted(recorded - p.keys())
+        if missing:
+            raise TrustError(f"{path}: points.{pid}: no {missing[0]} (other points record theirs)")
     return {"points": points, "regimes": table(points)}
 
 
