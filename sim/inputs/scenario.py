@@ -248,6 +248,13 @@ class EngineConfig:
                                doc="the `chunked` policies may split a prompt over steps within "
                                    "the token budget (false: a prompt is computed whole in one "
                                    "step, or waits; one longer than the budget goes alone)")
+    guaranteed_no_evict: bool = _f(_ENGINE["guaranteed_no_evict"],
+                                   doc="admit a request only when the blocks it will hold at "
+                                       "its last token fit beside those every running request "
+                                       "will hold at its own (TensorRT-LLM's default capacity "
+                                       "scheduler, GUARANTEED_NO_EVICT): none is ever "
+                                       "preempted; false: admit on the blocks needed now and "
+                                       "preempt when they run short (vLLM, SGLang)")
     gqa_shared_kv: bool = _f(_ENGINE["gqa_shared_kv"],
                              doc="decode attention reads K/V once per KV head (false: once per "
                                  "query head)")
@@ -972,7 +979,7 @@ ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_
                      "gqa_shared_kv_group": 0,
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
-                     "gemm_wave_exposure": 0.0}
+                     "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out
 # while unset).
 CLOSED_LOOP_KEYS_ADDED = {"start_gap_s": 0.0, "endpoint": "completions", "turnaround_s": 0.0}

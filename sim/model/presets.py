@@ -194,20 +194,24 @@ NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_one_loop=False)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
                  gqa_shared_kv_min_head_dim=0, num_scheduler_steps=1,
-                 chunked_prefill=True, **NO_FRONTEND)
+                 chunked_prefill=True, guaranteed_no_evict=False, **NO_FRONTEND)
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2). TensorRT-LLM
     # computes a prompt whole unless chunked context is turned on: off by default in its
     # executor (`ExecutorConfig`, the Triton backend's `enable_chunked_context`) and in its LLM
     # API and `trtllm-serve` (`enable_chunked_prefill: bool = Field(default=False)`,
-    # tensorrt_llm/llmapi/llm_args.py).
+    # tensorrt_llm/llmapi/llm_args.py). Its capacity scheduler, GUARANTEED_NO_EVICT by default
+    # (`SchedulerConfig`, `trtllm-bench --scheduler_policy`), admits a request only when the
+    # blocks it will hold at its last token fit beside every running request's: the profiles
+    # derived from this one keep that.
     # Its C++ runtime launches each layer's kernels one by one (TRT_LAUNCHES, above).
     "tensorrt-llm-0.6": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.8279,
                              kv_bandwidth_efficiency=1.0,
                              cpu_base_us=1876.0, cpu_per_seq_us=4.33)
     | dict(gqa_shared_kv=False, gqa_reread=0.5174, allreduce_latency_us=41.81,
-           custom_allreduce_us=0.0, chunked_prefill=False) | TRT_LAUNCHES | TRT_NVLINK,
+           custom_allreduce_us=0.0, chunked_prefill=False, guaranteed_no_evict=True)
+    | TRT_LAUNCHES | TRT_NVLINK,
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the

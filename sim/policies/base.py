@@ -19,6 +19,7 @@ from mypy_extensions import mypyc_attr
 
 from sim.policies import batch
 from sim.policies.batch import PolicyState, SchedulerOutput
+from sim.engine.kv import arrival_blocks
 from sim.engine.request import Request, RequestState
 
 
@@ -65,6 +66,9 @@ class Policy(PolicyState):
                                                and self.cfg.continue_after_self_preemption)
         # The most of a prompt one step computes (0: the whole prompt)
         self.chunk_tokens = prefill_chunk(type(self), self.cfg, engine.scenario.engine)
+        # TensorRT-LLM's capacity scheduler (GUARANTEED_NO_EVICT): admission reserves the
+        # blocks a request will hold at its last token (`fits_to_completion`)
+        self.no_evict: bool = bool(engine.scenario.engine.guaranteed_no_evict)
 
     # --- queue management (called by the engine) ------------------------------------------------
     def add(self, req: Request) -> None:
@@ -138,6 +142,27 @@ class Policy(PolicyState):
         n = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
         return min(n, budget), hits
 
+
+    def completion_blocks(self, req: Request) -> int:
+        """The blocks `req` holds at its last token (`sim.engine.kv.arrival_blocks`: its
+        prompt and every output token but the last)."""
+        kv = self.kv
+        return arrival_blocks(req.prompt_len, req.max_output_tokens, kv.block_size, kv.groups,
+                              self.chunk_tokens)
+
+    def reserved_blocks(self) -> int:
+        """Under `engine.guaranteed_no_evict`, the blocks the running requests will hold at
+        their last tokens, whatever they hold now; 0 without it."""
+        if not self.no_evict:
+            return 0
+        return sum([self.completion_blocks(r) for r in self.running])
+
+    def fits_to_completion(self, req: Request, reserved: int) -> bool:
+        """Whether `req` may be admitted beside `reserved` blocks (`reserved_blocks`): under
+        `engine.guaranteed_no_evict` only when the blocks it will hold at its last token fit
+        in the pool beside them, so that no running request ever runs short (TensorRT-LLM's
+        GUARANTEED_NO_EVICT); always without it."""
+        return not self.no_evict or reserved + self.completion_blocks(req) <= self.kv.num_blocks
 
     def pick_victim(self) -> Request:
         """The running request to preempt when blocks run short: the most recently admitted."""

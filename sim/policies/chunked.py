@@ -7,7 +7,10 @@ most recently admitted request is preempted; no new request is admitted in a ste
 
 Admission follows vLLM V1: a waiting (or preempted) request is admitted only if blocks for all
 its tokens so far fit (`scheduler.reserve_full_sequence`), leaving the watermark free while
-anything runs; the first request that does not fit ends admission for the step.
+anything runs; the first request that does not fit ends admission for the step. Under
+`engine.guaranteed_no_evict` (TensorRT-LLM's capacity scheduler) a request must also fit to its
+last token beside every running request's reservation (`Policy.fits_to_completion`), and none
+is preempted to make room.
 
 Where the engine does not chunk prefills (`engine.chunked_prefill = false`: TensorRT-LLM's
 default, vLLM's `--no-enable-chunked-prefill`), a prompt is computed whole in one step beside the
@@ -52,7 +55,9 @@ class ChunkedPolicy(Policy):
         """Admit from the queue, in the policy's order (`next_waiting`), within what is left
         of the token budget and `max_num_seqs`, while blocks for each fit and leave the
         watermark free (`watermark_blocks`, while anything runs); the first that does not fit
-        ends admission unless `make_room` preempts for it. Where the engine computes prompts
+        ends admission unless `make_room` preempts for it. Under `engine.guaranteed_no_evict`
+        the first that does not fit to its last token (`fits_to_completion`) ends it too, and
+        no room is made. Where the engine computes prompts
         whole (`chunk_tokens` 0), a request whose tokens exceed what is left of the budget
         waits, as the first that does not fit (vLLM V1 without chunked prefill, TensorRT-LLM
         without chunked context), unless its tokens not yet computed, cached prefix or not,
@@ -65,22 +70,29 @@ class ChunkedPolicy(Policy):
         watermark = self.watermark_blocks()
         whole = self.chunk_tokens == 0
         first = True
+        reserved = self.reserved_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
+            if not self.fits_to_completion(req, reserved):
+                break
             n, hits = self.plan_waiting(req, math.inf if whole else budget)
             if whole and n > budget and (not first or req.num_tokens - req.num_computed_tokens
                                          <= self.cfg.max_num_batched_tokens):
                 break
             # (positionally: reserve, prefix, full_sequence)
             if not kv.allocate_slots(req, n, watermark if self.running else 0, hits, full):
-                given_back = self.make_room(out, req)
+                # (no room is made where nothing may be evicted)
+                given_back = None if self.no_evict else self.make_room(out, req)
                 if given_back is None:
                     break
                 budget += given_back
+                reserved = self.reserved_blocks()
                 continue
             self.schedule_admitted(out, req, n)
             budget -= n
             first = False
+            if self.no_evict:
+                reserved += self.completion_blocks(req)
 
     def make_room(self, out: SchedulerOutput, req) -> int | None:
         """`req`, next in the queue, does not fit: preempt for it and return the tokens given

@@ -33,12 +33,15 @@ class FCFSPolicy(Policy):
     def admit_prompts(self, out: SchedulerOutput) -> None:
         budget = self.cfg.max_num_batched_tokens
         reserve = self.watermark_blocks() if self.running else 0
+        reserved = self.reserved_blocks()
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
             n, hits = self.plan_waiting(req, math.inf)
-            if n > budget and out.scheduled:
+            if n > budget and out.scheduled or not self.fits_to_completion(req, reserved):
                 break
             if not self.kv.allocate_slots(req, n, reserve=reserve, prefix=hits):
                 break
             self.schedule_admitted(out, req, n)
             budget -= n
+            if self.no_evict:
+                reserved += self.completion_blocks(req)

@@ -27,9 +27,14 @@ class StaticPolicy(FCFSPolicy):
         return out
 
     def admit_batch(self, out: SchedulerOutput) -> None:
+        reserved = 0  # (nothing runs)
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             req = self.next_waiting()
             n, hits = self.plan_waiting(req, math.inf)
+            if not self.fits_to_completion(req, reserved):
+                break
             if not self.kv.allocate_slots(req, n, prefix=hits):
                 break
             self.schedule_admitted(out, req, n)
+            if self.no_evict:
+                reserved += self.completion_blocks(req)

@@ -563,3 +563,63 @@ def test_an_edit_of_a_rule_in_the_policies_source_takes_effect(rule, policies, t
     after = run(tmp_path)
     for policy in policies:
         assert after[policy] != before[policy], (rule, policy)
+
+
+# --- admission to completion (TensorRT-LLM's GUARANTEED_NO_EVICT) -----------------------------
+NO_EVICT = ["static", "fcfs", "chunked", "priority", "sjf", "lpm"]
+
+
+def _blocks_at_end(r, block_size):
+    """The blocks a request holds at its last token: its prompt and all but that token."""
+    return -(-(r.prompt_len + r.max_output_tokens - 1) // block_size)
+
+
+@pytest.mark.parametrize("policy", NO_EVICT)
+def test_guaranteed_no_evict_keeps_every_running_request_able_to_finish(policy):
+    """With `engine.guaranteed_no_evict` the blocks the running requests will hold at their
+    last tokens fit in the pool at every step, so nothing is preempted where the same
+    workload without it preempts; every request still finishes."""
+    e, _ = _summary(policy)
+    assert e.counts["preemptions"] > 0
+    e = Engine(small_scenario(f"scheduler.policy=\"{policy}\"", "kv.num_blocks=420",
+                              "engine.guaranteed_no_evict=true"))
+    bs, peak = e.kv.block_size, 0
+    while not e.done:
+        e.step()
+        check_invariants(e)
+        held = sum(_blocks_at_end(r, bs) for r in e.policy.running)
+        assert held <= e.kv.num_blocks
+        peak = max(peak, held)
+    assert e.counts["preemptions"] == 0 and peak > 0.9 * e.kv.num_blocks
+    assert e.counts["finished"] + e.counts["rejected"] == e.counts["arrived"] > 10
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked"])
+def test_guaranteed_no_evict_holds_the_queue_behind_a_request_that_does_not_fit(policy):
+    """Two requests that will hold 12 blocks each at their ends fill 26 blocks but for 2; the
+    third waits for one of them to finish, and the small fourth, which would fit, waits
+    behind it (first come, first served). Without the rule the third is admitted at once and
+    someone is preempted."""
+    w = [(0.0, 100, 92), (0.0, 100, 92), (0.001, 100, 92), (0.002, 16, 3)]
+    base = (f"scheduler.policy=\"{policy}\"", "kv.num_blocks=26", "kv.block_size=16",
+            "scheduler.watermark=0")
+    plain = Engine(small_scenario(*base), workload=workload_of(w))
+    plain.run()
+    assert plain.counts["preemptions"] > 0
+    e = Engine(small_scenario(*base, "engine.guaranteed_no_evict=true"), workload=workload_of(w))
+    run_steps(e)
+    assert e.counts["preemptions"] == 0
+    first_end = min(e.get(0).finish_time, e.get(1).finish_time)
+    assert e.get(2).admitted_time >= first_end
+    assert e.get(3).admitted_time >= e.get(2).admitted_time
+    # admitted when the room appeared: at the scheduling that follows the finish
+    assert e.get(2).admitted_time == first_end
+
+
+def test_tensorrt_llm_profiles_reserve_to_completion_and_the_others_do_not():
+    from sim.inputs.scenario import load_scenario
+    from sim.model.presets import ENGINE_PRESETS
+
+    reserving = {n for n in ENGINE_PRESETS
+                 if load_scenario("chat", [f'engine.preset="{n}"']).engine.guaranteed_no_evict}
+    assert reserving == {n for n in ENGINE_PRESETS if n.startswith("tensorrt-llm") or n == "nim"}
