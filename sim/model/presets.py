@@ -186,7 +186,7 @@ _KERNELS = dict(
     # vLLM's kernels on A100s and H100s, ~15-35 us per layer once the bytes' time is taken out)
     layer_overhead_us=20.0,
     # (the third stage's terms: `validate --fit`'s own values, sim/README.md)
-    moe_gemm_efficiency=0.3655, moe_comm_efficiency=0.5374, fp4_gemm_efficiency=0.2743,
+    moe_gemm_efficiency=0.4305, moe_comm_efficiency=0.4907, fp4_gemm_efficiency=0.2507,
 ) | COLLECTIVES
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
@@ -264,7 +264,7 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # Offline (`trtllm-bench`): the same kernels, its host time (0.6's per step, its own per
 # sequence) overlapping the GPU's.
 # It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
-TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.31,
+TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.42,
                    chunked_prefill=True,
                    layer_overhead_us=_KERNELS["layer_overhead_us"]) | TRT_NVLINK
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
