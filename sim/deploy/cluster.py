@@ -209,6 +209,7 @@ class Cluster:
             if i < self.num_prefill:
                 kw["observers"] = [_FirstTokens(partial(cls._on_first_token, me))]
             e = self._instance(i, scenario, kw)
+            e.policy.hands_off = i < self.num_prefill
             e.records_settled = False  # (this deployment's actions say it for each instance)
             self.instances.append(e)
         # One table of prefix chain ids for every instance, so that a request's block keys mean
@@ -904,7 +905,7 @@ class Cluster:
             # (the watermark keeps room for the batch to grow; an empty instance takes any)
             reserve = self._reserve if busy else 0
             if (e.policy.waiting or e.kv.num_free_blocks - len(h.src) < reserve
-                    or busy >= cfg.max_num_seqs):
+                    or busy >= cfg.max_num_seqs or not self._fits_to_completion(e, h, inbound)):
                 break
             ready.popleft()
             self._start(h, e)
@@ -912,6 +913,17 @@ class Cluster:
         if done:
             self._unstick()
         return done
+
+    def _fits_to_completion(self, e: Engine, h: Handoff, inbound) -> bool:
+        """Whether decode instance `e` may take `h`'s request in under its admission rule
+        (`Policy.fits_to_completion`: under `engine.guaranteed_no_evict`, to its last token
+        beside every running request's and every inbound one's reservation)."""
+        pol = e.policy
+        if not pol.no_evict:
+            return True
+        held = pol.reserved_blocks() + sum(
+            [pol.completion_blocks(self._handoffs[rid].req) for _, rid in inbound])
+        return pol.fits_to_completion(h.req, held)
 
     def _unstick(self) -> None:
         self._stuck = [None] * len(self.instances)

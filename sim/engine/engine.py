@@ -743,7 +743,8 @@ class Engine(EngineState):
         block, and samples on its own from the next step. Each is a sequence of its own in
         `max_num_seqs` (vLLM V1 fans `n` out into `n` requests): a sample that finds none of
         the `seats` free in the next step, or no free block for its copy, waits in the queue
-        where vLLM's would (`Policy.add_sample`) and will prefill from scratch. Returns the
+        where vLLM's would (`Policy.add_sample`) and will prefill from scratch, as does one
+        that does not fit to its last token under `engine.guaranteed_no_evict`. Returns the
         samples that started (each has its first token and takes a seat; with a one-token
         output it ends with the parent)."""
         started: list[Request] = []
@@ -763,7 +764,9 @@ class Engine(EngineState):
             if self.record_events:
                 self.events.append(ev.Fork(t, parent.req_id, child.req_id))
             partial = len(parent.block_table) - full
-            if len(started) >= seats or partial > pool.num_free:
+            # (under engine.guaranteed_no_evict a sample starts only if it fits to its end)
+            if (len(started) >= seats or partial > pool.num_free
+                    or not self.policy.fits_to_completion(child, self.policy.reserved_blocks())):
                 self.policy.add_sample(child)
                 continue
             for b in parent.block_table[:full]:

@@ -69,6 +69,10 @@ class Policy(PolicyState):
         # TensorRT-LLM's capacity scheduler (GUARANTEED_NO_EVICT): admission reserves the
         # blocks a request will hold at its last token (`fits_to_completion`)
         self.no_evict: bool = bool(engine.scenario.engine.guaranteed_no_evict)
+        # Whether requests leave this engine after their first token (a disaggregated
+        # deployment's prefill instance, which hands them off): their last token here is that
+        # one, and so is what admission reserves for
+        self.hands_off: bool = False
 
     # --- queue management (called by the engine) ------------------------------------------------
     def add(self, req: Request) -> None:
@@ -105,6 +109,7 @@ class Policy(PolicyState):
     def adopt(self, other: "Policy") -> None:
         """Take over another policy's queue and batch (a live policy switch)."""
         self.running.extend(other.running)
+        self.hands_off = other.hands_off
         for r in other.waiting_in_order():
             self.add(r)
 
@@ -144,11 +149,12 @@ class Policy(PolicyState):
 
 
     def completion_blocks(self, req: Request) -> int:
-        """The blocks `req` holds at its last token (`sim.engine.kv.arrival_blocks`: its
-        prompt and every output token but the last)."""
+        """The blocks `req` holds at its last token on this engine (`sim.engine.kv.
+        arrival_blocks`: its prompt and every output token but the last; its prompt alone where
+        it is handed off after its first, `hands_off`)."""
         kv = self.kv
-        return arrival_blocks(req.prompt_len, req.max_output_tokens, kv.block_size, kv.groups,
-                              self.chunk_tokens)
+        out = 1 if self.hands_off else req.max_output_tokens
+        return arrival_blocks(req.prompt_len, out, kv.block_size, kv.groups, self.chunk_tokens)
 
     def reserved_blocks(self) -> int:
         """Under `engine.guaranteed_no_evict`, the blocks the running requests will hold at

@@ -781,3 +781,31 @@ def test_a_dropped_deployment_is_freed_by_reference_counting_alone(spec, keep_hi
         return d
 
     assert_freed_by_reference_counting(make)
+
+
+def test_guaranteed_no_evict_holds_in_a_disaggregated_deployment():
+    """Under `engine.guaranteed_no_evict` a decode instance takes a hand-off in only when the
+    request fits to its last token beside its running and inbound requests, and a prefill
+    instance reserves for the prompt alone (its requests leave after their first token):
+    nothing is preempted anywhere, where vLLM's rule preempts on the decode instance."""
+    over = (DISAGG, "kv.num_blocks=90", "kv.block_size=16", "scheduler.max_num_batched_tokens=256")
+    rows = [(0.01 * i, 150 + 37 * (i % 7), 60 + 23 * (i % 5)) for i in range(24)]
+    plain = build(small_scenario(*over), workload=workload_of(rows))
+    step_all(plain)
+    assert sum(e.counts["preemptions"] for e in plain.instances) > 0
+    c = build(small_scenario(*over, "engine.guaranteed_no_evict=true"), workload=workload_of(rows))
+    prefill, decode = c.instances
+    assert prefill.policy.hands_off and not decode.policy.hands_off
+    peak = 0
+    while not c.done:
+        c.step()
+        check_cluster_invariants(c)
+        for e in c.instances:
+            held = sum(e.policy.completion_blocks(r) for r in e.policy.running)
+            assert held <= e.kv.num_blocks
+        peak = max(peak, sum(-(-(r.prompt_len + r.max_output_tokens - 1) // 16)
+                             for r in decode.policy.running))
+    assert sum(e.counts["preemptions"] for e in c.instances) == 0
+    assert peak > 0.8 * decode.kv.num_blocks
+    assert all(r.state is S.FINISHED for r in c.requests.values())
+    check_all_returned(c)

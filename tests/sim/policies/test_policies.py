@@ -623,3 +623,49 @@ def test_tensorrt_llm_profiles_reserve_to_completion_and_the_others_do_not():
     reserving = {n for n in ENGINE_PRESETS
                  if load_scenario("chat", [f'engine.preset="{n}"']).engine.guaranteed_no_evict}
     assert reserving == {n for n in ENGINE_PRESETS if n.startswith("tensorrt-llm") or n == "nim"}
+
+
+def test_guaranteed_no_evict_counts_every_token_but_the_last():
+    """Two requests whose ends need 13 blocks each (100 + 94 - 1 = 193 tokens) do not run
+    together in 25 blocks; two whose ends need 12 (192 tokens) do in 24."""
+    for out, pool, together in ((94, 25, False), (93, 24, True)):
+        e = Engine(small_scenario("kv.num_blocks=%d" % pool, "kv.block_size=16",
+                                  "scheduler.watermark=0", "engine.guaranteed_no_evict=true"),
+                   workload=workload_of([(0.0, 100, out), (0.0, 100, out)]))
+        run_steps(e)
+        assert (e.get(1).admitted_time < e.get(0).finish_time) is together
+        assert e.counts["preemptions"] == 0
+
+
+def test_guaranteed_no_evict_makes_no_room_for_a_higher_priority_request():
+    """`priority` with `preempt_for_waiting` preempts a lower-priority request for a waiting
+    one; under `engine.guaranteed_no_evict` nothing is preempted and the waiting one waits."""
+    # (the two hold 44 of the 52 blocks when the third arrives, and will hold 50 at their ends)
+    rows = [(0.0, 100, 300, 5), (0.0, 100, 300, 5), (1.5, 200, 20, 0)]
+    base = ('scheduler.policy="priority"', "scheduler.preempt_for_waiting=true",
+            "kv.num_blocks=52", "kv.block_size=16")
+    plain = Engine(small_scenario(*base), workload=workload_of(rows))
+    run_steps(plain)
+    assert plain.counts["preemptions"] > 0
+    e = Engine(small_scenario(*base, "engine.guaranteed_no_evict=true"), workload=workload_of(rows))
+    run_steps(e)
+    assert e.counts["preemptions"] == 0
+    assert e.get(2).admitted_time == min(e.get(0).finish_time, e.get(1).finish_time)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "chunked", "priority"])
+def test_guaranteed_no_evict_starts_a_parallel_sample_only_if_it_fits_to_its_end(policy):
+    """A request's further samples take blocks of their own as they decode: each starts beside
+    the running ones only if it fits to its last token, else it waits in the queue."""
+    over = (f"scheduler.policy=\"{policy}\"", "kv.num_blocks=420", "workload.num_samples=4")
+    plain = Engine(small_scenario(*over))
+    plain.run()
+    assert plain.counts["preemptions"] > 0
+    e = Engine(small_scenario(*over, "engine.guaranteed_no_evict=true"))
+    bs = e.kv.block_size
+    while not e.done:
+        e.step()
+        check_invariants(e)
+        assert sum(_blocks_at_end(r, bs) for r in e.policy.running) <= e.kv.num_blocks
+    assert e.counts["preemptions"] == 0
+    assert e.counts["finished"] + e.counts["rejected"] == e.counts["arrived"]
