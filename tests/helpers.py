@@ -27,6 +27,12 @@ def small_scenario(*overrides: str, base: str = "chat"):
                                 "kv.num_blocks=1500", *NO_FRONTEND, *overrides])
 
 
+def blocks_at_end(r, block_size: int) -> int:
+    """The blocks request `r` holds at its last token (no layer groups): its prompt and every
+    output token but that one, written out apart from the engine's rule."""
+    return -(-(r.prompt_len + r.max_output_tokens - 1) // block_size)
+
+
 def workload_of(rows, hash_ids=None) -> Workload:
     """A hand-made workload from (arrival, prompt, output[, priority[, cancel_at]]) rows."""
     rows = [tuple(r) + (0, np.nan)[len(r) - 3:] if len(r) < 5 else tuple(r) for r in rows]

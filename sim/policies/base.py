@@ -163,6 +163,11 @@ class Policy(PolicyState):
             return 0
         return sum([self.completion_blocks(r) for r in self.running])
 
+    def reserve(self, req: Request, reserved: int) -> int:
+        """`reserved` with `req`, just admitted, added: its blocks at its last token under
+        `engine.guaranteed_no_evict`, nothing without it (`reserved_blocks` is then 0)."""
+        return reserved + self.completion_blocks(req) if self.no_evict else reserved
+
     def fits_to_completion(self, req: Request, reserved: int) -> bool:
         """Whether `req` may be admitted beside `reserved` blocks (`reserved_blocks`): under
         `engine.guaranteed_no_evict` only when the blocks it will hold at its last token fit

@@ -86,13 +86,11 @@ class ChunkedPolicy(Policy):
                 if given_back is None:
                     break
                 budget += given_back
-                reserved = self.reserved_blocks()
                 continue
             self.schedule_admitted(out, req, n)
             budget -= n
             first = False
-            if self.no_evict:
-                reserved += self.completion_blocks(req)
+            reserved = self.reserve(req, reserved)
 
     def make_room(self, out: SchedulerOutput, req) -> int | None:
         """`req`, next in the queue, does not fit: preempt for it and return the tokens given

@@ -43,5 +43,4 @@ class FCFSPolicy(Policy):
                 break
             self.schedule_admitted(out, req, n)
             budget -= n
-            if self.no_evict:
-                reserved += self.completion_blocks(req)
+            reserved = self.reserve(req, reserved)

@@ -36,5 +36,4 @@ class StaticPolicy(FCFSPolicy):
             if not self.kv.allocate_slots(req, n, prefix=hits):
                 break
             self.schedule_admitted(out, req, n)
-            if self.no_evict:
-                reserved += self.completion_blocks(req)
+            reserved = self.reserve(req, reserved)

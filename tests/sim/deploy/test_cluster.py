@@ -18,8 +18,9 @@ from sim.session.log import encode, read_log, write_log
 from sim.session.replay import verify
 from sim.engine.request import RequestState as S
 from tests.fuzz import fuzz_settings
-from tests.helpers import (assert_freed_by_reference_counting, check_cluster_invariants,
-                           run_with_and_without_history, small_scenario, workload_of)
+from tests.helpers import (assert_freed_by_reference_counting, blocks_at_end,
+                           check_cluster_invariants, run_with_and_without_history,
+                           small_scenario, workload_of)
 from tui.cli import main
 from tui.compute import make_executor
 
@@ -803,8 +804,7 @@ def test_guaranteed_no_evict_holds_in_a_disaggregated_deployment():
         for e in c.instances:
             held = sum(e.policy.completion_blocks(r) for r in e.policy.running)
             assert held <= e.kv.num_blocks
-        peak = max(peak, sum(-(-(r.prompt_len + r.max_output_tokens - 1) // 16)
-                             for r in decode.policy.running))
+        peak = max(peak, sum(blocks_at_end(r, 16) for r in decode.policy.running))
     assert sum(e.counts["preemptions"] for e in c.instances) == 0
     assert peak > 0.8 * decode.kv.num_blocks
     assert all(r.state is S.FINISHED for r in c.requests.values())

@@ -7,8 +7,8 @@ from hypothesis import given, strategies as st
 from sim import Engine, build, summarize
 from sim.engine.request import RequestState
 from tests.fuzz import fuzz_settings
-from tests.helpers import (check_cluster_invariants, check_invariants, small_scenario,
-                           workload_of)
+from tests.helpers import (blocks_at_end, check_cluster_invariants, check_invariants,
+                           small_scenario, workload_of)
 
 
 def run_steps(engine, n=100000):
@@ -569,11 +569,6 @@ def test_an_edit_of_a_rule_in_the_policies_source_takes_effect(rule, policies, t
 NO_EVICT = ["static", "fcfs", "chunked", "priority", "sjf", "lpm"]
 
 
-def _blocks_at_end(r, block_size):
-    """The blocks a request holds at its last token: its prompt and all but that token."""
-    return -(-(r.prompt_len + r.max_output_tokens - 1) // block_size)
-
-
 @pytest.mark.parametrize("policy", NO_EVICT)
 def test_guaranteed_no_evict_keeps_every_running_request_able_to_finish(policy):
     """With `engine.guaranteed_no_evict` the blocks the running requests will hold at their
@@ -588,7 +583,7 @@ def test_guaranteed_no_evict_keeps_every_running_request_able_to_finish(policy):
     while not e.done:
         e.step()
         check_invariants(e)
-        held = sum(_blocks_at_end(r, bs) for r in e.policy.running)
+        held = sum(blocks_at_end(r, bs) for r in e.policy.running)
         assert held <= e.kv.num_blocks
         peak = max(peak, held)
     assert e.counts["preemptions"] == 0 and peak > 0.9 * e.kv.num_blocks
@@ -668,6 +663,6 @@ def test_guaranteed_no_evict_starts_a_parallel_sample_only_if_it_fits_to_its_end
     while not e.done:
         e.step()
         check_invariants(e)
-        assert sum(_blocks_at_end(r, bs) for r in e.policy.running) <= e.kv.num_blocks
+        assert sum(blocks_at_end(r, bs) for r in e.policy.running) <= e.kv.num_blocks
     assert e.counts["preemptions"] == 0
     assert e.counts["finished"] + e.counts["rejected"] == e.counts["arrived"]
