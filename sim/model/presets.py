@@ -250,11 +250,15 @@ TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficienc
 # From 0.10 the kernels are compiled at run time for other groups (`tensorrt-llm`); heads of 64
 # came only in 0.16 (its release notes), which `tensorrt-llm` does not model apart.
 TRT_XQA_SHAPES = dict(gqa_shared_kv_group=8, gqa_shared_kv_min_head_dim=128)
-# NVIDIA NIM serving on its TensorRT-LLM backend: each step also spends host time on every
-# sequence's output in the engine's loop, the GPU waiting: its CPU time per step and per
-# sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1: one user's ITL, N2:
-# the throughput of 250 users; the values on a grid of 100 us and 2.5 us that bring both closest:
-# N1 1.004, N2 1.007), the other rows of that table held out (sim/README.md).
+# NVIDIA NIM 1.0 serving on its TensorRT-LLM backend (the container NVIDIA's sizing course ran,
+# nvcr.io/nim/meta/llama3-8b-instruct:1.0.3 in its composer/docker-compose.yml): each step also
+# spends host time on every sequence's output in the engine's loop, the GPU waiting: its CPU
+# time per step and per sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1:
+# one user's ITL, N2: the throughput of 250 users; the values on a grid of 100 us and 2.5 us that
+# bring both closest: N1 1.004, N2 1.007), the other rows of that table held out
+# (sim/README.md). NIM 1.8's published table (the C rows) shows no such time: from 1.8 a NIM
+# maps to `tensorrt-llm` (sim.model.validate.engine_preset_for), and from 2.0, whose release
+# notes name vLLM its one backend, to `vllm-v1`.
 TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of

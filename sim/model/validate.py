@@ -148,12 +148,18 @@ def engine_preset_for(engine: str) -> str | None:
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
     V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
     (`VLLM_USE_V1=0`) -> vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
-    NVIDIA NIM naming neither vLLM nor SGLang -> nim (its optimized profiles, those its
-    benchmarks measure, are TensorRT-LLM engines, served with its host time in their loop).
+    NVIDIA NIM naming neither vLLM nor SGLang: before 1.8, or of no stated version -> nim (its
+    optimized profiles, those its benchmarks measure, are TensorRT-LLM engines, served with its
+    host time in their loop: NIM 1.0's measured runs); 1.8 to 1.x -> tensorrt-llm (NIM 1.8's
+    measured runs keep no such time); 2.0 and later -> vllm-v1 (vLLM its one backend).
     """
     t = engine.lower()
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
-        return "nim"
+        m = re.search(r"\bnim\b(?:\s+for\s+llms)?\s+v?(\d+)\.(\d+)", t)
+        v = (int(m.group(1)), int(m.group(2))) if m else None
+        if v is None or v < (1, 8) or v[0] >= 24:  # (24.05: the year-numbered first containers)
+            return "nim"
+        return "tensorrt-llm" if v[0] < 2 else "vllm-v1"
     if re.search(TRT_NAME, t):
         v = _version(t, TRT_NAME)
         if "pytorch" in t:

@@ -70,14 +70,35 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("vLLM", "vllm-v1"),
     ("SGLang 0.3.0", "sglang-0.3"),
     ("SGLang v0.4.1", "sglang"),
-    ("NVIDIA NIM 1.8.0", "nim"),
+    ("NVIDIA NIM (TensorRT-LLM backend)", "nim"),
+    ("NVIDIA NIM 1.0.3", "nim"),
+    ("NIM 24.05", "nim"),
+    ("NVIDIA NIM 1.7.2 (TensorRT-LLM 0.16)", "nim"),
+    ("NVIDIA NIM 1.8.0", "tensorrt-llm"),
+    ("NVIDIA NIM 1.8.0 (TensorRT-LLM engine)", "tensorrt-llm"),
+    ("NIM for LLMs 1.14.0", "tensorrt-llm"),
     ("NIM for LLMs 1.10 (vLLM backend)", "vllm-v1"),
-    ("NVIDIA NIM 1.8.0 (TensorRT-LLM engine)", "nim"),
+    ("NVIDIA NIM 2.0.8", "vllm-v1"),
     ("Animus 2", None),
     ("LMDeploy 0.6", None),
 ])
 def test_engine_column_mapping(engine, preset):
     assert engine_preset_for(engine) == preset
+
+
+def test_bundled_scenarios_name_the_profile_their_engine_column_maps_to():
+    # a bundled scenario names its engine profile (it runs the same alone, under `servesim
+    # sim`); that profile is the one the row's published engine and version map to
+    import tomllib
+
+    named = 0
+    for p in load_points(POINTS):
+        preset = tomllib.loads(p.scenario_path.read_text()).get("engine", {}).get("preset")
+        mapped = engine_preset_for(p.engine)
+        if preset and mapped:
+            named += 1
+            assert preset == mapped, (p.id, p.engine)
+    assert named > 200
 
 
 def test_bundled_points_load_with_fit_and_holdout_rows():
