@@ -250,15 +250,15 @@ TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficienc
 # From 0.10 the kernels are compiled at run time for other groups (`tensorrt-llm`); heads of 64
 # came only in 0.16 (its release notes), which `tensorrt-llm` does not model apart.
 TRT_XQA_SHAPES = dict(gqa_shared_kv_group=8, gqa_shared_kv_min_head_dim=128)
-# NVIDIA NIM 1.0 serving on its TensorRT-LLM backend (the container NVIDIA's sizing course ran,
-# nvcr.io/nim/meta/llama3-8b-instruct:1.0.3 in its composer/docker-compose.yml): each step also
+# NVIDIA NIM serving on its TensorRT-LLM backend as NVIDIA's sizing course ran it (taken as NIM
+# 1.0: the course's lab container is nvcr.io/nim/meta/llama3-8b-instruct:1.0.3, in its
+# composer/docker-compose.yml; its dataset names no version): each step also
 # spends host time on every sequence's output in the engine's loop, the GPU waiting: its CPU
 # time per step and per sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1:
 # one user's ITL, N2: the throughput of 250 users; the values on a grid of 100 us and 2.5 us that
 # bring both closest: N1 1.004, N2 1.007), the other rows of that table held out
-# (sim/README.md). NIM 1.8's published table (the C rows) shows no such time: from 1.8 a NIM
-# maps to `tensorrt-llm` (sim.model.validate.engine_preset_for), and from 2.0, whose release
-# notes name vLLM its one backend, to `vllm-v1`.
+# (sim/README.md). NIM 1.8's published table (the C rows) shows no such time: which NIM
+# releases take this profile is sim.model.validate.engine_preset_for's.
 TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
@@ -309,8 +309,9 @@ V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=1.1,
                    frontend_one_loop=True)
 # SGLang 0.5's chat requests, fitted as vLLM's on the same lab's SGLang run (Qwen3-14B-FP8 on an
 # H100: G9, 1.005); its burst's first tokens spread over the run (median TTFT 4.1 s of 7.8 s),
-# so its streaming is not held back behind its intake. trtllm-serve's (TensorRT-LLM 1.2) on its
-# one such run (Qwen3-32B-FP8 on an H100, chunked prefill on: G12, 0.998).
+# so its streaming is not held back behind its intake. trtllm-serve's (TensorRT-LLM 1.2, its
+# PyTorch backend) on its one such run (Qwen3-32B-FP8 on an H100, chunked prefill on: G12,
+# 0.999); the same server over the C++ runtime (`tensorrt-llm`) takes it too.
 SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
@@ -322,7 +323,7 @@ DERIVED: dict[str, tuple[str, dict]] = {
     "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT),
     "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES),
     "nim": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVING),
-    "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE),
+    "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE | TRT_SERVE_CHAT),
     "sglang": ("sglang-0.3", dict(cpu_overlap=True, **SGLANG_CHAT)),
     "vllm-v1": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, cpu_overlap=True,
                                            **V1_FRONTEND)),

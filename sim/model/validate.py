@@ -142,27 +142,40 @@ def engine_preset_for(engine: str) -> str | None:
     none servesim has. The mapping (sim/README.md's table):
 
     TensorRT-LLM up to 0.6 -> tensorrt-llm-0.6 (its decode attention read K/V per query head);
-    its PyTorch backend -> tensorrt-llm-pytorch; 0.7 to 0.9 -> tensorrt-llm-0.9 (XQA for
-    Llama 2 70B's shape only); later, or of no stated version -> tensorrt-llm. SGLang up to 0.3 ->
+    its PyTorch backend, or 1.0 and later (that backend its default) not naming its C++ runtime
+    or TensorRT backend -> tensorrt-llm-pytorch; 0.7 to 0.9 -> tensorrt-llm-0.9 (XQA for
+    Llama 2 70B's shape only); 0.10 to 0.x, a 1.x naming its C++ runtime (or run by Triton's
+    TensorRT-LLM backend, which drives that runtime), or of no stated version -> tensorrt-llm (a
+    container's year-number, Triton 24.05, is not its version). SGLang up to 0.3 ->
     sglang-0.3; later (its overlap scheduler) or of no stated version -> sglang. vLLM with
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
     V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
     (`VLLM_USE_V1=0`) -> vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
-    NVIDIA NIM naming neither vLLM nor SGLang: before 1.8, or of no stated version -> nim (its
-    optimized profiles, those its benchmarks measure, are TensorRT-LLM engines, served with its
-    host time in their loop: NIM 1.0's measured runs); 1.8 to 1.x -> tensorrt-llm (NIM 1.8's
-    measured runs keep no such time); 2.0 and later -> vllm-v1 (vLLM its one backend).
+    NVIDIA NIM naming neither vLLM nor SGLang: before 1.8 (the year-numbered first containers,
+    24.05, among them), or of no stated version -> nim (its optimized profiles, those its
+    benchmarks measure, are TensorRT-LLM engines, served with a serial host time in their loop:
+    the sizing course's runs, taken as NIM 1.0; 1.1 to 1.7 are unmeasured and taken as 1.0);
+    1.8 to 1.x -> tensorrt-llm, or tensorrt-llm-pytorch where it names TensorRT-LLM's PyTorch
+    backend (NIM 1.8's measured runs keep no such time); 2.0 and later -> vllm-v1 (2.0's release notes name vLLM its sole
+    backend; a NIM naming SGLang maps to sglang).
     """
     t = engine.lower()
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
-        m = re.search(r"\bnim\b(?:\s+for\s+llms)?\s+v?(\d+)\.(\d+)", t)
-        v = (int(m.group(1)), int(m.group(2))) if m else None
-        if v is None or v < (1, 8) or v[0] >= 24:  # (24.05: the year-numbered first containers)
+        m = re.search(r"\bnim\b(?:[\s:,(-]+(?:for|llms?|large|language|models|version|release))*"
+                      r"[\s:,(-]+v?(\d+)(?:\.(\d+))?", t)
+        v = (int(m.group(1)), int(m.group(2) or 0)) if m else None
+        if v is None or v < (1, 8) or v[0] >= 24:
             return "nim"
-        return "tensorrt-llm" if v[0] < 2 else "vllm-v1"
+        if v[0] >= 2:
+            return "vllm-v1"
+        return "tensorrt-llm-pytorch" if "pytorch" in t else "tensorrt-llm"
     if re.search(TRT_NAME, t):
         v = _version(t, TRT_NAME)
-        if "pytorch" in t:
+        if v is not None and v[0] >= 20:  # (a container's year: Triton's 24.05)
+            v = None
+        # its C++ runtime named (Triton's TensorRT-LLM backend drives it)
+        cpp = re.search(r"c\+\+|\bcpp\b|tensorrt backend|backend[ =]tensorrt\b|triton", t)
+        if "pytorch" in t or (v is not None and v[0] >= 1 and not cpp):
             return "tensorrt-llm-pytorch"
         if v is not None and v[:2] <= (0, 6):
             return "tensorrt-llm-0.6"

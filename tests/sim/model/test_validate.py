@@ -8,7 +8,8 @@ from sim.engine.frontend import TERMS
 from sim.inputs.scenario import BUNDLED_DIR
 from sim.model import presets
 from sim.model import profiles as P
-from sim.model.validate import Metric, engine_preset_for, load_points, parse_metric, run_point
+from sim.model.validate import (Metric, engine_preset_for, load_points, parse_metric,
+                                 point_scenario, run_point)
 from tui.cli import main
 
 POINTS = BUNDLED_DIR / "fidelity"
@@ -57,6 +58,13 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("TensorRT-LLM 0.18.2 (C++ runtime)", "tensorrt-llm"),
     ("TRT-LLM", "tensorrt-llm"),
     ("TensorRT-LLM v1.0 trtllm-bench (PyTorch backend)", "tensorrt-llm-pytorch"),
+    ("TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "tensorrt-llm-pytorch"),
+    ("TensorRT-LLM v1.1 trtllm-bench", "tensorrt-llm-pytorch"),
+    ("TensorRT-LLM 1.0 (C++ runtime)", "tensorrt-llm"),
+    ("TensorRT-LLM 1.0, TensorRT backend", "tensorrt-llm"),
+    ("TensorRT-LLM 0.21.0", "tensorrt-llm"),
+    ("TensorRT-LLM backend for Triton 24.07", "tensorrt-llm"),
+    ("Triton 25.01, TensorRT-LLM 1.0", "tensorrt-llm"),
     ("TensorRT-LLM trtllm-bench (PyTorch backend)", "tensorrt-llm-pytorch"),
     ("vLLM 0.6.0 (--num-scheduler-steps 10)", "vllm-0.6-multistep"),
     ("vLLM 0.5.3", "vllm-0.5"),
@@ -79,6 +87,15 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("NIM for LLMs 1.14.0", "tensorrt-llm"),
     ("NIM for LLMs 1.10 (vLLM backend)", "vllm-v1"),
     ("NVIDIA NIM 2.0.8", "vllm-v1"),
+    ("NVIDIA NIM LLM 2.0.1", "vllm-v1"),
+    ("NIM 2", "vllm-v1"),
+    ("NIM LLM 1.8.0", "tensorrt-llm"),
+    ("NVIDIA NIM for Large Language Models, version 1.8.0", "tensorrt-llm"),
+    ("NIM for LLMs (1.10.1)", "tensorrt-llm"),
+    ("NIM-1.8.0", "tensorrt-llm"),
+    ("NIM 1.15.0 (PyTorch backend)", "tensorrt-llm-pytorch"),
+    ("NIM (TensorRT-LLM 0.10)", "nim"),
+    ("NVIDIA NIM 2.1.5 (SGLang backend)", "sglang"),
     ("Animus 2", None),
     ("LMDeploy 0.6", None),
 ])
@@ -86,19 +103,18 @@ def test_engine_column_mapping(engine, preset):
     assert engine_preset_for(engine) == preset
 
 
-def test_bundled_scenarios_name_the_profile_their_engine_column_maps_to():
+@pytest.mark.parametrize("points,least", [(POINTS, 240), (POINTS / "nim-course", 2361)])
+def test_bundled_points_run_on_the_profile_their_engine_column_maps_to(points, least):
     # a bundled scenario names its engine profile (it runs the same alone, under `servesim
-    # sim`); that profile is the one the row's published engine and version map to
-    import tomllib
-
-    named = 0
-    for p in load_points(POINTS):
-        preset = tomllib.loads(p.scenario_path.read_text()).get("engine", {}).get("preset")
-        mapped = engine_preset_for(p.engine)
-        if preset and mapped:
-            named += 1
-            assert preset == mapped, (p.id, p.engine)
-    assert named > 200
+    # sim`); that profile, with the row's own changes, is the one the row's published engine
+    # and version map to
+    mapped = 0
+    for p in load_points(points):
+        preset = engine_preset_for(p.engine)
+        if preset is not None:
+            mapped += 1
+            assert point_scenario(p).engine.preset == preset, (p.id, p.engine)
+    assert mapped >= least
 
 
 def test_bundled_points_load_with_fit_and_holdout_rows():
