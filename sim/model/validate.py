@@ -156,13 +156,13 @@ def engine_preset_for(engine: str) -> str | None:
     benchmarks measure, are TensorRT-LLM engines, served with a serial host time in their loop:
     the sizing course's runs, taken as NIM 1.0; 1.1 to 1.7 are unmeasured and taken as 1.0);
     1.8 to 1.x -> tensorrt-llm, or tensorrt-llm-pytorch where it names TensorRT-LLM's PyTorch
-    backend (NIM 1.8's measured runs keep no such time); 2.0 and later -> vllm-v1 (2.0's release notes name vLLM its sole
-    backend; a NIM naming SGLang maps to sglang).
+    backend (NIM 1.8's measured runs keep no such time); 2.0 and later -> vllm-v1 (2.0's
+    release notes name vLLM its sole backend; a NIM naming SGLang maps to sglang).
     """
     t = engine.lower()
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
         m = re.search(r"\bnim\b(?:[\s:,(-]+(?:for|llms?|large|language|models|version|release))*"
-                      r"[\s:,(-]+v?(\d+)(?:\.(\d+))?", t)
+                      r"[\s:,(-]+v?(\d+)(?:\.(\d+))?\b", t)
         v = (int(m.group(1)), int(m.group(2) or 0)) if m else None
         if v is None or v < (1, 8) or v[0] >= 24:
             return "nim"

@@ -95,6 +95,7 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("NIM-1.8.0", "tensorrt-llm"),
     ("NIM 1.15.0 (PyTorch backend)", "tensorrt-llm-pytorch"),
     ("NIM (TensorRT-LLM 0.10)", "nim"),
+    ("NVIDIA NIM, 2xH100", "nim"),
     ("NVIDIA NIM 2.1.5 (SGLang backend)", "sglang"),
     ("Animus 2", None),
     ("LMDeploy 0.6", None),
