@@ -264,9 +264,9 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
 # experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
 # turns chunked context on by default (`--enable_chunked_context/--disable_chunked_context`,
-# default on): so does this profile (`trtllm-serve` keeps it off: `chunked_prefill = false`).
-# Offline (`trtllm-bench`): the same kernels, its host time (0.6's per step, its own per
-# sequence) overlapping the GPU's.
+# default on): so does this profile (`trtllm-serve` keeps it off: `chunked_prefill = false`,
+# sim.model.validate.engine_settings_for). The same kernels, its host time (0.6's per step, its
+# own per sequence) overlapping the GPU's, offline (`trtllm-bench`) or behind `trtllm-serve`.
 # It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.42,
                    chunked_prefill=True,

@@ -135,18 +135,30 @@ def _version(text: str, after: str = "") -> tuple[int, ...] | None:
 
 
 TRT_NAME = r"tensorrt(?:[ -]?llm)?|trt[ -]?llm"  # how a publication names TensorRT-LLM
+# TensorRT-LLM by its own name (TRT_NAME also takes a bare "TensorRT"), its version right after it
+TRT_LLM_VERSION = re.compile(r"(?:tensorrt[ -]?llm|trt[ -]?llm)\W{0,3}v?(\d+)\.(\d+)")
+# TensorRT-LLM's C++ runtime named: its TensorRT engines and backend, their benchmarks, or
+# Triton's TensorRT-LLM backend, which drives that runtime (not OpenAI Triton's kernels)
+TRT_CPP = re.compile(r"c\+\+|\bcpp\b|backend\W*(?:tensorrt|trt)\b|\b(?:tensorrt|trt) (?:engine|backend)"
+                     r"|trtllm-build|gpt(?:manager|session)benchmark"
+                     r"|\btriton\b(?! ?(?:moe|kernels?|attention))")
+# A NIM's version: after its name and words such as "for LLMs" or "version", dotted unless
+# "v", "version" or "release" says it is one ("NIM, 2 x H100" names none)
+NIM_VERSION = re.compile(r"\bnim\b(?:[\s:,(-]+(?:for|llms?|large|language|models))*[\s:,(-]+"
+                         r"(?:(?:v|version\W*|release\W*)(\d+)(?:\.(\d+))?|(\d+)\.(\d+))\b")
 
 
 def engine_preset_for(engine: str) -> str | None:
     """The engine profile for a publication's engine name and version, or None when it names
-    none servesim has. The mapping (sim/README.md's table):
+    none servesim has. The mapping (its one definition; sim/README.md's Validation restates it):
 
     TensorRT-LLM up to 0.6 -> tensorrt-llm-0.6 (its decode attention read K/V per query head);
     its PyTorch backend, or 1.0 and later (that backend its default) not naming its C++ runtime
-    or TensorRT backend -> tensorrt-llm-pytorch; 0.7 to 0.9 -> tensorrt-llm-0.9 (XQA for
-    Llama 2 70B's shape only); 0.10 to 0.x, a 1.x naming its C++ runtime (or run by Triton's
-    TensorRT-LLM backend, which drives that runtime), or of no stated version -> tensorrt-llm (a
-    container's year-number, Triton 24.05, is not its version). SGLang up to 0.3 ->
+    (TRT_CPP: its TensorRT engines or backend, or Triton's TensorRT-LLM backend, which drives it)
+    -> tensorrt-llm-pytorch; 0.7 to 0.9 -> tensorrt-llm-0.9 (XQA for Llama 2 70B's shape only);
+    0.10 to 0.x not naming the PyTorch backend, a 1.x naming its C++ runtime, or of no stated
+    version -> tensorrt-llm (the version is the one right after TensorRT-LLM's name, not a
+    TensorRT, CUDA or container version elsewhere). SGLang up to 0.3 ->
     sglang-0.3; later (its overlap scheduler) or of no stated version -> sglang. vLLM with
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
     V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
@@ -161,21 +173,20 @@ def engine_preset_for(engine: str) -> str | None:
     """
     t = engine.lower()
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
-        m = re.search(r"\bnim\b(?:[\s:,(-]+(?:for|llms?|large|language|models|version|release))*"
-                      r"[\s:,(-]+v?(\d+)(?:\.(\d+))?\b", t)
-        v = (int(m.group(1)), int(m.group(2) or 0)) if m else None
+        m = NIM_VERSION.search(t)
+        v = None
+        if m:
+            major, minor = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+            v = (int(major), int(minor or 0))
         if v is None or v < (1, 8) or v[0] >= 24:
             return "nim"
         if v[0] >= 2:
             return "vllm-v1"
         return "tensorrt-llm-pytorch" if "pytorch" in t else "tensorrt-llm"
     if re.search(TRT_NAME, t):
-        v = _version(t, TRT_NAME)
-        if v is not None and v[0] >= 20:  # (a container's year: Triton's 24.05)
-            v = None
-        # its C++ runtime named (Triton's TensorRT-LLM backend drives it)
-        cpp = re.search(r"c\+\+|\bcpp\b|tensorrt backend|backend[ =]tensorrt\b|triton", t)
-        if "pytorch" in t or (v is not None and v[0] >= 1 and not cpp):
+        m = TRT_LLM_VERSION.search(t)
+        v = (int(m.group(1)), int(m.group(2))) if m else None
+        if "pytorch" in t or (v is not None and v[0] >= 1 and not TRT_CPP.search(t)):
             return "tensorrt-llm-pytorch"
         if v is not None and v[:2] <= (0, 6):
             return "tensorrt-llm-0.6"
@@ -306,9 +317,18 @@ def load_points(spec: str | Path) -> list[Point]:
     return out
 
 
+def engine_settings_for(engine: str) -> list[str]:
+    """What a publication's engine column says of the engine beyond its profile, as overrides:
+    `trtllm-serve` computes a prompt whole unless `--enable_chunked_prefill` is given (its LLM
+    API's default), where the PyTorch backend's profile chunks as `trtllm-bench` does."""
+    t = engine.lower()
+    return ["engine.chunked_prefill=false"] if "trtllm-serve" in t and "chunked" not in t else []
+
+
 def point_scenario(point: Point, engine: str | None = None, overrides: list[str] | None = None):
     """The point's scenario, with `engine` (a profile name) as its engine unless the scenario
-    names one; else the profile its engine column maps to. Raises ServesimError."""
+    names one; else the profile its engine column maps to, and what else the column says of
+    the engine (`engine_settings_for`). Raises ServesimError."""
     import tomllib
 
     try:
@@ -318,6 +338,8 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     named = isinstance(raw.get("engine"), dict) and "preset" in raw["engine"]
     preset = engine or (None if named else engine_preset_for(point.engine))
     head = [f'engine.preset="{preset}"'] if preset is not None else []
+    if not (engine or named):
+        head += engine_settings_for(point.engine)
     given = list(overrides or [])
     try:
         return load_scenario(str(point.scenario_path), [*head, *point.overrides, *given])

@@ -430,9 +430,10 @@ def test_engines_differ_in_cpu_and_multi_step():
 
 def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     """Served by NIM (`nim`): each sequence's output handled in the engine's loop, the GPU
-    waiting (serial host time per step and per sequence); offline (`tensorrt-llm-pytorch`,
-    trtllm-bench): Python's host time per sequence overlapped with the GPU (the longer of the
-    two), prompts in chunks (trtllm-bench's default; the executor's is off). The kernels are
+    waiting (serial host time per step and per sequence); the PyTorch backend
+    (`tensorrt-llm-pytorch`: trtllm-bench, and trtllm-serve on it): Python's host time per
+    sequence overlapped with the GPU (the longer of the two), prompts in chunks (trtllm-bench's
+    default; the executor's and trtllm-serve's are off). The kernels are
     `tensorrt-llm`'s; the C++ runtime's (`tensorrt-llm`, `nim`, and 0.6's) launched without CUDA
     graphs (TRT_LAUNCHES), the PyTorch backend's replayed from graphs (the shared fixed cost per
     layer, as vLLM's and SGLang's)."""

@@ -65,6 +65,16 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("TensorRT-LLM 0.21.0", "tensorrt-llm"),
     ("TensorRT-LLM backend for Triton 24.07", "tensorrt-llm"),
     ("Triton 25.01, TensorRT-LLM 1.0", "tensorrt-llm"),
+    ("TensorRT 10.3, TensorRT-LLM 0.12", "tensorrt-llm"),  # TensorRT's version is not its own
+    ("TensorRT-LLM (CUDA 12.4)", "tensorrt-llm"),
+    ("TensorRT 10.0 + TensorRT-LLM 0.9", "tensorrt-llm-0.9"),
+    ("TensorRT-LLM (v1.2)", "tensorrt-llm-pytorch"),
+    ("TensorRT-LLM 1.0 TRT backend", "tensorrt-llm"),
+    ("TensorRT-LLM 1.0 (backend: tensorrt)", "tensorrt-llm"),
+    ("TensorRT-LLM 1.0, trtllm-build engine", "tensorrt-llm"),
+    ("TensorRT-LLM 1.0 gptManagerBenchmark", "tensorrt-llm"),
+    ("TensorRT-LLM 1.1 (Triton MoE kernels)", "tensorrt-llm-pytorch"),
+    ("TensorRT-LLM 0.21.0 (PyTorch backend)", "tensorrt-llm-pytorch"),
     ("TensorRT-LLM trtllm-bench (PyTorch backend)", "tensorrt-llm-pytorch"),
     ("vLLM 0.6.0 (--num-scheduler-steps 10)", "vllm-0.6-multistep"),
     ("vLLM 0.5.3", "vllm-0.5"),
@@ -88,7 +98,9 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("NIM for LLMs 1.10 (vLLM backend)", "vllm-v1"),
     ("NVIDIA NIM 2.0.8", "vllm-v1"),
     ("NVIDIA NIM LLM 2.0.1", "vllm-v1"),
-    ("NIM 2", "vllm-v1"),
+    ("NIM v2", "vllm-v1"),
+    ("NVIDIA NIM, 2 x H100 80G", "nim"),
+    ("NIM (2 GPUs)", "nim"),
     ("NIM LLM 1.8.0", "tensorrt-llm"),
     ("NVIDIA NIM for Large Language Models, version 1.8.0", "tensorrt-llm"),
     ("NIM for LLMs (1.10.1)", "tensorrt-llm"),
@@ -161,6 +173,31 @@ def test_a_points_folder_without_engine_sections_takes_the_engine_column(tmp_pat
                  "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["points"]
     assert {r["profile"] for r in rows} == {"roofline"}
+
+
+def test_trtllm_serve_rows_compute_prompts_whole_unless_told(tmp_path):
+    # the PyTorch backend's profile chunks prompts (trtllm-bench's default); trtllm-serve does
+    # not unless --enable_chunked_prefill is given: a row whose scenario names no engine takes
+    # that from its engine column, a scenario that names its engine keeps its own
+    (tmp_path / "scenarios").mkdir()
+    plain = (POINTS / "scenarios" / "G17.toml").read_text()
+    plain = plain[:plain.index("[engine]")] + plain[plain.index("[scheduler]"):]
+    plain = plain.replace("../traces/", f"{POINTS / 'traces'}/")
+    named = plain.replace("[scheduler]", "[engine]\npreset = \"tensorrt-llm-pytorch\"\n\n[scheduler]")
+    for name, text in (("plain", plain), ("named", named)):
+        (tmp_path / "scenarios" / f"{name}.toml").write_text(text)
+    head = "id,engine,metric,published,scenario\n"
+    rows = [("A", "TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "plain"),
+            ("B", "TensorRT-LLM 1.2.0rc1 (trtllm-serve --enable_chunked_prefill)", "plain"),
+            ("C", "TensorRT-LLM v1.0 trtllm-bench", "plain"),
+            ("D", "TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "named")]
+    (tmp_path / "published.csv").write_text(head + "".join(
+        f"{i},{e},median TTFT (ms),45,scenarios/{f}.toml\n" for i, e, f in rows))
+    sc = {p.id: point_scenario(p) for p in load_points(tmp_path)}
+    assert {i: s.engine.preset for i, s in sc.items()} == dict.fromkeys("ABCD",
+                                                                       "tensorrt-llm-pytorch")
+    assert {i: s.engine.chunked_prefill for i, s in sc.items()} == {
+        "A": False, "B": True, "C": True, "D": True}
 
 
 def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
