@@ -899,31 +899,35 @@ class Cluster:
                 e.events.append(ev.Handoff(e.now, req.req_id, "joined", len(h.dst)))
             self._forget(h)
         cfg = self.scenario.scheduler
+        # (the blocks its running and inbound requests will hold at their last tokens, under
+        # its admission rule: each hand-off started here added as it joins them)
+        held = self._reserved_on(e, inbound) if ready else 0
         while ready and ready[0].ready <= e.now:
             h = ready[0]
             busy = len(e.policy.running) + len(inbound)
             # (the watermark keeps room for the batch to grow; an empty instance takes any)
             reserve = self._reserve if busy else 0
             if (e.policy.waiting or e.kv.num_free_blocks - len(h.src) < reserve
-                    or busy >= cfg.max_num_seqs or not self._fits_to_completion(e, h, inbound)):
+                    or busy >= cfg.max_num_seqs or not e.policy.fits_to_completion(h.req, held)):
                 break
             ready.popleft()
             self._start(h, e)
+            held = e.policy.reserve(h.req, held)
             done = True
         if done:
             self._unstick()
         return done
 
-    def _fits_to_completion(self, e: Engine, h: Handoff, inbound) -> bool:
-        """Whether decode instance `e` may take `h`'s request in under its admission rule
-        (`Policy.fits_to_completion`: under `engine.guaranteed_no_evict`, to its last token
-        beside every running request's and every inbound one's reservation)."""
+    def _reserved_on(self, e: Engine, inbound) -> int:
+        """What decode instance `e`'s admission rule holds back before taking a hand-off in
+        (`Policy.fits_to_completion`): under `engine.guaranteed_no_evict`, the blocks its running
+        requests and those `inbound` (transfers under way) will hold at their last tokens; 0
+        without it."""
         pol = e.policy
         if not pol.no_evict:
-            return True
-        held = pol.reserved_blocks() + sum(
+            return 0
+        return pol.reserved_blocks() + sum(
             [pol.completion_blocks(self._handoffs[rid].req) for _, rid in inbound])
-        return pol.fits_to_completion(h.req, held)
 
     def _unstick(self) -> None:
         self._stuck = [None] * len(self.instances)

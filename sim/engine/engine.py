@@ -751,6 +751,9 @@ class Engine(EngineState):
         bs = self.block_size
         full = parent.num_computed_tokens // bs
         pool = self.kv.pool
+        # (under engine.guaranteed_no_evict, the running requests' blocks at their last tokens,
+        # each sample started here added as it joins them; 0 without the rule)
+        reserved = self.policy.reserved_blocks()
         for _ in range(self.num_samples - 1):
             child = Request(self._next_id, parent.arrival_time, parent.prompt_len,
                             parent.max_output_tokens, priority=parent.priority,
@@ -766,7 +769,7 @@ class Engine(EngineState):
             partial = len(parent.block_table) - full
             # (under engine.guaranteed_no_evict a sample starts only if it fits to its end)
             if (len(started) >= seats or partial > pool.num_free
-                    or not self.policy.fits_to_completion(child, self.policy.reserved_blocks())):
+                    or not self.policy.fits_to_completion(child, reserved)):
                 self.policy.add_sample(child)
                 continue
             for b in parent.block_table[:full]:
@@ -785,6 +788,7 @@ class Engine(EngineState):
             child.token_segments = [[g, 1]]
             self.policy.running.append(child)
             started.append(child)
+            reserved = self.policy.reserve(child, reserved)
         return started
 
     # Steps of a decode run computed one by one before switching to NumPy for the rest: most

@@ -127,19 +127,21 @@ def metric_value(metric: Metric, summary: dict, tensor_parallel: int = 1) -> flo
 # --- which engine profile a publication's engine column means -------------------------------------
 def _version(text: str, after: str = "") -> tuple[int, ...] | None:
     """The first version number in `text`, or the first after the pattern `after` where it
-    matches (the engine's own, not a container's: "Triton 24.05 TensorRT-LLM 0.9")."""
+    matches (the engine's own, not a library's before it: "CUDA 12.4, vLLM 0.5.3")."""
     m = re.search(after, text) if after else None
     rest = text[m.end():] if m else text
     m = re.search(r"\bv?(\d+)\.(\d+)(?:\.(\d+))?", rest)
     return tuple(int(g) for g in m.groups() if g is not None) if m else None
 
 
-TRT_NAME = r"tensorrt(?:[ -]?llm)?|trt[ -]?llm"  # how a publication names TensorRT-LLM
-# TensorRT-LLM by its own name (TRT_NAME also takes a bare "TensorRT"), its version right after it
-TRT_LLM_VERSION = re.compile(r"(?:tensorrt[ -]?llm|trt[ -]?llm)\W{0,3}v?(\d+)\.(\d+)")
+TRT_LLM = r"tensorrt[ -]?llm|trt[ -]?llm"  # TensorRT-LLM by its own name
+TRT_NAME = rf"{TRT_LLM}|tensorrt"  # how a publication names it (a bare "TensorRT" too)
+# Its version: the one right after its own name
+TRT_LLM_VERSION = re.compile(rf"(?:{TRT_LLM})\W{{0,3}}v?(\d+)\.(\d+)")
 # TensorRT-LLM's C++ runtime named: its TensorRT engines and backend, their benchmarks, or
 # Triton's TensorRT-LLM backend, which drives that runtime (not OpenAI Triton's kernels)
-TRT_CPP = re.compile(r"c\+\+|\bcpp\b|backend\W*(?:tensorrt|trt)\b|\b(?:tensorrt|trt) (?:engine|backend)"
+TRT_CPP = re.compile(r"c\+\+|\bcpp\b|backend\W*(?:tensorrt|trt)\b"
+                     r"|\b(?:tensorrt|trt) (?:engine|backend)"
                      r"|trtllm-build|gpt(?:manager|session)benchmark"
                      r"|\btriton\b(?! ?(?:moe|kernels?|attention))")
 # A NIM's version: after its name and words such as "for LLMs" or "version", dotted unless
@@ -173,11 +175,8 @@ def engine_preset_for(engine: str) -> str | None:
     """
     t = engine.lower()
     if re.search(r"\bnim\b", t) and not re.search(r"vllm|sglang", t):
-        m = NIM_VERSION.search(t)
-        v = None
-        if m:
-            major, minor = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-            v = (int(major), int(minor or 0))
+        m = NIM_VERSION.search(t)  # (groups 1-2 or 3-4: the version marked, or dotted)
+        v = (int(m.group(1) or m.group(3)), int(m.group(2) or m.group(4) or 0)) if m else None
         if v is None or v < (1, 8) or v[0] >= 24:
             return "nim"
         if v[0] >= 2:
