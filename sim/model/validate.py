@@ -134,7 +134,7 @@ def _version(text: str, after: str = "") -> tuple[int, ...] | None:
     return tuple(int(g) for g in m.groups() if g is not None) if m else None
 
 
-TRT_LLM = r"tensorrt[ -]?llm|trt[ -]?llm"  # TensorRT-LLM by its own name
+TRT_LLM = r"tensorrt[ _-]?llm|trt[ _-]?llm"  # TensorRT-LLM by its own name (its package: tensorrt_llm)
 TRT_NAME = rf"{TRT_LLM}|tensorrt"  # how a publication names it (a bare "TensorRT" too)
 # Its version: the one right after its own name
 TRT_LLM_VERSION = re.compile(rf"(?:{TRT_LLM})\W{{0,3}}v?(\d+)\.(\d+)")

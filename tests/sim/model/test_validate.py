@@ -57,6 +57,8 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("TensorRT-LLM 0.16.0", "tensorrt-llm"),
     ("TensorRT-LLM 0.18.2 (C++ runtime)", "tensorrt-llm"),
     ("TRT-LLM", "tensorrt-llm"),
+    ("tensorrt_llm 0.8.0", "tensorrt-llm-0.9"),  # the package's name
+    ("TRT_LLM v0.6.1", "tensorrt-llm-0.6"),
     ("TensorRT-LLM v1.0 trtllm-bench (PyTorch backend)", "tensorrt-llm-pytorch"),
     ("TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "tensorrt-llm-pytorch"),
     ("TensorRT-LLM v1.1 trtllm-bench", "tensorrt-llm-pytorch"),
