@@ -317,11 +317,20 @@ def load_points(spec: str | Path) -> list[Point]:
 
 
 def engine_settings_for(engine: str) -> list[str]:
-    """What a publication's engine column says of the engine beyond its profile, as overrides:
+    """What a publication's engine column says of the engine beyond its profile, as overrides.
+    Whether TensorRT-LLM chunks its prompts is the program's default, not the runtime's:
     `trtllm-serve` computes a prompt whole unless `--enable_chunked_prefill` is given (its LLM
-    API's default), where the PyTorch backend's profile chunks as `trtllm-bench` does."""
+    API's default), where the PyTorch backend's profile chunks; `trtllm-bench` chunks
+    (`--enable_chunked_context/--disable_chunked_context`, on by default) on either backend,
+    where the C++ runtime's profile, as its executor and Triton's backend, does not. (Computed
+    whole, a prompt as long as the step's token budget waits until no decode is left beside
+    it: every request of a 2,048/2,048 table would run alone.)"""
     t = engine.lower()
-    return ["engine.chunked_prefill=false"] if "trtllm-serve" in t and "chunked" not in t else []
+    if "chunked" in t:
+        return ["engine.chunked_prefill=false"] if "disable_chunked" in t else []
+    if "trtllm-serve" in t:
+        return ["engine.chunked_prefill=false"]
+    return ["engine.chunked_prefill=true"] if "trtllm-bench" in t else []
 
 
 def point_scenario(point: Point, engine: str | None = None, overrides: list[str] | None = None):

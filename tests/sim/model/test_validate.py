@@ -177,7 +177,7 @@ def test_a_points_folder_without_engine_sections_takes_the_engine_column(tmp_pat
     assert {r["profile"] for r in rows} == {"roofline"}
 
 
-def test_trtllm_serve_rows_compute_prompts_whole_unless_told(tmp_path):
+def test_trtllm_rows_chunk_prompts_as_their_program_does(tmp_path):
     # the PyTorch backend's profile chunks prompts (trtllm-bench's default); trtllm-serve does
     # not unless --enable_chunked_prefill is given: a row whose scenario names no engine takes
     # that from its engine column, a scenario that names its engine keeps its own
@@ -192,14 +192,21 @@ def test_trtllm_serve_rows_compute_prompts_whole_unless_told(tmp_path):
     rows = [("A", "TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "plain"),
             ("B", "TensorRT-LLM 1.2.0rc1 (trtllm-serve --enable_chunked_prefill)", "plain"),
             ("C", "TensorRT-LLM v1.0 trtllm-bench", "plain"),
-            ("D", "TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "named")]
+            ("D", "TensorRT-LLM 1.2.0rc1 (trtllm-serve)", "named"),
+            # the C++ runtime's profile computes prompts whole (its executor's default), but
+            # trtllm-bench chunks on either backend unless told not to
+            ("E", "TensorRT-LLM 0.17.0 trtllm-bench", "plain"),
+            ("F", "TensorRT-LLM 0.17.0 trtllm-bench --disable_chunked_context", "plain"),
+            ("G", "TensorRT-LLM 0.17.0", "plain"),
+            ("H", "TensorRT-LLM v1.0 trtllm-bench (PyTorch; --disable_chunked_context)", "plain")]
     (tmp_path / "published.csv").write_text(head + "".join(
         f"{i},{e},median TTFT (ms),45,scenarios/{f}.toml\n" for i, e, f in rows))
     sc = {p.id: point_scenario(p) for p in load_points(tmp_path)}
-    assert {i: s.engine.preset for i, s in sc.items()} == dict.fromkeys("ABCD",
-                                                                       "tensorrt-llm-pytorch")
+    assert {i: s.engine.preset for i, s in sc.items()} == {
+        **dict.fromkeys("ABCDH", "tensorrt-llm-pytorch"), **dict.fromkeys("EFG", "tensorrt-llm")}
     assert {i: s.engine.chunked_prefill for i, s in sc.items()} == {
-        "A": False, "B": True, "C": True, "D": True}
+        "A": False, "B": True, "C": True, "D": True, "E": True, "F": False, "G": False,
+        "H": False}
 
 
 def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
