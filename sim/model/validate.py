@@ -316,21 +316,40 @@ def load_points(spec: str | Path) -> list[Point]:
     return out
 
 
+# TensorRT-LLM's programs, and a column's words on chunking (turned off first: "enable_chunked_
+# prefill: false" says off)
+TRT_BENCH = re.compile(r"trtllm[_ -]bench")
+TRT_SERVE = re.compile(r"trtllm[_ -]serve")
+CHUNKING_OFF = re.compile(r"disable[_ -]chunked|\bnon?[_ -]?(?:enable[_ -])?chunked"
+                          r"|chunked[\w -]{0,20}?\b(?:off|disabled|false)\b"
+                          r"|enable[_ -]chunked[_ -](?:prefill|context)\W{0,3}[=:]\s*false")
+CHUNKING_ON = re.compile(r"enable[_ -]chunked[_ -](?:prefill|context)"
+                         r"|chunked[\w -]{0,20}?\b(?:on|enabled|true)\b")
+
+
 def engine_settings_for(engine: str) -> list[str]:
     """What a publication's engine column says of the engine beyond its profile, as overrides.
-    Whether TensorRT-LLM chunks its prompts is the program's default, not the runtime's:
-    `trtllm-serve` computes a prompt whole unless `--enable_chunked_prefill` is given (its LLM
-    API's default), where the PyTorch backend's profile chunks; `trtllm-bench` chunks
-    (`--enable_chunked_context/--disable_chunked_context`, on by default) on either backend,
-    where the C++ runtime's profile, as its executor and Triton's backend, does not. (Computed
-    whole, a prompt as long as the step's token budget waits until no decode is left beside
-    it: every request of a 2,048/2,048 table would run alone.)"""
+    Whether TensorRT-LLM chunks its prompts is the program's default, not the runtime's, so a
+    row naming one of its programs sets it on either profile: `trtllm-bench` chunks
+    (`--enable_chunked_context/--disable_chunked_context`, on by default), where the C++
+    runtime's profile, as its executor and Triton's backend, does not; `trtllm-serve` computes
+    a prompt whole (its LLM API's `enable_chunked_prefill` default), where the PyTorch backend's
+    profile chunks. What the column says of chunking (`--enable_chunked_prefill`,
+    `--disable_chunked_context`, "chunked context off", ...) overrides the program's default; a
+    row naming both programs, or neither, keeps its profile's. (Computed whole, a prompt as long
+    as the step's token budget waits until no decode is left beside it: every request of a
+    2,048/2,048 table under a 2,048-token budget would run alone.)"""
     t = engine.lower()
-    if "chunked" in t:
-        return ["engine.chunked_prefill=false"] if "disable_chunked" in t else []
-    if "trtllm-serve" in t:
+    bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
+    if not (bench or serve):
+        return []
+    if CHUNKING_OFF.search(t):
         return ["engine.chunked_prefill=false"]
-    return ["engine.chunked_prefill=true"] if "trtllm-bench" in t else []
+    if CHUNKING_ON.search(t):
+        return ["engine.chunked_prefill=true"]
+    if bench == serve:
+        return []
+    return [f"engine.chunked_prefill={'true' if bench else 'false'}"]
 
 
 def point_scenario(point: Point, engine: str | None = None, overrides: list[str] | None = None):

@@ -8,8 +8,8 @@ from sim.engine.frontend import TERMS
 from sim.inputs.scenario import BUNDLED_DIR
 from sim.model import presets
 from sim.model import profiles as P
-from sim.model.validate import (Metric, engine_preset_for, load_points, parse_metric,
-                                 point_scenario, run_point)
+from sim.model.validate import (Metric, engine_preset_for, engine_settings_for, load_points,
+                                 parse_metric, point_scenario, run_point)
 from tui.cli import main
 
 POINTS = BUNDLED_DIR / "fidelity"
@@ -198,15 +198,37 @@ def test_trtllm_rows_chunk_prompts_as_their_program_does(tmp_path):
             ("E", "TensorRT-LLM 0.17.0 trtllm-bench", "plain"),
             ("F", "TensorRT-LLM 0.17.0 trtllm-bench --disable_chunked_context", "plain"),
             ("G", "TensorRT-LLM 0.17.0", "plain"),
-            ("H", "TensorRT-LLM v1.0 trtllm-bench (PyTorch; --disable_chunked_context)", "plain")]
+            ("H", "TensorRT-LLM v1.0 trtllm-bench (PyTorch; --disable_chunked_context)", "plain"),
+            ("I", "TensorRT-LLM 0.19.0 trtllm-serve --enable_chunked_prefill", "plain"),
+            ("J", "TensorRT-LLM 0.17.0 trtllm-bench --enable_chunked_context", "plain")]
     (tmp_path / "published.csv").write_text(head + "".join(
         f"{i},{e},median TTFT (ms),45,scenarios/{f}.toml\n" for i, e, f in rows))
     sc = {p.id: point_scenario(p) for p in load_points(tmp_path)}
     assert {i: s.engine.preset for i, s in sc.items()} == {
-        **dict.fromkeys("ABCDH", "tensorrt-llm-pytorch"), **dict.fromkeys("EFG", "tensorrt-llm")}
+        **dict.fromkeys("ABCDH", "tensorrt-llm-pytorch"), **dict.fromkeys("EFGIJ", "tensorrt-llm")}
     assert {i: s.engine.chunked_prefill for i, s in sc.items()} == {
         "A": False, "B": True, "C": True, "D": True, "E": True, "F": False, "G": False,
-        "H": False}
+        "H": False, "I": True, "J": True}
+
+
+@pytest.mark.parametrize("engine,chunked", [
+    # what the column says of chunking overrides the program's default, however worded
+    ("TensorRT-LLM 1.0 trtllm-serve (chunked prefill off)", False),
+    ("TensorRT-LLM 1.0 trtllm-serve, enable_chunked_prefill: false", False),
+    ("TensorRT-LLM v1.0 trtllm-bench --enable_chunked_context=False", False),
+    ("TensorRT-LLM v1.0 trtllm-bench, chunked context disabled", False),
+    ("trtllm-serve, no chunked prefill", False),
+    ("TensorRT-LLM 0.17.0 trtllm-bench (chunked context on)", True),
+    ("TensorRT-LLM trtllm_bench", True),
+    # neither program named, or both: the profile's own
+    ("SGLang 0.4 --disable_chunked_prefix_cache", None),
+    ("vLLM 0.6 --no-enable-chunked-prefill", None),
+    ("TensorRT-LLM 0.17.0", None),
+    ("trtllm-serve, then trtllm-bench", None),
+])
+def test_a_trtllm_rows_words_on_chunking_override_its_programs_default(engine, chunked):
+    want = [] if chunked is None else [f"engine.chunked_prefill={str(chunked).lower()}"]
+    assert engine_settings_for(engine) == want
 
 
 def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
