@@ -224,6 +224,10 @@ class EngineConfig:
                                       "for the slowest GPU and the gap around the call")
     allreduce_efficiency: float = _f(_ENGINE["allreduce_efficiency"], gt=0, max=1,
                                      doc="all-reduce: achieved / interconnect bandwidth")
+    allreduce_efficiency_pcie: float = _f(_ENGINE["allreduce_efficiency_pcie"], min=0, max=1,
+                                          doc="the same between GPUs linked by PCIe only, "
+                                              "where allreduce_latency_pcie_us applies (0: "
+                                              "allreduce_efficiency)")
     moe_gemm_efficiency: float = _f(_ENGINE["moe_gemm_efficiency"], gt=0, max=1,
                                     doc="mixtures of experts: the grouped GEMMs of the routed "
                                         "experts (FLOP/s and weight streaming), achieved / "
@@ -978,6 +982,7 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
                      "gqa_shared_kv_group": 0,
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
+                     "allreduce_efficiency_pcie": 0.0,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
                      "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out

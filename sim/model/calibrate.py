@@ -274,10 +274,11 @@ def fit_kernels(rows: list[Row], scenario, path) -> Fit:
         y = np.array([r.seconds for r in ar])
         latency, per_byte = _line(x, y, path, ar, "bytes")
         link = scenario.hardware.interconnect_gbps * 1e9
-        if per_byte > 0 and link > 0:
-            coeffs["allreduce_efficiency"] = float(min(1.0, 1.0 / (per_byte * link)))
-        # (the latency of the GPUs' link: PCIe's where that is all they have)
+        # (the latency and bandwidth of the GPUs' link: PCIe's where that is all they have)
         pcie = nccl_over_pcie(scenario.hardware, scenario.engine)
+        if per_byte > 0 and link > 0:
+            coeffs["allreduce_efficiency_pcie" if pcie else "allreduce_efficiency"] = float(
+                min(1.0, 1.0 / (per_byte * link)))
         coeffs["allreduce_latency_pcie_us" if pcie else "allreduce_latency_us"] = latency * 1e6
         # (the measured line, whichever kernel ran, stands for every size: no one-shot apart)
         coeffs["custom_allreduce_us"] = 0.0

@@ -76,8 +76,8 @@ c = 0 (no custom kernel) leaves NCCL for every size. a, c and e_n are measured c
 figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's time beyond its
 kernel (the wait for the slowest GPU, the gap around the call), is fitted. GPUs linked by PCIe
 only (`pcie_only`: a link no faster than PCIe 5.0) take NCCL at its PCIe latency (a =
-`allreduce_latency_pcie_us`), and the one-shot only on up to `custom_allreduce_pcie_gpus` of
-them (else c = 0).
+`allreduce_latency_pcie_us`) and bandwidth (e_n = `allreduce_efficiency_pcie`), and the
+one-shot only on up to `custom_allreduce_pcie_gpus` of them (else c = 0).
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -293,11 +293,11 @@ class CostModel:
             and (group == 0 or nh == group * nkv)
         self._kv_read = self._kv * (1.0 if shared or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
-        link = h.interconnect_gbps * 1e9 * e.allreduce_efficiency
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
-        # GPUs linked by PCIe only: NCCL at its PCIe latency, the one-shot kernel on at most
-        # custom_allreduce_pcie_gpus of them
+        # GPUs linked by PCIe only: NCCL at its PCIe latency and bandwidth, the one-shot kernel
+        # on at most custom_allreduce_pcie_gpus of them
         pcie = nccl_over_pcie(h, e)
+        link = h.interconnect_gbps * 1e9 * allreduce_efficiency(e, pcie)
         self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
         one_shot = not pcie or tp <= e.custom_allreduce_pcie_gpus
         self._custom_us = e.custom_allreduce_us if one_shot else 0.0
@@ -570,6 +570,13 @@ def pcie_only(h) -> bool:
     """The GPUs talk over PCIe only: their link to each other no faster than PCIe 5.0 x16
     (`presets.PCIE_MAX_GBPS`; NVLink and Infinity Fabric links are several times that)."""
     return 0 < h.interconnect_gbps <= PCIE_MAX_GBPS
+
+
+def allreduce_efficiency(e, pcie: bool) -> float:
+    """The share of the link's bandwidth an all-reduce's bytes move at: PCIe's where the GPUs
+    have only that (`nccl_over_pcie`) and the engine gives one, else the interconnect's."""
+    return e.allreduce_efficiency_pcie if pcie and e.allreduce_efficiency_pcie > 0 \
+        else e.allreduce_efficiency
 
 
 def nccl_over_pcie(h, e) -> bool:

@@ -151,8 +151,13 @@ DEQUANT = 8.0 / 128.0
 # NVLink. vLLM's one-shot kernel (and SGLang's, taken from it) does run on two PCIe GPUs, over
 # their peer-to-peer link (`custom_all_reduce.py`: more than two need full NVLink);
 # TensorRT-LLM's not at all (TRT_NVLINK).
+# Over PCIe the ring's bytes move at about half the link's bandwidth, for the host's PCIe
+# root complex or switches carry every GPU's flow both ways: NCCL's `all_reduce_perf` on eight
+# RTX 5090s (PCIe 5.0 x16, 64 GB/s each way) peaked at a bus bandwidth of 28 GB/s on eight GPUs
+# and 35 on four (https://github.com/NVIDIA/nccl/issues/1639), 0.44 and 0.55 of the link: 0.5.
 COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7,
-                   allreduce_latency_pcie_us=45.0, custom_allreduce_pcie_gpus=2)
+                   allreduce_latency_pcie_us=45.0, custom_allreduce_pcie_gpus=2,
+                   allreduce_efficiency_pcie=0.5)
 TRT_NVLINK = dict(custom_allreduce_pcie_gpus=0)
 
 # TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and

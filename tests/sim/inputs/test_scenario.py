@@ -330,6 +330,18 @@ def test_engine_profile_from_a_calibrated_file(tmp_path):
     assert (then._nccl_us, then._custom_us, then._kv_read) == (
         as_nvlink._nccl_us, as_nvlink._custom_us, as_nvlink._kv_read) == (18.0, 6.0, then._kv)
     assert now._nccl_us == 45.0 and now._kv_read > now._kv  # (what the keys now change)
+    # one written after the PCIe latency but before its own bandwidth share moves PCIe GPUs'
+    # all-reduce bytes at allreduce_efficiency, as it did
+    before = {k: v for k, v in ENGINES["tensorrt-llm-0.9"].items()
+              if k != "allreduce_efficiency_pcie"}
+    (tmp_path / "mine.toml").write_text('[engine]\npreset = "tensorrt-llm-0.9"\n' + "".join(
+        f"{k} = {str(v).lower()}\n" for k, v in before.items()))
+    assert load_scenario(path).engine.allreduce_efficiency_pcie == 0.0
+    old = CostModel(load_scenario(path, l40s))
+    at_share = CostModel(load_scenario(path, l40s + [
+        f"engine.allreduce_efficiency_pcie={before['allreduce_efficiency']}"]))
+    current = CostModel(load_scenario(path, l40s + ["engine.allreduce_efficiency_pcie=0.5"]))
+    assert old._nccl_us == 45.0 and old._ar_b1 == at_share._ar_b1 < current._ar_b1
 
 
 def test_a_scenario_nested_too_deeply_is_one_line(tmp_path):

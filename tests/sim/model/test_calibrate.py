@@ -329,8 +329,8 @@ def test_a_recorded_engine_is_freed_by_reference_counting_alone():
 
 
 def test_all_reduce_timings_of_pcie_gpus_set_their_pcie_latency(tmp_path):
-    """On GPUs linked by PCIe only the measured line's latency is the PCIe one, which is what
-    their all-reduces take; the NVLink figure is left as it was."""
+    """On GPUs linked by PCIe only the measured line's latency and bandwidth are the PCIe ones,
+    which is what their all-reduces take; the NVLink figures are left as they were."""
     lines = ["kind,batch,context,tokens,bytes,gpus,time_ms"]
     for size in (1e3, 1e5, 1e6, 1e7):
         lines.append(f"allreduce,,,,{size:g},4,{(50e-6 + 1.5 * size / 20e9) * 1e3!r}")
@@ -340,10 +340,15 @@ def test_all_reduce_timings_of_pcie_gpus_set_their_pcie_latency(tmp_path):
     c = fit_kernels(read_kernel_csv(path), l40s, path).coeffs
     assert c["allreduce_latency_pcie_us"] == pytest.approx(50.0, rel=0.01)
     assert "allreduce_latency_us" not in c
+    # and the bytes' share of the link is PCIe's: 20 GB/s of the L40S's 32
+    assert c["allreduce_efficiency_pcie"] == pytest.approx(20 / 32, rel=0.01)
+    assert "allreduce_efficiency" not in c
     h100 = load_scenario("chat", ["model.tensor_parallel=4"])
     c = fit_kernels(read_kernel_csv(path), h100, path).coeffs
     assert c["allreduce_latency_us"] == pytest.approx(50.0, rel=0.01)
     assert "allreduce_latency_pcie_us" not in c
+    assert c["allreduce_efficiency"] == pytest.approx(20 / 450, rel=0.01)
+    assert "allreduce_efficiency_pcie" not in c
 
 
 def test_a_replay_leaves_its_record_as_it_was():

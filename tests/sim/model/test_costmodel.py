@@ -282,28 +282,38 @@ def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
 
 def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
     """An L40S has no NVLink (its GPU link is no faster than PCIe 5.0): no one-shot kernel,
-    NCCL for every size at `allreduce_latency_pcie_us`; an H100's keep the one-shot. The same
-    L40S with the PCIe latency at 0 is costed as NVLink GPUs were (an older log's replay)."""
+    NCCL for every size at `allreduce_latency_pcie_us` and `allreduce_efficiency_pcie` of the
+    link; an H100's keep the one-shot and `allreduce_efficiency`. The same L40S with the PCIe
+    latency at 0 is costed as NVLink GPUs were (an older log's replay), and with the PCIe
+    efficiency at 0 its bytes move at `allreduce_efficiency` (a log from before it existed)."""
     from sim.model.costmodel import pcie_only
 
     base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=4", *BARE,
             "engine.allreduce_efficiency=0.7", "engine.custom_allreduce_us=6",
-            "engine.allreduce_latency_us=18", "engine.allreduce_sync_us=0")
+            "engine.allreduce_latency_us=18", "engine.allreduce_sync_us=0",
+            "engine.allreduce_efficiency_pcie=0.5")
     l40s = ("hardware.preset=\"l40s\"", "model.dtype_bytes=1")
     pcie = model(*base, *l40s, "engine.allreduce_latency_pcie_us=45")
     as_nvlink = model(*base, *l40s, "engine.allreduce_latency_pcie_us=0")
+    pcie_at_nvlink_share = model(*base, *l40s, "engine.allreduce_latency_pcie_us=45",
+                                 "engine.allreduce_efficiency_pcie=0")
     assert pcie_only(load_scenario("chat", list(l40s)).hardware)
     assert not pcie_only(load_scenario("chat", []).hardware)  # an H100: NVLink
     # a GH200's host link (NVLink-C2C) is as fast as its GPU link: still NVLink between GPUs
     assert not pcie_only(load_scenario("chat", ['hardware.preset="gh200"']).hardware)
-    link, row = 32e9 * 0.7, 8192 * 2
+    link, pcie_link, row = 32e9 * 0.7, 32e9 * 0.5, 8192 * 2
     for rows in (1, 8):  # one row: the one-shot was the faster; eight: the two-shot
         ring = 1.5 * rows * row / link
         nvlink = min(6e-6 + 3 * rows * row / link, 12e-6 + ring)
         assert decode(pcie, rows, 100) - decode(as_nvlink, rows, 100) == pytest.approx(
-            160 * (45e-6 + ring - nvlink))
-    # every size on the ring: a prefill's all-reduces are NCCL's at 45 us, not the two-shot's 12
-    assert prefill(pcie, 4096) - prefill(as_nvlink, 4096) == pytest.approx(160 * (45e-6 - 12e-6))
+            160 * (45e-6 + 1.5 * rows * row / pcie_link - nvlink))
+        assert decode(pcie_at_nvlink_share, rows, 100) - decode(as_nvlink, rows, 100) == \
+            pytest.approx(160 * (45e-6 + ring - nvlink))
+    # every size on the ring: a prefill's all-reduces are NCCL's at 45 us, not the two-shot's
+    # 12, and their bytes at PCIe's share of the link
+    ring, pcie_ring = 1.5 * 4096 * row / link, 1.5 * 4096 * row / pcie_link
+    assert prefill(pcie, 4096) - prefill(as_nvlink, 4096) == pytest.approx(
+        160 * (45e-6 + pcie_ring - 12e-6 - ring))
     # vLLM's one-shot kernel still runs on two PCIe GPUs (over their peer-to-peer link), not on
     # four; TensorRT-LLM's on none
     for gpus, tp, kept in ((2, 2, True), (2, 4, False), (0, 2, False)):
