@@ -318,6 +318,15 @@ V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=1.1,
 # PyTorch backend) on its one such run (Qwen3-32B-FP8 on an H100, chunked prefill on: G12,
 # 0.999); the same server over the C++ runtime (`tensorrt-llm`) takes it too.
 SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
+# Triton's TensorRT-LLM backend in front of the C++ runtime (its ensemble: a Python model
+# tokenising, the engine, a Python model detokenising, behind Triton's HTTP/gRPC server), which
+# a publication's engine column names (sim.model.validate.engine_settings_for): tokenisation at
+# the HuggingFace tokenizers' rate as the others', and a time per request fitted on the
+# lightest-load TTFT rows of TensorRT-LLM 0.14's online-serving table (perf-overview.md, Llama
+# 3.1 8B on one H100 and 70B on four, 467 in, 256 out, 2 req/s: O13 and O1, 0.75 and 0.90
+# without it), to 0.1 ms the value that brings both closest (1.000 and 0.996); its other 94
+# rows are held out.
+TRITON_FRONTEND = dict(frontend_request_us=5300.0, frontend_prompt_token_us=1.1)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from sim.errors import ServesimError, shown
+from sim.model import presets
 from sim.deploy.build import build
 from sim.fileio import csv_rows, read_input_text, reason, save_figure, toml_loads
 from sim.gcpause import collect_frozen
@@ -316,6 +317,8 @@ def load_points(spec: str | Path) -> list[Point]:
     return out
 
 
+# Triton Inference Server (not OpenAI Triton's kernels)
+TRITON = re.compile(r"\btriton\b(?! ?(?:moe|kernels?|attention))")
 # TensorRT-LLM's programs, and a column's words on chunking (turned off first: "enable_chunked_
 # prefill: false" says off)
 TRT_BENCH = re.compile(r"trtllm[_ -]bench")
@@ -338,18 +341,24 @@ def engine_settings_for(engine: str) -> list[str]:
     `--disable_chunked_context`, "chunked context off", ...) overrides the program's default; a
     row naming both programs, or neither, keeps its profile's. (Computed whole, a prompt as long
     as the step's token budget waits until no decode is left beside it: every request of a
-    2,048/2,048 table under a 2,048-token budget would run alone.)"""
+    2,048/2,048 table under a 2,048-token budget would run alone.) A TensorRT-LLM row served
+    through Triton's TensorRT-LLM backend (Triton named beside TensorRT-LLM) takes that server's
+    API terms (`presets.TRITON_FRONTEND`), which the profiles, also driven without a server
+    (`trtllm-bench`, NIM's own), leave out."""
     t = engine.lower()
+    out = []
+    if re.search(TRT_NAME, t) and TRITON.search(t):
+        out += [f"engine.{k}={v!r}" for k, v in presets.TRITON_FRONTEND.items()]
     bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
     if not (bench or serve):
-        return []
+        return out
     if CHUNKING_OFF.search(t):
-        return ["engine.chunked_prefill=false"]
+        return out + ["engine.chunked_prefill=false"]
     if CHUNKING_ON.search(t):
-        return ["engine.chunked_prefill=true"]
+        return out + ["engine.chunked_prefill=true"]
     if bench == serve:
-        return []
-    return [f"engine.chunked_prefill={'true' if bench else 'false'}"]
+        return out
+    return out + [f"engine.chunked_prefill={'true' if bench else 'false'}"]
 
 
 def point_scenario(point: Point, engine: str | None = None, overrides: list[str] | None = None):

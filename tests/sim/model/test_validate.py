@@ -231,6 +231,27 @@ def test_a_trtllm_rows_words_on_chunking_override_its_programs_default(engine, c
     assert engine_settings_for(engine) == want
 
 
+def test_a_tensorrt_llm_row_behind_triton_takes_its_api_terms():
+    # Triton's TensorRT-LLM backend is an API server in front of the runtime: its row's TTFT
+    # includes Triton's time per request, which trtllm-bench's and OpenAI Triton's do not
+    triton = [f"engine.{k}={v!r}" for k, v in presets.TRITON_FRONTEND.items()]
+    assert presets.TRITON_FRONTEND["frontend_request_us"] > 0
+    assert engine_settings_for("TensorRT-LLM 0.14 (Triton TensorRT-LLM backend)") == triton
+    assert engine_settings_for("Triton 24.05 with TensorRT-LLM 0.9.0") == triton
+    for other in ("TensorRT-LLM 1.1 (Triton MoE kernels)", "TensorRT-LLM 0.17 trtllm-bench",
+                  "vLLM 0.6 on Triton", "NVIDIA NIM 1.8.0"):
+        assert not any("frontend" in o for o in engine_settings_for(other)), other
+    pts = {p.id: p for p in load_points(POINTS) if p.id in ("O13", "O61")}
+    sc = point_scenario(pts["O13"])
+    assert sc.engine.preset == "tensorrt-llm"
+    assert sc.engine.frontend_request_us == presets.TRITON_FRONTEND["frontend_request_us"]
+    # the server's time is in the client's TTFT, not the engine's
+    run = run_point(pts["O13"])
+    assert run["predicted"] == pytest.approx(23.0, rel=0.02)
+    bare = run_point(pts["O13"], overrides=["engine.frontend_request_us=0"])
+    assert run["predicted"] - bare["predicted"] == pytest.approx(5.3, rel=0.05)
+
+
 def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
     """Rows of one table share one scenario, each setting its own users and lengths: the
     `set` column's overrides apply to that row alone, before the command line's."""
