@@ -226,8 +226,9 @@ class EngineConfig:
                                      doc="all-reduce: achieved / interconnect bandwidth")
     allreduce_efficiency_pcie: float = _f(_ENGINE["allreduce_efficiency_pcie"], min=0, max=1,
                                           doc="the same between GPUs linked by PCIe only, "
-                                              "where allreduce_latency_pcie_us applies (0: "
-                                              "allreduce_efficiency)")
+                                              "where allreduce_latency_pcie_us applies (NCCL's "
+                                              "ring, and a one-shot kernel over their "
+                                              "peer-to-peer link; 0: allreduce_efficiency)")
     moe_gemm_efficiency: float = _f(_ENGINE["moe_gemm_efficiency"], gt=0, max=1,
                                     doc="mixtures of experts: the grouped GEMMs of the routed "
                                         "experts (FLOP/s and weight streaming), achieved / "

@@ -139,12 +139,14 @@ TRT_LLM = r"tensorrt[ _-]?llm|trt[ _-]?llm"  # TensorRT-LLM by its own name (its
 TRT_NAME = rf"{TRT_LLM}|tensorrt"  # how a publication names it (a bare "TensorRT" too)
 # Its version: the one right after its own name
 TRT_LLM_VERSION = re.compile(rf"(?:{TRT_LLM})\W{{0,3}}v?(\d+)\.(\d+)")
+# Triton Inference Server (not OpenAI Triton's kernels)
+TRITON = re.compile(r"tritonserver|triton[_ -]?(?:inference|server|backend)"
+                    r"|\btriton\b(?![_ -]?(?:moe|kernels?|attention|compiled))")
 # TensorRT-LLM's C++ runtime named: its TensorRT engines and backend, their benchmarks, or
-# Triton's TensorRT-LLM backend, which drives that runtime (not OpenAI Triton's kernels)
+# Triton's TensorRT-LLM backend, which drives that runtime
 TRT_CPP = re.compile(r"c\+\+|\bcpp\b|backend\W*(?:tensorrt|trt)\b"
                      r"|\b(?:tensorrt|trt) (?:engine|backend)"
-                     r"|trtllm-build|gpt(?:manager|session)benchmark"
-                     r"|\btriton\b(?! ?(?:moe|kernels?|attention))")
+                     r"|trtllm-build|gpt(?:manager|session)benchmark|" + TRITON.pattern)
 # A NIM's version: after its name and words such as "for LLMs" or "version", dotted unless
 # "v", "version" or "release" says it is one ("NIM, 2 x H100" names none)
 NIM_VERSION = re.compile(r"\bnim\b(?:[\s:,(-]+(?:for|llms?|large|language|models))*[\s:,(-]+"
@@ -317,8 +319,6 @@ def load_points(spec: str | Path) -> list[Point]:
     return out
 
 
-# Triton Inference Server (not OpenAI Triton's kernels)
-TRITON = re.compile(r"\btriton\b(?! ?(?:moe|kernels?|attention))")
 # TensorRT-LLM's programs, and a column's words on chunking (turned off first: "enable_chunked_
 # prefill: false" says off)
 TRT_BENCH = re.compile(r"trtllm[_ -]bench")
@@ -347,7 +347,8 @@ def engine_settings_for(engine: str) -> list[str]:
     (`trtllm-bench`, NIM's own), leave out."""
     t = engine.lower()
     out = []
-    if re.search(TRT_NAME, t) and TRITON.search(t):
+    # (not a NIM's: its profile's serial host time was fitted on runs through its own server)
+    if re.search(TRT_NAME, t) and TRITON.search(t) and engine_preset_for(engine) != "nim":
         out += [f"engine.{k}={v!r}" for k, v in presets.TRITON_FRONTEND.items()]
     bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
     if not (bench or serve):

@@ -238,8 +238,11 @@ def test_a_tensorrt_llm_row_behind_triton_takes_its_api_terms():
     assert presets.TRITON_FRONTEND["frontend_request_us"] > 0
     assert engine_settings_for("TensorRT-LLM 0.14 (Triton TensorRT-LLM backend)") == triton
     assert engine_settings_for("Triton 24.05 with TensorRT-LLM 0.9.0") == triton
+    assert engine_settings_for("TensorRT-LLM 0.12 via tritonserver") == triton
+    assert engine_settings_for("TensorRT-LLM; triton_backend 24.08") == triton
     for other in ("TensorRT-LLM 1.1 (Triton MoE kernels)", "TensorRT-LLM 0.17 trtllm-bench",
-                  "vLLM 0.6 on Triton", "NVIDIA NIM 1.8.0"):
+                  "vLLM 0.6 on Triton", "NVIDIA NIM 1.8.0", "TensorRT-LLM triton-moe",
+                  "TensorRT-LLM (Triton-kernel attention)", "NVIDIA NIM 1.0 (TensorRT-LLM on Triton)"):
         assert not any("frontend" in o for o in engine_settings_for(other)), other
     pts = {p.id: p for p in load_points(POINTS) if p.id in ("O13", "O61")}
     sc = point_scenario(pts["O13"])
