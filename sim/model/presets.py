@@ -193,6 +193,10 @@ _KERNELS = dict(
     # (the third stage's terms: `validate --fit`'s own values, sim/README.md)
     moe_gemm_efficiency=0.4305, moe_comm_efficiency=0.4907, fp4_gemm_efficiency=0.2507,
 ) | COLLECTIVES
+# An API server's tokenisation (sim.engine.frontend), us per prompt token: the HuggingFace
+# tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about 1M tokens
+# (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a Bottleneck").
+HF_TOKENIZE_US = 1.1
 # No API server in front (sim.engine.frontend): the engine's times are the client's.
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_output_token_us=0.0, frontend_chat_request_us=0.0,
@@ -228,15 +232,15 @@ ENGINES: dict[str, dict] = {
     "vllm-0.6-multistep": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7751,
                                kv_bandwidth_efficiency=0.7231,
                                cpu_base_us=3312.0, cpu_per_seq_us=6.078)
-    | dict(num_scheduler_steps=10, frontend_request_us=6800.0, frontend_prompt_token_us=1.1),
+    | dict(num_scheduler_steps=10, frontend_request_us=6800.0,
+           frontend_prompt_token_us=HF_TOKENIZE_US),
     # SGLang 0.3 (no overlap scheduler yet). Its front end (sim.engine.frontend): tokenisation
-    # at the HuggingFace tokenizers' rate for one sequence, 1.1 s for a 4 MB document of about
-    # 1M tokens (https://charlesxu.io/parallel-tokenizer, "The Long Context Revolution Has a
-    # Bottleneck"); the time per request fitted on V5, its only light-load TTFT row (the value,
+    # at the HuggingFace tokenizers' rate for one sequence (HF_TOKENIZE_US); the time per request
+    # fitted on V5, its only light-load TTFT row (the value,
     # to 0.1 ms, that brings V5's median TTFT to the published 31.98 ms: 31.99).
     "sglang-0.3": dict(_KERNELS, **_ONE_STEP, gemm_efficiency=0.7675, kv_bandwidth_efficiency=0.711,
                        cpu_base_us=2332.0, cpu_per_seq_us=47.95)
-    | dict(frontend_request_us=6800.0, frontend_prompt_token_us=1.1),
+    | dict(frontend_request_us=6800.0, frontend_prompt_token_us=HF_TOKENIZE_US),
 }
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # DERIVED below and sim.model.profiles.RATIOS say how).
@@ -309,7 +313,7 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 # out. vLLM's API server takes in requests and streams tokens in one event loop
 # (`frontend_one_loop`): in that burst the median TTFT, 18.1 s, sits near the end of the 22.7 s
 # run, as the loop's intake holds back every first token.
-V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=1.1,
+V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=HF_TOKENIZE_US,
                    frontend_output_token_us=65.0, frontend_chat_request_us=22400.0,
                    frontend_one_loop=True)
 # SGLang 0.5's chat requests, fitted as vLLM's on the same lab's SGLang run (Qwen3-14B-FP8 on an
@@ -326,7 +330,7 @@ SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
 # 3.1 8B on one H100 and 70B on four, 467 in, 256 out, 2 req/s: O13 and O1, 0.75 and 0.90
 # without it), to 0.1 ms the value that brings both closest (1.000 and 0.996); its other 94
 # rows are held out.
-TRITON_FRONTEND = dict(frontend_request_us=5300.0, frontend_prompt_token_us=1.1)
+TRITON_FRONTEND = dict(frontend_request_us=5300.0, frontend_prompt_token_us=HF_TOKENIZE_US)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
