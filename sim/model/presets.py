@@ -322,25 +322,29 @@ V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=HF_TOKE
 # PyTorch backend) on its one such run (Qwen3-32B-FP8 on an H100, chunked prefill on: G12,
 # 0.999); the same server over the C++ runtime (`tensorrt-llm`) takes it too.
 SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
-# Triton's TensorRT-LLM backend in front of the C++ runtime (its ensemble: a Python model
+# Triton's TensorRT-LLM backend in front of the runtime (its ensemble: a Python model
 # tokenising, the engine, a Python model detokenising, behind Triton's HTTP/gRPC server), which
 # a publication's engine column names (sim.model.validate.engine_settings_for), fitted on
 # TensorRT-LLM 0.14's online-serving table (perf-overview.md: Llama 3.1 8B on one H100 and 70B
-# on four, 467 in and 256 out, or 467 / 16, or 202 / 214, at 2-16 req/s). Tokenisation at the
-# HuggingFace tokenizers' rate as the others'. Each step's host time per sequence, as in NIM's
-# profile (TRT_SERVING), is serial with the GPU: the
-# table's inter-token latency grows with the load faster than the GPU's time (70B on four H100s
-# at 16 req/s: 66 ms, 53 with the executor's host time overlapped), the same on both models and
-# both GPUs, while at 2 req/s it sits on the GPU's time (a serial time per step would show
-# there: none is kept). Where that time goes (the backend's responses, the ensemble's Python
-# detokenising of each streamed token) the rows do not say. Its time per sequence, on a grid of
-# 2.5 us, the value that brings the highest-load ITL rows of H100s closest (O52 and O64, 70B and
-# 8B at 16 req/s: 0.967 and 1.038; 0.80 and 0.87 without it); then the time per request, to
-# 0.1 ms, that brings the lightest-load TTFT rows closest (O1 and O13, the two models at 2 req/s:
-# 0.996 and 1.003; 0.75 and 0.90 without either term). The other 92 rows, the H200's all, are
-# held out.
-TRITON_BACKEND = dict(frontend_request_us=5000.0, frontend_prompt_token_us=HF_TOKENIZE_US,
-                      cpu_overlap=False, cpu_base_us=0.0, cpu_per_seq_us=27.5)
+# on four, 467 in and 256 out, or 467 / 16, or 202 / 214, at 2-16 req/s).
+# Its API terms (TRITON_FRONTEND, whatever runtime is behind it): tokenisation at the
+# HuggingFace tokenizers' rate as the others', and a time per request, to 0.1 ms the value that
+# brings the lightest-load TTFT rows closest (O1 and O13, the two models at 2 req/s: 0.996 and
+# 1.003, with the host time below; 0.91 and 0.77 with neither).
+# Over the C++ executor (`tensorrt-llm`, the runtime of that table; TRITON_HOST) each step's
+# host time per sequence is serial with the GPU, as in NIM's profile (TRT_SERVING): the table's
+# inter-token latency grows with the load faster than the GPU's time (70B on four H100s at
+# 16 req/s: 66 ms, 53 with the executor's host time overlapped; seen on both models and both
+# GPUs, though the H200's 16 req/s rows stay 0.85-0.93 with it), while at 2 req/s it sits on
+# the GPU's time (a serial time per step would show there: none is kept). Where that time goes
+# (the backend's responses, the ensemble's Python detokenising of each streamed token) the rows
+# do not say. Its time per sequence, on a grid of 2.5 us, the value that makes the larger of
+# the two errors of the highest-load ITL rows of H100s smallest (O52 and O64, 70B and 8B at
+# 16 req/s: 0.967 and 1.038; 0.80 and 0.87 overlapped; 25.0 would give the smaller mean, 0.951
+# and 1.019). The other 92 rows, the H200's all, are held out. Other runtimes behind Triton
+# (0.6's, the PyTorch backend) keep their own host time: none of these rows ran on them.
+TRITON_FRONTEND = dict(frontend_request_us=5000.0, frontend_prompt_token_us=HF_TOKENIZE_US)
+TRITON_HOST = dict(cpu_overlap=False, cpu_base_us=0.0, cpu_per_seq_us=27.5)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).

@@ -343,13 +343,16 @@ def engine_settings_for(engine: str) -> list[str]:
     as the step's token budget waits until no decode is left beside it: every request of a
     2,048/2,048 table under a 2,048-token budget would run alone.) A TensorRT-LLM row served
     through Triton's TensorRT-LLM backend (Triton named beside TensorRT-LLM) takes that server's
-    API terms and its serial host time per sequence (`presets.TRITON_BACKEND`), which the
-    profiles, also driven without a server (`trtllm-bench`, NIM's own), leave out."""
+    API terms (`presets.TRITON_FRONTEND`), which the profiles, also driven without a server
+    (`trtllm-bench`, NIM's own), leave out, and over the C++ executor (`tensorrt-llm`) its
+    serial host time per sequence (`presets.TRITON_HOST`)."""
     t = engine.lower()
     out = []
     # (not a NIM's: its profile's serial host time was fitted on runs through its own server)
-    if re.search(TRT_NAME, t) and TRITON.search(t) and engine_preset_for(engine) != "nim":
-        out += [f"engine.{k}={json.dumps(v)}" for k, v in presets.TRITON_BACKEND.items()]
+    profile = engine_preset_for(engine)
+    if re.search(TRT_NAME, t) and TRITON.search(t) and profile != "nim":
+        terms = presets.TRITON_FRONTEND | (presets.TRITON_HOST if profile == "tensorrt-llm" else {})
+        out += [f"engine.{k}={json.dumps(v)}" for k, v in terms.items()]
     bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
     if not (bench or serve):
         return out
