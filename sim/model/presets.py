@@ -341,8 +341,11 @@ SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
 # do not say. Its time per sequence, on a grid of 2.5 us, the value that makes the larger of
 # the two errors of the highest-load ITL rows of H100s smallest (O52 and O64, 70B and 8B at
 # 16 req/s: 0.967 and 1.038; 0.80 and 0.87 overlapped; 25.0 would give the smaller mean, 0.951
-# and 1.019). The other 92 rows, the H200's all, are held out. Other runtimes behind Triton
-# (0.6's, the PyTorch backend) keep their own host time: none of these rows ran on them.
+# and 1.019). The other 116 rows, the H200's all and the table's 32 req/s column among them,
+# are held out; at 32 req/s the serial time makes the ITL of the 70B's 202 / 214 runs 1.35-1.41
+# (1.06-1.14 overlapped) and of the 8B's 467 / 256 runs 1.16-1.34 (0.69-0.84 overlapped):
+# linear in the sequences, it overshoots there. Other runtimes behind Triton (0.6's, the PyTorch
+# backend) keep their own host time: none of these rows ran on them.
 TRITON_FRONTEND = dict(frontend_request_us=5000.0, frontend_prompt_token_us=HF_TOKENIZE_US)
 TRITON_HOST = dict(cpu_overlap=False, cpu_base_us=0.0, cpu_per_seq_us=27.5)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
