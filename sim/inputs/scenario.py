@@ -158,6 +158,10 @@ class HardwareConfig:
     sm_count: int = _f(0, min=0, max=100000,
                        doc="streaming multiprocessors (compute units): how many GEMM tiles run "
                            "at once (0 = no wave factor)")
+    nvlink_sharp: int = _f(0, min=0, max=1,
+                           doc="1: the GPUs' NVLink switches reduce in the network (NVLink "
+                               "SHARP: HGX H100, H200, B200), which NCCL's all-reduce of large "
+                               "messages takes where the engine lets it (engine.allreduce_nvls)")
     flops_efficiency: float = _f(0.6, gt=0, max=1, doc="engine.preset = \"roofline\" only: "
                                                        "achieved / peak FLOP/s")
     bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="roofline only: achieved / peak "
@@ -229,6 +233,16 @@ class EngineConfig:
                                               "where allreduce_latency_pcie_us applies (NCCL's "
                                               "ring, and a one-shot kernel over their "
                                               "peer-to-peer link; 0: allreduce_efficiency)")
+    allreduce_nvls: bool = _f(_ENGINE["allreduce_nvls"],
+                              doc="NCCL may reduce in the NVLink switches (NVLS) where the "
+                                  "hardware can (hardware.nvlink_sharp): TensorRT-LLM leaves "
+                                  "NCCL's default; vLLM and SGLang turn it off")
+    nvls_latency_us: float = _f(_ENGINE["nvls_latency_us"], min=0,
+                                doc="NVLS all-reduce: fixed time of one call (its line's "
+                                    "intercept over large messages)")
+    nvls_efficiency: float = _f(_ENGINE["nvls_efficiency"], gt=0, max=1,
+                                doc="NVLS all-reduce: each GPU's bytes, sent once, over "
+                                    "hardware.interconnect_gbps times this")
     moe_gemm_efficiency: float = _f(_ENGINE["moe_gemm_efficiency"], gt=0, max=1,
                                     doc="mixtures of experts: the grouped GEMMs of the routed "
                                         "experts (FLOP/s and weight streaming), achieved / "
@@ -983,7 +997,8 @@ def engine_preset(name: str, where: str, base_dir: Path) -> dict:
 ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_min_head_dim": 0,
                      "gqa_shared_kv_group": 0,
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
-                     "allreduce_efficiency_pcie": 0.0,
+                     "allreduce_efficiency_pcie": 0.0, "allreduce_nvls": False,
+                     "nvls_latency_us": 0.0, "nvls_efficiency": 1.0,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
                      "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out

@@ -40,7 +40,8 @@ dispatch and combine's link efficiency.
     experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
     kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
-    all-red.  t_ar     = 2 L min(s + c + (tp-1) M,  s + min(2 c, a) + 2 (tp-1)/tp M)   (tp > 1)
+    all-red.  t_ar     = 2 L min(s + c + (tp-1) M,  s + min(2 c, a) + 2 (tp-1)/tp M,
+                                 s + v + T h ab / (N e_v))                         (tp > 1)
               M        = T h ab / (N e_n)       (one all-reduce's bytes over the link)
     dispatch  t_a2a    = 2 Lx (a + (r - 1) h ab T / (N e_d))                        (ep > tp)
     GPU       t_gpu    = busy + (t_layer + t_ar)
@@ -51,7 +52,7 @@ dispatch and combine's link efficiency.
 with T = Tp + D (Tp prefill tokens). `CostModel.step` is these lines, in this order (each sum
 added left to right; the constant factors folded once per model: `_blk_c` is 2 P_blocks /
 (tp F e_g), `_fixed` is t_layer plus t_a2a's latency, `_ar_tok` t_a2a's bytes per token,
-`_ar_a0 + _ar_a1 T` and `_ar_b0 + _ar_b1 T` t_ar's two lines).
+`_ar_a0 + _ar_a1 T`, `_ar_b0 + _ar_b1 T` and `_ar_c0 + _ar_c1 T` t_ar's three lines).
 
 W(T) is the wave factor: a GEMM of T rows and N output columns (on one GPU) runs as
 `ceil(T / t) ceil(N / t)` tiles of t x t (`presets.GEMM_TILE`), `sms` at a time
@@ -77,7 +78,11 @@ figures (sim.model.presets.COLLECTIVES); s = `allreduce_sync_us`, each call's ti
 kernel (the wait for the slowest GPU, the gap around the call), is fitted. GPUs linked by PCIe
 only (`pcie_only`: a link no faster than PCIe 5.0) take NCCL at its PCIe latency (a =
 `allreduce_latency_pcie_us`) and bandwidth (e_n = `allreduce_efficiency_pcie`), and the
-one-shot only on up to `custom_allreduce_pcie_gpus` of them (else c = 0).
+one-shot only on up to `custom_allreduce_pcie_gpus` of them (else c = 0). Where the switches
+reduce in the network (`hardware.nvlink_sharp`) and the engine leaves NCCL its NVLS
+(`allreduce_nvls`), the third line (v = `nvls_latency_us`, e_v = `nvls_efficiency`; none
+elsewhere): each GPU's bytes once, the switches summing them, which large messages (prefill at
+tp >= 4) take.
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -172,6 +177,8 @@ class CostModel:
     _ar_a1: float
     _ar_b0: float
     _ar_b1: float
+    _ar_c0: float
+    _ar_c1: float
     _fixed: float
     _cpu0: float
     _cpu1: float
@@ -301,7 +308,9 @@ class CostModel:
         self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
         one_shot = not pcie or tp <= e.custom_allreduce_pcie_gpus
         self._custom_us = e.custom_allreduce_us if one_shot else 0.0
-        self._allreduce_init(e, tp, shape.allreduces, hid * ab, link)
+        nvls = h.interconnect_gbps * 1e9 * e.nvls_efficiency \
+            if e.allreduce_nvls and h.nvlink_sharp and not pcie else 0.0
+        self._allreduce_init(e, tp, shape.allreduces, hid * ab, link, nvls)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix
         self._cpu0 = e.cpu_base_us * 1e-6
@@ -313,7 +322,7 @@ class CostModel:
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
             self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
             self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
-            self._ar_b1)
+            self._ar_b1, self._ar_c0, self._ar_c1)
 
     def _wave_init(self, m, h, e, inter: float, sched) -> None:
         """The wave factor's terms (the module docstring's W): a layer's four projections'
@@ -362,14 +371,20 @@ class CostModel:
         w = np.array([self.wave_factor(float(v)) for v in values], dtype=np.float64)
         return w[where].reshape(a.shape)
 
-    def _allreduce_init(self, e, tp: int, calls: int, row: float, link: float) -> None:
-        """The tensor-parallel all-reduces' coefficients (the module docstring's t_ar): two
-        lines in the step's tokens, of which a step pays the lower. `calls` is the all-reduces
-        per step, `row` the bytes one token's activations take; all 0 on one GPU."""
-        self._ar_a0 = self._ar_a1 = self._ar_b0 = self._ar_b1 = 0.0
+    def _allreduce_init(self, e, tp: int, calls: int, row: float, link: float,
+                        nvls: float) -> None:
+        """The tensor-parallel all-reduces' coefficients (the module docstring's t_ar): three
+        lines in the step's tokens, of which a step pays the lowest. `calls` is the all-reduces
+        per step, `row` the bytes one token's activations take, `nvls` the bytes/s of NCCL's
+        in-switch reduction (0: none, its line never taken); all 0 on one GPU."""
+        self._ar_a0 = self._ar_a1 = self._ar_b0 = self._ar_b1 = self._ar_c1 = 0.0
+        self._ar_c0 = math.inf
         self._ar = tp > 1
         if not self._ar:
             return
+        if nvls > 0:  # NVLS: each GPU's bytes once, reduced in the switches
+            self._ar_c0 = calls * (e.allreduce_sync_us + e.nvls_latency_us) * 1e-6
+            self._ar_c1 = calls * row / nvls
         ring = calls * 2.0 * (tp - 1) / tp * row / link if link > 0 else 0.0
         nccl = calls * self._nccl_us * 1e-6
         custom = calls * self._custom_us * 1e-6
@@ -509,7 +524,8 @@ class CostModel:
             busy = busy + _sqrt(c * c + m * m)
         fixed = self._fixed + self._ar_tok * T  # t_layer + t_a2a
         if self._ar:  # + t_ar
-            fixed = fixed + _min(self._ar_a0 + self._ar_a1 * T, self._ar_b0 + self._ar_b1 * T)
+            fixed = fixed + _min(_min(self._ar_a0 + self._ar_a1 * T, self._ar_b0 + self._ar_b1 * T),
+                                 self._ar_c0 + self._ar_c1 * T)
         t_gpu = busy + fixed
         t_cpu = self._cpu0 + self._cpu1 * num_seqs
         dur = _max(t_gpu, t_cpu) if self._overlap else t_gpu + t_cpu

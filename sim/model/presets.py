@@ -41,7 +41,7 @@ MODELS: dict[str, dict] = {
 HARDWARE: dict[str, dict] = {
     "h100-sxm": dict(memory_gb=80.0, mem_bandwidth_gbps=3350.0, peak_tflops=989.0, fp8_tflops=1979.0,
                      tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
-                     int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
+                     int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1),
     # NVIDIA H100 PCIe product brief (PB-11133-001) and data sheet: the same Hopper die with 114
     # SMs on a 350 W card, 80 GB HBM2e at 2,000 GB/s, BF16 756, FP8 and INT8 1,513 TFLOP/s
     # (the sheet's sparse figures halved); PCIe 5.0 x16. Its NVLink bridge joins two cards at
@@ -49,33 +49,35 @@ HARDWARE: dict[str, dict] = {
     # pair is `interconnect_gbps = 300`).
     "h100-pcie": dict(memory_gb=80.0, mem_bandwidth_gbps=2000.0, peak_tflops=756.0,
                       fp8_tflops=1513.0, tdp_w=350.0, idle_w=50.0, interconnect_gbps=64.0,
-                      pcie_gbps=64.0, int8_tops=1513.0, fp4_tflops=0.0, sm_count=114),
+                      pcie_gbps=64.0, int8_tops=1513.0, fp4_tflops=0.0, sm_count=114,
+                      nvlink_sharp=0),
     "h200": dict(memory_gb=141.0, mem_bandwidth_gbps=4800.0, peak_tflops=989.0, fp8_tflops=1979.0,
                  tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
-                 int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
+                 int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1),
     "a100-80gb": dict(memory_gb=80.0, mem_bandwidth_gbps=2039.0, peak_tflops=312.0, fp8_tflops=0.0,
                       tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0, pcie_gbps=32.0,
-                      int8_tops=624.0, fp4_tflops=0.0, sm_count=108),
+                      int8_tops=624.0, fp4_tflops=0.0, sm_count=108, nvlink_sharp=0),
     # The A100's 40 GB SXM part: HBM2 at 1,555 GB/s (NVIDIA A100 data sheet), the 80 GB part's
     # compute, NVLink and power.
     "a100-40gb": dict(memory_gb=40.0, mem_bandwidth_gbps=1555.0, peak_tflops=312.0,
                       fp8_tflops=0.0, tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0,
-                      pcie_gbps=32.0, int8_tops=624.0, fp4_tflops=0.0, sm_count=108),
+                      pcie_gbps=32.0, int8_tops=624.0, fp4_tflops=0.0, sm_count=108,
+                      nvlink_sharp=0),
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
-                 int8_tops=733.0, fp4_tflops=0.0, sm_count=142),
+                 int8_tops=733.0, fp4_tflops=0.0, sm_count=142, nvlink_sharp=0),
     # NVIDIA L40 data sheet: 48 GB GDDR6 at 864 GB/s; FP16 / BF16 tensor 181 TFLOP/s, FP8 and
     # INT8 362 (dense: the sheet's sparse figures halved); 300 W; PCIe Gen4 x16, no NVLink.
     "l40": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=181.0, fp8_tflops=362.0,
                 tdp_w=300.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
-                int8_tops=362.0, fp4_tflops=0.0, sm_count=142),
+                int8_tops=362.0, fp4_tflops=0.0, sm_count=142, nvlink_sharp=0),
     # NVIDIA GH200 Grace Hopper Superchip data sheet, its Hopper GPU with 96 GB of HBM3 at
     # 4 TB/s (the 144 GB HBM3e part is faster: give its sizes) and the H100 SXM's tensor peaks;
     # 700 W for the GPU module (the sheet's 450-1000 W is the superchip's range); NVLink 4 to
     # other GPUs as the H100's; NVLink-C2C to its own CPU at 450 GB/s each way (swap).
     "gh200": dict(memory_gb=96.0, mem_bandwidth_gbps=4000.0, peak_tflops=989.0,
                   fp8_tflops=1979.0, tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0,
-                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0, sm_count=132),
+                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1),
     # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
     # dense: the sheet's sparse figures halved): 180 GB HBM3e, BF16 2.25, FP8 and INT8 4.5,
     # FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together. The memory's
@@ -84,7 +86,8 @@ HARDWARE: dict[str, dict] = {
     # the HGX page's 64 TB/s for eight GPUs comes to.
     "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=7700.0, peak_tflops=2250.0,
                  fp8_tflops=4500.0, tdp_w=1000.0, idle_w=140.0, interconnect_gbps=900.0,
-                 pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0, sm_count=148),
+                 pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0, sm_count=148,
+                 nvlink_sharp=1),
     # AMD Instinct MI300X data sheet
     # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): 192 GB HBM3 at
     # 5.3 TB/s, dense matrix BF16 1307.4, FP8 and INT8 2614.9 TFLOP/s, 750 W; 7 Infinity Fabric
@@ -92,7 +95,7 @@ HARDWARE: dict[str, dict] = {
     # way). No FP4.
     "mi300x": dict(memory_gb=192.0, mem_bandwidth_gbps=5300.0, peak_tflops=1307.4,
                    fp8_tflops=2614.9, tdp_w=750.0, idle_w=140.0, interconnect_gbps=448.0,
-                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0, sm_count=304),
+                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0, sm_count=304, nvlink_sharp=0),
 }
 
 # The fastest PCIe link, 5.0 x16, per direction (GB/s): GPUs whose link to each other is no
@@ -107,9 +110,14 @@ PCIE_MAX_GBPS = 64.0
 # H100 PCIe's 114, A100 108, the L40 / L40S's AD102 142, B200 148, MI300X 304): how many GEMM
 # tiles run at once (sim.model.costmodel's wave factor).
 
+# `nvlink_sharp`: 1 where the GPUs' NVLink switches reduce in the network (NVLink SHARP, which
+# NCCL calls NVLS): the third-generation NVSwitch of HGX H100 and H200 systems (and the GH200's
+# NVLink switch), the fourth of HGX B200 (NVIDIA's NVSwitch pages). The A100's NVSwitch has no
+# in-network reduction; PCIe cards and the MI300X's Infinity Fabric have no switch of that kind.
+
 # Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type; its SMs
-# not given: no wave factor).
-OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops", "sm_count")
+# not given: no wave factor; its switches do not reduce).
+OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops", "sm_count", "nvlink_sharp")
 
 # Weight formats (`model.quantization`): bytes per weight, its scales included, and the tensor
 # cores that multiply it natively. On a GPU without them the engine's weight-only kernels
@@ -155,10 +163,24 @@ DEQUANT = 8.0 / 128.0
 # root complex or switches carry every GPU's flow both ways: NCCL's `all_reduce_perf` on eight
 # RTX 5090s (PCIe 5.0 x16, 64 GB/s each way) peaked at a bus bandwidth of 28 GB/s on eight GPUs
 # and 35 on four (https://github.com/NVIDIA/nccl/issues/1639), 0.44 and 0.55 of the link: 0.5.
+# On switches that reduce in the network (`hardware.nvlink_sharp`) NCCL's all-reduce of a large
+# message takes NVLink SHARP (NVLS): each GPU sends its bytes once and gets the sum back, in
+# place of the ring's 2 (tp - 1) / tp times the bytes. NCCL's all_reduce_perf on eight H100s
+# (the same figures in vLLM pull request #42324's pynccl column and in Mooncake pull request
+# #3484's run: 1 MiB 25-28 us, 4 MiB 50-53, 16 MiB 121, 32 MiB 195, 64 MiB 316, 128 MiB 561)
+# follows the ring's line up to 16 MiB and then a line of 71 us plus the bytes at 274 GB/s
+# (the 64 and 128 MiB points; NCCL's maintainer gives about 275 GB/s as NVLS's peak on eight
+# H100s, https://github.com/NVIDIA/nccl-tests/issues/212): 0.61 of the 450 GB/s link. An engine
+# that leaves NCCL its default takes it (`allreduce_nvls`: TensorRT-LLM); vLLM and SGLang turn
+# it off: NVLS needs NCCL's cuMem allocator, which vLLM disables (NCCL_CUMEM_ENABLE=0 in
+# vllm/env_override.py, off a multi-node NVLink domain) and SGLang too, with
+# NCCL_NVLS_ENABLE=0 unless asked (`--enable-nccl-nvls`). B200's NVLink 5 takes the same share of
+# its link (no measurement of its own).
 COLLECTIVES = dict(allreduce_latency_us=18.0, custom_allreduce_us=6.0, allreduce_efficiency=0.7,
                    allreduce_latency_pcie_us=45.0, custom_allreduce_pcie_gpus=2,
-                   allreduce_efficiency_pcie=0.5)
-TRT_NVLINK = dict(custom_allreduce_pcie_gpus=0)
+                   allreduce_efficiency_pcie=0.5, allreduce_nvls=False, nvls_latency_us=71.0,
+                   nvls_efficiency=0.61)
+TRT_NVLINK = dict(custom_allreduce_pcie_gpus=0, allreduce_nvls=True)
 
 # TensorRT-LLM's C++ runtime (its executor, as Triton, NIM and its C++ benchmarks drive it, and
 # the session of its older benchmarks) launches every kernel of every layer from the host: CUDA

@@ -109,20 +109,20 @@ static int get_double(PyObject *v, double *out) {
  * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
  * along the run computed once (tests/sim/model/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 25) {
+    if (nargs != 11 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 27) {
         PyErr_SetString(PyExc_TypeError,
-                        "_rows.decode_rows takes 11 arguments, the tenth 25 coefficients");
+                        "_rows.decode_rows takes 11 arguments, the tenth 27 coefficients");
         return NULL;
     }
     PyObject *oe = args[0], *od = args[1], *oen = args[2];
     Py_ssize_t at, n;
     long long b, c0, overlap;
-    double t, t_ext, wave, k_[25];
+    double t, t_ext, wave, k_[27];
     if (get_size(args[3], &at) < 0 || get_size(args[4], &n) < 0 || get_double(args[5], &t) < 0
             || get_double(args[6], &t_ext) < 0 || get_ll(args[7], &b) < 0
             || get_ll(args[8], &c0) < 0 || get_double(args[10], &wave) < 0)
         return NULL;
-    for (int i = 0; i < 25; i++) {
+    for (int i = 0; i < 27; i++) {
         PyObject *v = PyTuple_GET_ITEM(args[9], i);
         if (i == 12 ? get_ll(v, &overlap) < 0 : get_double(v, &k_[i]) < 0)
             return NULL;
@@ -131,7 +131,8 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         attn_f = k_[5], kv = k_[6], kv_read = k_[7], fixed = k_[8], ar_tok = k_[9],
         cpu0 = k_[10], cpu1 = k_[11], idle = k_[13], dyn = k_[14], moe_c = k_[15],
         moe_m = k_[16], moe_cap = k_[17], moe_mean = k_[18], moe_sd = k_[19], moe_lam = k_[20],
-        ar_a0 = k_[21], ar_a1 = k_[22], ar_b0 = k_[23], ar_b1 = k_[24];
+        ar_a0 = k_[21], ar_a1 = k_[22], ar_b0 = k_[23], ar_b1 = k_[24], ar_c0 = k_[25],
+        ar_c1 = k_[26];
     if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at || b < 0 || c0 < 0) {
         PyErr_SetString(PyExc_ValueError,
                         "_rows.decode_rows: a row out of range, or a negative batch or context");
@@ -168,9 +169,11 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     const double x_moe = moe_lam * T, c_moe = moe_c * (n_a <= n_b ? n_a : n_b);
     const double m_moe = moe_m * (1.0 - 1.0 / (1.0 + x_moe * (1.0 + x_moe * (0.5 + x_moe / 6.0))));
     const double t_moe = sqrt(c_moe * c_moe + m_moe * m_moe);
-    const double ar_a = ar_a0 + ar_a1 * T, ar_b = ar_b0 + ar_b1 * T;
-    /* + t_ar (its lines are 0 on one GPU, where `step` skips it: adding 0 changes no bit) */
-    const double t_fixed = fixed + ar_tok * T + (ar_a <= ar_b ? ar_a : ar_b);
+    const double ar_a = ar_a0 + ar_a1 * T, ar_b = ar_b0 + ar_b1 * T, ar_c = ar_c0 + ar_c1 * T;
+    const double ar_ab = ar_a <= ar_b ? ar_a : ar_b;
+    /* + t_ar (on one GPU, where `step` skips it, the first two lines are 0 and the third
+     * infinite: adding 0 changes no bit) */
+    const double t_fixed = fixed + ar_tok * T + (ar_ab <= ar_c ? ar_ab : ar_c);
     const double t_cpu = cpu0 + cpu1 * D;
     long long kr = c0;
     Py_ssize_t k = 0;

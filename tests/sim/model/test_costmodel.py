@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from sim.model.costmodel import CostModel, beyond_window, tile_utilisation
+from sim.model import presets
 from sim.model.presets import WAVE_EXPOSURE
 from sim.errors import ScenarioError
 from sim.inputs.scenario import load_scenario
@@ -280,6 +281,42 @@ def test_tensor_parallel_all_reduce_takes_the_faster_of_one_shot_and_ring():
     assert roof[1] == pytest.approx(roof[0] / 2) and roof[0] > 0
 
 
+def test_nvlink_sharp_takes_large_all_reduces_where_the_engine_lets_nccl():
+    """On switches that reduce in the network (`hardware.nvlink_sharp`: H100 SXM, H200, B200)
+    an engine that leaves NCCL its NVLS (`engine.allreduce_nvls`: TensorRT-LLM) pays a large
+    all-reduce as its third line: its latency, and each GPU's bytes once at `nvls_efficiency`
+    of the link, where the ring moves 2 (tp - 1) / tp times them. A small one keeps the
+    one-shot; an A100's switches, or an engine that turns NVLS off, keep the ring."""
+    base = ("model.preset=\"llama-3.1-70b\"", "model.tensor_parallel=8", *BARE,
+            "engine.allreduce_efficiency=0.7", "engine.custom_allreduce_us=6",
+            "engine.allreduce_latency_us=18", "engine.allreduce_sync_us=0",
+            "engine.nvls_latency_us=71", "engine.nvls_efficiency=0.61")
+    on = model(*base, "engine.allreduce_nvls=true")
+    off = model(*base, "engine.allreduce_nvls=false")
+    a100 = [model(*base, f"engine.allreduce_nvls={flag}", "hardware.preset=\"a100-80gb\"")
+            for flag in ("true", "false")]
+    row = 8192 * 2
+    # an 8,192-token prefill (128 MiB a call): 71 us and the bytes once at 0.61 of 450 GB/s,
+    # against the two-shot's 12 us and 1.75 times the bytes at 0.7
+    nvls = 71e-6 + 8192 * row / (450e9 * 0.61)
+    ring = 12e-6 + 1.75 * 8192 * row / (450e9 * 0.7)
+    assert nvls < ring
+    assert prefill(off, 8192) - prefill(on, 8192) == pytest.approx(160 * (ring - nvls))
+    assert prefill(a100[0], 8192) == prefill(a100[1], 8192)
+    # a decode of 8 rows: the one-shot, whichever
+    assert decode(on, 8, 100) == decode(off, 8, 100)
+    # below the crossing (here about 1,900 tokens at TP 8) the ring stays
+    assert prefill(on, 1024) == prefill(off, 1024)
+    # which presets have it, and which engines let NCCL use it
+    assert [h for h, v in presets.HARDWARE.items() if v["nvlink_sharp"]] == [
+        "h100-sxm", "h200", "gh200", "b200"]
+    assert {n for n, e in presets.ENGINES.items() if e.get("allreduce_nvls")} == {
+        n for n in presets.ENGINES if n.startswith(("tensorrt-llm", "nim"))}
+    # a session log from before the switch existed replays without it
+    from sim.inputs.scenario import ENGINE_KEYS_ADDED
+    assert ENGINE_KEYS_ADDED["allreduce_nvls"] is False
+
+
 def test_gpus_linked_by_pcie_only_all_reduce_with_nccl_at_its_pcie_latency():
     """An L40S has no NVLink (its GPU link is no faster than PCIe 5.0): no one-shot kernel,
     NCCL for every size at `allreduce_latency_pcie_us` and `allreduce_efficiency_pcie` of the
@@ -492,9 +529,10 @@ def test_presets_change_speed():
 
 # --- one definition ------------------------------------------------------------------------------
 EFFICIENCIES = ["gemm_efficiency", "bandwidth_efficiency", "kv_bandwidth_efficiency",
-                "attention_efficiency", "elementwise_efficiency", "allreduce_efficiency"]
+                "attention_efficiency", "elementwise_efficiency", "allreduce_efficiency",
+                "nvls_efficiency"]
 MICROSECONDS = ["layer_overhead_us", "allreduce_latency_us", "custom_allreduce_us",
-                "allreduce_sync_us", "cpu_base_us", "cpu_per_seq_us"]
+                "allreduce_sync_us", "cpu_base_us", "cpu_per_seq_us", "nvls_latency_us"]
 
 
 # Mixtures of experts for the tie test: (config, expert_parallel choices), each with a
@@ -526,6 +564,7 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
         sets += [f"engine.cpu_overlap={str(overlap).lower()}",
                  f"engine.gqa_shared_kv={str(rnd.random() < 0.5).lower()}",
                  f"engine.gqa_reread={rnd.random()!r}",
+                 f"engine.allreduce_nvls={str(rnd.random() < 0.7).lower()}",
                  f"engine.gemm_wave_exposure={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 2)!r}",
                  f"hardware.sm_count={rnd.choice([0, 1, 7, 108, 132, 304])}"]
     return model(*sets)
