@@ -160,8 +160,10 @@ class HardwareConfig:
                            "at once (0 = no wave factor)")
     nvlink_sharp: int = _f(0, min=0, max=1,
                            doc="1: the GPUs' NVLink switches reduce in the network (NVLink "
-                               "SHARP: HGX H100, H200, B200), which NCCL's all-reduce of large "
-                               "messages takes where the engine lets it (engine.allreduce_nvls)")
+                               "SHARP: HGX H100, H200, B200, GH200), which NCCL's all-reduce of "
+                               "large messages takes at TP 3 and more where the engine lets it "
+                               "(engine.allreduce_nvls; 0 on a preset keeps the preset's: "
+                               "engine.allreduce_nvls = false turns it off)")
     flops_efficiency: float = _f(0.6, gt=0, max=1, doc="engine.preset = \"roofline\" only: "
                                                        "achieved / peak FLOP/s")
     bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="roofline only: achieved / peak "
@@ -998,7 +1000,7 @@ ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_
                      "gqa_shared_kv_group": 0,
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
                      "allreduce_efficiency_pcie": 0.0, "allreduce_nvls": False,
-                     "nvls_latency_us": 0.0, "nvls_efficiency": 1.0,
+                     "nvls_latency_us": 71.0, "nvls_efficiency": 0.61,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
                      "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out

@@ -280,8 +280,10 @@ def fit_kernels(rows: list[Row], scenario, path) -> Fit:
             coeffs["allreduce_efficiency_pcie" if pcie else "allreduce_efficiency"] = float(
                 min(1.0, 1.0 / (per_byte * link)))
         coeffs["allreduce_latency_pcie_us" if pcie else "allreduce_latency_us"] = latency * 1e6
-        # (the measured line, whichever kernel ran, stands for every size: no one-shot apart)
+        # (the measured line, whichever kernel ran, stands for every size: no one-shot or
+        # in-switch reduction apart)
         coeffs["custom_allreduce_us"] = 0.0
+        coeffs["allreduce_nvls"] = False
         for r, xi, yi in zip(ar, x, y):
             f = latency + per_byte * xi
             residuals.append({"what": f"line {r.line}: allreduce " + _describe(r.values),

@@ -81,8 +81,8 @@ only (`pcie_only`: a link no faster than PCIe 5.0) take NCCL at its PCIe latency
 one-shot only on up to `custom_allreduce_pcie_gpus` of them (else c = 0). Where the switches
 reduce in the network (`hardware.nvlink_sharp`) and the engine leaves NCCL its NVLS
 (`allreduce_nvls`), the third line (v = `nvls_latency_us`, e_v = `nvls_efficiency`; none
-elsewhere): each GPU's bytes once, the switches summing them, which large messages (prefill at
-tp >= 4) take.
+elsewhere, nor on two GPUs, where NCCL does not run it): each GPU's bytes once, the switches
+summing them, which large messages (prefill at tp >= 4) take.
 
 `kv = 2 L max(nkv / tp, 1) hd kvb` is the KV bytes per token on one GPU (heads replicated when
 fewer than GPUs; the pool, swaps and hand-offs hold as much), and `g = 1 + (nh / nkv - 1) r` when
@@ -308,8 +308,9 @@ class CostModel:
         self._nccl_us = e.allreduce_latency_pcie_us if pcie else e.allreduce_latency_us
         one_shot = not pcie or tp <= e.custom_allreduce_pcie_gpus
         self._custom_us = e.custom_allreduce_us if one_shot else 0.0
+        # (NCCL runs NVLS on three GPUs or more, switch-linked)
         nvls = h.interconnect_gbps * 1e9 * e.nvls_efficiency \
-            if e.allreduce_nvls and h.nvlink_sharp and not pcie else 0.0
+            if e.allreduce_nvls and h.nvlink_sharp and tp > 2 and not pcie_only(h) else 0.0
         self._allreduce_init(e, tp, shape.allreduces, hid * ab, link, nvls)
         self._moe_init(m, h, e, gemm, stream, elem_rate)
         self._fixed = L * e.layer_overhead_us * 1e-6 + self._ar_fix

@@ -269,6 +269,22 @@ def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
     assert ENGINES["vllm-v1"]["gemm_wave_exposure"] > 0
     assert ENGINES["vllm-v1"]["frontend_chat_request_us"] > 0
     assert ENGINES["vllm-v1"]["frontend_one_loop"] is True
+    # one of TensorRT-LLM's written before NCCL's in-switch all-reduce: none, whatever its
+    # hardware preset's switches (filled from the preset) can do: its steps' times as before
+    trt = {k: v for k, v in ENGINES["tensorrt-llm"].items()
+           if k not in ("allreduce_nvls", "nvls_latency_us", "nvls_efficiency")}
+    tp8 = BASE + ('[model]\npreset = "llama-3.1-70b"\ntensor_parallel = 8\n'
+                  '[hardware]\npreset = "h100-sxm"\n[engine]\npreset = "tensorrt-llm"\n')
+    logged = load_scenario(write(tmp_path, tp8 + "".join(f"{k} = {str(v).lower()}\n"
+                                                         for k, v in trt.items())))
+    assert logged.engine.allreduce_nvls is False and logged.hardware.nvlink_sharp == 1
+    assert ENGINES["tensorrt-llm"]["allreduce_nvls"] is True
+    from sim.model.costmodel import CostModel
+    now = load_scenario(write(tmp_path, tp8))
+    without = load_scenario(write(tmp_path, tp8 + "allreduce_nvls = false\n"))
+    prefill = (8192, 8192 * 8193 // 2, 0, 0, 0, 1, 1)  # (128 MiB an all-reduce)
+    assert CostModel(logged).step(*prefill) == CostModel(without).step(*prefill) \
+        != CostModel(now).step(*prefill)
     del full["cpu_base_us"]  # not a full table: the profile fills what it leaves out
     part = load_scenario(write(tmp_path, BASE + "[engine]\npreset = \"tensorrt-llm-0.6\"\n"
                                + "".join(f"{k} = {str(v).lower()}\n" for k, v in full.items())))

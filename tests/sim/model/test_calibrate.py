@@ -59,6 +59,7 @@ def test_kernel_timings_recover_the_coefficients_that_made_them(tmp_path):
     assert c["allreduce_latency_us"] == pytest.approx(22.0, rel=0.02)
     assert c["allreduce_efficiency"] == pytest.approx(0.6, rel=0.02)
     assert c["custom_allreduce_us"] == 0.0  # the measured line for every size
+    assert c["allreduce_nvls"] is False
     assert c["cpu_base_us"] == pytest.approx(1500.0, rel=0.01)
     assert c["cpu_per_seq_us"] == pytest.approx(12.0, rel=0.01)
     assert np.median(fit.errors()) < 0.01
