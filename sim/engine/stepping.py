@@ -854,9 +854,10 @@ def decode_run(e: Any, reqs: list[Request], until: float, max_steps: int,
         cm: CostModel = cost
         n = kmax if kmax < s._scalar_steps else s._scalar_steps
         at = tl.reserve(n)
+        pad = cm.graph_pad(b)
         k, first_end, end = _decode_rows(tl._m_end, tl._m_dur, tl._m_energy, at, n, s.now,
                                          t_ext, b, c0, cm.kernel_coefficients,
-                                         cm.wave_factor(b))
+                                         cm.wave_factor(b + pad), pad)
         if k == n < kmax and end < t_ext:
             at = -1  # (a run longer than the scalar part: timed as a whole below)
     if at < 0:

@@ -239,6 +239,11 @@ class EngineConfig:
                               doc="NCCL may reduce in the NVLink switches (NVLS) where the "
                                   "hardware can (hardware.nvlink_sharp): TensorRT-LLM leaves "
                                   "NCCL's default; vLLM and SGLang turn it off")
+    cuda_graph_padding: bool = _f(_ENGINE["cuda_graph_padding"],
+                                  doc="decode-only steps run as CUDA graphs of fixed batch "
+                                      "sizes, the batch padded up to the next (1, 2, 4, "
+                                      "multiples of 8 to 128, powers of two, max_num_seqs): "
+                                      "TensorRT-LLM's PyTorch backend under trtllm-bench")
     nvls_latency_us: float = _f(_ENGINE["nvls_latency_us"], min=0,
                                 doc="NVLS all-reduce: fixed time of one call (its line's "
                                     "intercept over large messages)")
@@ -1001,6 +1006,7 @@ ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
                      "allreduce_efficiency_pcie": 0.0, "allreduce_nvls": False,
                      "nvls_latency_us": 71.0, "nvls_efficiency": 0.61,
+                     "cuda_graph_padding": False,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
                      "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out

@@ -183,6 +183,7 @@ class CostModel:
     _cpu0: float
     _cpu1: float
     _overlap: bool
+    _graph_sizes: list[float]
     _attn_p: float
     _moe: bool
     _moe_c: float
@@ -196,6 +197,9 @@ class CostModel:
     def __init__(self, scenario) -> None:
         m, h, kv, e = scenario.model, scenario.hardware, scenario.kv, scenario.engine
         tp = self.tp = m.tensor_parallel
+        # decode-only steps replayed as CUDA graphs of fixed sizes, the batch padded up to one
+        self._graph_sizes = graph_batch_sizes(scenario.scheduler.max_num_seqs) \
+            if e.cuda_graph_padding and e.preset != "roofline" else []
         self.block_size = kv.block_size
         wb = m.dtype_bytes
         kvb = m.kv_dtype_bytes or wb
@@ -365,6 +369,24 @@ class CostModel:
             self._wave_memo[i] = w
         return w
 
+    def graph_pad(self, b: float) -> float:
+        """The rows a decode-only step of `b` sequences runs beyond them: up to the smallest
+        CUDA graph that holds them (`engine.cuda_graph_padding`); 0 without graphs, or for a
+        batch larger than the largest."""
+        if b <= 0:
+            return 0.0
+        for z in self._graph_sizes:
+            if z >= b:
+                return z - b
+        return 0.0
+
+    def graph_pads(self, p_tokens, d_seqs) -> Any:
+        """`_graph_pad` of each entry of arrays (the same values, bit for bit)."""
+        d = np.asarray(d_seqs, dtype=np.float64)
+        values, where = np.unique(d, return_inverse=True)
+        pads = np.array([self.graph_pad(float(v)) for v in values], dtype=np.float64)
+        return np.where(np.asarray(p_tokens) == 0, pads[where].reshape(d.shape), 0.0)
+
     def wave_factors(self, T) -> Any:
         """`wave_factor` of each entry of an array (the same values, bit for bit)."""
         a = np.asarray(T, dtype=np.float64)
@@ -493,10 +515,12 @@ class CostModel:
         engine's runs of decode steps call it step by step (`decode_times`), and sim/native/_rows.c's
         decode loop is held to it bit for bit by tests/sim/model/test_costmodel.py. Typed, it runs
         in machine floats when compiled (counts are integers far below 2**53: as floats, their
-        sums are exact). Only `_max`, `_min`, `_sqrt`, `_positive` and `_waves` differ between
-        floats and arrays.
+        sums are exact). Only `_max`, `_min`, `_sqrt`, `_positive`, `_waves` and `_graph_pad`
+        differ between floats and arrays.
         """
-        T = p_tokens + d_seqs
+        pad = _graph_pad(self, p_tokens, d_seqs)  # (0 but in padded decode-only steps)
+        T = p_tokens + d_seqs + pad
+        sampled = sampled + pad
         if self.roofline:
             A = p_attended + d_cached + d_seqs
             Kr = p_cached + d_cached
@@ -716,6 +740,27 @@ def tile_utilisation(rows: float, cols: float, sms: float) -> float:
     return rows * cols / (math.ceil(tiles / sms) * sms * tile * tile)
 
 
+def graph_batch_sizes(max_batch: int) -> list[float]:
+    """The batch sizes TensorRT-LLM's PyTorch backend captures CUDA graphs for when it pads
+    (`CudaGraphConfig` with `enable_padding`, which `trtllm-bench` sets, its largest the
+    engine's batch limit): 1, 2, 4, every multiple of 8 to 128, the powers of two from 256
+    below the limit, and the limit."""
+    sizes = [1, 2, 4] + [8 * i for i in range(1, 17)]
+    p = 256
+    while p < max_batch:
+        sizes.append(p)
+        p *= 2
+    out = sorted(float(z) for z in set(sizes) if z <= max_batch)
+    if max_batch > 0 and (not out or out[-1] != max_batch):
+        out.append(float(max_batch))
+    return out
+
+
+def _graph_pad(cost: CostModel, p_tokens: float, d_seqs: float) -> float:
+    """The padding of a decode-only step (`CostModel.graph_pad`); 0 in a step with prefill."""
+    return cost.graph_pad(d_seqs) if p_tokens == 0 else 0.0
+
+
 def _waves(cost: CostModel, T: float) -> float:
     """The wave factor of T tokens (`CostModel.wave_factor`)."""
     return cost.wave_factor(T)
@@ -732,7 +777,8 @@ _ELEMENTWISE: Any = None  # (`_elementwise`'s function, made once)
 def _elementwise() -> Any:
     """`CostModel.step` made from its source again, with NumPy's elementwise `maximum`,
     `minimum`, `sqrt` and `greater(x, 0)` for `_max`, `_min`, `_sqrt` and `_positive`, and
-    `CostModel.wave_factors` for `_waves`: the one definition run
+    `CostModel.wave_factors` for `_waves`, `CostModel.graph_pads` for `_graph_pad`: the one
+    definition run
     over arrays. (From the source file, not the function object: the compiled build's `step`
     has no code object, and takes floats only.)"""
     global _ELEMENTWISE
@@ -747,7 +793,8 @@ def _elementwise() -> Any:
         [fn] = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
         space: dict[str, Any] = {"_max": np.maximum, "_min": np.minimum, "_sqrt": np.sqrt,
                                  "_positive": lambda x: np.greater(x, 0),
-                                 "_waves": lambda cost, T: cost.wave_factors(T)}
+                                 "_waves": lambda cost, T: cost.wave_factors(T),
+                                 "_graph_pad": lambda cost, p, d: cost.graph_pads(p, d)}
         exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), space)
         _ELEMENTWISE = space["step"]
     return _ELEMENTWISE

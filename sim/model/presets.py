@@ -225,7 +225,8 @@ NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_one_loop=False)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
                  gqa_shared_kv_min_head_dim=0, num_scheduler_steps=1,
-                 chunked_prefill=True, guaranteed_no_evict=False, **NO_FRONTEND)
+                 chunked_prefill=True, guaranteed_no_evict=False, cuda_graph_padding=False,
+                 **NO_FRONTEND)
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
     # about half of a GQA group's re-reads reaching HBM (the others hit in L2). TensorRT-LLM
@@ -298,7 +299,17 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # default on): so does this profile (`trtllm-serve` keeps it off: `chunked_prefill = false`,
 # sim.model.validate.engine_settings_for). The same kernels, its host time (0.6's per step, its
 # own per sequence) overlapping the GPU's, offline (`trtllm-bench`) or behind `trtllm-serve`.
-# It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES.
+# It replays CUDA graphs: the shared fixed time per layer, not TRT_LAUNCHES. `trtllm-bench`
+# has them padded (its max-throughput settings: `cuda_graph_config` with `padding_enabled` and
+# the engine's batch limit), so a decode-only step runs the graph of the next captured size
+# (sim.model.costmodel.graph_batch_sizes: above 128 only powers of two and the limit, a batch
+# of 300 under a limit of 512 running as 512); `trtllm-serve`'s LLM API does not pad
+# (sim.model.validate.engine_settings_for). `engine.cuda_graph_padding = true` models it; this
+# profile keeps it off until the terms fitted on its rows are fitted with it: on, the 60 FP8
+# rows of TensorRT-LLM 1.0's table come to median 0.035 (worst 0.144, from 0.038 / 0.170; Llama 3.1 405B at TP 8 0.038
+# from 0.057), but the fitted rows' worst goes from 0.099 to 0.148 (M5) and the FP4 rows' median
+# from 0.105 to 0.210: the MoE, FP4 and host-time terms fitted on M1-M17 and Q17 took in the
+# padding's time (sim/README.md).
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.42,
                    chunked_prefill=True,
                    layer_overhead_us=_KERNELS["layer_overhead_us"]) | TRT_NVLINK

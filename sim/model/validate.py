@@ -356,6 +356,8 @@ def engine_settings_for(engine: str) -> list[str]:
     bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
     if not (bench or serve):
         return out
+    if serve and not bench:  # (its LLM API captures CUDA graphs without padding to them)
+        out.append("engine.cuda_graph_padding=false")
     if CHUNKING_OFF.search(t):
         return out + ["engine.chunked_prefill=false"]
     if CHUNKING_ON.search(t):

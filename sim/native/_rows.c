@@ -98,29 +98,31 @@ static int get_double(PyObject *v, double *out) {
     return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0, coefficients, wave) -> (k, first, last)
+/* decode_rows(end, dur, energy, at, n, t, t_ext, b, c0, coefficients, wave, pad)
+ *     -> (k, first, last)
  *
  * The first (at most n) steps of a run of decode-only steps of b sequences holding c0 cached
  * tokens, the first starting at t, up to the first that ends at or after t_ext: end times,
  * durations and energies written to rows at, at + 1, ... of the three float64 columns.
  * Returns how many, and the first and last end times (NaN without a row: saves reading them
- * back as NumPy scalars). `coefficients` is CostModel.kernel_coefficients and `wave` its
- * wave_factor(b) (the same for every step of the run); step j is
+ * back as NumPy scalars). `coefficients` is CostModel.kernel_coefficients, `pad` its
+ * graph_pad(b) and `wave` its wave_factor(b + pad) (the same for every step of the run); step j is
  * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
  * along the run computed once (tests/sim/model/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 27) {
+    if (nargs != 12 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 27) {
         PyErr_SetString(PyExc_TypeError,
-                        "_rows.decode_rows takes 11 arguments, the tenth 27 coefficients");
+                        "_rows.decode_rows takes 12 arguments, the tenth 27 coefficients");
         return NULL;
     }
     PyObject *oe = args[0], *od = args[1], *oen = args[2];
     Py_ssize_t at, n;
     long long b, c0, overlap;
-    double t, t_ext, wave, k_[27];
+    double t, t_ext, wave, pad, k_[27];
     if (get_size(args[3], &at) < 0 || get_size(args[4], &n) < 0 || get_double(args[5], &t) < 0
             || get_double(args[6], &t_ext) < 0 || get_ll(args[7], &b) < 0
-            || get_ll(args[8], &c0) < 0 || get_double(args[10], &wave) < 0)
+            || get_ll(args[8], &c0) < 0 || get_double(args[10], &wave) < 0
+            || get_double(args[11], &pad) < 0)
         return NULL;
     for (int i = 0; i < 27; i++) {
         PyObject *v = PyTuple_GET_ITEM(args[9], i);
@@ -153,12 +155,12 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     double *ends = (double *)ve.buf + at, *durs = (double *)vd.buf + at;
     double *ens = (double *)ven.buf + at;
     /* CostModel.step with p_tokens = p_attended = p_cached = 0, d_seqs = num_seqs = sampled = D:
-     * the terms without Kd, once. */
-    const double D = (double)b, T = 0.0 + D;
+     * the terms without Kd, once (T and S with the CUDA graph's padding). */
+    const double D = (double)b, T = 0.0 + D + pad, S = D + pad;
     double c = blk_c * wave * T;
     const double t_blocks = sqrt(c * c + blk_m * blk_m);
-    c = head_c * D;
-    const double m = head_m * (D > 0 ? 1.0 : 0.0);
+    c = head_c * S;
+    const double m = head_m * (S > 0 ? 1.0 : 0.0);
     const double t_head = sqrt(c * c + m * m);
     const double t_elem = elem * T;
     const double x0 = attn_f * 0.0, y0 = kv * (0.0 + 0.0);

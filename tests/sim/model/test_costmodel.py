@@ -475,6 +475,36 @@ def test_engines_differ_in_cpu_and_multi_step():
     assert ENGINES["sglang"]["cpu_overlap"]
 
 
+def test_padded_cuda_graphs_run_a_decode_step_at_the_next_captured_size():
+    """With `cuda_graph_padding` (TensorRT-LLM's PyTorch backend under trtllm-bench) a
+    decode-only step's GEMMs, elementwise work, all-reduces and LM head run at the next captured
+    batch size (1, 2, 4, multiples of 8 to 128, powers of two below the batch limit, the limit);
+    its attention and host time are its own sequences'. A step with prefill is not padded."""
+    from sim.model.costmodel import graph_batch_sizes
+
+    assert graph_batch_sizes(512) == [1, 2, 4, *range(8, 129, 8), 256, 512]
+    assert graph_batch_sizes(384) == [1, 2, 4, *range(8, 129, 8), 256, 384]
+    assert graph_batch_sizes(100) == [1, 2, 4, *range(8, 97, 8), 100]
+    base = ('engine.preset="tensorrt-llm-pytorch"', "scheduler.max_num_seqs=512")
+    pad = model(*base, "engine.cuda_graph_padding=true")
+    flat = model(*base, "engine.cuda_graph_padding=false")
+    assert pad.graph_pad(300) == 212 and pad.graph_pad(512) == 0 and pad.graph_pad(0) == 0
+    assert pad.graph_pad(9) == 7 and flat.graph_pad(300) == 0
+    # 300 sequences run the 512 graph: the GEMMs and the LM head of 512 rows, the attention
+    # and host time of 300
+    step = (0, 0, 0, 300, 300 * 1000, 300, 300)
+    assert pad.step(*step) != flat.step(*step)
+    c = pad._blk_c * pad.wave_factor(512) * 512
+    blocks = math.sqrt(c * c + pad._blk_m * pad._blk_m)
+    c = flat._blk_c * flat.wave_factor(300) * 300
+    assert pad.step(*step)[0] - flat.step(*step)[0] > 0.9 * (
+        blocks - math.sqrt(c * c + flat._blk_m * flat._blk_m))
+    # a full graph, or a step with a prompt in it, runs as it is
+    assert pad.step(0, 0, 0, 512, 512000, 512, 512) == flat.step(0, 0, 0, 512, 512000, 512, 512)
+    mixed = (64, 64 * 65 // 2, 0, 300, 300 * 1000, 301, 301)
+    assert pad.step(*mixed) == flat.step(*mixed)
+
+
 def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     """Served by NIM (`nim`): each sequence's output handled in the engine's loop, the GPU
     waiting (serial host time per step and per sequence); the PyTorch backend
@@ -495,6 +525,8 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
                                                    "frontend_chat_request_us", *runtime}
     assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill",
                                                    *runtime}
+    # (the padding of its CUDA graphs is modelled, not yet on: its terms were fitted without it)
+    assert not any(e["cuda_graph_padding"] for e in ENGINES.values())
     assert py["frontend_chat_request_us"] == trt["frontend_chat_request_us"] > 0
     assert all(trt[k] == cpp[k] == ENGINES["tensorrt-llm-0.6"][k] == v
                for k, v in TRT_LAUNCHES.items())
@@ -565,6 +597,8 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
                  f"engine.gqa_shared_kv={str(rnd.random() < 0.5).lower()}",
                  f"engine.gqa_reread={rnd.random()!r}",
                  f"engine.allreduce_nvls={str(rnd.random() < 0.7).lower()}",
+                 f"engine.cuda_graph_padding={str(rnd.random() < 0.5).lower()}",
+                 f"scheduler.max_num_seqs={rnd.choice([1, 7, 128, 200, 384, 512, 1280])}",
                  f"engine.gemm_wave_exposure={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 2)!r}",
                  f"hardware.sm_count={rnd.choice([0, 1, 7, 108, 132, 304])}"]
     return model(*sets)
@@ -606,8 +640,10 @@ def test_every_path_times_a_step_as_step_does(data, preset, tp, hw, overlap, moe
     if stepping._ROWS is not None and not m.roofline:
         at = data.draw(st.integers(0, 20))
         cols = [np.full(at + n + 3, -1.0) for _ in range(3)]
+        pad = m.graph_pad(b)
         k, first, last = stepping._ROWS.decode_rows(*cols, at, n, t0, t_ext, b, c0,
-                                                    m.kernel_coefficients, m.wave_factor(b))
+                                                    m.kernel_coefficients,
+                                                    m.wave_factor(b + pad), pad)
         assert (k, first, last) == (len(want), want[0][0], want[-1][0])
         assert list(zip(*(c[at:at + k].tolist() for c in cols))) == want  # (==: the same bits)
         assert all((c[:at] == -1).all() and (c[at + k:] == -1).all() for c in cols)

@@ -41,9 +41,9 @@ def test_bad_arguments_raise_not_crash():
     assert len(COEFFICIENTS) == len(CostModel(load_scenario("chat")).kernel_coefficients)
     col = np.zeros(4)
     with pytest.raises(ValueError):  # too short for the rows asked
-        rows.decode_rows(col, col, col, 2, 5, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0)
+        rows.decode_rows(col, col, col, 2, 5, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0, 0.0)
     with pytest.raises(TypeError):  # coefficients one short
-        rows.decode_rows(col, col, col, 0, 1, 0.0, 1.0, 1, 0, COEFFICIENTS[:-1], 1.0)
+        rows.decode_rows(col, col, col, 0, 1, 0.0, 1.0, 1, 0, COEFFICIENTS[:-1], 1.0, 0.0)
     with pytest.raises(ValueError):  # the wrong item size
         rows.used_rows(np.zeros(8, dtype=np.int32), 0, [0], 4, 16, 0, 0)
     with pytest.raises(ValueError):  # a crossing outside the run
@@ -105,16 +105,16 @@ def test_hostile_arguments_raise_not_crash():
         rows.used_rows(col, 2**62, [], 2**62, 1, 0, 0)
     cols = [np.zeros(4) for _ in range(3)]
     with pytest.raises(ValueError):
-        rows.decode_rows(*cols, 2**62, 2**62, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0)
+        rows.decode_rows(*cols, 2**62, 2**62, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0, 0.0)
 
     class Bool:
         def __bool__(self):
             raise RuntimeError("ran")
 
     with pytest.raises(TypeError):  # a string time, then an object: TypeError, nothing run
-        rows.decode_rows(*cols, 0, 1, "x", 1.0, 1, 0, COEFFICIENTS, 1.0)
+        rows.decode_rows(*cols, 0, 1, "x", 1.0, 1, 0, COEFFICIENTS, 1.0, 0.0)
     with pytest.raises(TypeError):
-        rows.decode_rows(*cols, 0, 1, 0.0, 1.0, 1, 0, (*COEFFICIENTS[:12], Bool(), *COEFFICIENTS[13:]), 1.0)
+        rows.decode_rows(*cols, 0, 1, 0.0, 1.0, 1, 0, (*COEFFICIENTS[:12], Bool(), *COEFFICIENTS[13:]), 1.0, 0.0)
     out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
     with pytest.raises(TypeError):
         rows.expand([[1], [1.5]] + [[0]] * 8, np.zeros(1, dtype=np.int64), 1, out)
@@ -137,7 +137,7 @@ def test_misaligned_or_mistyped_columns_are_refused_before_any_write():
         cols = list(ok)
         cols[i] = _misaligned(np.float64, 4)
         with pytest.raises(ValueError, match="aligned"):
-            rows.decode_rows(*cols, 0, 2, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0)
+            rows.decode_rows(*cols, 0, 2, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0, 0.0)
         assert not cols[i].any()
     bad = _misaligned(np.int64, 8)
     with pytest.raises(ValueError, match="aligned"):
@@ -155,7 +155,7 @@ def test_misaligned_or_mistyped_columns_are_refused_before_any_write():
         assert not any(o.any() for o in outs)
     # 8-byte items of the other kind: int64 where float64 is written, and the reverse
     with pytest.raises(ValueError, match="float64"):
-        rows.decode_rows(np.zeros(4, dtype=np.int64), *ok[1:], 0, 2, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0)
+        rows.decode_rows(np.zeros(4, dtype=np.int64), *ok[1:], 0, 2, 0.0, 1.0, 1, 0, COEFFICIENTS, 1.0, 0.0)
     with pytest.raises(ValueError, match="int64"):
         rows.used_rows(np.zeros(8), 0, [0], 4, 16, 0, 0)
 
@@ -172,11 +172,11 @@ def test_values_that_overflow_int64_raise_overflow_error():
         rows.used_rows(col, 0, [0, 0, 0], 4, 1, INT64_MAX - 2, 0)
     cols = [np.zeros(4) for _ in range(3)]
     with pytest.raises(OverflowError):  # the context grows by the batch each step
-        rows.decode_rows(*cols, 0, 4, 0.0, 1e300, 2**62, 2**62, COEFFICIENTS, 1.0)
+        rows.decode_rows(*cols, 0, 4, 0.0, 1e300, 2**62, 2**62, COEFFICIENTS, 1.0, 0.0)
     with pytest.raises(ValueError):  # a negative batch or context
-        rows.decode_rows(*cols, 0, 4, 0.0, 1.0, -1, 0, COEFFICIENTS, 1.0)
+        rows.decode_rows(*cols, 0, 4, 0.0, 1.0, -1, 0, COEFFICIENTS, 1.0, 0.0)
     with pytest.raises(ValueError):
-        rows.decode_rows(*cols, 0, 4, 0.0, 1.0, 1, -5, COEFFICIENTS, 1.0)
+        rows.decode_rows(*cols, 0, 4, 0.0, 1.0, 1, -5, COEFFICIENTS, 1.0, 0.0)
     used = np.array([2**62, 0], dtype=np.int64)
     out = [np.zeros(2, dtype=np.int64) for _ in range(7)]
     runs = [[2], [1], [0], [1], [1], [0], [1], [0], [4], [0]]  # e_block 4 x used 2**62
