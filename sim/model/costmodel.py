@@ -197,9 +197,6 @@ class CostModel:
     def __init__(self, scenario) -> None:
         m, h, kv, e = scenario.model, scenario.hardware, scenario.kv, scenario.engine
         tp = self.tp = m.tensor_parallel
-        # decode-only steps replayed as CUDA graphs of fixed sizes, the batch padded up to one
-        self._graph_sizes = graph_batch_sizes(scenario.scheduler.max_num_seqs) \
-            if e.cuda_graph_padding and e.preset != "roofline" else []
         self.block_size = kv.block_size
         wb = m.dtype_bytes
         kvb = m.kv_dtype_bytes or wb
@@ -242,6 +239,9 @@ class CostModel:
             win = m.sliding_window_layers
             self.pool_block_bytes *= group_size(m.num_layers - win, win) / m.num_layers
         self.roofline = e.preset == "roofline"
+        # decode-only steps replayed as CUDA graphs of fixed sizes, the batch padded up to one
+        self._graph_sizes = graph_batch_sizes(scenario.scheduler.max_num_seqs) \
+            if e.cuda_graph_padding and not self.roofline else []
         # Sliding-window (or chunked) layers' span W and share of the layers w (module docstring);
         # 0 without them, and under the roofline, which costs them as full attention.
         lw = m.sliding_window_layers if m.sliding_window and not self.roofline else 0
@@ -750,7 +750,7 @@ def graph_batch_sizes(max_batch: int) -> list[float]:
     while p < max_batch:
         sizes.append(p)
         p *= 2
-    out = sorted(float(z) for z in set(sizes) if z <= max_batch)
+    out = [float(z) for z in sizes if z <= max_batch]  # (ascending, each once)
     if max_batch > 0 and (not out or out[-1] != max_batch):
         out.append(float(max_batch))
     return out
