@@ -164,6 +164,12 @@ class HardwareConfig:
                                "large messages takes at TP 3 and more where the engine lets it "
                                "(engine.allreduce_nvls; 0 on a preset keeps the preset's: "
                                "engine.allreduce_nvls = false turns it off)")
+    sm_clock_mhz: float = _f(0.0, min=0, max=100000,
+                             doc="SM boost clock, MHz (data sheet): the rate at which one "
+                                 "decode-attention thread block streams a sequence's cached "
+                                 "positions where the engine does not split them "
+                                 "(engine.decode_split_kv = false; 0 = no such bound; "
+                                 "0 on a preset keeps the preset's)")
     flops_efficiency: float = _f(0.6, gt=0, max=1, doc="engine.preset = \"roofline\" only: "
                                                        "achieved / peak FLOP/s")
     bandwidth_efficiency: float = _f(0.85, gt=0, max=1, doc="roofline only: achieved / peak "
@@ -239,6 +245,24 @@ class EngineConfig:
                               doc="NCCL may reduce in the NVLink switches (NVLS) where the "
                                   "hardware can (hardware.nvlink_sharp): TensorRT-LLM leaves "
                                   "NCCL's default; vLLM and SGLang turn it off")
+    fp8_context_attention: bool = _f(_ENGINE["fp8_context_attention"],
+                                     doc="prefill attention's matrix products run on the GPU's "
+                                         "FP8 tensor cores (hardware.fp8_tflops) where the KV "
+                                         "cache is FP8 (model.kv_dtype_bytes = 1): "
+                                         "TensorRT-LLM's FP8 context FMHA, which its builds of "
+                                         "FP8 checkpoints turn on")
+    decode_split_kv: bool = _f(_ENGINE["decode_split_kv"],
+                               doc="decode attention splits each sequence's cached positions "
+                                   "over several thread blocks (FlashDecoding, vLLM's and "
+                                   "SGLang's kernels, TensorRT-LLM's multi-block mode); false: "
+                                   "one block per sequence and K/V head streams them all, at "
+                                   "decode_block_cycles a position (small batches at long "
+                                   "contexts wait on it)")
+    decode_block_cycles: float = _f(_ENGINE["decode_block_cycles"], gt=0, max=1e6,
+                                    doc="decode_split_kv = false: SM clock cycles "
+                                        "(hardware.sm_clock_mhz) a decode-attention block "
+                                        "spends on one cached position of one K/V head of 128 "
+                                        "(in proportion for other head sizes)")
     cuda_graph_padding: bool = _f(_ENGINE["cuda_graph_padding"],
                                   doc="decode-only steps run as CUDA graphs of fixed batch "
                                       "sizes, the batch padded up to the next (1, 2, 4, "
@@ -1006,7 +1030,9 @@ ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_
                      "allreduce_latency_pcie_us": 0.0, "custom_allreduce_pcie_gpus": 0,
                      "allreduce_efficiency_pcie": 0.0, "allreduce_nvls": False,
                      "nvls_latency_us": 71.0, "nvls_efficiency": 0.61,
-                     "cuda_graph_padding": False,
+                     "cuda_graph_padding": False, "decode_split_kv": True,
+                     "fp8_context_attention": False,
+                     "decode_block_cycles": 17.5,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
                      "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out

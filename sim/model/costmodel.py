@@ -33,10 +33,13 @@ dispatch and combine's link efficiency.
               t_head   = sqrt(c^2 + m^2),  c = 2 P_head S / (tp F e_g),   m = wb P_head [S>0] / (tp B e_b)
     elementw. t_elem   = T (L ab (8 h + (3 I + 2 (nh + nkv) hd) / tp) + wb h / tp
                             + Lx a_x ROUTED_PASSES h ab) / (B e_e)   (a_x: MoE only, below)
-    prefill   t_pa     = max(4 L nh hd (Ap - w Ap_w) / (tp F16 e_a),
+    prefill   t_pa     = max(4 L nh hd (Ap - w Ap_w) / (tp Fa e_a),
                              kv (Kp - w Kp_w + Tp) / (B e_k))
-    decode    t_da     = max(4 L nh hd (Kd' + D) / (tp F16 e_a),  kv (g Kd' + D) / (B e_k)),
-              Kd'      = Kd - w Kd_w
+    decode    t_da     = max(4 L nh hd (Kd' + D) / (tp F16 e_a),
+                             max(kv g Kd' / (B e_k), L q Kd' / (max(D, 1) f)) + kv D / (B e_k)),
+              Kd'      = Kd - w Kd_w,  Fa = F16, or fp8_tflops * 1e12 with an FP8 cache (kvb = 1)
+                                        where the engine's prefill attention runs in FP8
+                                        (`fp8_context_attention`)
     experts   t_moe    = sqrt((c_x N)^2 + (m_x U)^2)                 (mixtures of experts only)
     kernels   busy     = t_blocks + t_head + t_elem + t_pa + t_da (+ t_moe)
     fixed     t_layer  = L layer_overhead
@@ -95,6 +98,15 @@ bandwidth- nor compute-saturated (Vidur's per-operator profiles show 1.4x the la
 the two meet), so their efficiency grows with T. Only the embedding rows a step uses are read (the
 `wb h / tp` per token in t_elem). A mixed step pays prefill and decode attention both, as the
 separate kernels do.
+
+Decode attention's second bound is the engine's kernel's, where it gives each sequence and K/V
+head one thread block that streams all of its cached positions (`decode_split_kv = false`:
+TensorRT-LLM's masked multi-head and XQA kernels without multi-block mode; vLLM's and SGLang's
+kernels, and FlashDecoding's, split a sequence over blocks): a block takes q =
+`decode_block_cycles` hd / 128 clock cycles of its SM (f = `hardware.sm_clock_mhz` * 1e6) per
+position and layer whatever the memory could give, so a step of a few sequences at long
+contexts waits on its blocks, each running the mean sequence's positions (for MLA hd is r +
+dr). With many sequences the blocks together outrun the memory and the first bound holds.
 
 Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
 experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
@@ -289,13 +301,16 @@ class CostModel:
         elem_rate = bw * e.elementwise_efficiency  # bytes/s of the elementwise kernels
         self._elem = elem / elem_rate
         attn = tp * f16 * e.attention_efficiency
+        # (prefill attention on FP8 tensor cores: an FP8 cache where the engine runs it so)
+        fp8 = e.fp8_context_attention and kvb == 1 and h.fp8_tflops > 0
+        attn_p = tp * h.fp8_tflops * 1e12 * e.attention_efficiency if fp8 else attn
         if m.kv_lora_rank:  # MLA: decode in the absorbed form, prefill with K/V expanded
             r, dr = m.kv_lora_rank, m.rope_head_dim
             self._attn_f = 2.0 * L * nh * (2 * r + dr) / attn
-            self._attn_p = 2.0 * L * nh * (2 * hd + dr) / attn
+            self._attn_p = 2.0 * L * nh * (2 * hd + dr) / attn_p
         else:
             self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
-            self._attn_p = self._attn_f
+            self._attn_p = 4.0 * L * nh * hd / attn_p
         self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
         # (the model's group: with fewer K/V heads than GPUs a GPU's kernel sees nh / tp query
         # heads to its one K/V head, which this does not tell apart, as g below does not)
@@ -304,6 +319,12 @@ class CostModel:
             and (group == 0 or nh == group * nkv)
         self._kv_read = self._kv * (1.0 if shared or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
+        # Without split-K decode (`decode_split_kv = false`) one thread block streams a
+        # sequence's positions for one K/V head, every layer: seconds per position a step's
+        # mean sequence holds, from its SM's clock (0: no such bound)
+        width = (m.kv_lora_rank + m.rope_head_dim) if m.kv_lora_rank else hd
+        self._kv_occ = L * e.decode_block_cycles * width / 128.0 / (h.sm_clock_mhz * 1e6) \
+            if not e.decode_split_kv and h.sm_clock_mhz > 0 else 0.0
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
         # GPUs linked by PCIe only: NCCL at its PCIe latency and bandwidth, the one-shot kernel
         # on at most custom_allreduce_pcie_gpus of them
@@ -327,7 +348,7 @@ class CostModel:
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
             self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
             self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
-            self._ar_b1, self._ar_c0, self._ar_c1)
+            self._ar_b1, self._ar_c0, self._ar_c1, self._kv_occ)
 
     def _wave_init(self, m, h, e, inter: float, sched) -> None:
         """The wave factor's terms (the module docstring's W): a layer's four projections'
@@ -539,7 +560,9 @@ class CostModel:
         t_pa = _max(self._attn_p * (p_attended - w * p_beyond),
                     self._kv * (p_cached - w * p_skip + p_tokens))
         kd = d_cached - w * d_beyond
-        t_da = _max(self._attn_f * (kd + d_seqs), self._kv_read * kd + self._kv * d_seqs)
+        t_da = _max(self._attn_f * (kd + d_seqs),
+                    _max(self._kv_read * kd, self._kv_occ * kd / _max(d_seqs, 1.0))
+                    + self._kv * d_seqs)
         busy = t_blocks + t_head + t_elem + t_pa + t_da
         if self._moe:  # + t_moe
             n = _min(self._moe_cap * T, self._moe_mean * T + self._moe_sd * _sqrt(T))

@@ -41,7 +41,8 @@ MODELS: dict[str, dict] = {
 HARDWARE: dict[str, dict] = {
     "h100-sxm": dict(memory_gb=80.0, mem_bandwidth_gbps=3350.0, peak_tflops=989.0, fp8_tflops=1979.0,
                      tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
-                     int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1),
+                     int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1,
+                     sm_clock_mhz=1980),
     # NVIDIA H100 PCIe product brief (PB-11133-001) and data sheet: the same Hopper die with 114
     # SMs on a 350 W card, 80 GB HBM2e at 2,000 GB/s, BF16 756, FP8 and INT8 1,513 TFLOP/s
     # (the sheet's sparse figures halved); PCIe 5.0 x16. Its NVLink bridge joins two cards at
@@ -50,34 +51,39 @@ HARDWARE: dict[str, dict] = {
     "h100-pcie": dict(memory_gb=80.0, mem_bandwidth_gbps=2000.0, peak_tflops=756.0,
                       fp8_tflops=1513.0, tdp_w=350.0, idle_w=50.0, interconnect_gbps=64.0,
                       pcie_gbps=64.0, int8_tops=1513.0, fp4_tflops=0.0, sm_count=114,
-                      nvlink_sharp=0),
+                      nvlink_sharp=0, sm_clock_mhz=1755),
     "h200": dict(memory_gb=141.0, mem_bandwidth_gbps=4800.0, peak_tflops=989.0, fp8_tflops=1979.0,
                  tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0, pcie_gbps=64.0,
-                 int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1),
+                 int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1,
+                 sm_clock_mhz=1980),
     "a100-80gb": dict(memory_gb=80.0, mem_bandwidth_gbps=2039.0, peak_tflops=312.0, fp8_tflops=0.0,
                       tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0, pcie_gbps=32.0,
-                      int8_tops=624.0, fp4_tflops=0.0, sm_count=108, nvlink_sharp=0),
+                      int8_tops=624.0, fp4_tflops=0.0, sm_count=108, nvlink_sharp=0,
+                      sm_clock_mhz=1410),
     # The A100's 40 GB SXM part: HBM2 at 1,555 GB/s (NVIDIA A100 data sheet), the 80 GB part's
     # compute, NVLink and power.
     "a100-40gb": dict(memory_gb=40.0, mem_bandwidth_gbps=1555.0, peak_tflops=312.0,
                       fp8_tflops=0.0, tdp_w=400.0, idle_w=60.0, interconnect_gbps=300.0,
                       pcie_gbps=32.0, int8_tops=624.0, fp4_tflops=0.0, sm_count=108,
-                      nvlink_sharp=0),
+                      nvlink_sharp=0, sm_clock_mhz=1410),
     "l40s": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=362.0, fp8_tflops=733.0,
                  tdp_w=350.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
-                 int8_tops=733.0, fp4_tflops=0.0, sm_count=142, nvlink_sharp=0),
+                 int8_tops=733.0, fp4_tflops=0.0, sm_count=142, nvlink_sharp=0,
+                 sm_clock_mhz=2520),
     # NVIDIA L40 data sheet: 48 GB GDDR6 at 864 GB/s; FP16 / BF16 tensor 181 TFLOP/s, FP8 and
     # INT8 362 (dense: the sheet's sparse figures halved); 300 W; PCIe Gen4 x16, no NVLink.
     "l40": dict(memory_gb=48.0, mem_bandwidth_gbps=864.0, peak_tflops=181.0, fp8_tflops=362.0,
                 tdp_w=300.0, idle_w=40.0, interconnect_gbps=32.0, pcie_gbps=32.0,
-                int8_tops=362.0, fp4_tflops=0.0, sm_count=142, nvlink_sharp=0),
+                int8_tops=362.0, fp4_tflops=0.0, sm_count=142, nvlink_sharp=0,
+                sm_clock_mhz=2490),
     # NVIDIA GH200 Grace Hopper Superchip data sheet, its Hopper GPU with 96 GB of HBM3 at
     # 4 TB/s (the 144 GB HBM3e part is faster: give its sizes) and the H100 SXM's tensor peaks;
     # 700 W for the GPU module (the sheet's 450-1000 W is the superchip's range); NVLink 4 to
     # other GPUs as the H100's; NVLink-C2C to its own CPU at 450 GB/s each way (swap).
     "gh200": dict(memory_gb=96.0, mem_bandwidth_gbps=4000.0, peak_tflops=989.0,
                   fp8_tflops=1979.0, tdp_w=700.0, idle_w=90.0, interconnect_gbps=450.0,
-                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1),
+                  pcie_gbps=450.0, int8_tops=1979.0, fp4_tflops=0.0, sm_count=132, nvlink_sharp=1,
+                  sm_clock_mhz=1980),
     # NVIDIA HGX B200 specifications (https://www.nvidia.com/en-us/data-center/hgx/; per GPU,
     # dense: the sheet's sparse figures halved): 180 GB HBM3e, BF16 2.25, FP8 and INT8 4.5,
     # FP4 9 PFLOP/s, 1000 W; NVLink 5 1.8 TB/s both directions together. The memory's
@@ -87,7 +93,7 @@ HARDWARE: dict[str, dict] = {
     "b200": dict(memory_gb=180.0, mem_bandwidth_gbps=7700.0, peak_tflops=2250.0,
                  fp8_tflops=4500.0, tdp_w=1000.0, idle_w=140.0, interconnect_gbps=900.0,
                  pcie_gbps=64.0, int8_tops=4500.0, fp4_tflops=9000.0, sm_count=148,
-                 nvlink_sharp=1),
+                 nvlink_sharp=1, sm_clock_mhz=0),
     # AMD Instinct MI300X data sheet
     # (https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html): 192 GB HBM3 at
     # 5.3 TB/s, dense matrix BF16 1307.4, FP8 and INT8 2614.9 TFLOP/s, 750 W; 7 Infinity Fabric
@@ -95,7 +101,8 @@ HARDWARE: dict[str, dict] = {
     # way). No FP4.
     "mi300x": dict(memory_gb=192.0, mem_bandwidth_gbps=5300.0, peak_tflops=1307.4,
                    fp8_tflops=2614.9, tdp_w=750.0, idle_w=140.0, interconnect_gbps=448.0,
-                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0, sm_count=304, nvlink_sharp=0),
+                   pcie_gbps=64.0, int8_tops=2614.9, fp4_tflops=0.0, sm_count=304, nvlink_sharp=0,
+                   sm_clock_mhz=2100),
 }
 
 # The fastest PCIe link, 5.0 x16, per direction (GB/s): GPUs whose link to each other is no
@@ -115,9 +122,17 @@ PCIE_MAX_GBPS = 64.0
 # NVLink switch), the fourth of HGX B200 (NVIDIA's NVSwitch pages). The A100's NVSwitch has no
 # in-network reduction; PCIe cards and the MI300X's Infinity Fabric have no switch of that kind.
 
+# `sm_clock_mhz`: each GPU's boost clock from its data sheet (H100 SXM5, H200 and GH200 1,980
+# MHz, H100 PCIe 1,755, A100 1,410, L40S 2,520, L40 2,490, MI300X's peak engine clock 2,100;
+# NVIDIA's B200 pages give none: 0). A decode-attention thread block streams one sequence's
+# cached positions at a rate set by its SM's clock, not by the memory (sim.model.costmodel:
+# kernels that do not split a sequence over blocks, `engine.decode_split_kv = false`).
+
 # Hardware fields a preset may leave at 0 (the GPU has no tensor cores of that type; its SMs
-# not given: no wave factor; its switches do not reduce).
-OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops", "sm_count", "nvlink_sharp")
+# not given: no wave factor; its switches do not reduce; its clock not given: no bound on a
+# decode-attention block's rate).
+OPTIONAL_HARDWARE = ("fp8_tflops", "int8_tops", "fp4_tflops", "sm_count", "nvlink_sharp",
+                     "sm_clock_mhz")
 
 # Weight formats (`model.quantization`): bytes per weight, its scales included, and the tensor
 # cores that multiply it natively. On a GPU without them the engine's weight-only kernels
@@ -212,6 +227,9 @@ _KERNELS = dict(
     # (a layer's fixed time where the engine replays CUDA graphs, not fitted: Vidur's profiles of
     # vLLM's kernels on A100s and H100s, ~15-35 us per layer once the bytes' time is taken out)
     layer_overhead_us=20.0,
+    # (a decode-attention block's cycles per cached position where the kernel does not split
+    # a sequence over blocks: DECODE_BLOCK below)
+    decode_block_cycles=17.5,
     # (the third stage's terms: `validate --fit`'s own values, sim/README.md)
     moe_gemm_efficiency=0.4305, moe_comm_efficiency=0.4907, fp4_gemm_efficiency=0.2507,
 ) | COLLECTIVES
@@ -223,9 +241,24 @@ HF_TOKENIZE_US = 1.1
 NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_output_token_us=0.0, frontend_chat_request_us=0.0,
                    frontend_one_loop=False)
+# TensorRT-LLM's decode attention without its multi-block mode: one thread block per sequence
+# and K/V head streams every cached position (sim.model.costmodel's second decode bound). The
+# mode was a build flag, off by default, through the releases of 2024's first half (0.5-0.10:
+# `trtllm-build --multi_block_mode`); the executor's runtime turns it on by default since
+# (`ExtendedRuntimePerfKnobConfig.multi_block_mode`). What it costs, in SM clock cycles per
+# position of a head of 128 (`decode_block_cycles`), fixed with NIM's host time (TRT_SERVING)
+# on three rows of NIM's Llama 3 8B on two A100s: one user's ITL at 200 / 1000 and at 2000 /
+# 2000 tokens (N1, N10) and 250 users' throughput (N2), on a grid of 0.5 cycles, 100 us and
+# 2.5 us, the values whose largest error is smallest (N1 0.998, N10 0.999, N2 0.998). The
+# sizing course's single-user runs, held out, put it at 16.7-17.3 cycles on A100s (22 for 70B
+# on eight) and 16.2-16.3 on H100s with a 16-bit cache, 18.7-20.6 with FP8 (their ITL at 7000 /
+# 1000 tokens less that at 200 / 1000, over the 6,800 positions between: sim/README.md). NIM 1.8's (the C
+# rows, multi-block on) one-user ITL would be 1.26 with it.
+ONE_BLOCK_DECODE = dict(decode_split_kv=False)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
                  gqa_shared_kv_min_head_dim=0, num_scheduler_steps=1,
                  chunked_prefill=True, guaranteed_no_evict=False, cuda_graph_padding=False,
+                 decode_split_kv=True, fp8_context_attention=False,
                  **NO_FRONTEND)
 ENGINES: dict[str, dict] = {
     # TensorRT-LLM 0.5/0.6 (gptSessionBenchmark): its decode attention read K/V per query head,
@@ -243,7 +276,7 @@ ENGINES: dict[str, dict] = {
                              cpu_base_us=1876.0, cpu_per_seq_us=4.33)
     | dict(gqa_shared_kv=False, gqa_reread=0.5174, allreduce_latency_us=41.81,
            custom_allreduce_us=0.0, chunked_prefill=False, guaranteed_no_evict=True)
-    | TRT_LAUNCHES | TRT_NVLINK,
+    | TRT_LAUNCHES | TRT_NVLINK | ONE_BLOCK_DECODE,
     # vLLM 0.6 with --num-scheduler-steps 10. Its API server, a process apart from the engine's
     # since 0.6 (the vLLM team, "vLLM v0.6.0: 2.7x Throughput Improvement and 5x Latency
     # Reduction", https://blog.vllm.ai/2024/09/05/perf-update.html), tokenises with the
@@ -268,9 +301,12 @@ ENGINES: dict[str, dict] = {
 # Profiles without bundled points of their own, derived from a fitted one (sim/README.md: why;
 # DERIVED below and sim.model.profiles.RATIOS say how).
 # Later TensorRT-LLM shares K/V across a GQA group (XQA kernels, from 0.8), its decode attention
-# reaching 0.8 of the memory's bandwidth (fixed with TRT_LAUNCHES, on the same points), and its
-# executor overlaps its CPU work with the GPU.
+# reaching 0.8 of the memory's bandwidth (fixed with TRT_LAUNCHES, on the same points) and
+# splitting long sequences over blocks (multi-block mode, on by default in the executor's
+# runtime; 0.9's profile and NIM's keep ONE_BLOCK_DECODE), and its executor overlaps its CPU
+# work with the GPU.
 TRT_EXECUTOR = dict(gqa_shared_kv=True, cpu_overlap=True, kv_bandwidth_efficiency=0.8,
+                    decode_split_kv=True,
                     **COLLECTIVES) | TRT_NVLINK
 # Its first XQA kernels (0.8, 0.9) were built for Llama 2 70B's shape only: eight query heads
 # to a K/V head, heads of 128 or 256 (the precompiled kernel table,
@@ -286,12 +322,12 @@ TRT_XQA_SHAPES = dict(gqa_shared_kv_group=8, gqa_shared_kv_min_head_dim=128)
 # 1.0: the course's lab container is nvcr.io/nim/meta/llama3-8b-instruct:1.0.3, in its
 # composer/docker-compose.yml; its dataset names no version): each step also
 # spends host time on every sequence's output in the engine's loop, the GPU waiting: its CPU
-# time per step and per sequence, serial, fixed on two rows of NIM's Llama 3 8B on two A100s (N1:
-# one user's ITL, N2: the throughput of 250 users; the values on a grid of 100 us and 2.5 us that
-# bring both closest: N1 1.004, N2 1.007), the other rows of that table held out
-# (sim/README.md). NIM 1.8's published table (the C rows) shows no such time: which NIM
+# time per step and per sequence, serial, fixed on rows of NIM's Llama 3 8B on two A100s (N1:
+# one user's ITL, N2: the throughput of 250 users) together with its decode attention's time
+# without multi-block mode (ONE_BLOCK_DECODE, which says how; N10 the third row), the other
+# rows of that table held out (sim/README.md). NIM 1.8's published table (the C rows) shows no such time: which NIM
 # releases take this profile is sim.model.validate.engine_preset_for's.
-TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
+TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=700.0, cpu_per_seq_us=60.0) | ONE_BLOCK_DECODE
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
 # experts on a B200 and a dense 8B on an H200. Its published figures are `trtllm-bench`'s, which
@@ -314,6 +350,7 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=1000.0, cpu_per_seq_us=57.5)
 # and the held-out MoE rows with data-parallel attention to 0.109 (from 0.047): off, the
 # bundled rows are better predicted (sim/README.md).
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.42,
+                   decode_split_kv=True,
                    chunked_prefill=True,
                    layer_overhead_us=_KERNELS["layer_overhead_us"]) | TRT_NVLINK
 # vLLM V1's API server (sim.engine.frontend): tokenisation at the HuggingFace tokenizers' rate as
@@ -385,14 +422,23 @@ SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
 TRITON_FRONTEND = dict(frontend_request_us=5000.0, frontend_prompt_token_us=HF_TOKENIZE_US)
 TRITON_HOST = dict(cpu_overlap=False, cpu_base_us=0.0, cpu_per_seq_us=27.5)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
+# Its builds of FP8 checkpoints run prefill attention in FP8 when the cache is FP8 (`trtllm-bench
+# build` sets `use_fp8_context_fmha` for FP8 quantization, tensorrt_llm/bench/build/build.py;
+# the builder turns it on with an FP8 paged cache). On the held-out FP8 rows of TensorRT-LLM
+# 0.17's throughput table (81 P rows) the median error goes from 0.044 to 0.034 (20,000 / 2,000
+# tokens on two H200s 0.91 -> 0.99) and on NIM 1.8's (C1-C11) from 0.086 to 0.068. Not in 0.9's
+# profile (its FP8 R rows 0.051 -> 0.061), nor NIM 1.0's (its FP8 course rows 0.102 -> 0.104),
+# nor the PyTorch backend's, whose MoE, FP4 and host terms were fitted without it (M and Q rows
+# 0.038 / 0.046 -> 0.050 / 0.053 with it).
+FP8_CONTEXT = dict(fp8_context_attention=True)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
 # API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
 # executor.
 DERIVED: dict[str, tuple[str, dict]] = {
-    "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT),
-    "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES),
+    "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT | FP8_CONTEXT),
+    "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES | ONE_BLOCK_DECODE),
     "nim": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVING),
     "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE | TRT_SERVE_CHAT),
     "sglang": ("sglang-0.3", dict(cpu_overlap=True, **SGLANG_CHAT)),

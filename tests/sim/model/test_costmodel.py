@@ -505,6 +505,77 @@ def test_padded_cuda_graphs_run_a_decode_step_at_the_next_captured_size():
     assert pad.step(*mixed) == flat.step(*mixed)
 
 
+ONE_BLOCK = ('engine.preset="nim"', 'hardware.preset="a100-80gb"', "model.tensor_parallel=2",
+             *BARE)
+
+
+def test_decode_without_split_kv_waits_on_one_block_per_sequence():
+    """Where the engine's decode kernel gives a sequence's K/V head one thread block
+    (`decode_split_kv = false`), a few sequences at long contexts take the block's time, L q
+    positions over the SM's clock (q = decode_block_cycles hd / 128), not their bytes' time;
+    many sequences at once are back on the memory's bound; no clock, no bound."""
+    one, split = model(*ONE_BLOCK), model(*ONE_BLOCK, "engine.decode_split_kv=true")
+    L, hd = 32, 128  # (the chat scenario's Llama 3.1 8B)
+    cyc = 17.5
+    one = model(*ONE_BLOCK, f"engine.decode_block_cycles={cyc}")
+    per_pos = L * cyc * hd / 128 / 1410e6  # (the A100's 1,410 MHz)
+    assert one._kv_occ == pytest.approx(per_pos)
+    ctx = 7000
+    # one sequence: its block streams all 7,000 positions of every layer (1.2 ms here, about ten
+    # times the bytes' time at the memory's rate)
+    extra = decode(one, 1, ctx) - decode(split, 1, ctx)
+    assert extra == pytest.approx(per_pos * ctx - split._kv_read * ctx, rel=1e-9)
+    assert extra > 5 * split._kv_read * ctx
+    # four sequences: the blocks run side by side, each on its own sequence
+    assert decode(one, 4, ctx) - decode(split, 4, ctx) == pytest.approx(
+        per_pos * ctx - split._kv_read * 4 * ctx, rel=1e-9)
+    # 256 sequences: the blocks together outrun the memory
+    assert decode(one, 256, ctx) == decode(split, 256, ctx)
+    # a GPU without a clock in its sheet (the B200's preset): no such bound
+    b200 = ('hardware.preset="b200"',)
+    assert model(*ONE_BLOCK, *b200)._kv_occ == 0.0
+    assert decode(model(*ONE_BLOCK, *b200), 1, ctx) == decode(
+        model(*ONE_BLOCK, *b200, "engine.decode_split_kv=true"), 1, ctx)
+    # twice the cycles, twice the block's time; a faster clock, less
+    two = model(*ONE_BLOCK, f"engine.decode_block_cycles={2 * cyc}")
+    assert two._kv_occ == pytest.approx(2 * one._kv_occ)
+    h100 = model(*ONE_BLOCK, 'hardware.preset="h100-sxm"')
+    assert h100._kv_occ == pytest.approx(one._kv_occ * 1410 / 1980)
+
+
+def test_fp8_context_attention_runs_prefill_attention_on_fp8_tensor_cores():
+    """With an FP8 cache, an engine whose prefill attention runs in FP8 (TensorRT-LLM's C++
+    runtime builds of FP8 checkpoints) costs its FLOPs at fp8_tflops; decode attention, a
+    16-bit cache or a GPU without FP8 tensor cores keep the 16-bit rate."""
+    from sim.model.presets import ENGINES
+
+    base = ('engine.preset="tensorrt-llm"', *BARE)
+    fp8 = ("model.kv_dtype_bytes=1",)
+    on = model(*base, *fp8)
+    off = model(*base, *fp8, "engine.fp8_context_attention=false")
+    assert on._attn_p == pytest.approx(off._attn_p * 989.0 / 1979.0)  # (the H100's peaks)
+    assert on._attn_f == off._attn_f
+    # a long prompt's step: only its attention's compute side is faster
+    n = 20000
+    step = (n, n * (n + 1) // 2, 0, 0, 0, 1, 1)
+    assert off.step(*step)[0] - on.step(*step)[0] == pytest.approx(
+        (off._attn_p - on._attn_p) * (n * (n + 1) // 2), rel=1e-9)
+    assert model(*base)._attn_p == model(*base, "engine.fp8_context_attention=false")._attn_p
+    a100 = ('hardware.preset="a100-80gb"', *fp8)
+    assert model(*base, *a100)._attn_p == model(*base, *a100,
+                                                "engine.fp8_context_attention=false")._attn_p
+    assert [k for k, e in ENGINES.items() if e["fp8_context_attention"]] == ["tensorrt-llm"]
+
+
+def test_only_tensorrt_llm_before_its_multi_block_default_decodes_one_block_per_sequence():
+    """TensorRT-LLM built without multi-block mode (0.6, 0.9, the NIM the sizing course ran)
+    gives a sequence one block; the executor's runtime since, and vLLM and SGLang, split it."""
+    from sim.model.presets import ENGINES
+
+    assert {k for k, e in ENGINES.items() if not e["decode_split_kv"]} == {
+        "tensorrt-llm-0.6", "tensorrt-llm-0.9", "nim"}
+
+
 def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     """Served by NIM (`nim`): each sequence's output handled in the engine's loop, the GPU
     waiting (serial host time per step and per sequence); the PyTorch backend
@@ -522,9 +593,10 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     # over either TensorRT-LLM backend)
     assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
                                                    "cpu_overlap", "chunked_prefill",
-                                                   "frontend_chat_request_us", *runtime}
-    assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill",
+                                                   "frontend_chat_request_us", "decode_split_kv",
                                                    *runtime}
+    assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill",
+                                                   "fp8_context_attention", *runtime}
     # (the padding of its CUDA graphs is modelled, not yet on: its terms were fitted without it)
     assert not any(e["cuda_graph_padding"] for e in ENGINES.values())
     assert py["frontend_chat_request_us"] == trt["frontend_chat_request_us"] > 0
@@ -532,7 +604,8 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
                for k, v in TRT_LAUNCHES.items())
     old = ENGINES["tensorrt-llm-0.9"]  # XQA for Llama 2 70B's shape only: all else as later
     assert {k for k in old if old[k] != trt[k]} == {"gqa_shared_kv_min_head_dim",
-                                                    "gqa_shared_kv_group",
+                                                    "gqa_shared_kv_group", "decode_split_kv",
+                                                    "fp8_context_attention",
                                                     "frontend_chat_request_us"}
     graphs = _KERNELS["layer_overhead_us"]
     assert py["layer_overhead_us"] == ENGINES["vllm-v1"]["layer_overhead_us"] == graphs
@@ -598,6 +671,9 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
                  f"engine.gqa_reread={rnd.random()!r}",
                  f"engine.allreduce_nvls={str(rnd.random() < 0.7).lower()}",
                  f"engine.cuda_graph_padding={str(rnd.random() < 0.5).lower()}",
+                 f"engine.decode_split_kv={str(rnd.random() < 0.5).lower()}",
+                 f"engine.decode_block_cycles={rnd.uniform(1, 60)!r}",
+                 f"hardware.sm_clock_mhz={rnd.choice([0.0, rnd.uniform(500, 3000)])!r}",
                  f"scheduler.max_num_seqs={rnd.choice([1, 7, 128, 200, 384, 512, 1280])}",
                  f"engine.gemm_wave_exposure={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 2)!r}",
                  f"hardware.sm_count={rnd.choice([0, 1, 7, 108, 132, 304])}"]
