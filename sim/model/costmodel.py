@@ -24,7 +24,8 @@ Bytes per element: wb weights (`model.dtype_bytes`; qb the blocks', wb unless qu
 cache (`model.kv_dtype_bytes`), ab activations (`model.act_dtype_bytes`). Hardware: F = peak_tflops * 1e12 (fp8_tflops for 1-byte
 weights when the GPU has FP8 tensor cores, reached at e_g = fp8_gemm_efficiency; a quantized
 format's own tensor cores at fp8_gemm_efficiency, FP4's at fp4_gemm_efficiency), F16 =
-peak_tflops * 1e12 (attention), B = mem_bandwidth_gbps * 1e9, N = interconnect_gbps * 1e9.
+peak_tflops * 1e12 (attention; Fa below for prefill attention), B = mem_bandwidth_gbps * 1e9, N =
+interconnect_gbps * 1e9, f = sm_clock_mhz * 1e6.
 Engine: e_g gemm, e_b bandwidth, e_k K/V bandwidth, e_a attention, e_e elementwise, e_n
 all-reduce efficiencies; e_x the experts' grouped GEMMs (a share of e_g and e_b), e_d the MoE
 dispatch and combine's link efficiency.
@@ -105,8 +106,8 @@ TensorRT-LLM's masked multi-head and XQA kernels without multi-block mode; vLLM'
 kernels, and FlashDecoding's, split a sequence over blocks): a block takes q =
 `decode_block_cycles` hd / 128 clock cycles of its SM (f = `hardware.sm_clock_mhz` * 1e6) per
 position and layer whatever the memory could give, so a step of a few sequences at long
-contexts waits on its blocks, each running the mean sequence's positions (for MLA hd is r +
-dr). With many sequences the blocks together outrun the memory and the first bound holds.
+contexts waits on its blocks, each running the mean sequence's positions (for MLA hd is taken
+as r + dr, which no measurement pins). With many sequences the blocks together outrun the memory and the first bound holds.
 
 Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
 experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then

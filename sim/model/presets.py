@@ -243,17 +243,18 @@ NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
                    frontend_one_loop=False)
 # TensorRT-LLM's decode attention without its multi-block mode: one thread block per sequence
 # and K/V head streams every cached position (sim.model.costmodel's second decode bound). The
-# mode was a build flag, off by default, through the releases of 2024's first half (0.5-0.10:
-# `trtllm-build --multi_block_mode`); the executor's runtime turns it on by default since
-# (`ExtendedRuntimePerfKnobConfig.multi_block_mode`). What it costs, in SM clock cycles per
+# mode was a build flag, off by default, in the releases the 0.6 and 0.9 profiles stand for
+# (`--multi_block_mode`), and the NIM the sizing course ran shows it off; the executor's
+# runtime option in later releases is on by default (`ExtendedRuntimePerfKnobConfig.
+# multi_block_mode`), and NIM 1.8's rows say on (below). What it costs, in SM clock cycles per
 # position of a head of 128 (`decode_block_cycles`), fixed with NIM's host time (TRT_SERVING)
 # on three rows of NIM's Llama 3 8B on two A100s: one user's ITL at 200 / 1000 and at 2000 /
 # 2000 tokens (N1, N10) and 250 users' throughput (N2), on a grid of 0.5 cycles, 100 us and
 # 2.5 us, the values whose largest error is smallest (N1 0.998, N10 0.999, N2 0.998). The
 # sizing course's single-user runs, held out, put it at 16.7-17.3 cycles on A100s (22 for 70B
 # on eight) and 16.2-16.3 on H100s with a 16-bit cache, 18.7-20.6 with FP8 (their ITL at 7000 /
-# 1000 tokens less that at 200 / 1000, over the 6,800 positions between: sim/README.md). NIM 1.8's (the C
-# rows, multi-block on) one-user ITL would be 1.26 with it.
+# 1000 tokens less that at 200 / 1000, over the 6,800 positions between: sim/README.md). NIM
+# 1.8's one-user ITL (C2) would be 1.26 with it, 1.07 without.
 ONE_BLOCK_DECODE = dict(decode_split_kv=False)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
                  gqa_shared_kv_min_head_dim=0, num_scheduler_steps=1,
@@ -426,10 +427,10 @@ TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # build` sets `use_fp8_context_fmha` for FP8 quantization, tensorrt_llm/bench/build/build.py;
 # the builder turns it on with an FP8 paged cache). On the held-out FP8 rows of TensorRT-LLM
 # 0.17's throughput table (81 P rows) the median error goes from 0.044 to 0.034 (20,000 / 2,000
-# tokens on two H200s 0.91 -> 0.99) and on NIM 1.8's (C1-C11) from 0.086 to 0.068. Not in 0.9's
-# profile (its FP8 R rows 0.051 -> 0.061), nor NIM 1.0's (its FP8 course rows 0.102 -> 0.104),
-# nor the PyTorch backend's, whose MoE, FP4 and host terms were fitted without it (M and Q rows
-# 0.038 / 0.046 -> 0.050 / 0.053 with it).
+# tokens on two H200s 0.91 -> 0.99) and on NIM 1.8's (C1-C11) from 0.081 to 0.068. Not in 0.9's
+# profile (its 32 FP8 R rows 0.053 -> 0.060 with it), nor NIM 1.0's (its FP8 course rows 0.098
+# -> 0.102), nor the PyTorch backend's, whose MoE, FP4 and host terms were fitted without it (M
+# and Q rows 0.039 / 0.046 -> 0.052 / 0.053 with it).
 FP8_CONTEXT = dict(fp8_context_attention=True)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).

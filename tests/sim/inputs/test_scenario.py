@@ -285,6 +285,23 @@ def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
     prefill = (8192, 8192 * 8193 // 2, 0, 0, 0, 1, 1)  # (128 MiB an all-reduce)
     assert CostModel(logged).step(*prefill) == CostModel(without).step(*prefill) \
         != CostModel(now).step(*prefill)
+    # NIM's and TensorRT-LLM's written before decode attention's one block per sequence and
+    # FP8 prefill attention: neither, whatever the hardware's clock (filled from its preset)
+    added = ("decode_split_kv", "decode_block_cycles", "fp8_context_attention")
+    for name in ("nim", "tensorrt-llm"):
+        table = {k: v for k, v in ENGINES[name].items() if k not in added}
+        fp8 = BASE + ('[model]\npreset = "llama-3.1-8b"\nkv_dtype_bytes = 1\n'
+                      f'[hardware]\npreset = "h100-sxm"\n[engine]\npreset = "{name}"\n')
+        logged = load_scenario(write(tmp_path, fp8 + "".join(f"{k} = {str(v).lower()}\n"
+                                                             for k, v in table.items())))
+        assert logged.engine.decode_split_kv is True and logged.hardware.sm_clock_mhz == 1980
+        assert logged.engine.fp8_context_attention is False
+        then = load_scenario(write(tmp_path, fp8 + "decode_split_kv = true\n"
+                                   "fp8_context_attention = false\n"))
+        now = load_scenario(write(tmp_path, fp8))
+        long = [(0, 0, 0, 1, 7000, 1, 1), (8192, 8192 * 8193 // 2, 0, 0, 0, 1, 1)]
+        assert [CostModel(logged).step(*a) for a in long] == \
+            [CostModel(then).step(*a) for a in long] != [CostModel(now).step(*a) for a in long]
     del full["cpu_base_us"]  # not a full table: the profile fills what it leaves out
     part = load_scenario(write(tmp_path, BASE + "[engine]\npreset = \"tensorrt-llm-0.6\"\n"
                                + "".join(f"{k} = {str(v).lower()}\n" for k, v in full.items())))

@@ -514,14 +514,14 @@ def test_decode_without_split_kv_waits_on_one_block_per_sequence():
     (`decode_split_kv = false`), a few sequences at long contexts take the block's time, L q
     positions over the SM's clock (q = decode_block_cycles hd / 128), not their bytes' time;
     many sequences at once are back on the memory's bound; no clock, no bound."""
-    one, split = model(*ONE_BLOCK), model(*ONE_BLOCK, "engine.decode_split_kv=true")
     L, hd = 32, 128  # (the chat scenario's Llama 3.1 8B)
     cyc = 17.5
     one = model(*ONE_BLOCK, f"engine.decode_block_cycles={cyc}")
+    split = model(*ONE_BLOCK, "engine.decode_split_kv=true")
     per_pos = L * cyc * hd / 128 / 1410e6  # (the A100's 1,410 MHz)
     assert one._kv_occ == pytest.approx(per_pos)
     ctx = 7000
-    # one sequence: its block streams all 7,000 positions of every layer (1.2 ms here, about ten
+    # one sequence: its block streams all 7,000 positions of every layer (2.8 ms here, about ten
     # times the bytes' time at the memory's rate)
     extra = decode(one, 1, ctx) - decode(split, 1, ctx)
     assert extra == pytest.approx(per_pos * ctx - split._kv_read * ctx, rel=1e-9)
@@ -673,7 +673,7 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
                  f"engine.cuda_graph_padding={str(rnd.random() < 0.5).lower()}",
                  f"engine.decode_split_kv={str(rnd.random() < 0.5).lower()}",
                  f"engine.decode_block_cycles={rnd.uniform(1, 60)!r}",
-                 f"hardware.sm_clock_mhz={rnd.choice([0.0, rnd.uniform(500, 3000)])!r}",
+                 f"hardware.sm_clock_mhz={rnd.uniform(500, 3000)!r}",
                  f"scheduler.max_num_seqs={rnd.choice([1, 7, 128, 200, 384, 512, 1280])}",
                  f"engine.gemm_wave_exposure={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 2)!r}",
                  f"hardware.sm_count={rnd.choice([0, 1, 7, 108, 132, 304])}"]
