@@ -228,7 +228,7 @@ _KERNELS = dict(
     # vLLM's kernels on A100s and H100s, ~15-35 us per layer once the bytes' time is taken out)
     layer_overhead_us=20.0,
     # (a decode-attention block's cycles per cached position where the kernel does not split
-    # a sequence over blocks: DECODE_BLOCK below)
+    # a sequence over blocks: ONE_BLOCK_DECODE below)
     decode_block_cycles=17.5,
     # (the third stage's terms: `validate --fit`'s own values, sim/README.md)
     moe_gemm_efficiency=0.4305, moe_comm_efficiency=0.4907, fp4_gemm_efficiency=0.2507,
