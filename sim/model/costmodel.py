@@ -107,7 +107,8 @@ kernels, and FlashDecoding's, split a sequence over blocks): a block takes q =
 `decode_block_cycles` hd / 128 clock cycles of its SM (f = `hardware.sm_clock_mhz` * 1e6) per
 position and layer whatever the memory could give, so a step of a few sequences at long
 contexts waits on its blocks, each running the mean sequence's positions (for MLA hd is taken
-as r + dr, which no measurement pins). With many sequences the blocks together outrun the memory and the first bound holds.
+as r + dr, which no measurement pins). With many sequences the blocks together outrun the
+memory and the first bound holds.
 
 Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
 experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
@@ -404,17 +405,11 @@ class CostModel:
 
     def graph_pads(self, p_tokens, d_seqs) -> Any:
         """`_graph_pad` of each entry of arrays (the same values, bit for bit)."""
-        d = np.asarray(d_seqs, dtype=np.float64)
-        values, where = np.unique(d, return_inverse=True)
-        pads = np.array([self.graph_pad(float(v)) for v in values], dtype=np.float64)
-        return np.where(np.asarray(p_tokens) == 0, pads[where].reshape(d.shape), 0.0)
+        return np.where(np.asarray(p_tokens) == 0, _each(self.graph_pad, d_seqs), 0.0)
 
     def wave_factors(self, T) -> Any:
         """`wave_factor` of each entry of an array (the same values, bit for bit)."""
-        a = np.asarray(T, dtype=np.float64)
-        values, where = np.unique(a, return_inverse=True)
-        w = np.array([self.wave_factor(float(v)) for v in values], dtype=np.float64)
-        return w[where].reshape(a.shape)
+        return _each(self.wave_factor, T)
 
     def _allreduce_init(self, e, tp: int, calls: int, row: float, link: float,
                         nvls: float) -> None:
@@ -778,6 +773,14 @@ def graph_batch_sizes(max_batch: int) -> list[float]:
     if max_batch > 0 and (not out or out[-1] != max_batch):
         out.append(float(max_batch))
     return out
+
+
+def _each(f: Any, a: Any) -> Any:
+    """`f` (of a float) of each entry of an array, called once per distinct value."""
+    a = np.asarray(a, dtype=np.float64)
+    values, where = np.unique(a, return_inverse=True)
+    out = np.array([f(float(v)) for v in values], dtype=np.float64)
+    return out[where].reshape(a.shape)
 
 
 def _graph_pad(cost: CostModel, p_tokens: float, d_seqs: float) -> float:
