@@ -402,25 +402,37 @@ SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
 # TensorRT-LLM 0.14's online-serving table (perf-overview.md: Llama 3.1 8B on one H100 and 70B
 # on four, 467 in and 256 out, or 467 / 16, or 202 / 214, at 2-16 req/s).
 # Its API terms (TRITON_FRONTEND, whatever runtime is behind it): tokenisation at the
-# HuggingFace tokenizers' rate as the others', and a time per request, to 0.1 ms the value that
-# brings the lightest-load TTFT rows closest (O1 and O13, the two models at 2 req/s: 0.996 and
-# 1.003, with the host time below; 0.91 and 0.77 with neither).
+# HuggingFace tokenizers' rate as the others', a time per streamed token and a time per request.
+# Every streamed response passes the ensemble's postprocessing model, Python detokenising one
+# response at a time (tensorrtllm_backend issue #622 traced a streaming slowdown to its
+# `execute()`), so a step's tokens queue for it: under load the first token waits behind the
+# step's others, more where a step carries more of them (the 70B's steps at 16 req/s carry ~170
+# sequences, the 8B's ~40; the 70B's TTFT rows there were 0.80-0.93 without it and are
+# 0.82-0.99 with it, its 467 / 16 runs, which stream few tokens, unchanged at 0.82-0.87). The
+# time per token, on a grid of 2.5 us, the value that makes the larger error of the highest-load
+# TTFT rows of H100s smallest (O4 and O16, 70B and 8B at 467 / 256 tokens and 16 req/s: 0.901
+# and 1.096; 0.850 and 1.036 without it), and the time per request, to 0.1 ms, the value that
+# brings the lightest-load TTFT rows closest (O1 and O13, the two models at 2 req/s: 1.000 and
+# 0.999), each fixed with the other and the host time below. The other TTFT rows are held out:
+# at 2-16 req/s their median error goes from 0.052 to 0.043; at 32 req/s, where one server
+# handles the 8B's 8k tokens/s, it overshoots (the 467 / 256 runs 1.10 -> 1.25 on an H100).
 # Over the C++ executor (`tensorrt-llm`, the runtime of that table; TRITON_HOST) each step's
 # host time per sequence is serial with the GPU, as in NIM's profile (TRT_SERVING): the table's
 # inter-token latency grows with the load faster than the GPU's time (70B on four H100s at
 # 16 req/s: 66 ms, 53 with the executor's host time overlapped; seen on both models and both
 # GPUs, though the H200's 16 req/s rows stay 0.85-0.93 with it), while at 2 req/s it sits on
 # the GPU's time (a serial time per step would show there: none is kept). Where that time goes
-# (the backend's responses, the ensemble's Python detokenising of each streamed token) the rows
-# do not say. Its time per sequence, on a grid of 2.5 us, the value that makes the larger of
+# (the backend's responses, its hand-off of each to the ensemble) the rows do not say. Its
+# time per sequence, on a grid of 2.5 us, the value that makes the larger of
 # the two errors of the highest-load ITL rows of H100s smallest (O52 and O64, 70B and 8B at
 # 16 req/s: 0.967 and 1.038; 0.80 and 0.87 overlapped; 25.0 would give the smaller mean, 0.951
-# and 1.019). The other 116 rows, the H200's all and the table's 32 req/s column among them,
+# and 1.019). The other 114 rows, the H200's all and the table's 32 req/s column among them,
 # are held out; at 32 req/s the serial time makes the ITL of the 70B's 202 / 214 runs 1.35-1.41
 # (1.06-1.14 overlapped) and of the 8B's 467 / 256 runs 1.16-1.34 (0.69-0.84 overlapped):
 # linear in the sequences, it overshoots there. Other runtimes behind Triton (0.6's, the PyTorch
 # backend) keep their own host time: none of these rows ran on them.
-TRITON_FRONTEND = dict(frontend_request_us=5000.0, frontend_prompt_token_us=HF_TOKENIZE_US)
+TRITON_FRONTEND = dict(frontend_request_us=4700.0, frontend_prompt_token_us=HF_TOKENIZE_US,
+                       frontend_output_token_us=45.0)
 TRITON_HOST = dict(cpu_overlap=False, cpu_base_us=0.0, cpu_per_seq_us=27.5)
 TRT_SERVE_CHAT = dict(frontend_chat_request_us=19300.0)
 # Its builds of FP8 checkpoints run prefill attention in FP8 when the cache is FP8 (`trtllm-bench

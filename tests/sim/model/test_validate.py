@@ -254,7 +254,7 @@ def test_a_tensorrt_llm_row_behind_triton_takes_its_api_terms_and_serial_host_ti
                   "vLLM 0.6 on Triton", "NVIDIA NIM 1.8.0", "TensorRT-LLM triton-moe",
                   "TensorRT-LLM (Triton-kernel attention)", "NVIDIA NIM 1.0 (TensorRT-LLM on Triton)"):
         assert not any("frontend" in o or "cpu_" in o for o in engine_settings_for(other)), other
-    pts = {p.id: p for p in load_points(POINTS) if p.id in ("O13", "O52")}
+    pts = {p.id: p for p in load_points(POINTS) if p.id in ("O4", "O13", "O52")}
     sc = point_scenario(pts["O13"])
     assert sc.engine.preset == "tensorrt-llm"
     assert sc.engine.frontend_request_us == presets.TRITON_FRONTEND["frontend_request_us"]
@@ -264,7 +264,17 @@ def test_a_tensorrt_llm_row_behind_triton_takes_its_api_terms_and_serial_host_ti
     run = run_point(pts["O13"])
     assert run["predicted"] == pytest.approx(23.0, rel=0.02)
     bare = run_point(pts["O13"], overrides=["engine.frontend_request_us=0"])
-    assert run["predicted"] - bare["predicted"] == pytest.approx(5.0, rel=0.05)
+    request_ms = presets.TRITON_FRONTEND["frontend_request_us"] / 1000
+    assert run["predicted"] - bare["predicted"] == pytest.approx(request_ms, rel=0.05)
+    # every streamed token passes the ensemble's postprocessing, one at a time: at 2 req/s an
+    # 8B's first token waits behind a few others, at 16 req/s a 70B's behind a step of ~170
+    # sequences: its TTFT is longer by far more than one token's time, its ITL as long
+    token_us = presets.TRITON_FRONTEND["frontend_output_token_us"]
+    assert token_us > 0
+    no_tokens = ["engine.frontend_output_token_us=0"]
+    light = run["predicted"] - run_point(pts["O13"], overrides=no_tokens)["predicted"]
+    heavy = run_point(pts["O4"])["predicted"] - run_point(pts["O4"], overrides=no_tokens)["predicted"]
+    assert 0 < light < 20 * token_us / 1000 < heavy
     # at 16 req/s the host's time on some 150 sequences a step lengthens the steps: the ITL
     # is longer than with that time overlapped (an override after the column's terms wins),
     # by more than the time itself
@@ -272,6 +282,8 @@ def test_a_tensorrt_llm_row_behind_triton_takes_its_api_terms_and_serial_host_ti
     overlapped = run_point(pts["O52"], overrides=["engine.cpu_overlap=true"])
     assert loaded["predicted"] == pytest.approx(66.0, rel=0.1)
     assert loaded["predicted"] > overlapped["predicted"] * 1.15
+    assert run_point(pts["O52"], overrides=no_tokens)["predicted"] == pytest.approx(
+        loaded["predicted"], rel=0.01)
 
 
 def test_a_rows_set_column_changes_its_scenario(tmp_path, capsys):
