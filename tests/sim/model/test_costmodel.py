@@ -589,12 +589,13 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
 
     trt, cpp, py = ENGINES["tensorrt-llm"], ENGINES["nim"], ENGINES["tensorrt-llm-pytorch"]
     runtime = {*TRT_LAUNCHES, "kv_bandwidth_efficiency"}
-    # (and trtllm-serve's time per chat request, NIM's server unmeasured: the same server runs
-    # over either TensorRT-LLM backend)
+    # (and the API server: trtllm-serve's time per chat request, which the same server spends
+    # over either TensorRT-LLM backend, against NIM's own server, presets.NIM_FRONTEND)
     assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
                                                    "cpu_overlap", "chunked_prefill",
                                                    "frontend_chat_request_us", "decode_split_kv",
-                                                   *runtime}
+                                                   "frontend_request_us",
+                                                   "frontend_prompt_token_us", *runtime}
     assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill",
                                                    "fp8_context_attention", *runtime}
     # (the padding of its CUDA graphs is modelled, not yet on: its terms were fitted without it)

@@ -345,6 +345,22 @@ def test_the_nim_course_table_loads_one_scenario_per_configuration():
     assert r["profile"] == "nim" and 0.9 < r["ratio"] < 1.1
 
 
+def test_nims_profile_serves_behind_its_api_server():
+    # one user's TTFT (N3) takes NIM's time per request and its tokenising, one user's ITL (N1)
+    # neither: the server's time is before the first token, not between tokens
+    front = presets.NIM_FRONTEND
+    assert front["frontend_request_us"] > 0 and presets.ENGINES["nim"]["frontend_request_us"] == \
+        front["frontend_request_us"]
+    pts = {p.id: p for p in load_points(POINTS) if p.id in ("N1", "N3")}
+    bare = [f"engine.{k}=0" for k in front]
+    ttft, ttft_bare = run_point(pts["N3"]), run_point(pts["N3"], overrides=bare)
+    server_ms = (front["frontend_request_us"] + 200 * front["frontend_prompt_token_us"]) / 1000
+    assert ttft["predicted"] - ttft_bare["predicted"] == pytest.approx(server_ms, rel=0.01)
+    assert ttft["ratio"] == pytest.approx(1.0, abs=0.05)
+    assert run_point(pts["N1"], overrides=bare)["predicted"] == pytest.approx(
+        run_point(pts["N1"])["predicted"], rel=1e-3)
+
+
 @pytest.mark.parametrize("csv_text,message", [
     ("id,engine,published\nA,x,1\n", ":1: missing column(s) metric"),
     ("id,engine,metric,published\nA,x,accuracy,1\n", ":2: metric:"),
