@@ -334,10 +334,10 @@ TRT_SERVING = dict(cpu_overlap=False, cpu_base_us=700.0, cpu_per_seq_us=60.0) | 
 # measured through it): tokenisation at the HuggingFace tokenizers' rate as the others', and a
 # time per request, to 0.1 ms the value that brings the table's one light-load TTFT row to its
 # published figure (N3, one user, 200 tokens in: 21.45 ms, published 21.43; 13.23 without it;
-# N1, N2 and N10 unchanged). The sizing course's 72 one-user TTFT rows, held out, go from median
-# error 0.197, every one short, to 0.073 (the course's 2,361 points from 0.108 to 0.100); one
-# time for every setup leaves one or two H100s' rows 20-28% long and four to eight A100s' 9-13%
-# short.
+# N1, N2 and N10 unchanged). The sizing course's one-user TTFT rows (72 runs, N3's among them,
+# the other 71 held out) come to median error 0.073 (0.197 without it, every one short; the
+# course's 2,361 points 0.100, 0.108 without it); one time for every setup leaves one or two
+# H100s' rows 20-28% long and four to eight A100s' 9-13% short.
 NIM_FRONTEND = dict(frontend_request_us=8000.0, frontend_prompt_token_us=HF_TOKENIZE_US)
 # Its PyTorch backend (the default from 1.0): the same kernels, and Python's time per sequence
 # on the host, fitted on M8 and Q17 (sim/README.md): the rows where it binds most, a mixture of
@@ -417,15 +417,16 @@ SGLANG_CHAT = dict(frontend_chat_request_us=7600.0)
 # response at a time (tensorrtllm_backend issue #622 traced a streaming slowdown to its
 # `execute()`), so a step's tokens queue for it: under load the first token waits behind the
 # step's others, more where a step carries more of them (the 70B's steps at 16 req/s carry ~170
-# sequences, the 8B's ~40; the 70B's TTFT rows there were 0.80-0.93 without it and are
+# sequences, the 8B's ~40; the 70B's TTFT rows there are 0.80-0.93 without it and
 # 0.82-0.99 with it, its 467 / 16 runs, which stream few tokens, unchanged at 0.82-0.87). The
 # time per token, on a grid of 2.5 us, the value that makes the larger error of the highest-load
 # TTFT rows of H100s smallest (O4 and O16, 70B and 8B at 467 / 256 tokens and 16 req/s: 0.901
 # and 1.096; 0.850 and 1.036 without it), and the time per request, to 0.1 ms, the value that
 # brings the lightest-load TTFT rows closest (O1 and O13, the two models at 2 req/s: 1.000 and
 # 0.999), each fixed with the other and the host time below. The other TTFT rows are held out:
-# at 2-16 req/s their median error goes from 0.052 to 0.043; at 32 req/s, where one server
-# handles the 8B's 8k tokens/s, it overshoots (the 467 / 256 runs 1.10 -> 1.25 on an H100).
+# at 2-16 req/s their median error is 0.043 (0.052 without the time per token); at 32 req/s,
+# where one server handles the 8B's 8k tokens/s, it overshoots (the 467 / 256 runs on an H100
+# 1.25, 1.10 without it).
 # Over the C++ executor (`tensorrt-llm`, the runtime of that table; TRITON_HOST) each step's
 # host time per sequence is serial with the GPU, as in NIM's profile (TRT_SERVING): the table's
 # inter-token latency grows with the load faster than the GPU's time (70B on four H100s at

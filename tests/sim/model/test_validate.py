@@ -275,7 +275,7 @@ def test_a_tensorrt_llm_row_behind_triton_takes_its_api_terms_and_serial_host_ti
     light = run["predicted"] - run_point(pts["O13"], overrides=no_tokens)["predicted"]
     heavy = run_point(pts["O4"])["predicted"] - run_point(pts["O4"], overrides=no_tokens)["predicted"]
     assert 0 < light < 20 * token_us / 1000 < heavy
-    # at 16 req/s the host's time on some 150 sequences a step lengthens the steps: the ITL
+    # at 16 req/s the host's time on some 170 sequences a step lengthens the steps: the ITL
     # is longer than with that time overlapped (an override after the column's terms wins),
     # by more than the time itself
     loaded = run_point(pts["O52"])
