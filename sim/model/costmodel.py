@@ -306,13 +306,16 @@ class CostModel:
         # (prefill attention on FP8 tensor cores: an FP8 cache where the engine runs it so)
         fp8 = e.fp8_context_attention and kvb == 1 and h.fp8_tflops > 0
         attn_p = tp * h.fp8_tflops * 1e12 * e.attention_efficiency if fp8 else attn
+        # (width: a decode-attention block's position, for its clock-bound rate below)
         if m.kv_lora_rank:  # MLA: decode in the absorbed form, prefill with K/V expanded
             r, dr = m.kv_lora_rank, m.rope_head_dim
             self._attn_f = 2.0 * L * nh * (2 * r + dr) / attn
             self._attn_p = 2.0 * L * nh * (2 * hd + dr) / attn_p
+            width = r + dr
         else:
             self._attn_f = 4.0 * L * nh * hd / attn  # per attended position
             self._attn_p = 4.0 * L * nh * hd / attn_p
+            width = hd
         self._kv = self.kv_bytes_per_token_gpu / (bw * e.kv_bandwidth_efficiency)
         # (the model's group: with fewer K/V heads than GPUs a GPU's kernel sees nh / tp query
         # heads to its one K/V head, which this does not tell apart, as g below does not)
@@ -324,7 +327,6 @@ class CostModel:
         # Without split-K decode (`decode_split_kv = false`) one thread block streams a
         # sequence's positions for one K/V head, every layer: seconds per position a step's
         # mean sequence holds, from its SM's clock (0: no such bound)
-        width = (m.kv_lora_rank + m.rope_head_dim) if m.kv_lora_rank else hd
         self._kv_occ = L * e.decode_block_cycles * width / 128.0 / (h.sm_clock_mhz * 1e6) \
             if not e.decode_split_kv and h.sm_clock_mhz > 0 else 0.0
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
