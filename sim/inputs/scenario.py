@@ -263,6 +263,13 @@ class EngineConfig:
                                         "(hardware.sm_clock_mhz) a decode-attention block "
                                         "spends on one cached position of one K/V head of 128 "
                                         "(in proportion for other head sizes)")
+    decode_blocks_per_sm: float = _f(_ENGINE["decode_blocks_per_sm"], min=0, max=1e4,
+                                     doc="decode_split_kv = false: the blocks one SM "
+                                         "(hardware.sm_count) streams at once, each at "
+                                         "decode_block_cycles a position; a step's blocks "
+                                         "beyond the SMs' wait for one (many sequences: a "
+                                         "block per query head where the K/V-sharing kernel "
+                                         "is not built for the shape); 0 = no such wait")
     cuda_graph_padding: bool = _f(_ENGINE["cuda_graph_padding"],
                                   doc="decode-only steps run as CUDA graphs of fixed batch "
                                       "sizes, the batch padded up to the next (1, 2, 4, "
@@ -1032,7 +1039,7 @@ ENGINE_KEYS_ADDED = {"gqa_reread": 1.0, "chunked_prefill": True, "gqa_shared_kv_
                      "nvls_latency_us": 71.0, "nvls_efficiency": 0.61,
                      "cuda_graph_padding": False, "decode_split_kv": True,
                      "fp8_context_attention": False,
-                     "decode_block_cycles": 17.5,
+                     "decode_block_cycles": 17.5, "decode_blocks_per_sm": 0.0,
                      "frontend_chat_request_us": 0.0, "frontend_one_loop": False,
                      "gemm_wave_exposure": 0.0, "guaranteed_no_evict": False}
 # The same for a closed loop's workload table (a log's holds every key but those left out

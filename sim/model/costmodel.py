@@ -37,7 +37,8 @@ dispatch and combine's link efficiency.
     prefill   t_pa     = max(4 L nh hd (Ap - w Ap_w) / (tp Fa e_a),
                              kv (Kp - w Kp_w + Tp) / (B e_k))
     decode    t_da     = max(4 L nh hd (Kd' + D) / (tp F16 e_a),
-                             max(kv g Kd' / (B e_k), L q Kd' / (max(D, 1) f)) + kv D / (B e_k)),
+                             max(kv g Kd' / (B e_k), L q Kd' / f max(1 / max(D, 1), b / (sms k)))
+                             + kv D / (B e_k)),
               Kd'      = Kd - w Kd_w,  Fa = F16, or fp8_tflops * 1e12 with an FP8 cache (kvb = 1)
                                         where the engine's prefill attention runs in FP8
                                         (`fp8_context_attention`)
@@ -107,8 +108,13 @@ kernels, and FlashDecoding's, split a sequence over blocks): a block takes q =
 `decode_block_cycles` hd / 128 clock cycles of its SM (f = `hardware.sm_clock_mhz` * 1e6) per
 position and layer whatever the memory could give, so a step of a few sequences at long
 contexts waits on its blocks, each running the mean sequence's positions (for MLA hd is taken
-as r + dr, which no measurement pins). With many sequences the blocks together outrun the
-memory and the first bound holds.
+as r + dr, which no measurement pins). An SM runs k = `decode_blocks_per_sm` blocks at once at
+that rate (0: no limit), so a step's b blocks per sequence (K/V heads on the GPU, or query heads
+nh / tp where the engine reads K/V per query head: g above; 1 for MLA) beyond the sms * k slots
+wait for one: the step takes at least all its blocks' positions over the slots. Without that
+limit many sequences' blocks together outrun the memory and the first bound holds; with it the
+step takes the longer of the memory's time and the blocks' waits, both in proportion to the
+positions it holds.
 
 Mixtures of experts (sim/README.md derives each line): `Lx = L - dense_layers` MoE layers of `E`
 experts, `k` per token, `P_x = 3 h moe_intermediate_size` per expert per layer, `P_blocks` then
@@ -329,6 +335,11 @@ class CostModel:
         # mean sequence holds, from its SM's clock (0: no such bound)
         self._kv_occ = L * e.decode_block_cycles * width / 128.0 / (h.sm_clock_mhz * 1e6) \
             if not e.decode_split_kv and h.sm_clock_mhz > 0 else 0.0
+        # (and where a step's blocks outnumber what the SMs stream at once, they wait for one:
+        # seconds per position the step's sequences hold together; 0 without that limit)
+        blocks = 1.0 if m.kv_lora_rank else max(nkv / tp, 1.0) if shared else nh / tp
+        slots = h.sm_count * e.decode_blocks_per_sm
+        self._kv_occ_sm = self._kv_occ * blocks / slots if slots > 0 else 0.0
         self._ar_fix = self._ar_tok = 0.0  # (the all-to-all's, with experts over more GPUs)
         # GPUs linked by PCIe only: NCCL at its PCIe latency and bandwidth, the one-shot kernel
         # on at most custom_allreduce_pcie_gpus of them
@@ -352,7 +363,7 @@ class CostModel:
             self._kv, self._kv_read, self._fixed, self._ar_tok, self._cpu0, self._cpu1,
             self._overlap, self._idle, self._dyn, self._moe_c, self._moe_m, self._moe_cap,
             self._moe_mean, self._moe_sd, self._moe_lam, self._ar_a0, self._ar_a1, self._ar_b0,
-            self._ar_b1, self._ar_c0, self._ar_c1, self._kv_occ)
+            self._ar_b1, self._ar_c0, self._ar_c1, self._kv_occ, self._kv_occ_sm)
 
     def _wave_init(self, m, h, e, inter: float, sched) -> None:
         """The wave factor's terms (the module docstring's W): a layer's four projections'
@@ -559,7 +570,8 @@ class CostModel:
                     self._kv * (p_cached - w * p_skip + p_tokens))
         kd = d_cached - w * d_beyond
         t_da = _max(self._attn_f * (kd + d_seqs),
-                    _max(self._kv_read * kd, self._kv_occ * kd / _max(d_seqs, 1.0))
+                    _max(self._kv_read * kd,
+                         _max(self._kv_occ * kd / _max(d_seqs, 1.0), self._kv_occ_sm * kd))
                     + self._kv * d_seqs)
         busy = t_blocks + t_head + t_elem + t_pa + t_da
         if self._moe:  # + t_moe

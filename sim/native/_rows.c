@@ -110,21 +110,21 @@ static int get_double(PyObject *v, double *out) {
  * CostModel.step(0, 0, 0, b, c0 + b j, b, b) of the kernel model, its terms that stay the same
  * along the run computed once (tests/sim/model/test_costmodel.py holds the two equal bit for bit). */
 static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 12 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 28) {
+    if (nargs != 12 || !PyTuple_Check(args[9]) || PyTuple_GET_SIZE(args[9]) != 29) {
         PyErr_SetString(PyExc_TypeError,
-                        "_rows.decode_rows takes 12 arguments, the tenth 28 coefficients");
+                        "_rows.decode_rows takes 12 arguments, the tenth 29 coefficients");
         return NULL;
     }
     PyObject *oe = args[0], *od = args[1], *oen = args[2];
     Py_ssize_t at, n;
     long long b, c0, overlap;
-    double t, t_ext, wave, pad, k_[28];
+    double t, t_ext, wave, pad, k_[29];
     if (get_size(args[3], &at) < 0 || get_size(args[4], &n) < 0 || get_double(args[5], &t) < 0
             || get_double(args[6], &t_ext) < 0 || get_ll(args[7], &b) < 0
             || get_ll(args[8], &c0) < 0 || get_double(args[10], &wave) < 0
             || get_double(args[11], &pad) < 0)
         return NULL;
-    for (int i = 0; i < 28; i++) {
+    for (int i = 0; i < 29; i++) {
         PyObject *v = PyTuple_GET_ITEM(args[9], i);
         if (i == 12 ? get_ll(v, &overlap) < 0 : get_double(v, &k_[i]) < 0)
             return NULL;
@@ -134,7 +134,7 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
         cpu0 = k_[10], cpu1 = k_[11], idle = k_[13], dyn = k_[14], moe_c = k_[15],
         moe_m = k_[16], moe_cap = k_[17], moe_mean = k_[18], moe_sd = k_[19], moe_lam = k_[20],
         ar_a0 = k_[21], ar_a1 = k_[22], ar_b0 = k_[23], ar_b1 = k_[24], ar_c0 = k_[25],
-        ar_c1 = k_[26], kv_occ = k_[27];
+        ar_c1 = k_[26], kv_occ = k_[27], kv_occ_sm = k_[28];
     if (at < 0 || n < 0 || n > PY_SSIZE_T_MAX - at || b < 0 || c0 < 0) {
         PyErr_SetString(PyExc_ValueError,
                         "_rows.decode_rows: a row out of range, or a negative batch or context");
@@ -181,7 +181,8 @@ static PyObject *decode_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_ssize_t k = 0;
     while (k < n) {
         const double Kd = (double)kr;
-        const double r_bw = kv_read * Kd, r_occ = kv_occ * Kd / (D >= 1.0 ? D : 1.0);
+        const double r_bw = kv_read * Kd, r_one = kv_occ * Kd / (D >= 1.0 ? D : 1.0),
+            r_sm = kv_occ_sm * Kd, r_occ = r_one >= r_sm ? r_one : r_sm;
         const double x = attn_f * (Kd + D), y = (r_bw >= r_occ ? r_bw : r_occ) + kv * D;
         const double busy = before_da + (x >= y ? x : y) + t_moe;  /* + t_da + t_moe */
         const double t_gpu = busy + t_fixed;

@@ -217,10 +217,12 @@ def test_heads_smaller_than_the_shared_kv_kernels_take_read_kv_per_query_head():
     assert kv["64", 128] == pytest.approx((1 + 3 * 0.5) * kv["64", 0], rel=0.05)
     assert kv["128", 128] == kv["128", 0]
     assert kv["128", 256] == pytest.approx(kv["64", 128], rel=0.05)
-    # the profile of the releases that had those kernels: only it sets the limits
+    # the profiles of the releases that had those kernels (0.9's, NIM 1.0's): only they set
+    # the limits
     from sim.model.presets import ENGINES
     for key, value in (("gqa_shared_kv_min_head_dim", 128), ("gqa_shared_kv_group", 8)):
-        assert {n: e[key] for n, e in ENGINES.items() if e[key]} == {"tensorrt-llm-0.9": value}
+        assert {n: e[key] for n, e in ENGINES.items() if e[key]} == {"tensorrt-llm-0.9": value,
+                                                                      "nim": value}
 
 
 def test_gqa_groups_the_shared_kv_kernels_are_not_built_for_read_kv_per_query_head():
@@ -513,10 +515,11 @@ def test_decode_without_split_kv_waits_on_one_block_per_sequence():
     """Where the engine's decode kernel gives a sequence's K/V head one thread block
     (`decode_split_kv = false`), a few sequences at long contexts take the block's time, L q
     positions over the SM's clock (q = decode_block_cycles hd / 128), not their bytes' time;
-    many sequences at once are back on the memory's bound; no clock, no bound."""
+    many sequences at once are back on the memory's bound; no clock, no bound. (Without a limit
+    on the blocks an SM runs at once: that wait is the next test's.)"""
     L, hd = 32, 128  # (the chat scenario's Llama 3.1 8B)
     cyc = 17.5
-    one = model(*ONE_BLOCK, f"engine.decode_block_cycles={cyc}")
+    one = model(*ONE_BLOCK, f"engine.decode_block_cycles={cyc}", "engine.decode_blocks_per_sm=0")
     split = model(*ONE_BLOCK, "engine.decode_split_kv=true")
     per_pos = L * cyc * hd / 128 / 1410e6  # (the A100's 1,410 MHz)
     assert one._kv_occ == pytest.approx(per_pos)
@@ -537,10 +540,42 @@ def test_decode_without_split_kv_waits_on_one_block_per_sequence():
     assert decode(model(*ONE_BLOCK, *b200), 1, ctx) == decode(
         model(*ONE_BLOCK, *b200, "engine.decode_split_kv=true"), 1, ctx)
     # twice the cycles, twice the block's time; a faster clock, less
-    two = model(*ONE_BLOCK, f"engine.decode_block_cycles={2 * cyc}")
+    two = model(*ONE_BLOCK, f"engine.decode_block_cycles={2 * cyc}",
+                "engine.decode_blocks_per_sm=0")
     assert two._kv_occ == pytest.approx(2 * one._kv_occ)
-    h100 = model(*ONE_BLOCK, 'hardware.preset="h100-sxm"')
+    h100 = model(*ONE_BLOCK, 'hardware.preset="h100-sxm"', f"engine.decode_block_cycles={cyc}")
     assert h100._kv_occ == pytest.approx(one._kv_occ * 1410 / 1980)
+
+
+def test_decode_blocks_beyond_what_the_sms_run_at_once_wait_for_one():
+    """The one-block kernel's blocks (one per sequence and K/V head, or per query head where the
+    engine's K/V-sharing kernel is not built for the model's group) beyond `sm_count` x
+    `decode_blocks_per_sm` wait for an SM: a step's attention takes at least all its blocks'
+    positions at the block's rate over the SMs. One sequence is not held back by it; many
+    sequences at long contexts are, and more where blocks go per query head."""
+    # NIM's profile keeps its shared-K/V kernel to groups of eight (Llama 3.1 8B's is four): a
+    # block per query head, 32 / 2 = 16 on each of the two A100s' 108 SMs per sequence
+    m = model(*ONE_BLOCK)
+    free = model(*ONE_BLOCK, "engine.decode_blocks_per_sm=0")
+    assert load_scenario("chat", list(ONE_BLOCK)).engine.decode_blocks_per_sm == 1.0
+    assert free._kv_occ_sm == 0.0
+    assert m._kv_occ_sm == pytest.approx(m._kv_occ * 16 / 108)
+    ctx = 7000
+    assert decode(m, 1, ctx) == decode(free, 1, ctx)
+    # 64 sequences: 1,024 blocks, 9.5 times what the SMs run at once
+    b = 64
+    kd = b * ctx
+    waited = m._kv_occ_sm * kd
+    assert waited > max(free._kv_read * kd, free._kv_occ * ctx) > free._attn_f * (kd + b)
+    assert decode(m, b, ctx) - decode(free, b, ctx) == pytest.approx(
+        waited - max(free._kv_read * kd, free._kv_occ * ctx), rel=1e-9)
+    # a block per K/V head where the kernel shares K/V for this group: a quarter of the blocks
+    shared = model(*ONE_BLOCK, "engine.gqa_shared_kv_group=4")
+    assert shared._kv_occ_sm == pytest.approx(m._kv_occ_sm / 4)
+    # two blocks to an SM at once: half the wait; split-K decode: none
+    assert model(*ONE_BLOCK, "engine.decode_blocks_per_sm=2")._kv_occ_sm == pytest.approx(
+        m._kv_occ_sm / 2)
+    assert model(*ONE_BLOCK, "engine.decode_split_kv=true")._kv_occ_sm == 0.0
 
 
 def test_fp8_context_attention_runs_prefill_attention_on_fp8_tensor_cores():
@@ -590,12 +625,18 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     trt, cpp, py = ENGINES["tensorrt-llm"], ENGINES["nim"], ENGINES["tensorrt-llm-pytorch"]
     runtime = {*TRT_LAUNCHES, "kv_bandwidth_efficiency"}
     # (and the API server: trtllm-serve's time per chat request, which the same server spends
-    # over either TensorRT-LLM backend, against NIM's own server, presets.NIM_FRONTEND)
+    # over either TensorRT-LLM backend, against NIM's own server, presets.NIM_FRONTEND; and
+    # NIM 1.0's decode attention: one block per sequence, waiting for an SM, and K/V shared
+    # only in the shapes of 0.9's XQA kernels, the other groups' re-reads hitting in L2)
+    one_block = {"decode_split_kv", "decode_blocks_per_sm"}
+    xqa = {"gqa_shared_kv_group", "gqa_shared_kv_min_head_dim"}
     assert {k for k in cpp if cpp[k] != py[k]} == {"cpu_base_us", "cpu_per_seq_us",
                                                    "cpu_overlap", "chunked_prefill",
-                                                   "frontend_chat_request_us", "decode_split_kv",
+                                                   "frontend_chat_request_us", *one_block,
+                                                   *xqa, "gqa_reread",
                                                    "frontend_request_us",
                                                    "frontend_prompt_token_us", *runtime}
+    assert cpp["gqa_reread"] == 0.0
     assert {k for k in trt if trt[k] != py[k]} == {"cpu_per_seq_us", "chunked_prefill",
                                                    "fp8_context_attention", *runtime}
     # (the padding of its CUDA graphs is modelled, not yet on: its terms were fitted without it)
@@ -604,9 +645,7 @@ def test_tensorrt_llm_profiles_share_kernels_and_differ_in_host_time():
     assert all(trt[k] == cpp[k] == ENGINES["tensorrt-llm-0.6"][k] == v
                for k, v in TRT_LAUNCHES.items())
     old = ENGINES["tensorrt-llm-0.9"]  # XQA for Llama 2 70B's shape only: all else as later
-    assert {k for k in old if old[k] != trt[k]} == {"gqa_shared_kv_min_head_dim",
-                                                    "gqa_shared_kv_group", "decode_split_kv",
-                                                    "fp8_context_attention",
+    assert {k for k in old if old[k] != trt[k]} == {*xqa, *one_block, "fp8_context_attention",
                                                     "frontend_chat_request_us"}
     graphs = _KERNELS["layer_overhead_us"]
     assert py["layer_overhead_us"] == ENGINES["vllm-v1"]["layer_overhead_us"] == graphs
@@ -674,6 +713,8 @@ def random_model(rnd, preset: str, tp: int, hw: str, overlap: bool,
                  f"engine.cuda_graph_padding={str(rnd.random() < 0.5).lower()}",
                  f"engine.decode_split_kv={str(rnd.random() < 0.5).lower()}",
                  f"engine.decode_block_cycles={rnd.uniform(1, 60)!r}",
+                 f"engine.decode_blocks_per_sm={rnd.choice([0.0, 1.0, rnd.uniform(0.1, 8)])!r}",
+                 f"engine.gqa_shared_kv_group={rnd.choice([0, 4, 8])}",
                  f"hardware.sm_clock_mhz={rnd.uniform(500, 3000)!r}",
                  f"scheduler.max_num_seqs={rnd.choice([1, 7, 128, 200, 384, 512, 1280])}",
                  f"engine.gemm_wave_exposure={0.0 if rnd.random() < 0.2 else rnd.uniform(0, 2)!r}",

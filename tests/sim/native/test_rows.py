@@ -16,8 +16,8 @@ rows = stepping._ROWS
 pytestmark = pytest.mark.skipif(rows is None, reason="no compiled build (pure Python)")
 
 
-# CostModel.kernel_coefficients: 28, `overlap` (an int) 13th
-COEFFICIENTS = (1.0,) * 12 + (False,) + (1.0,) * 15
+# CostModel.kernel_coefficients: 29, `overlap` (an int) 13th
+COEFFICIENTS = (1.0,) * 12 + (False,) + (1.0,) * 16
 
 
 def test_the_compiled_build_uses_it():
