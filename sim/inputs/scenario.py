@@ -157,7 +157,8 @@ class HardwareConfig:
     pcie_gbps: float = _f(0.0, min=0, doc="host link, GB/s (swap)")
     sm_count: int = _f(0, min=0, max=100000,
                        doc="streaming multiprocessors (compute units): how many GEMM tiles run "
-                           "at once (0 = no wave factor)")
+                           "at once, and decode-attention blocks where the engine limits them "
+                           "(engine.decode_blocks_per_sm; 0 = no wave factor, no such limit)")
     nvlink_sharp: int = _f(0, min=0, max=1,
                            doc="1: the GPUs' NVLink switches reduce in the network (NVLink "
                                "SHARP: HGX H100, H200, B200, GH200), which NCCL's all-reduce of "
@@ -255,7 +256,8 @@ class EngineConfig:
                                doc="decode attention splits each sequence's cached positions "
                                    "over several thread blocks (FlashDecoding, vLLM's and "
                                    "SGLang's kernels, TensorRT-LLM's multi-block mode); false: "
-                                   "one block per sequence and K/V head streams them all, at "
+                                   "one block per sequence and K/V head (or query head, where "
+                                   "K/V is read per query head) streams them all, at "
                                    "decode_block_cycles a position (small batches at long "
                                    "contexts wait on it)")
     decode_block_cycles: float = _f(_ENGINE["decode_block_cycles"], gt=0, max=1e6,
@@ -265,7 +267,8 @@ class EngineConfig:
                                         "(in proportion for other head sizes)")
     decode_blocks_per_sm: float = _f(_ENGINE["decode_blocks_per_sm"], min=0, max=1e4,
                                      doc="decode_split_kv = false: the blocks one SM "
-                                         "(hardware.sm_count) streams at once, each at "
+                                         "(hardware.sm_count; none given: no limit) streams "
+                                         "at once, each at "
                                          "decode_block_cycles a position; a step's blocks "
                                          "beyond the SMs' wait for one (many sequences: a "
                                          "block per query head where the K/V-sharing kernel "

@@ -37,7 +37,7 @@ dispatch and combine's link efficiency.
     prefill   t_pa     = max(4 L nh hd (Ap - w Ap_w) / (tp Fa e_a),
                              kv (Kp - w Kp_w + Tp) / (B e_k))
     decode    t_da     = max(4 L nh hd (Kd' + D) / (tp F16 e_a),
-                             max(kv g Kd' / (B e_k), L q Kd' / f max(1 / max(D, 1), b / (sms k)))
+                             max(kv g Kd' / (B e_k), L q Kd' max(1 / max(D, 1), b / (sms k)) / f)
                              + kv D / (B e_k)),
               Kd'      = Kd - w Kd_w,  Fa = F16, or fp8_tflops * 1e12 with an FP8 cache (kvb = 1)
                                         where the engine's prefill attention runs in FP8
@@ -102,7 +102,7 @@ the two meet), so their efficiency grows with T. Only the embedding rows a step 
 separate kernels do.
 
 Decode attention's second bound is the engine's kernel's, where it gives each sequence and K/V
-head one thread block that streams all of its cached positions (`decode_split_kv = false`:
+head (or query head, where it reads K/V per query head) one thread block that streams all of its cached positions (`decode_split_kv = false`:
 TensorRT-LLM's masked multi-head and XQA kernels without multi-block mode; vLLM's and SGLang's
 kernels, and FlashDecoding's, split a sequence over blocks): a block takes q =
 `decode_block_cycles` hd / 128 clock cycles of its SM (f = `hardware.sm_clock_mhz` * 1e6) per
@@ -331,7 +331,8 @@ class CostModel:
         self._kv_read = self._kv * (1.0 if shared or m.kv_lora_rank
                                     else 1.0 + (nh / nkv - 1.0) * e.gqa_reread)
         # Without split-K decode (`decode_split_kv = false`) one thread block streams a
-        # sequence's positions for one K/V head, every layer: seconds per position a step's
+        # sequence's positions for one K/V head (or query head, where K/V is not shared),
+        # every layer: seconds per position a step's
         # mean sequence holds, from its SM's clock (0: no such bound)
         self._kv_occ = L * e.decode_block_cycles * width / 128.0 / (h.sm_clock_mhz * 1e6) \
             if not e.decode_split_kv and h.sm_clock_mhz > 0 else 0.0

@@ -254,7 +254,7 @@ NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
 # sizing course's single-user runs, held out, put it at 16.7-17.3 cycles on A100s (22 for 70B
 # on eight) and 16.2-16.3 on H100s with a 16-bit cache, 18.7-20.6 with FP8 (their ITL at 7000 /
 # 1000 tokens less that at 200 / 1000, over the 6,800 positions between: sim/README.md). NIM
-# 1.8's one-user ITL (C2) would be 1.26 with it, 1.07 without.
+# 1.8's one-user ITL (C2) would be 1.27 with it, 1.07 without.
 # An SM runs one such block at a time at that rate (`decode_blocks_per_sm`, not fitted): a
 # step's blocks beyond the SMs wait for one, so many sequences at long contexts take all their
 # blocks' positions over the SMs, where the memory would give them sooner. The sizing course's

@@ -302,6 +302,18 @@ def test_engine_profile_fills_every_coefficient_and_keys_override_it(tmp_path):
         long = [(0, 0, 0, 1, 7000, 1, 1), (8192, 8192 * 8193 // 2, 0, 0, 0, 1, 1)]
         assert [CostModel(logged).step(*a) for a in long] == \
             [CostModel(then).step(*a) for a in long] != [CostModel(now).step(*a) for a in long]
+    # NIM's written before its decode blocks waited for an SM: none, its other keys as logged
+    table = {k: v for k, v in ENGINES["nim"].items() if k != "decode_blocks_per_sm"}
+    nim = BASE + ('[model]\npreset = "llama-3.1-8b"\n[hardware]\npreset = "a100-80gb"\n'
+                  '[engine]\npreset = "nim"\n')
+    logged = load_scenario(write(tmp_path, nim + "".join(f"{k} = {str(v).lower()}\n"
+                                                         for k, v in table.items())))
+    assert logged.engine.decode_blocks_per_sm == 0.0 and logged.engine.decode_split_kv is False
+    then = load_scenario(write(tmp_path, nim + "decode_blocks_per_sm = 0\n"))
+    now = load_scenario(write(tmp_path, nim))
+    many = (0, 0, 0, 128, 128 * 7000, 128, 128)  # (2,048 blocks on 108 SMs)
+    assert CostModel(logged).step(*many) == CostModel(then).step(*many) \
+        != CostModel(now).step(*many)
     del full["cpu_base_us"]  # not a full table: the profile fills what it leaves out
     part = load_scenario(write(tmp_path, BASE + "[engine]\npreset = \"tensorrt-llm-0.6\"\n"
                                + "".join(f"{k} = {str(v).lower()}\n" for k, v in full.items())))
