@@ -298,7 +298,14 @@ class Runner:
         if self._pool is not None:
             if exc[0] is not None:  # Ctrl-C, SIGTERM, a failed run: stop the workers now
                 _stop_workers(self._pool)
+            manager = getattr(self._pool, "_executor_manager_thread", None)
             self._pool.shutdown(wait=exc[0] is None, cancel_futures=True)
+            if exc[0] is not None and manager is not None:
+                # (the pool's thread closes its wake-up pipe as it ends; the interpreter's
+                # exit handler writes to that pipe unless it is closed, and a close between
+                # its check and its write prints a traceback: let the thread end first, its
+                # workers gone, within a bound)
+                manager.join(timeout=5.0)
             self._pool = None
         if self._ray_started:
             self._ray.shutdown()
