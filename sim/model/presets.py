@@ -263,8 +263,8 @@ NO_FRONTEND = dict(frontend_request_us=0.0, frontend_prompt_token_us=0.0,
 # 0.56-0.88 without (0.70), the batch the same in both. The 0.6 profile keeps no such wait:
 # its terms, the shared ones among them, were fitted without it on its rows (T19-T22, Llama 2
 # 70B at batch 64-1,024, a block per query head), which its re-read fraction (`gqa_reread`)
-# takes in; with it, and the whole fit redone, the fitted rows' median goes from 0.040 to 0.036
-# but the held-out rows' from 0.049 to 0.055, the terms fixed on the fit's values (Triton's,
+# takes in; with it, and the whole fit redone, the fitted rows' median is 0.036 (0.040 as
+# shipped) but the held-out rows' 0.055 (0.049), the terms fixed on the fit's values (Triton's,
 # NIM's) then off.
 ONE_BLOCK_DECODE = dict(decode_split_kv=False, decode_blocks_per_sm=1.0)
 _ONE_STEP = dict(cpu_overlap=False, gqa_shared_kv=True, gqa_reread=1.0, gqa_shared_kv_group=0,
