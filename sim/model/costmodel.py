@@ -102,9 +102,10 @@ the two meet), so their efficiency grows with T. Only the embedding rows a step 
 separate kernels do.
 
 Decode attention's second bound is the engine's kernel's, where it gives each sequence and K/V
-head (or query head, where it reads K/V per query head) one thread block that streams all of its cached positions (`decode_split_kv = false`:
-TensorRT-LLM's masked multi-head and XQA kernels without multi-block mode; vLLM's and SGLang's
-kernels, and FlashDecoding's, split a sequence over blocks): a block takes q =
+head (or query head, where it reads K/V per query head) one thread block that streams all of
+its cached positions (`decode_split_kv = false`: TensorRT-LLM's masked multi-head and XQA
+kernels without multi-block mode; vLLM's and SGLang's kernels, and FlashDecoding's, split a
+sequence over blocks): a block takes q =
 `decode_block_cycles` hd / 128 clock cycles of its SM (f = `hardware.sm_clock_mhz` * 1e6) per
 position and layer whatever the memory could give, so a step of a few sequences at long
 contexts waits on its blocks, each running the mean sequence's positions (for MLA hd is taken
