@@ -478,7 +478,8 @@ FP8_CONTEXT = dict(fp8_context_attention=True)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
-# API server and detokenizer, async scheduling), SGLang 0.4's overlap scheduler, TensorRT-LLM's
+# API server and detokenizer, async scheduling: the default from 0.14.0, V1 before it scheduled
+# in series, not modelled: sim/README.md), SGLang 0.4's overlap scheduler, TensorRT-LLM's
 # executor.
 DERIVED: dict[str, tuple[str, dict]] = {
     "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT | FP8_CONTEXT),
