@@ -309,7 +309,8 @@ def csv_rows(path, text: str,
              error: type[Exception]) -> tuple[list[str], Iterator[tuple[int, dict]]]:
     """A CSV file's text with a header line: its column names and its rows as (line, {column:
     value}), names and values stripped. What csv refuses (a field past its size limit, a NUL)
-    is raised as `error` naming the file and line, when the header or that row is read."""
+    and a row of more fields than the header are raised as `error` naming the file and line,
+    when the header or that row is read."""
     reader = csv.DictReader(text.splitlines())
     try:
         header = [h.strip() for h in reader.fieldnames or []]
@@ -326,6 +327,9 @@ def csv_rows(path, text: str,
                 raise error(f"{path}:{line}: not CSV: {e}") from None
             if raw is None:
                 return
+            if None in raw:  # (DictReader's key for the fields past the header's)
+                raise error(f"{path}:{line}: {len(header) + len(raw[None])} fields, the header "
+                            f"has {len(header)} (a value with a comma unquoted?)")
             yield line, {(k or "").strip(): (v or "").strip() for k, v in raw.items()}
 
     return header, rows()

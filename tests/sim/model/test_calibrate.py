@@ -251,6 +251,8 @@ LONG_CSV = {
     "a long column name": ("kind,batch,context" + "x" * 200_000 + ",time_ms\n",
                            ":1: not CSV: field larger"),
     "a long kind": ("kind,batch,context,time_ms\n" + "k" * 100_000 + ",1,2,3\n", ":2: kind: 'kkkk"),
+    "a field past the header's": ("kind,batch,context,time_ms\ndecode,1,2,3,4\n",
+                                  ":2: 5 fields, the header has 4"),
 }
 
 
