@@ -420,6 +420,16 @@ TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_
 V1_FRONTEND = dict(frontend_request_us=30000.0, frontend_prompt_token_us=HF_TOKENIZE_US,
                    frontend_output_token_us=65.0, frontend_chat_request_us=22400.0,
                    frontend_one_loop=True)
+# vLLM V1 before 0.14.0, whose engine core scheduled each step after the one before had ended
+# (async scheduling, which overlaps the scheduler with the GPU, became the default in 0.14.0:
+# vLLM pull request #27614): its host time per step in series with the GPU's. The time per
+# step fixed on one user's decode through vLLM 0.11 (G3, GPUStack's Qwen3-8B latency article:
+# 7.22 ms a token on an H100), the time per sequence on that lab's A/B of the switch itself:
+# gpt-oss-20b on one A100, a burst of 1,000 ShareGPT chat requests, 9,743 total tokens/s
+# without it (G18) and 10,920 with `--async-scheduling` (G20, held out, on `vllm-v1`): on grids
+# of 10 us and 0.5 us, the values that bring the two rows to the published figures (G3 1.001,
+# G18 1.000; G20 0.987, the switch's gain 1.106 against 1.121 published).
+V1_SYNC_HOST = dict(cpu_overlap=False, cpu_base_us=1150.0, cpu_per_seq_us=13.5)
 # SGLang 0.5's chat requests, fitted as vLLM's on the same lab's SGLang run (Qwen3-14B-FP8 on an
 # H100: G9, 1.005); its burst's first tokens spread over the run (median TTFT 4.1 s of 7.8 s),
 # so its streaming is not held back behind its intake. trtllm-serve's (TensorRT-LLM 1.2, its
@@ -478,9 +488,8 @@ FP8_CONTEXT = dict(fp8_context_attention=True)
 # The derived profiles: each takes every coefficient of the fitted one it names, and its own
 # flags over them (the one table: sim.model.profiles fits the sources and derives these from it).
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
-# API server and detokenizer, async scheduling: the default from 0.14.0, V1 before it scheduled
-# in series, not modelled: sim/README.md), SGLang 0.4's overlap scheduler, TensorRT-LLM's
-# executor.
+# API server and detokenizer, async scheduling: the default from 0.14.0; V1 before it scheduled
+# in series, `vllm-v1-sync`), SGLang 0.4's overlap scheduler, TensorRT-LLM's executor.
 DERIVED: dict[str, tuple[str, dict]] = {
     "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT | FP8_CONTEXT),
     "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES | ONE_BLOCK_DECODE),
@@ -489,6 +498,8 @@ DERIVED: dict[str, tuple[str, dict]] = {
     "sglang": ("sglang-0.3", dict(cpu_overlap=True, **SGLANG_CHAT)),
     "vllm-v1": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, cpu_overlap=True,
                                            **V1_FRONTEND)),
+    "vllm-v1-sync": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, **V1_SYNC_HOST,
+                                                **V1_FRONTEND)),
     # V0 without multi-step: serial CPU time, its time per sequence refitted to the vLLM team's
     # published ratios (below; sim.model.profiles.RATIOS)
     "vllm-0.6": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, **NO_FRONTEND)),
@@ -498,9 +509,10 @@ for _name, (_source, _flags) in DERIVED.items():
     ENGINES[_name] = {**ENGINES[_source], **_flags}
 ENGINES["vllm-0.6"]["cpu_per_seq_us"] = 125.8
 ENGINES["vllm-0.5"]["cpu_per_seq_us"] = 337.2
-ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-0.6-multistep", "vllm-0.6", "vllm-0.5",
-                                   "sglang", "sglang-0.3", "tensorrt-llm", "tensorrt-llm-pytorch",
-                                   "tensorrt-llm-0.9", "tensorrt-llm-0.6", "nim")}
+ENGINES = {k: ENGINES[k] for k in ("vllm-v1", "vllm-v1-sync", "vllm-0.6-multistep", "vllm-0.6",
+                                   "vllm-0.5", "sglang", "sglang-0.3", "tensorrt-llm",
+                                   "tensorrt-llm-pytorch", "tensorrt-llm-0.9", "tensorrt-llm-0.6",
+                                   "nim")}
 ENGINE_PRESETS = [*ENGINES, "roofline"]
 # What a user running today's vLLM gets.
 DEFAULT_ENGINE = "vllm-v1"
@@ -524,7 +536,7 @@ SGLANG_PREFILL_TOKENS = ((35, 2048), (60, 4096), (160, 8192), (math.inf, 16384))
 def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) that `engine` (a profile's name) takes on a GPU
     (`hardware`: its preset's name, or "" for one given by its sizes) of `memory_gb`."""
-    if engine == "vllm-v1" and memory_gb >= 70 and not hardware.startswith("a100"):
+    if engine.startswith("vllm-v1") and memory_gb >= 70 and not hardware.startswith("a100"):
         return 1024, 8192
     if engine == "sglang":
         return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)

@@ -166,8 +166,10 @@ def engine_preset_for(engine: str) -> str | None:
     TensorRT, CUDA or container version elsewhere). SGLang up to 0.3 ->
     sglang-0.3; later (its overlap scheduler) or of no stated version -> sglang. vLLM with
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
-    V1, or 0.8 and later (V1 became the default) -> vllm-v1; 0.6 and 0.7, or the V0 engine
-    (`VLLM_USE_V1=0`) -> vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
+    V1, or 0.8 and later (V1 became the default): 0.8 to 0.13 not naming `--async-scheduling`
+    -> vllm-v1-sync (async scheduling the default from 0.14), 0.14 and later, or V1 of no
+    stated version -> vllm-v1; 0.6 and 0.7, or the V0 engine (`VLLM_USE_V1=0`) -> vllm-0.6; up
+    to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
     NVIDIA NIM naming neither vLLM nor SGLang: before 1.8 (the year-numbered first containers,
     24.05, among them), or of no stated version -> nim (its optimized profiles, those its
     benchmarks measure, are TensorRT-LLM engines, served with a serial host time in their loop:
@@ -202,10 +204,11 @@ def engine_preset_for(engine: str) -> str | None:
         # the V0 engine of 0.6-0.10 ("V0", not a version: "v0.11.0" is V1's)
         if re.search(r"\bv0\b(?!\.\d)|vllm_use_v1=0", t):
             return "vllm-0.6"
-        if re.search(r"\bv1\b|vllm_use_v1", t):
-            return "vllm-v1"
         v = _version(t, "vllm")
-        if v is None or v[:2] >= (0, 8):
+        if re.search(r"\bv1\b|vllm_use_v1", t) or v is None or v[:2] >= (0, 8):
+            # (V1 before 0.14 scheduled in series unless `--async-scheduling` was given)
+            if v is not None and (0, 8) <= v[:2] < (0, 14) and "async-scheduling" not in t:
+                return "vllm-v1-sync"
             return "vllm-v1"
         return "vllm-0.5" if v[:2] <= (0, 5) else "vllm-0.6"
     return None
@@ -345,7 +348,9 @@ def engine_settings_for(engine: str) -> list[str]:
     through Triton's TensorRT-LLM backend (Triton named beside TensorRT-LLM) takes that server's
     API terms (`presets.TRITON_FRONTEND`), which the profiles, also driven without a server
     (`trtllm-bench`, NIM's own), leave out, and over the C++ executor (`tensorrt-llm`) its
-    serial host time per sequence (`presets.TRITON_HOST`)."""
+    serial host time per sequence (`presets.TRITON_HOST`). A vLLM V1 row scheduling in series
+    (`vllm-v1-sync`) has the scheduler of that release too: without async scheduling, a
+    finished request gives its blocks and seat back at once."""
     t = engine.lower()
     out = []
     # (not a NIM's: its profile's serial host time was fitted on runs through its own server)
@@ -353,6 +358,8 @@ def engine_settings_for(engine: str) -> list[str]:
     if re.search(TRT_NAME, t) and TRITON.search(t) and profile != "nim":
         terms = presets.TRITON_FRONTEND | (presets.TRITON_HOST if profile == "tensorrt-llm" else {})
         out += [f"engine.{k}={json.dumps(v)}" for k, v in terms.items()]
+    if profile == "vllm-v1-sync":  # (its scheduler too: a finished request frees its blocks at once)
+        out.append("scheduler.async_scheduling=false")
     bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
     if not (bench or serve):
         return out

@@ -82,8 +82,14 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("vLLM 0.5.3", "vllm-0.5"),
     ("vLLM v0.6.3", "vllm-0.6"),
     ("vLLM V1 (0.7.3, VLLM_USE_V1=1)", "vllm-v1"),
-    ("vLLM 0.10.1", "vllm-v1"),
-    ("vLLM v0.11.0", "vllm-v1"),  # a version, not the V0 engine
+    ("vLLM 0.10.1", "vllm-v1-sync"),  # V1 before async scheduling was its default
+    ("vLLM v0.11.0", "vllm-v1-sync"),  # a version, not the V0 engine
+    ("vLLM 0.11.0 (V1), --async-scheduling", "vllm-v1"),
+    ("vLLM 0.8.0", "vllm-v1-sync"),
+    ("vLLM 0.13.2 (V1)", "vllm-v1-sync"),
+    ("vLLM 0.14.1 (V1 engine)", "vllm-v1"),
+    ("vLLM 0.19.0", "vllm-v1"),
+    ("vLLM V1", "vllm-v1"),
     ("vLLM v0.7.3", "vllm-0.6"),
     ("vLLM V0 (v0.9.2)", "vllm-0.6"),
     ("vLLM 0.9.2 V0 engine (VLLM_USE_V1=0)", "vllm-0.6"),
@@ -381,6 +387,9 @@ def test_nims_profile_serves_behind_its_api_server():
      ":2: set: 'workload.concurrency': expected SECTION.KEY=VALUE"),
     ("id,engine,metric,published,set\nT1,x,TTFT (ms),3,a..b=1\n", ":2: set: 'a..b=1': an empty"),
     ("id,engine,metric,published,set\nT1,x,TTFT (ms),3," + "s" * 5000 + "\n", ":2: set: 'sss"),
+    # a value with an unquoted comma: more fields than the header (an AttributeError traceback)
+    ("id,engine,metric,published\nT1,vLLM 0.8, 0.9,TTFT (ms),3\n",
+     ":2: 5 fields, the header has 4 (a value with a comma unquoted?)"),
 ], ids=lambda v: v[:40] if isinstance(v, str) else None)
 def test_bad_points_files_are_one_line_and_exit_2(tmp_path, capsys, csv_text, message):
     (tmp_path / "published.csv").write_text(csv_text)
@@ -539,3 +548,40 @@ def test_sglangs_online_ttft_rows_are_compared_with_what_its_clients_measured():
     # without the server the engine's TTFT is about 0.8 of the published one
     bare = ["engine.frontend_request_us=0", "engine.frontend_prompt_token_us=0"]
     assert run_point(points["V5"], overrides=bare)["ratio"] < 0.85
+
+
+def test_vllm_v1_before_async_scheduling_was_its_default_schedules_in_series():
+    # vLLM 0.8-0.13 ran its scheduler after each step ended (async scheduling became the
+    # default in 0.14): the row's engine pays its host time beside the GPU's, not under it,
+    # and its scheduler frees a finished request's blocks at once
+    from sim.inputs.scenario import load_scenario
+    from sim.model.costmodel import CostModel
+
+    assert engine_settings_for("vLLM 0.11.0") == ["scheduler.async_scheduling=false"]
+    assert engine_settings_for("vLLM 0.11.0, --async-scheduling") == []
+    assert engine_settings_for("vLLM 0.14.1") == []
+    sync, v1 = presets.ENGINES["vllm-v1-sync"], presets.ENGINES["vllm-v1"]
+    assert sync["cpu_overlap"] is False and v1["cpu_overlap"] is True
+    # the same kernels and API server: only the host's time and its overlap differ
+    assert {k for k in v1 if v1[k] != sync[k]} == {"cpu_overlap", "cpu_base_us", "cpu_per_seq_us"}
+    assert presets.scheduler_defaults("vllm-v1-sync", "h100-sxm", 80.0) == \
+        presets.scheduler_defaults("vllm-v1", "h100-sxm", 80.0)
+    for n in (1.0, 256.0):
+        step = {}
+        for name in ("vllm-v1", "vllm-v1-sync"):
+            sc = load_scenario("chat", [f'engine.preset="{name}"'])
+            cost = CostModel(sc)
+            step[name] = cost.step(0.0, 0.0, 0.0, n, n * 1000, n, n)[0]
+        host = (sync["cpu_base_us"] + sync["cpu_per_seq_us"] * n) * 1e-6
+        gpu_only = CostModel(load_scenario("chat", ['engine.preset="vllm-v1-sync"',
+                                                    "engine.cpu_base_us=0",
+                                                    "engine.cpu_per_seq_us=0"]))
+        gpu = gpu_only.step(0.0, 0.0, 0.0, n, n * 1000, n, n)[0]
+        assert step["vllm-v1-sync"] == pytest.approx(gpu + host, rel=1e-12)
+        assert step["vllm-v1"] < step["vllm-v1-sync"]
+    pts = {p.id: p for p in load_points(POINTS) if p.id in ("G3", "G18", "G20", "D1", "F7")}
+    for pid, name, lag in (("G3", "vllm-v1-sync", False), ("G18", "vllm-v1-sync", False),
+                           ("D1", "vllm-v1-sync", False), ("G20", "vllm-v1", True),
+                           ("F7", "vllm-v1", True)):
+        sc = point_scenario(pts[pid])
+        assert (sc.engine.preset, sc.scheduler.async_scheduling) == (name, lag), pid
