@@ -181,7 +181,8 @@ def _parse_csv(path: Path, reader) -> Trace:
             "GeneratedTokens (Azure) or num_prefill_tokens,num_decode_tokens (length pairs)"
         )
     ts, pr, out, lines = [], [], [], []
-    for line, row in enumerate(reader, start=2):
+    for row in reader:
+        line = reader.line_num  # (a quoted field can span lines: the reader's count, not ours)
         if not row:
             continue
         if len(row) < len(cols):

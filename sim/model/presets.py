@@ -377,9 +377,9 @@ NIM_FRONTEND = dict(frontend_request_us=8000.0, frontend_prompt_token_us=HF_TOKE
 # from 0.057), but the fitted rows' worst goes from 0.099 to 0.148 (M5) and the FP4 rows' median
 # from 0.105 to 0.210: the MoE, FP4 and host-time terms fitted on M1-M17 and Q17 took in the
 # padding's time. Fitted again with it (`validate --fit`'s third stage: moe_gemm_efficiency
-# 0.442, moe_comm_efficiency 0.654, fp4_gemm_efficiency 0.275), all 493 points come to 0.055
-# and the held-out MoE rows with data-parallel attention to 0.109 (from 0.047): off, the
-# bundled rows are better predicted (sim/README.md).
+# 0.442, moe_comm_efficiency 0.654, fp4_gemm_efficiency 0.275), the 493 points besides G18-G21
+# come to 0.055 and the held-out MoE rows with data-parallel attention to 0.109 (from 0.047):
+# off, the bundled rows are better predicted (sim/README.md).
 TRT_OFFLINE = dict(gqa_shared_kv=True, **COLLECTIVES, cpu_overlap=True, cpu_per_seq_us=34.42,
                    decode_split_kv=True,
                    chunked_prefill=True,
@@ -536,7 +536,8 @@ SGLANG_PREFILL_TOKENS = ((35, 2048), (60, 4096), (160, 8192), (math.inf, 16384))
 def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) that `engine` (a profile's name) takes on a GPU
     (`hardware`: its preset's name, or "" for one given by its sizes) of `memory_gb`."""
-    if engine.startswith("vllm-v1") and memory_gb >= 70 and not hardware.startswith("a100"):
+    if engine in ("vllm-v1", "vllm-v1-sync") and memory_gb >= 70 and not hardware.startswith(
+            "a100"):
         return 1024, 8192
     if engine == "sglang":
         return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)

@@ -153,6 +153,14 @@ NIM_VERSION = re.compile(r"\bnim\b(?:[\s:,(-]+(?:for|llms?|large|language|models
                          r"(?:(?:v|version\W*|release\W*)(\d+)(?:\.(\d+))?|(\d+)\.(\d+))\b")
 
 
+# vLLM's async scheduling named (`--async-scheduling`, `async_scheduling=True`, "async
+# scheduling on"), and named off (`--no-async-scheduling`, "without --async-scheduling",
+# `async_scheduling=False`, "async scheduling off")
+ASYNC_ON = re.compile(r"async[-_ ]scheduling")
+ASYNC_OFF = re.compile(r"no[-_ ]async|without\W+(?:--)?async|async[-_ ]scheduling\W{0,3}"
+                       r"(?:off|false|0|disabled)\b")
+
+
 def engine_preset_for(engine: str) -> str | None:
     """The engine profile for a publication's engine name and version, or None when it names
     none servesim has. The mapping (its one definition; sim/README.md's Validation restates it):
@@ -166,10 +174,10 @@ def engine_preset_for(engine: str) -> str | None:
     TensorRT, CUDA or container version elsewhere). SGLang up to 0.3 ->
     sglang-0.3; later (its overlap scheduler) or of no stated version -> sglang. vLLM with
     multi-step scheduling (`--num-scheduler-steps`, "multi-step") -> vllm-0.6-multistep; vLLM
-    V1, or 0.8 and later (V1 became the default): 0.8 to 0.13 not naming `--async-scheduling`
-    -> vllm-v1-sync (async scheduling the default from 0.14), 0.14 and later, or V1 of no
-    stated version -> vllm-v1; 0.6 and 0.7, or the V0 engine (`VLLM_USE_V1=0`) -> vllm-0.6; up
-    to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
+    V1, or 0.8 and later (V1 became the default): with async scheduling named off, or before
+    0.14 (its default from then) not naming it on -> vllm-v1-sync; otherwise (0.14 and later, V1
+    of no stated version, async scheduling named on) -> vllm-v1; 0.6 and 0.7, or the V0 engine
+    (`VLLM_USE_V1=0`) -> vllm-0.6; up to 0.5 -> vllm-0.5; vLLM of no stated version -> vllm-v1.
     NVIDIA NIM naming neither vLLM nor SGLang: before 1.8 (the year-numbered first containers,
     24.05, among them), or of no stated version -> nim (its optimized profiles, those its
     benchmarks measure, are TensorRT-LLM engines, served with a serial host time in their loop:
@@ -206,8 +214,10 @@ def engine_preset_for(engine: str) -> str | None:
             return "vllm-0.6"
         v = _version(t, "vllm")
         if re.search(r"\bv1\b|vllm_use_v1", t) or v is None or v[:2] >= (0, 8):
-            # (V1 before 0.14 scheduled in series unless `--async-scheduling` was given)
-            if v is not None and (0, 8) <= v[:2] < (0, 14) and "async-scheduling" not in t:
+            # V1 schedules in series where async scheduling is off: said so, or by default
+            # before 0.14 unless said on
+            if ASYNC_OFF.search(t) or (v is not None and v[:2] < (0, 14)
+                                       and not ASYNC_ON.search(t)):
                 return "vllm-v1-sync"
             return "vllm-v1"
         return "vllm-0.5" if v[:2] <= (0, 5) else "vllm-0.6"
@@ -333,6 +343,12 @@ CHUNKING_ON = re.compile(r"enable[_ -]chunked[_ -](?:prefill|context)"
                          r"|chunked[\w -]{0,20}?\b(?:on|enabled|true)\b")
 
 
+def profile_settings(profile: str | None) -> list[str]:
+    """What a profile asks of the scenario beyond `[engine]`: `vllm-v1-sync`, that release's
+    scheduler (without async scheduling a finished request frees its blocks and seat at once)."""
+    return ["scheduler.async_scheduling=false"] if profile == "vllm-v1-sync" else []
+
+
 def engine_settings_for(engine: str) -> list[str]:
     """What a publication's engine column says of the engine beyond its profile, as overrides.
     Whether TensorRT-LLM chunks its prompts is the program's default, not the runtime's, so a
@@ -358,8 +374,7 @@ def engine_settings_for(engine: str) -> list[str]:
     if re.search(TRT_NAME, t) and TRITON.search(t) and profile != "nim":
         terms = presets.TRITON_FRONTEND | (presets.TRITON_HOST if profile == "tensorrt-llm" else {})
         out += [f"engine.{k}={json.dumps(v)}" for k, v in terms.items()]
-    if profile == "vllm-v1-sync":  # (its scheduler too: a finished request frees its blocks at once)
-        out.append("scheduler.async_scheduling=false")
+    out += profile_settings(profile)
     bench, serve = TRT_BENCH.search(t) is not None, TRT_SERVE.search(t) is not None
     if not (bench or serve):
         return out
@@ -375,9 +390,10 @@ def engine_settings_for(engine: str) -> list[str]:
 
 
 def point_scenario(point: Point, engine: str | None = None, overrides: list[str] | None = None):
-    """The point's scenario, with `engine` (a profile name) as its engine unless the scenario
-    names one; else the profile its engine column maps to, and what else the column says of
-    the engine (`engine_settings_for`). Raises ServesimError."""
+    """The point's scenario, with `engine` (a profile name) as its engine, and what that
+    profile asks of the scenario (`profile_settings`), unless the scenario names one; else the
+    profile its engine column maps to, and what else the column says of the engine
+    (`engine_settings_for`). Raises ServesimError."""
     import tomllib
 
     try:
@@ -389,6 +405,8 @@ def point_scenario(point: Point, engine: str | None = None, overrides: list[str]
     head = [f'engine.preset="{preset}"'] if preset is not None else []
     if not (engine or named):
         head += engine_settings_for(point.engine)
+    elif engine:
+        head += profile_settings(engine)
     given = list(overrides or [])
     try:
         return load_scenario(str(point.scenario_path), [*head, *point.overrides, *given])

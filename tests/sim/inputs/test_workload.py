@@ -286,3 +286,11 @@ def test_sharegpt_rows_filtered_as_vllm_bench_serve_filters_them():
     assert set(zip(w.prompt.tolist(), w.output.tolist())) <= pairs  # (still paired)
     unfiltered = build_workload(sc())
     assert (unfiltered.prompt + unfiltered.output > 2048).any()
+
+
+def test_a_trace_error_names_the_line_the_record_ends_on(tmp_path):
+    # a quoted field may span lines: the bad row is the file's fourth line, not the third record
+    p = tmp_path / "lengths.csv"
+    p.write_text('num_prefill_tokens,num_decode_tokens\n"5\n",2\nx,3\n')
+    with pytest.raises(TraceError, match=r"lengths\.csv:4: "):
+        read_trace(p)

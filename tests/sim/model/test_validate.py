@@ -81,15 +81,25 @@ def test_metrics_without_a_quantity_or_unit_are_refused(text):
     ("vLLM 0.6.0 (--num-scheduler-steps 10)", "vllm-0.6-multistep"),
     ("vLLM 0.5.3", "vllm-0.5"),
     ("vLLM v0.6.3", "vllm-0.6"),
-    ("vLLM V1 (0.7.3, VLLM_USE_V1=1)", "vllm-v1"),
+    ("vLLM V1 (0.7.3, VLLM_USE_V1=1)", "vllm-v1-sync"),  # (no async scheduling before 0.10)
     ("vLLM 0.10.1", "vllm-v1-sync"),  # V1 before async scheduling was its default
     ("vLLM v0.11.0", "vllm-v1-sync"),  # a version, not the V0 engine
     ("vLLM 0.11.0 (V1), --async-scheduling", "vllm-v1"),
     ("vLLM 0.8.0", "vllm-v1-sync"),
     ("vLLM 0.13.2 (V1)", "vllm-v1-sync"),
     ("vLLM 0.14.1 (V1 engine)", "vllm-v1"),
+    ("vLLM 0.14.0", "vllm-v1"),
     ("vLLM 0.19.0", "vllm-v1"),
     ("vLLM V1", "vllm-v1"),
+    # async scheduling named, on or off, whatever the spelling
+    ("vLLM 0.11 --async_scheduling", "vllm-v1"),
+    ("vLLM 0.11, async scheduling on", "vllm-v1"),
+    ("vLLM 0.12 (async_scheduling=True)", "vllm-v1"),
+    ("vLLM 0.11 --async-scheduling off", "vllm-v1-sync"),
+    ("vLLM 0.12 without --async-scheduling", "vllm-v1-sync"),
+    ("vLLM 0.15 --no-async-scheduling", "vllm-v1-sync"),
+    ("vLLM 0.14 (async_scheduling=False)", "vllm-v1-sync"),
+    ("NVIDIA NIM 2.0 (vLLM 0.11)", "vllm-v1-sync"),
     ("vLLM v0.7.3", "vllm-0.6"),
     ("vLLM V0 (v0.9.2)", "vllm-0.6"),
     ("vLLM 0.9.2 V0 engine (VLLM_USE_V1=0)", "vllm-0.6"),
@@ -563,6 +573,7 @@ def test_vllm_v1_before_async_scheduling_was_its_default_schedules_in_series():
     sync, v1 = presets.ENGINES["vllm-v1-sync"], presets.ENGINES["vllm-v1"]
     assert sync["cpu_overlap"] is False and v1["cpu_overlap"] is True
     # the same kernels and API server: only the host's time and its overlap differ
+    assert set(v1) == set(sync)
     assert {k for k in v1 if v1[k] != sync[k]} == {"cpu_overlap", "cpu_base_us", "cpu_per_seq_us"}
     assert presets.scheduler_defaults("vllm-v1-sync", "h100-sxm", 80.0) == \
         presets.scheduler_defaults("vllm-v1", "h100-sxm", 80.0)
@@ -585,3 +596,24 @@ def test_vllm_v1_before_async_scheduling_was_its_default_schedules_in_series():
                            ("F7", "vllm-v1", True)):
         sc = point_scenario(pts[pid])
         assert (sc.engine.preset, sc.scheduler.async_scheduling) == (name, lag), pid
+
+
+def test_a_row_mapped_to_vllm_v1_sync_takes_its_scheduler_too(tmp_path):
+    # a scenario naming no engine: the row's engine column picks the profile, and the
+    # profile's scheduler comes with it, as it does for `--engine`
+    (tmp_path / "scenarios").mkdir()
+    (tmp_path / "scenarios" / "X.toml").write_text(
+        'name = "X"\n[model]\npreset = "llama-3.1-8b"\n[hardware]\npreset = "h100-sxm"\n'
+        "[workload]\nconcurrency = 1\nnum_requests = 4\nprompt_tokens = 100\n"
+        "output_tokens = 50\n")
+    rows = ["id,engine,metric,published,scenario",
+            "A,vLLM 0.11.0,median TPOT (ms),7.22,scenarios/X.toml",
+            "B,vLLM 0.11.0 --async-scheduling,median TPOT (ms),7.22,scenarios/X.toml",
+            "C,vLLM 0.14.1,median TPOT (ms),7.22,scenarios/X.toml"]
+    (tmp_path / "published.csv").write_text("\n".join(rows) + "\n")
+    pts = {p.id: p for p in load_points(tmp_path)}
+    got = {i: (point_scenario(p).engine.preset, point_scenario(p).scheduler.async_scheduling)
+           for i, p in pts.items()}
+    assert got == {"A": ("vllm-v1-sync", False), "B": ("vllm-v1", True), "C": ("vllm-v1", True)}
+    forced = point_scenario(pts["C"], engine="vllm-v1-sync")
+    assert (forced.engine.preset, forced.scheduler.async_scheduling) == ("vllm-v1-sync", False)
