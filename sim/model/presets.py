@@ -490,16 +490,17 @@ FP8_CONTEXT = dict(fp8_context_attention=True)
 # The current versions overlap their CPU work with the GPU: vLLM V1 (engine core apart from the
 # API server and detokenizer, async scheduling: the default from 0.14.0; V1 before it scheduled
 # in series, `vllm-v1-sync`), SGLang 0.4's overlap scheduler, TensorRT-LLM's executor.
+# vLLM V1: one step per decision, its host time overlapped, its API server in front; before
+# 0.14 the same with its host time in series (V1_SYNC_HOST, above).
+V1_FLAGS = dict(num_scheduler_steps=1, cpu_overlap=True, **V1_FRONTEND)
 DERIVED: dict[str, tuple[str, dict]] = {
     "tensorrt-llm": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVE_CHAT | FP8_CONTEXT),
     "tensorrt-llm-0.9": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_XQA_SHAPES | ONE_BLOCK_DECODE),
     "nim": ("tensorrt-llm-0.6", TRT_EXECUTOR | TRT_SERVING | NIM_FRONTEND | NIM_KERNELS),
     "tensorrt-llm-pytorch": ("tensorrt-llm-0.6", TRT_OFFLINE | TRT_SERVE_CHAT),
     "sglang": ("sglang-0.3", dict(cpu_overlap=True, **SGLANG_CHAT)),
-    "vllm-v1": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, cpu_overlap=True,
-                                           **V1_FRONTEND)),
-    "vllm-v1-sync": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, **V1_SYNC_HOST,
-                                                **V1_FRONTEND)),
+    "vllm-v1": ("vllm-0.6-multistep", V1_FLAGS),
+    "vllm-v1-sync": ("vllm-0.6-multistep", V1_FLAGS | V1_SYNC_HOST),
     # V0 without multi-step: serial CPU time, its time per sequence refitted to the vLLM team's
     # published ratios (below; sim.model.profiles.RATIOS)
     "vllm-0.6": ("vllm-0.6-multistep", dict(num_scheduler_steps=1, **NO_FRONTEND)),
@@ -536,8 +537,8 @@ SGLANG_PREFILL_TOKENS = ((35, 2048), (60, 4096), (160, 8192), (math.inf, 16384))
 def scheduler_defaults(engine: str, hardware: str, memory_gb: float) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens) that `engine` (a profile's name) takes on a GPU
     (`hardware`: its preset's name, or "" for one given by its sizes) of `memory_gb`."""
-    if engine in ("vllm-v1", "vllm-v1-sync") and memory_gb >= 70 and not hardware.startswith(
-            "a100"):
+    big = memory_gb >= 70 and not hardware.startswith("a100")
+    if engine in ("vllm-v1", "vllm-v1-sync") and big:
         return 1024, 8192
     if engine == "sglang":
         return 2048, next(tokens for below, tokens in SGLANG_PREFILL_TOKENS if memory_gb < below)
